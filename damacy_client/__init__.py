@@ -1,0 +1,1 @@
+"""The light client of damacyd (ZeroMQ requests, shared-memory batches)."""

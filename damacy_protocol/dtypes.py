@@ -1,0 +1,68 @@
+"""Output dtypes: the short names damacy accepts for batches and reads, and their numpy types.
+
+The names are plain strings so they travel in messages; :func:`numpy_dtype` maps them to
+numpy (bf16 through ml_dtypes, imported only when asked for).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from damacy_protocol.errors import InvalidArgument
+
+#: canonical name → numpy dtype name ("native": the array's own dtype)
+OUTPUT_DTYPES: dict[str, str] = {
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "f64": "float64",
+    "u8": "uint8",
+    "u16": "uint16",
+    "u32": "uint32",
+    "u64": "uint64",
+    "i8": "int8",
+    "i16": "int16",
+    "i32": "int32",
+    "i64": "int64",
+    "bool": "bool",
+    "native": "native",
+}
+_ALIASES = {v: k for k, v in OUTPUT_DTYPES.items()}
+
+
+def canonical_dtype(value: Any, field: str = "dtype") -> str:
+    """The canonical short name of an output dtype given as a name or a numpy dtype."""
+    if value is None:
+        return "native"
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in OUTPUT_DTYPES:
+            return name
+        if name in _ALIASES:
+            return _ALIASES[name]
+    else:
+        try:
+            import numpy as np
+
+            name = np.dtype(value).name.lower()
+        except TypeError:
+            name = None
+        if name in _ALIASES:
+            return _ALIASES[name]
+    choices = ", ".join(OUTPUT_DTYPES)
+    raise InvalidArgument(f"{field}: unknown dtype {value!r} (choose from {choices})")
+
+
+def numpy_dtype(name: str, native: Any = None):
+    """The numpy dtype of canonical name ``name``; ``native`` is the dtype "native" means."""
+    import numpy as np
+
+    if name == "native":
+        if native is None:
+            raise InvalidArgument("dtype 'native' needs the array's dtype")
+        return np.dtype(native).newbyteorder("=")
+    if name == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(OUTPUT_DTYPES[name])

@@ -1,0 +1,157 @@
+"""The exceptions damacy raises, shared by the engine, the daemon and the client.
+
+Every error that concerns one sample derives from :class:`SampleError` and carries the
+uri (and, where known, the sample, the file and the chunk) as attributes as well as in its
+message, so a training loop can log or skip it without parsing text. The classes hold only
+strings and tuples, so the daemon can send them to a client and the client can raise the
+same class again (see :func:`to_wire` / :func:`from_wire`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DamacyError(Exception):
+    """Base class of every damacy error."""
+
+
+class SampleError(DamacyError):
+    """An error that concerns one sample or one array; the pipeline carries on after it.
+
+    Attributes: ``uri`` (the array), ``sample`` (repr of the sample, when one is involved),
+    ``path`` (the file or object that failed), ``chunk`` (chunk coordinates) and ``reason``
+    (the cause, without the context).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        uri: str | None = None,
+        sample: Any = None,
+        path: str | None = None,
+        chunk: tuple[int, ...] | None = None,
+    ) -> None:
+        self.reason = reason
+        self.uri = uri
+        self.sample = None if sample is None else str(sample)
+        self.path = path
+        self.chunk = None if chunk is None else tuple(int(c) for c in chunk)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        parts = []
+        if self.sample is not None:
+            parts.append(f"sample {self.sample}")
+        elif self.uri is not None:
+            parts.append(self.uri)
+        if self.chunk is not None:
+            parts.append(f"chunk {list(self.chunk)}")
+        if self.path is not None and self.path != self.uri:
+            parts.append(f"file {self.path}")
+        where = ", ".join(parts)
+        return f"{where}: {self.reason}" if where else self.reason
+
+    def with_context(self, *, uri: str | None = None, sample: Any = None) -> SampleError:
+        """Fill in the uri and sample where they were unknown; returns ``self``."""
+        if self.uri is None and uri is not None:
+            self.uri = uri
+        if self.sample is None and sample is not None:
+            self.sample = str(sample)
+        self.args = (self._message(),)
+        return self
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), to_wire(self)))
+
+
+class NotFound(SampleError):
+    """The uri names no array (no zarr.json, no such file or directory)."""
+
+
+class InvalidArgument(SampleError, ValueError):
+    """A value given by the caller is wrong: a box, an index, a dtype, a config field."""
+
+
+class OutOfBounds(InvalidArgument, IndexError):
+    """A box or index lies outside the array (and the policy does not pad)."""
+
+
+class MetadataError(SampleError):
+    """The array's zarr.json is malformed or contradicts the Zarr v3 specification."""
+
+
+class UnsupportedError(SampleError):
+    """The array uses a feature damacy does not read (a data type, codec or format version)."""
+
+
+class DecodeError(SampleError):
+    """Chunk or shard bytes are corrupt: checksum mismatch, truncated data, a bad frame."""
+
+
+class StorageError(SampleError):
+    """The storage failed to deliver bytes that exist (permission, I/O error)."""
+
+
+class PipelineDrained(DamacyError):
+    """``pop()`` was called with nothing pushed, or after every pushed sample was delivered."""
+
+
+class BudgetExceeded(DamacyError):
+    """A memory budget is too small for what the configuration asks of it."""
+
+
+class DaemonUnavailable(DamacyError):
+    """The damacyd daemon cannot be reached or stopped answering."""
+
+
+class ProtocolError(DamacyError):
+    """A message broke the wire contract (malformed, unknown, or from another protocol version)."""
+
+
+_SAMPLE_ERRORS: dict[str, type[SampleError]] = {
+    cls.__name__: cls
+    for cls in (
+        SampleError,
+        NotFound,
+        InvalidArgument,
+        OutOfBounds,
+        MetadataError,
+        UnsupportedError,
+        DecodeError,
+        StorageError,
+    )
+}
+
+
+def to_wire(err: SampleError) -> dict[str, Any]:
+    """The fields of a sample error as plain data (for the wire or for pickling)."""
+    return {
+        "kind": type(err).__name__,
+        "reason": err.reason,
+        "uri": err.uri,
+        "sample": err.sample,
+        "path": err.path,
+        "chunk": None if err.chunk is None else list(err.chunk),
+    }
+
+
+def from_wire(data: dict[str, Any]) -> SampleError:
+    """Rebuild the error :func:`to_wire` described; unknown kinds become :class:`SampleError`."""
+    cls = _SAMPLE_ERRORS.get(data.get("kind", ""), SampleError)
+    chunk = data.get("chunk")
+    return cls(
+        data.get("reason", "unknown error"),
+        uri=data.get("uri"),
+        sample=data.get("sample"),
+        path=data.get("path"),
+        chunk=None if chunk is None else tuple(chunk),
+    )
+
+
+def _rebuild(cls: type[SampleError], data: dict[str, Any]) -> SampleError:
+    err = from_wire(data)
+    if type(err) is not cls:  # a subclass defined elsewhere
+        err = cls(err.reason, uri=err.uri, sample=err.sample, path=err.path, chunk=err.chunk)
+    return err

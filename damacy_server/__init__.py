@@ -1,0 +1,1 @@
+"""The damacy engine (resolve, plan, read, decode, assemble) and the damacyd daemon."""

@@ -1,0 +1,145 @@
+"""The resolve stage: uri → cached array metadata, and read units → where their bytes are.
+
+:class:`ZarrMetadata` is shared by every pipeline of a process (and every session of the
+daemon): parsed ``zarr.json`` files and shard indexes are read once and kept in bounded
+LRU caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from damacy_protocol.errors import DecodeError, InvalidArgument, SampleError
+from damacy_server.cache import LRUCache
+from damacy_server.store import Store, resolve_uri
+from damacy_server.zarr.codecs import CorruptData
+from damacy_server.zarr.codecs.sharding import EMPTY
+from damacy_server.zarr.metadata import ArrayMetadata, check_node, load_node, parse_array_metadata
+from damacy_server.zarr.ngff import multiscale_path
+
+
+class MetadataCache:
+    """Bounded caches of parsed array metadata and of shard indexes."""
+
+    def __init__(self, array_entries: int = 256, shard_index_entries: int = 8192) -> None:
+        for name, value in (("array_entries", array_entries), ("shard_index_entries", shard_index_entries)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"MetadataCache.{name} must be an integer >= 0, got {value!r}")
+        self.arrays: LRUCache[ArrayMetadata] = LRUCache(array_entries)
+        self.shard_indexes: LRUCache[np.ndarray] = LRUCache(shard_index_entries)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {"arrays": self.arrays.stats(), "shard_indexes": self.shard_indexes.stats()}
+
+
+@dataclass(frozen=True)
+class UnitLocations:
+    """Where the bytes of each of n read units are.
+
+    ``nbytes[i] == -1`` means unit i is a whole object; ``missing[i]`` means it was never
+    written (its chunk object or its shard-index entry is absent) and reads as fill value.
+    """
+
+    keys: list[str]
+    offsets: np.ndarray  # int64 (n,)
+    nbytes: np.ndarray  # int64 (n,)
+    missing: np.ndarray  # bool (n,)
+
+
+class ZarrMetadata:
+    """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``."""
+
+    def __init__(self, reader: Store | None = None, cache: MetadataCache | None = None) -> None:
+        self.reader = reader
+        self.cache = cache if cache is not None else MetadataCache()
+
+    def array(self, uri: str) -> ArrayMetadata:
+        """The metadata of the array at ``uri`` (an NGFF image resolves to its level 0)."""
+        store, root = resolve_uri(uri)
+        if self.reader is not None:
+            store = self.reader
+        cache_key = root
+        meta = self.cache.arrays.get(cache_key)
+        if meta is None:
+            meta = self._load(store, root, str(uri))
+            self.cache.arrays.put(cache_key, meta)
+        return meta
+
+    def _load(self, store: Store, root: str, uri: str) -> ArrayMetadata:
+        doc = load_node(store, root, uri)
+        if check_node(doc, uri) == "group":
+            path = multiscale_path(doc, uri)
+            if path is None:
+                raise InvalidArgument("names a Zarr group, not an array (nor an NGFF image)", uri=uri)
+            root = store.join(root, *path.split("/"))
+            doc = load_node(store, root, uri)
+        return parse_array_metadata(doc, uri=uri, store=store, root=root)
+
+    def locate(self, meta: ArrayMetadata, units: np.ndarray) -> UnitLocations:
+        """Where the read units ``units`` (n, ndim) of ``meta`` are stored; reads the shard
+        indexes it needs (each once, then from the cache)."""
+        layout = meta.layout
+        units = np.asarray(units, dtype=np.int64)
+        if units.ndim != 2 or units.shape[1] != layout.ndim:
+            raise InvalidArgument(f"units must have shape (n, {layout.ndim}), got {units.shape}", uri=meta.uri)
+        n = len(units)
+        chunk_coords = layout.chunk_coords(units)
+        key_of: dict[tuple[int, ...], str] = {}
+        keys = []
+        for c in map(tuple, chunk_coords.tolist()):
+            key = key_of.get(c)
+            if key is None:
+                key = key_of[c] = meta.chunk_key(c)
+            keys.append(key)
+        offsets = np.zeros(n, dtype=np.int64)
+        nbytes = np.full(n, -1, dtype=np.int64)
+        missing = np.zeros(n, dtype=bool)
+        if not layout.levels:
+            return UnitLocations(keys, offsets, nbytes, missing)
+
+        for depth, (level, slots) in enumerate(zip(layout.levels, layout.level_slots(units))):
+            containers: dict[tuple[str, int, int], list[int]] = {}
+            for i in np.flatnonzero(~missing).tolist():
+                containers.setdefault((keys[i], int(offsets[i]), int(nbytes[i])), []).append(i)
+            for (key, base, size), members in containers.items():
+                idx = np.asarray(members, dtype=np.int64)
+                table = self.shard_index(meta, key, base, size, depth, tuple(chunk_coords[members[0]]))
+                if table is None:
+                    missing[idx] = True
+                    continue
+                entries = table[slots[idx]]
+                empty = entries[:, 0] == EMPTY
+                missing[idx[empty]] = True
+                full = idx[~empty]
+                offsets[full] = base + entries[~empty, 0].astype(np.int64)
+                nbytes[full] = entries[~empty, 1].astype(np.int64)
+        return UnitLocations(keys, offsets, nbytes, missing)
+
+    def shard_index(
+        self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The index table of the shard at ``key`` bytes [base, base+size) (size -1: the whole
+        object), or ``None`` when the shard object does not exist."""
+        cache_key = (key, base, depth)
+        table = self.cache.shard_indexes.get(cache_key)
+        if table is not None:
+            return table
+        level = meta.layout.levels[depth]
+        start, length = level.index_range()
+        try:
+            if size >= 0:
+                if size < length:
+                    raise CorruptData(f"truncated shard: {size} bytes cannot hold its {length}-byte index")
+                start = base + (start if start >= 0 else size - length)
+            data = meta.store.read_range(key, start, length)
+            if data is None:
+                return None
+            table = level.parse_index(data)
+        except CorruptData as e:
+            raise DecodeError(f"shard index: {e}", uri=meta.uri, path=key, chunk=chunk) from e
+        except SampleError as e:
+            raise e.with_context(uri=meta.uri)
+        self.cache.shard_indexes.put(cache_key, table)
+        return table

@@ -1,0 +1,43 @@
+"""The interface every storage backend implements: whole objects, byte ranges, sizes.
+
+Keys are backend paths (for local files: absolute file paths). A missing object is not an
+error at this level: reads return ``None`` so the format layer can read it as fill value.
+Everything else that goes wrong raises :class:`damacy_protocol.StorageError` naming the key.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+#: (offset, length) of a byte range; a negative offset selects the last ``-offset`` bytes.
+ByteRange = tuple[int, int]
+
+
+class Store(ABC):
+    """Synchronous access to one storage backend; safe to call from many threads at once."""
+
+    @abstractmethod
+    def read(self, key: str) -> bytes | None:
+        """The whole object, or ``None`` when it does not exist."""
+
+    @abstractmethod
+    def read_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes] | None:
+        """The given byte ranges of one object (each possibly short at the object's end),
+        or ``None`` when the object does not exist."""
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """One byte range; see :meth:`read_ranges`."""
+        got = self.read_ranges(key, [(offset, length)])
+        return None if got is None else got[0]
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes, or ``None`` when it does not exist."""
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    @abstractmethod
+    def join(self, base: str, *parts: str) -> str:
+        """The key of ``parts`` below ``base``."""

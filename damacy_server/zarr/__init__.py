@@ -1,0 +1,1 @@
+"""The Zarr v3 format: metadata, data types, chunk keys, codecs, shard layout, NGFF."""

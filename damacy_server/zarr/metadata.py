@@ -1,0 +1,160 @@
+"""Zarr v3 array metadata: ``zarr.json`` parsed and checked into an :class:`ArrayMetadata`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import InvalidArgument, MetadataError, NotFound, UnsupportedError
+from damacy_server.store import Store
+from damacy_server.zarr.chunk_keys import ChunkKeyEncoding, parse_chunk_key_encoding
+from damacy_server.zarr.codecs import ChunkSpec, CodecChain, build_chain
+from damacy_server.zarr.dtypes import parse_data_type, parse_fill_value
+from damacy_server.zarr.layout import ChunkLayout
+
+_ARRAY_KEYS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "storage_transformers",
+    "dimension_names",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayMetadata:
+    """Everything needed to read an array, checked once when it is loaded."""
+
+    uri: str
+    store: Store
+    root: str  # the store key of the array's folder
+    shape: tuple[int, ...]
+    dtype: np.dtype  # native byte order
+    chunk_shape: tuple[int, ...]
+    fill_value: np.generic
+    chunk_key_encoding: ChunkKeyEncoding
+    codecs: CodecChain
+    dimension_names: tuple[str | None, ...] | None
+    attributes: dict[str, Any] = field(repr=False)
+    layout: ChunkLayout = field(repr=False)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def chunk_key(self, coords: tuple[int, ...]) -> str:
+        """The store key of the chunk (or shard) object at grid ``coords``."""
+        return self.store.join(self.root, self.chunk_key_encoding.key(coords))
+
+
+def decode_json(data: bytes, uri: str, what: str = "zarr.json") -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except UnicodeDecodeError as e:
+        raise MetadataError(f"{what} is not UTF-8 text: {e}", uri=uri) from e
+    except json.JSONDecodeError as e:
+        raise MetadataError(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", uri=uri) from e
+    if not isinstance(doc, dict):
+        raise MetadataError(f"{what} must hold a JSON object, found {type(doc).__name__}", uri=uri)
+    return doc
+
+
+def load_node(store: Store, root: str, uri: str) -> dict[str, Any]:
+    """The parsed ``zarr.json`` at ``root``; a clear error when there is none."""
+    data = store.read(store.join(root, "zarr.json"))
+    if data is not None:
+        return decode_json(data, uri)
+    if store.exists(store.join(root, ".zarray")) or store.exists(store.join(root, ".zgroup")):
+        raise UnsupportedError("Zarr v2 data (.zarray/.zgroup, no zarr.json); damacy reads Zarr v3", uri=uri)
+    raise NotFound("no Zarr v3 array here (zarr.json not found)", uri=uri)
+
+
+def check_node(doc: dict[str, Any], uri: str) -> str:
+    """The node type of a ``zarr.json`` document of format 3."""
+    fmt = doc.get("zarr_format")
+    if fmt != 3:
+        if fmt == 2:
+            raise UnsupportedError("zarr_format 2; damacy reads Zarr v3", uri=uri)
+        raise MetadataError(f"zarr_format must be 3, got {fmt!r}", uri=uri)
+    node_type = doc.get("node_type")
+    if node_type not in ("array", "group"):
+        raise MetadataError(f"node_type must be 'array' or 'group', got {node_type!r}", uri=uri)
+    return node_type
+
+
+def parse_array_metadata(doc: dict[str, Any], *, uri: str, store: Store, root: str) -> ArrayMetadata:
+    if check_node(doc, uri) != "array":
+        raise InvalidArgument("names a Zarr group, not an array", uri=uri)
+    for key, value in doc.items():
+        if key not in _ARRAY_KEYS and not (isinstance(value, dict) and value.get("must_understand") is False):
+            raise UnsupportedError(f"zarr.json field {key!r} is not understood (and not marked must_understand: false)", uri=uri)
+    for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
+        if key not in doc:
+            raise MetadataError(f"zarr.json has no {key!r}", uri=uri)
+
+    shape = _int_tuple(doc["shape"], "shape", uri, minimum=0)
+    dtype = parse_data_type(doc["data_type"], uri)
+    chunk_shape = _parse_chunk_grid(doc["chunk_grid"], len(shape), uri)
+    fill_value = parse_fill_value(doc["fill_value"], dtype, uri)
+    encoding = parse_chunk_key_encoding(doc["chunk_key_encoding"], uri)
+    transformers = doc.get("storage_transformers") or []
+    if transformers:
+        names = [t.get("name") if isinstance(t, dict) else t for t in transformers]
+        raise UnsupportedError(f"storage transformers {names} are not supported", uri=uri)
+    codecs = build_chain(doc["codecs"], ChunkSpec(chunk_shape, dtype, fill_value), uri)
+    names = doc.get("dimension_names")
+    if names is not None:
+        if not isinstance(names, list) or len(names) != len(shape) or not all(
+            n is None or isinstance(n, str) for n in names
+        ):
+            raise MetadataError(f"dimension_names {names!r} must list {len(shape)} strings or nulls", uri=uri)
+        names = tuple(names)
+    attributes = doc.get("attributes") or {}
+    if not isinstance(attributes, dict):
+        raise MetadataError("attributes must be an object", uri=uri)
+    return ArrayMetadata(
+        uri=uri,
+        store=store,
+        root=root,
+        shape=shape,
+        dtype=dtype,
+        chunk_shape=chunk_shape,
+        fill_value=fill_value,
+        chunk_key_encoding=encoding,
+        codecs=codecs,
+        dimension_names=names,
+        attributes=attributes,
+        layout=ChunkLayout.build(shape, chunk_shape, codecs),
+    )
+
+
+def _parse_chunk_grid(grid: Any, ndim: int, uri: str) -> tuple[int, ...]:
+    if not isinstance(grid, dict):
+        raise MetadataError(f"chunk_grid must be an object, got {grid!r}", uri=uri)
+    name = grid.get("name")
+    if name != "regular":
+        raise UnsupportedError(f"chunk grid {name!r} is not supported (regular is)", uri=uri)
+    config = grid.get("configuration")
+    if not isinstance(config, dict) or "chunk_shape" not in config:
+        raise MetadataError("regular chunk_grid needs configuration.chunk_shape", uri=uri)
+    chunks = _int_tuple(config["chunk_shape"], "chunk_grid.configuration.chunk_shape", uri, minimum=1)
+    if len(chunks) != ndim:
+        raise MetadataError(f"chunk_shape {list(chunks)} has {len(chunks)} axes, shape has {ndim}", uri=uri)
+    return chunks
+
+
+def _int_tuple(value: Any, what: str, uri: str, minimum: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+    ):
+        raise MetadataError(f"{what} must be a list of integers >= {minimum}, got {value!r}", uri=uri)
+    return tuple(value)

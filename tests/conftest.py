@@ -1,0 +1,104 @@
+"""Shared test helpers: arrays written by zarr-python, the independent oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BytesCodec
+
+DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+]
+
+
+def random_data(shape, dtype, seed=0) -> np.ndarray:
+    """Values that exercise the whole range of ``dtype`` (NaN and infinities for floats)."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    data = (rng.standard_normal(shape) * 1000).astype(dtype)
+    flat = data.reshape(-1)
+    if flat.size >= 8:
+        flat[[1, 3, 5]] = [np.nan, np.inf, -np.inf]
+    return data
+
+
+def write_array(
+    path: Path | str,
+    data: np.ndarray,
+    *,
+    chunks,
+    shards=None,
+    filters=(),
+    serializer=None,
+    compressors=(),
+    fill_value=None,
+    chunk_key_encoding=None,
+    write=True,
+) -> zarr.Array:
+    """Write ``data`` with zarr-python and return the zarr array (the oracle)."""
+    kwargs = {}
+    if chunk_key_encoding is not None:
+        kwargs["chunk_key_encoding"] = chunk_key_encoding
+    arr = zarr.create_array(
+        str(path),
+        shape=data.shape,
+        dtype=data.dtype,
+        chunks=chunks,
+        shards=shards,
+        filters=list(filters),
+        serializer=serializer or BytesCodec(endian="little"),
+        compressors=list(compressors),
+        fill_value=fill_value if fill_value is not None else np.zeros((), data.dtype)[()],
+        **kwargs,
+    )
+    if write:
+        arr[...] = data
+    return arr
+
+
+def edit_metadata(path: Path | str, **changes) -> dict:
+    """Rewrite fields of an array's zarr.json (for metadata forms zarr-python does not write)."""
+    meta_path = Path(path) / "zarr.json"
+    doc = json.loads(meta_path.read_text())
+    doc.update(changes)
+    meta_path.write_text(json.dumps(doc))
+    return doc
+
+
+def assert_same(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert got.dtype == expected.dtype.newbyteorder("="), (got.dtype, expected.dtype)
+    if got.dtype.kind == "f":
+        np.testing.assert_array_equal(got, expected)  # NaN == NaN here
+    else:
+        assert np.array_equal(got, expected)
+
+
+@pytest.fixture(scope="session")
+def conformance_dir() -> Path:
+    import os
+
+    root = Path(os.environ.get("DAMACY_CONFORMANCE", Path(__file__).resolve().parents[2] / "shared" / "conformance"))
+    if not (root / "EXPECTED.json").is_file():
+        pytest.skip(f"conformance corpus not found at {root} (set DAMACY_CONFORMANCE to its folder)")
+    return root

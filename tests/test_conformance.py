@@ -1,0 +1,90 @@
+"""The conformance corpus: real Zarr v3 stores by other writers, with expected values.
+
+For every store damacy must return exactly the expected values or refuse with an
+:class:`damacy.UnsupportedError` that names the unsupported feature.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import damacy
+
+#: features damacy refuses on purpose, and the words its error must contain for each
+REFUSED = [
+    (re.compile(r"^complex"), "complex"),
+    (re.compile(r"^string$"), "string"),
+]
+
+
+def _manifest(root):
+    return json.loads((root / "EXPECTED.json").read_text())
+
+
+def _expected_refusal(entry) -> str | None:
+    """The word a refusal must contain, or None when damacy must read the store."""
+    for pattern, word in REFUSED:
+        if pattern.match(str(entry["data_type"])):
+            return word
+    m = re.search(r"numcodecs\.(\w+)", entry["codecs"])
+    if m:
+        return f"numcodecs.{m.group(1)}"
+    return None
+
+
+def test_conformance_corpus(conformance_dir):
+    manifest = _manifest(conformance_dir)
+    matched, refused, failures = [], [], []
+    for store, entry in sorted(manifest.items()):
+        uri = str(conformance_dir / store)
+        must_refuse = _expected_refusal(entry)
+        try:
+            if entry.get("expected_file") is None:
+                # metadata-only arrays: every element is the fill value
+                got = damacy.read(uri, tuple(slice(0, min(s, 64)) for s in entry["shape"]))
+                fill = np.nan if entry["fill_value"] == "NaN" else entry["fill_value"]
+                expected = np.full(got.shape, fill, dtype=got.dtype)
+            else:
+                got = damacy.read(uri)
+                expected = np.load(conformance_dir / entry["expected_file"], allow_pickle=False)
+        except damacy.UnsupportedError as e:
+            if must_refuse is not None and must_refuse in str(e):
+                refused.append(store)
+            else:
+                failures.append(f"{store}: refused unexpectedly: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - collect every failure, report them together
+            failures.append(f"{store}: {type(e).__name__}: {e}")
+            continue
+        if must_refuse is not None:
+            failures.append(f"{store}: read although it uses {must_refuse}")
+            continue
+        tol = entry.get("tolerance")
+        ok = got.shape == expected.shape and got.dtype == expected.dtype
+        if ok:
+            if tol is not None:
+                ok = bool(np.allclose(got, expected, atol=float(tol), equal_nan=True))
+            elif got.dtype.kind == "f":
+                ok = bool(np.array_equal(got, expected, equal_nan=True))
+            else:
+                ok = bool(np.array_equal(got, expected))
+        if ok:
+            matched.append(store)
+        else:
+            failures.append(f"{store}: values differ (got {got.dtype}{got.shape}, expected {expected.dtype}{expected.shape})")
+    print(f"\nconformance: {len(matched)} match, {len(refused)} refused clearly, {len(failures)} fail, of {len(manifest)}")
+    assert not failures, "\n".join(failures)
+    assert len(matched) + len(refused) == len(manifest)
+
+
+def test_ngff_image_resolves_to_level_zero(conformance_dir):
+    image = conformance_dir / "neuroglancer/testdata/datasource/zarr/ome_zarr/simple_0.5"
+    if not image.is_dir():
+        pytest.skip("the NGFF example is not in this corpus")
+    assert np.array_equal(damacy.read(str(image)), np.arange(100, dtype="uint16").reshape(10, 10))
+    level1 = damacy.read(str(image / "scale1" / "image"))
+    assert level1.shape == (5, 5)

@@ -1,0 +1,244 @@
+"""Bad input: each case is a precise damacy error naming the uri (and file and chunk)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import zarr
+from conftest import edit_metadata, random_data, write_array
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
+
+import damacy
+
+LE = BytesCodec(endian="little")
+
+
+def raises(cls, uri, *words):
+    """Check the error class, that the uri is named and that every word is in the message."""
+
+    class Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(cls)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            err = self.info.value
+            assert type(err).__module__.startswith("damacy"), type(err)
+            assert isinstance(err, damacy.SampleError)
+            assert str(uri) in str(err), str(err)
+            for w in words:
+                assert w in str(err), (w, str(err))
+            return handled
+
+    return Check()
+
+
+def sharded(tmp_path, location="end", name="s"):
+    data = random_data((8, 8), "uint16", seed=1)
+    serializer = ShardingCodec(
+        chunk_shape=(4, 4), codecs=[LE, ZstdCodec(level=1)], index_codecs=[LE, Crc32cCodec()], index_location=location
+    )
+    write_array(tmp_path / name, data, chunks=(8, 8), serializer=serializer)
+    return tmp_path / name, data
+
+
+def test_missing_uri(tmp_path):
+    with raises(damacy.NotFound, tmp_path / "nope", "zarr.json not found"):
+        damacy.read(tmp_path / "nope")
+
+
+def test_directory_without_metadata(tmp_path):
+    (tmp_path / "d").mkdir()
+    with raises(damacy.NotFound, tmp_path / "d"):
+        damacy.read(tmp_path / "d")
+
+
+def test_group_is_not_an_array(tmp_path):
+    zarr.open_group(str(tmp_path / "g"), mode="w")
+    with raises(damacy.InvalidArgument, tmp_path / "g", "group, not an array"):
+        damacy.read(tmp_path / "g")
+
+
+def test_malformed_json(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "array", ')
+    with raises(damacy.MetadataError, tmp_path / "m", "not valid JSON", "line 1"):
+        damacy.read(tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    "field,value,cls,words",
+    [
+        ("shape", [4, -1], damacy.MetadataError, ["shape"]),
+        ("data_type", "complex128", damacy.UnsupportedError, ["complex128"]),
+        ("data_type", "r16", damacy.UnsupportedError, ["r16"]),
+        ("data_type", {"name": "bfloat16"}, damacy.UnsupportedError, ["bfloat16"]),
+        ("fill_value", "banana", damacy.MetadataError, ["fill_value", "banana"]),
+        ("fill_value", 70000, damacy.MetadataError, ["fill_value", "out of range"]),
+        ("codecs", [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "lzma"}], damacy.UnsupportedError, ["'lzma'"]),
+        ("codecs", [{"name": "zstd"}], damacy.MetadataError, ["zstd", "before the array-to-bytes"]),
+        ("codecs", [{"name": "bytes"}], damacy.MetadataError, ["endian"]),
+        ("chunk_grid", {"name": "rectilinear", "configuration": {}}, damacy.UnsupportedError, ["rectilinear"]),
+        ("chunk_key_encoding", {"name": "v2", "configuration": {"separator": "-"}}, damacy.MetadataError, ["separator"]),
+        ("storage_transformers", [{"name": "chunk-manifest"}], damacy.UnsupportedError, ["chunk-manifest"]),
+        ("unknown_extension", {"must_understand": True}, damacy.UnsupportedError, ["unknown_extension"]),
+        ("zarr_format", 4, damacy.MetadataError, ["zarr_format"]),
+    ],
+)
+def test_bad_metadata_fields(tmp_path, field, value, cls, words):
+    write_array(tmp_path / "a", np.zeros((4, 4), "u2"), chunks=(2, 2))
+    edit_metadata(tmp_path / "a", **{field: value})
+    with raises(cls, tmp_path / "a", *words):
+        damacy.read(tmp_path / "a")
+
+
+def test_ignorable_extension_field_is_ignored(tmp_path):
+    write_array(tmp_path / "a", np.ones((4, 4), "u2"), chunks=(2, 2))
+    edit_metadata(tmp_path / "a", some_extension={"must_understand": False, "x": 1})
+    assert damacy.read(tmp_path / "a").sum() == 16
+
+
+def test_zarr_v2_is_refused(tmp_path):
+    arr = zarr.create_array(str(tmp_path / "v2"), shape=(4,), chunks=(2,), dtype="i4", zarr_format=2)
+    arr[:] = 1
+    with raises(damacy.UnsupportedError, tmp_path / "v2", "Zarr v2"):
+        damacy.read(tmp_path / "v2")
+
+
+def test_truncated_shard(tmp_path):
+    path, _ = sharded(tmp_path, location="start")
+    shard = path / "c" / "0" / "0"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[: len(raw) - 10])  # the last inner chunk loses its tail
+    with raises(damacy.DecodeError, path, str(shard), "truncated", "chunk [1, 1]"):
+        damacy.read(path)
+    # the chunks that are intact still read
+    assert damacy.read(path, np.s_[0:4, 0:4]).shape == (4, 4)
+
+
+def test_shard_shorter_than_its_index(tmp_path):
+    path, _ = sharded(tmp_path)
+    shard = path / "c" / "0" / "0"
+    shard.write_bytes(b"\x00" * 7)
+    with raises(damacy.DecodeError, path, str(shard), "shard index"):
+        damacy.read(path)
+
+
+def test_corrupt_shard_index_checksum(tmp_path):
+    path, _ = sharded(tmp_path)
+    shard = path / "c" / "0" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 0xFF  # inside the index (at the end), before its checksum
+    shard.write_bytes(bytes(raw))
+    with raises(damacy.DecodeError, path, str(shard), "crc32c checksum mismatch"):
+        damacy.read(path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad-magic"])
+def test_corrupt_zstd_frame(tmp_path, damage):
+    data = np.arange(32 * 32, dtype="float32").reshape(32, 32)
+    write_array(tmp_path / "z", data, chunks=(16, 16), compressors=[ZstdCodec(level=3)])
+    chunk = tmp_path / "z" / "c" / "1" / "0"
+    raw = chunk.read_bytes()
+    chunk.write_bytes(raw[: len(raw) // 2] if damage == "truncated" else b"\x00\x01" + raw[2:])
+    with raises(damacy.DecodeError, tmp_path / "z", str(chunk), "zstd", "chunk [1, 0]"):
+        damacy.read(tmp_path / "z")
+    assert np.array_equal(damacy.read(tmp_path / "z", np.s_[0:16]), data[0:16])
+
+
+def test_zstd_checksum_mismatch(tmp_path):
+    data = np.arange(32 * 32, dtype="float32").reshape(32, 32)
+    write_array(tmp_path / "z", data, chunks=(16, 16), compressors=[ZstdCodec(level=3, checksum=True)])
+    chunk = tmp_path / "z" / "c" / "0" / "1"
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0x55  # the frame's content checksum
+    chunk.write_bytes(bytes(raw))
+    with raises(damacy.DecodeError, tmp_path / "z", str(chunk), "zstd"):
+        damacy.read(tmp_path / "z")
+
+
+def test_corrupt_array_crc32c(tmp_path):
+    write_array(tmp_path / "c", np.arange(16, dtype="i4").reshape(4, 4), chunks=(2, 2), compressors=[Crc32cCodec()])
+    chunk = tmp_path / "c" / "c" / "0" / "1"
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 1
+    chunk.write_bytes(bytes(raw))
+    with raises(damacy.DecodeError, tmp_path / "c", "crc32c checksum mismatch", "chunk [0, 1]"):
+        damacy.read(tmp_path / "c")
+
+
+def test_chunk_of_wrong_size(tmp_path):
+    write_array(tmp_path / "w", np.arange(16, dtype="i4").reshape(4, 4), chunks=(2, 2))
+    chunk = tmp_path / "w" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-4])
+    with raises(damacy.DecodeError, tmp_path / "w", "12 bytes, expected 16"):
+        damacy.read(tmp_path / "w")
+
+
+@pytest.mark.parametrize(
+    "selection,cls,words",
+    [
+        (np.s_[0:9, 0:2], damacy.OutOfBounds, ["axis 0", "size 8"]),
+        (((0, 2), (3, 9)), damacy.OutOfBounds, ["axis 1", "(3, 9)"]),
+        (([0, 8], slice(None)), damacy.OutOfBounds, ["index 8"]),
+        (([0, -9], slice(None)), damacy.OutOfBounds, ["index -9"]),
+        ((0, 0, 0), damacy.InvalidArgument, ["3 axes", "has 2"]),
+        (np.s_[::-1], damacy.InvalidArgument, ["step"]),
+        (("a", 1), damacy.InvalidArgument, ["axis 0"]),
+        (([[1, 2]], 0), damacy.InvalidArgument, ["flat list"]),
+    ],
+)
+def test_bad_selection(tmp_path, selection, cls, words):
+    write_array(tmp_path / "b", np.zeros((8, 8), "u1"), chunks=(4, 4))
+    with raises(cls, tmp_path / "b", *words):
+        damacy.read(tmp_path / "b", selection)
+
+
+def test_bad_dtype(tmp_path):
+    write_array(tmp_path / "b", np.zeros((8, 8), "u1"), chunks=(4, 4))
+    with pytest.raises(damacy.InvalidArgument, match="unknown dtype 'f128'"):
+        damacy.read(tmp_path / "b", dtype="f128")
+
+
+def test_unsupported_scheme():
+    with raises(damacy.UnsupportedError, "s3://bucket/a.zarr", "'s3'"):
+        damacy.read("s3://bucket/a.zarr")
+
+
+def test_unreadable_chunk_is_a_storage_error(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads files whatever their mode")
+    write_array(tmp_path / "p", np.ones((4, 4), "u1"), chunks=(2, 2))
+    chunk = tmp_path / "p" / "c" / "0" / "0"
+    chunk.chmod(0)
+    with raises(damacy.StorageError, tmp_path / "p", str(chunk)):
+        damacy.read(tmp_path / "p")
+
+
+def test_errors_survive_pickling(tmp_path):
+    import pickle
+
+    try:
+        damacy.read(tmp_path / "nope")
+    except damacy.NotFound as e:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is damacy.NotFound and str(back) == str(e) and back.uri == e.uri
+    doc = json.dumps({"kind": "DecodeError", "reason": "x", "chunk": [1, 2]})
+    from damacy_protocol.errors import from_wire
+
+    err = from_wire(json.loads(doc))
+    assert isinstance(err, damacy.DecodeError) and err.chunk == (1, 2)
+
+
+def test_chunk_that_cannot_be_read_is_a_storage_error(tmp_path):
+    write_array(tmp_path / "p", np.ones((4, 4), "u1"), chunks=(2, 2))
+    chunk = tmp_path / "p" / "c" / "0" / "0"
+    chunk.unlink()
+    chunk.mkdir()  # a directory where the chunk file should be: reading it fails (EISDIR)
+    with raises(damacy.StorageError, tmp_path / "p", str(chunk)):
+        damacy.read(tmp_path / "p")

@@ -1,0 +1,88 @@
+"""Random boxes and index selections (hypothesis) against zarr-python, element for element."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_same, random_data, write_array
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, TransposeCodec, ZstdCodec
+
+import damacy
+
+SHAPE = (23, 31, 17)
+LE = BytesCodec(endian="little")
+
+LAYOUTS = {
+    "chunked-zstd": dict(chunks=(5, 7, 4), compressors=[ZstdCodec(level=1)]),
+    "chunked-transpose-blosc": dict(
+        chunks=(6, 8, 5), filters=[TransposeCodec(order=(1, 2, 0))], compressors=[BloscCodec(cname="lz4", shuffle="bitshuffle", typesize=4)]
+    ),
+    "sharded-start": dict(
+        chunks=(10, 16, 8),
+        serializer=ShardingCodec(chunk_shape=(5, 4, 4), codecs=[LE, GzipCodec(level=1)], index_codecs=[LE, Crc32cCodec()], index_location="start"),
+    ),
+    "sharded-nested": dict(
+        chunks=(12, 16, 8),
+        serializer=ShardingCodec(
+            chunk_shape=(6, 8, 8),
+            codecs=[ShardingCodec(chunk_shape=(3, 4, 2), codecs=[LE, ZstdCodec(level=1)])],
+            index_codecs=[LE, Crc32cCodec()],
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    root = tmp_path_factory.mktemp("random")
+    out = {}
+    for i, (name, kwargs) in enumerate(LAYOUTS.items()):
+        data = random_data(SHAPE, "float32", seed=i)
+        oracle = write_array(root / name, data, **kwargs)
+        out[name] = (str(root / name), oracle)
+    return out
+
+
+@st.composite
+def boxes(draw):
+    box = []
+    for n in SHAPE:
+        start = draw(st.integers(0, n))
+        stop = draw(st.integers(start, n))
+        box.append((start, stop))
+    return tuple(box)
+
+
+@st.composite
+def index_selections(draw):
+    sel = []
+    for n in SHAPE:
+        kind = draw(st.sampled_from(["list", "slice", "step"]))
+        if kind == "list":
+            sel.append(draw(st.lists(st.integers(-n, n - 1), min_size=0, max_size=12)))
+        elif kind == "slice":
+            start = draw(st.integers(0, n))
+            sel.append(slice(start, draw(st.integers(start, n))))
+        else:
+            sel.append(slice(draw(st.integers(0, n - 1)), None, draw(st.integers(2, 5))))
+    return tuple(sel)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(box=boxes())
+def test_random_boxes(arrays, layout, box):
+    uri, oracle = arrays[layout]
+    assert_same(damacy.read(uri, box), oracle[tuple(slice(a, b) for a, b in box)])
+
+
+@pytest.mark.parametrize("layout", ["chunked-zstd", "sharded-nested"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sel=index_selections())
+def test_random_index_selections(arrays, layout, sel):
+    uri, oracle = arrays[layout]
+    # zarr-python's orthogonal indexing, with the same indices spelled out per axis
+    expected = oracle.oindex[tuple(np.arange(n)[s] for n, s in zip(SHAPE, sel))]
+    assert_same(damacy.read(uri, sel), expected)
