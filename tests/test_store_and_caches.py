@@ -1,0 +1,88 @@
+"""The store reads only what a request needs; metadata and shard indexes are cached."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from conftest import random_data, write_array
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
+
+import damacy
+from damacy_server.cache import LRUCache
+from damacy_server.store import FileStore
+
+LE = BytesCodec(endian="little")
+
+
+class CountingStore(FileStore):
+    """A file store that records every read."""
+
+    def __init__(self):
+        self.whole: list[str] = []
+        self.ranges: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def read(self, key):
+        with self._lock:
+            self.whole.append(key)
+        return super().read(key)
+
+    def read_ranges(self, key, ranges):
+        with self._lock:
+            self.ranges.extend((key, o, n) for o, n in ranges)
+        return super().read_ranges(key, ranges)
+
+
+def test_shards_are_read_by_range_and_indexes_once(tmp_path):
+    data = random_data((16, 16), "uint16", seed=1)
+    serializer = ShardingCodec(chunk_shape=(4, 4), codecs=[LE, ZstdCodec(level=1)], index_codecs=[LE, Crc32cCodec()])
+    write_array(tmp_path / "s", data, chunks=(16, 16), serializer=serializer)
+    store = CountingStore()
+    md = damacy.ZarrMetadata(reader=store, cache=damacy.MetadataCache(array_entries=4, shard_index_entries=16))
+
+    got = damacy.read(tmp_path / "s", np.s_[0:4, 4:8], metadata=md)
+    assert np.array_equal(got, data[0:4, 4:8])
+    shard = str(tmp_path / "s" / "c" / "0" / "0")
+    assert store.whole == [str(tmp_path / "s" / "zarr.json")]  # never the whole shard
+    index_reads = [r for r in store.ranges if r[1] < 0]
+    chunk_reads = [r for r in store.ranges if r[1] >= 0]
+    assert index_reads == [(shard, -(16 * 16 + 4), 16 * 16 + 4)]  # 16 entries of 16 bytes + crc
+    assert len(chunk_reads) == 1 and chunk_reads[0][0] == shard
+
+    damacy.read(tmp_path / "s", np.s_[8:16, 0:4], metadata=md)
+    assert len([r for r in store.ranges if r[1] < 0]) == 1  # the index came from the cache
+    stats = md.cache.stats()
+    assert stats["arrays"]["hits"] == 1 and stats["arrays"]["misses"] == 1
+    assert stats["shard_indexes"]["hits"] >= 1 and stats["shard_indexes"]["misses"] == 1
+
+
+def test_lru_bounds_and_counters():
+    c = LRUCache(2)
+    c.put("a", 1)
+    c.put("b", 2)
+    assert c.get("a") == 1
+    c.put("c", 3)  # evicts b, the least recently used
+    assert c.get("b") is None and c.get("a") == 1 and c.get("c") == 3
+    assert c.stats() == {"entries": 2, "bytes": 0, "hits": 3, "misses": 1, "evictions": 1}
+
+    b = LRUCache(max_bytes=10, sizeof=len)
+    b.put("x", b"123456")
+    b.put("y", b"12345")
+    assert b.get("x") is None and len(b) == 1 and b.nbytes == 5
+    b.put("big", b"x" * 11)  # larger than the whole budget: not kept
+    assert b.get("big") is None and b.get("y") == b"12345"
+
+    off = LRUCache(0)
+    off.put("a", 1)
+    assert off.get("a") is None and len(off) == 0
+
+
+def test_file_store_ranges(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(bytes(range(100)))
+    s = FileStore()
+    assert s.read_ranges(str(f), [(0, 3), (-2, 2), (98, 10)]) == [b"\x00\x01\x02", b"\x62\x63", b"\x62\x63"]
+    assert s.size(str(f)) == 100 and s.exists(str(f))
+    assert s.read(str(tmp_path / "missing")) is None and s.read_range(str(tmp_path / "missing"), 0, 1) is None
+    assert s.size(str(tmp_path / "missing")) is None
