@@ -61,6 +61,7 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
     if parts:
         units = np.array([p[0] for p in parts], dtype=np.int64).reshape(len(parts), meta.ndim)
         locs = md.locate(meta, units)
+        locs.raise_first()
 
         def work(i: int) -> None:
             unit, dst, src = parts[i]

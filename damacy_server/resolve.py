@@ -46,6 +46,11 @@ class UnitLocations:
     offsets: np.ndarray  # int64 (n,)
     nbytes: np.ndarray  # int64 (n,)
     missing: np.ndarray  # bool (n,)
+    errors: dict[int, SampleError]  # units whose shard index could not be read
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[min(self.errors)]
 
 
 class ZarrMetadata:
@@ -96,8 +101,9 @@ class ZarrMetadata:
         offsets = np.zeros(n, dtype=np.int64)
         nbytes = np.full(n, -1, dtype=np.int64)
         missing = np.zeros(n, dtype=bool)
+        errors: dict[int, SampleError] = {}
         if not layout.levels:
-            return UnitLocations(keys, offsets, nbytes, missing)
+            return UnitLocations(keys, offsets, nbytes, missing, errors)
 
         for depth, (level, slots) in enumerate(zip(layout.levels, layout.level_slots(units))):
             containers: dict[tuple[str, int, int], list[int]] = {}
@@ -105,7 +111,12 @@ class ZarrMetadata:
                 containers.setdefault((keys[i], int(offsets[i]), int(nbytes[i])), []).append(i)
             for (key, base, size), members in containers.items():
                 idx = np.asarray(members, dtype=np.int64)
-                table = self.shard_index(meta, key, base, size, depth, tuple(chunk_coords[members[0]]))
+                try:
+                    table = self.shard_index(meta, key, base, size, depth, tuple(chunk_coords[members[0]].tolist()))
+                except SampleError as e:
+                    errors.update((i, e) for i in members)
+                    missing[idx] = True  # nothing more to read for them
+                    continue
                 if table is None:
                     missing[idx] = True
                     continue
@@ -115,7 +126,7 @@ class ZarrMetadata:
                 full = idx[~empty]
                 offsets[full] = base + entries[~empty, 0].astype(np.int64)
                 nbytes[full] = entries[~empty, 1].astype(np.int64)
-        return UnitLocations(keys, offsets, nbytes, missing)
+        return UnitLocations(keys, offsets, nbytes, missing, errors)
 
     def shard_index(
         self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...]

@@ -88,3 +88,29 @@ def _pread_exact(fd: int, length: int, offset: int) -> bytes:
         chunks.append(more)
         got += len(more)
     return b"".join(chunks)
+
+
+class FileMetadataReader(FileStore):
+    """The store used for ``zarr.json`` files and shard indexes; ``concurrency`` bounds how
+    many of those reads run at once while planning."""
+
+    def __init__(self, concurrency: int = 64) -> None:
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            from damacy_protocol.errors import InvalidArgument
+
+            raise InvalidArgument(f"FileMetadataReader.concurrency must be an integer >= 1, got {concurrency!r}")
+        self.concurrency = concurrency
+
+
+class FileReader(FileStore):
+    """The store used for chunk data: ``workers`` threads issue positional reads (the GIL is
+    released while they wait) with at most ``max_inflight_reads`` queued at once."""
+
+    def __init__(self, workers: int = 8, max_inflight_reads: int = 4096) -> None:
+        from damacy_protocol.errors import InvalidArgument
+
+        for name, v in (("workers", workers), ("max_inflight_reads", max_inflight_reads)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgument(f"FileReader.{name} must be an integer >= 1, got {v!r}")
+        self.workers = workers
+        self.max_inflight_reads = max_inflight_reads

@@ -1,0 +1,299 @@
+"""The CPU executor: runs a batch plan — read, decode, assemble — into a batch slot.
+
+Reads run on the reader's I/O threads, decodes and copies on ``decode_workers`` threads;
+positional reads, the codec libraries (zstandard, blosc2, zlib) and numpy's copy-with-cast
+all release the GIL, so the stages overlap across cores. Memory for chunk data in flight is
+reserved before each read and returned as its units are assembled, so slots plus chunk data
+never exceed ``max_memory_bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import BudgetExceeded, InvalidArgument, SampleError
+from damacy_server.decode import check_length, decode_unit
+from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
+from damacy_server.store.file import FileReader
+from damacy_server.workers import WorkerPool
+
+#: the least memory for chunk data in flight that a budget must leave beside the slots
+MIN_INFLIGHT_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class CpuLimits:
+    max_memory_bytes: int = 2 << 30
+    decode_workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_workers is None:
+            object.__setattr__(self, "decode_workers", os.cpu_count() or 1)
+        for name in ("max_memory_bytes", "decode_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgument(f"CpuLimits.{name} must be an integer >= 1, got {v!r}")
+
+
+class MemoryBudget:
+    """Bytes reserved against a fixed total; ``reserve`` waits until the bytes are free."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def try_reserve_now(self, nbytes: int) -> bool:
+        with self._cond:
+            if self.used + nbytes > self.total:
+                return False
+            self._take(nbytes)
+            return True
+
+    def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> bool:
+        """Wait for ``nbytes``; False when cancelled first."""
+        with self._cond:
+            while self.used + nbytes > self.total:
+                if cancelled():
+                    return False
+                self._cond.wait(0.05)
+            self._take(nbytes)
+            return True
+
+    def _take(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+
+class StageStats:
+    """Seconds, counts and bytes per stage, summed over worker threads."""
+
+    STAGES = ("plan", "read", "decode", "assemble")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.data = {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0} for s in self.STAGES}
+
+    def add(self, stage: str, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        with self._lock:
+            d = self.data[stage]
+            d["seconds"] += seconds
+            d["count"] += count
+            d["bytes_in"] += bytes_in
+            d["bytes_out"] += bytes_out
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {s: dict(d) for s, d in self.data.items()}
+
+
+class _Run:
+    """The state of one batch plan being executed."""
+
+    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled")
+
+    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled) -> None:
+        self.plan = plan
+        self.views = views
+        self.errors: dict[int, SampleError] = {}
+        self.pending = len(plan.groups)
+        self.lock = threading.Lock()
+        self.on_done = on_done
+        self.cancelled = cancelled
+
+    def fail(self, samples, err: SampleError) -> None:
+        with self.lock:
+            for s in samples:
+                if s not in self.errors:
+                    self.errors[s] = _for_sample(err, self.plan.samples[s])
+
+    def group_done(self) -> None:
+        with self.lock:
+            self.pending -= 1
+            last = self.pending == 0
+        if last:
+            self.on_done(self.errors)
+
+
+def _for_sample(err: SampleError, sample: Any) -> SampleError:
+    e = type(err)(err.reason, uri=err.uri, path=err.path, chunk=err.chunk)
+    e.__cause__ = err.__cause__
+    return e.with_context(uri=getattr(sample, "uri", None), sample=sample)
+
+
+def cast_fill(value: Any, dtype: np.dtype) -> np.ndarray:
+    """A fill value cast to the output dtype as numpy casts arrays (NaN to an integer type
+    gives what ``astype`` gives, not an exception)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(value).astype(dtype)
+
+
+class CpuExecutor:
+    """Executes batch plans into host memory."""
+
+    def __init__(self, reader: FileReader | None = None, limits: CpuLimits | None = None) -> None:
+        self.reader = reader if reader is not None else FileReader()
+        self.limits = limits if limits is not None else CpuLimits()
+        self.budget = MemoryBudget(self.limits.max_memory_bytes)
+        self.stats = StageStats()
+        self._io = WorkerPool(self.reader.workers, "damacy-io")
+        self._decode = WorkerPool(self.limits.decode_workers, "damacy-decode")
+        self._io_slots = threading.BoundedSemaphore(self.reader.max_inflight_reads)
+        self._closed = False
+
+    # -- memory -------------------------------------------------------------------
+    def reserve_slots(self, nbytes: int, what: str) -> None:
+        """Take ``nbytes`` for output slots for good; the rest is for chunk data in flight."""
+        need = self.budget.used + nbytes + MIN_INFLIGHT_BYTES
+        if need > self.budget.total or not self.budget.try_reserve_now(nbytes):
+            raise BudgetExceeded(
+                f"max_memory_bytes={self.budget.total} is too small: {what} need {nbytes} bytes plus at least "
+                f"{MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
+            )
+
+    def release_slots(self, nbytes: int) -> None:
+        self.budget.release(nbytes)
+
+    # -- execution ----------------------------------------------------------------
+    def execute(
+        self,
+        plan: BatchPlan,
+        targets: Sequence[np.ndarray],
+        on_done: Callable[[dict[int, SampleError]], None],
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Assemble sample i of ``plan`` into ``targets[i]`` (a view of a batch slot).
+
+        ``on_done(errors)`` is called once, from a worker thread (or this one), when every
+        read of the plan has been assembled; ``errors`` maps sample index → error.
+        """
+        views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
+        t0 = time.perf_counter()
+        for s, fill in plan.fills:
+            views[s][...] = cast_fill(fill, views[s].dtype)
+        if plan.fills:
+            self.stats.add("assemble", time.perf_counter() - t0, count=0)
+        groups = self._fit(plan)
+        run = _Run(plan, views, on_done, cancelled)
+        run.pending = len(groups)
+        if not groups:
+            on_done(run.errors)
+            return
+        inflight = self.budget.total - self.budget.used
+        for group in groups:
+            need = group.reserve_nbytes
+            if need > inflight:
+                run.fail(
+                    {c[0] for u in group.units for c in u.copies},
+                    SampleError(
+                        f"reading {group.key} needs {need} bytes in flight, the memory budget leaves {inflight}; "
+                        "raise max_memory_bytes",
+                        path=group.key,
+                    ),
+                )
+                run.group_done()
+                continue
+            if not self.budget.reserve(need, lambda: cancelled() or self._closed):
+                run.group_done()
+                continue
+            self._io_slots.acquire()
+            self._io.submit(self._read, run, group, need)
+
+    def _fit(self, plan: BatchPlan) -> list[ReadGroup]:
+        """Merged reads too large for the in-flight budget are read unit by unit again."""
+        inflight = self.budget.total - self.budget.used
+        out = []
+        for g in plan.groups:
+            if g.reserve_nbytes > inflight and len(g.units) > 1:
+                out.extend(ReadGroup(g.store, g.key, u.offset, u.nbytes, [u]) for u in g.units)
+            else:
+                out.append(g)
+        return out
+
+    def _read(self, run: _Run, group: ReadGroup, reserved: int) -> None:
+        self._io_slots.release()
+        if run.cancelled() or self._closed:
+            self.budget.release(reserved)
+            run.group_done()
+            return
+        t0 = time.perf_counter()
+        try:
+            if group.length < 0:
+                data = self.reader.read(group.key)
+            else:
+                data = self.reader.read_range(group.key, group.offset, group.length)
+        except SampleError as e:
+            self.budget.release(reserved)
+            run.fail({c[0] for u in group.units for c in u.copies}, e.with_context(uri=group.units[0].meta.uri))
+            run.group_done()
+            return
+        self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
+        if data is None:
+            # a chunk that was never written: its regions read as the fill value
+            for u in group.units:
+                for s, dst, _ in u.copies:
+                    run.views[s][dst] = cast_fill(u.meta.fill_value, run.views[s].dtype)
+            self.budget.release(reserved)
+            run.group_done()
+            return
+        # the group's memory is returned as its units finish
+        remaining = [len(group.units)]
+        lock = threading.Lock()
+
+        def unit_done(nbytes: int) -> None:
+            self.budget.release(nbytes)
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self.budget.release(reserved - sum(u.decoded_nbytes for u in group.units))
+                run.group_done()
+
+        view = memoryview(data)
+        for u in group.units:
+            start = 0 if group.length < 0 else u.offset - group.offset
+            piece = view if group.length < 0 else view[start : start + u.nbytes]
+            self._decode.submit(self._decode_unit, run, u, piece, unit_done)
+
+    def _decode_unit(self, run: _Run, u: UnitJob, data, unit_done) -> None:
+        try:
+            if run.cancelled() or self._closed:
+                return
+            t0 = time.perf_counter()
+            try:
+                check_length(u.meta, data, u.nbytes, u.unit, u.key)
+                arr = decode_unit(u.meta, data, u.unit, u.key)
+            except SampleError as e:
+                run.fail({c[0] for c in u.copies}, e)
+                return
+            t1 = time.perf_counter()
+            self.stats.add("decode", t1 - t0, bytes_in=len(data), bytes_out=arr.nbytes)
+            out_bytes = 0
+            with np.errstate(invalid="ignore", over="ignore"):  # casts follow numpy's rules
+                for s, dst, src in u.copies:
+                    target = run.views[s]
+                    piece = arr[src]
+                    target[dst] = piece
+                    out_bytes += piece.size * target.itemsize
+            self.stats.add("assemble", time.perf_counter() - t1, bytes_out=out_bytes)
+        finally:
+            unit_done(u.decoded_nbytes)
+
+    def close(self) -> None:
+        self._closed = True
+        self._io.close()
+        self._decode.close()
+

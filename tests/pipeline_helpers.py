@@ -1,0 +1,36 @@
+"""Helpers for pipeline tests: expected batches from zarr-python reads."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from damacy_protocol.dtypes import numpy_dtype
+
+
+def expected_box(oracle, aabb, out_dtype) -> np.ndarray:
+    """What a padded box of a zarr-python array holds (fill value outside the array)."""
+    shape = tuple(b - a for a, b in aabb)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.full(shape, np.asarray(oracle.fill_value).astype(out_dtype), dtype=out_dtype)
+    src, dst = [], []
+    for (a, b), n in zip(aabb, oracle.shape):
+        lo, hi = max(a, 0), min(b, n)
+        if lo >= hi:
+            return out
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - a, hi - a))
+    with np.errstate(invalid="ignore", over="ignore"):
+        out[tuple(dst)] = oracle[tuple(src)]
+    return out
+
+
+def out_dtype(name: str, native=None) -> np.dtype:
+    return numpy_dtype(name, native)
+
+
+def same(got: np.ndarray, want: np.ndarray) -> bool:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if got.dtype.kind == "f" or got.dtype.name == "bfloat16":
+        return bool(np.array_equal(got.astype("f8"), want.astype("f8"), equal_nan=True))
+    return bool(np.array_equal(got, want))

@@ -1,0 +1,549 @@
+"""The embedded pipeline: batches equal zarr-python's reads; streaming; errors; memory."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+from conftest import random_data, write_array
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pipeline_helpers import expected_box, out_dtype, same
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
+
+import damacy
+
+LE = BytesCodec(endian="little")
+SHAPE = (30, 40, 50)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    arrays = {}
+    arrays["u16"] = write_array(root / "u16", random_data(SHAPE, "uint16", 1), chunks=(8, 10, 16), compressors=[ZstdCodec(level=1)], fill_value=7)
+    arrays["f32-sharded"] = write_array(
+        root / "f32s",
+        random_data(SHAPE, "float32", 2),
+        chunks=(16, 20, 25),
+        serializer=ShardingCodec(chunk_shape=(8, 10, 5), codecs=[LE, ZstdCodec(level=1)], index_codecs=[LE, Crc32cCodec()]),
+        fill_value=float("nan"),
+    )
+    arrays["i8-blosc"] = write_array(
+        root / "i8", random_data(SHAPE, "int8", 3), chunks=(7, 9, 11), compressors=[BloscCodec(cname="lz4", shuffle="shuffle", typesize=1)], fill_value=-5
+    )
+    arrays["u16-sharded-start"] = write_array(
+        root / "u16s",
+        random_data(SHAPE, "uint16", 4),
+        chunks=(15, 20, 50),
+        serializer=ShardingCodec(chunk_shape=(5, 10, 10), codecs=[LE], index_codecs=[LE], index_location="start"),
+    )
+    return root, {k: (str(root / {"u16": "u16", "f32-sharded": "f32s", "i8-blosc": "i8", "u16-sharded-start": "u16s"}[k]), v) for k, v in arrays.items()}
+
+
+def config(n=4, shape=(6, 7, 8), **kw):
+    kw.setdefault("pop_timeout_s", 30)
+    kw.setdefault("max_memory_bytes", 256 << 20)
+    return damacy.Config(samples_per_batch=n, sample_shape=shape, **kw)
+
+
+def check_batch(batch, arrays_by_uri, dtype_name):
+    x = batch.numpy()
+    assert x.shape == batch.info.shape
+    for j, sample in enumerate(batch.info.samples):
+        oracle = arrays_by_uri[sample.uri]
+        # "native": the dtype of the batch's first array; the others are cast to it
+        dt = x.dtype if dtype_name == "native" else out_dtype(dtype_name)
+        if isinstance(sample, damacy.Sample):
+            want = expected_box(oracle, sample.aabb, dt)
+        else:
+            sel = tuple(np.arange(n)[s] if isinstance(s, slice) else np.array(s) for s, n in zip(sample.selection, oracle.shape))
+            with np.errstate(invalid="ignore", over="ignore"):
+                want = oracle.oindex[sel].astype(dt)
+        assert same(x[j].reshape(want.shape), want), (j, sample)
+
+
+def by_uri(store):
+    return {uri: arr for uri, arr in store[1].values()}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_boxes_with_padding(store, data):
+    arrays = list(store[1].values())
+    shape = (5, 9, 13)
+    samples = []
+    for _ in range(data.draw(st.integers(1, 9))):
+        uri, arr = data.draw(st.sampled_from(arrays))
+        starts = [data.draw(st.integers(-n // 2 - 4, n)) for n in arr.shape]
+        samples.append(damacy.Sample(uri, tuple((a, a + s) for a, s in zip(starts, shape))))
+    dtype = data.draw(st.sampled_from(["f32", "f64", "bf16"]))
+    with damacy.Pipeline(config(n=4, shape=shape, dtype=dtype)) as p:
+        p.push(samples)
+        got = 0
+        for batch in p.batches():
+            with batch:
+                check_batch(batch, by_uri(store), dtype)
+                got += len(batch)
+        assert got == len(samples)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "f64", "u8", "u16", "i16", "i32", "native"])
+def test_every_output_dtype_and_mixed_sources(store, dtype):
+    samples = []
+    for k, (uri, arr) in enumerate(store[1].values()):
+        samples.append(damacy.Sample(uri, np.s_[k : k + 6, 3 : 10, 40:48]))
+        samples.append(damacy.Sample(uri, np.s_[-2:4, 35:42, 45:53]))  # pads
+    with damacy.Pipeline(config(n=3, dtype=dtype)) as p:
+        p.push(samples)
+        seen = 0
+        for batch in p.batches():
+            with batch:
+                if dtype != "native":
+                    assert batch.info.dtype == dtype and batch.numpy().dtype == out_dtype(dtype)
+                check_batch(batch, by_uri(store), dtype if dtype != "native" else "native")
+                seen += len(batch)
+    assert seen == len(samples)
+
+
+def test_index_queries_with_duplicates_and_reversed_order(store):
+    uri, arr = store[1]["f32-sharded"]
+    uri2, arr2 = store[1]["u16"]
+    queries = [
+        damacy.IndexQuery(uri, ([29, 3, 3, 0, -1, 12], slice(5, 12), [49, 48, 47, 0, 0, 25, 1, 2])),
+        damacy.IndexQuery(uri2, ([0, 1, 2, 3, 4, 5], [39, 20, 20, 1, 0, 7, 8], slice(0, 8))),
+        damacy.IndexQuery(uri, (slice(0, 6), slice(33, 40), [7, 6, 5, 4, 3, 2, 1, 0])),
+    ]
+    with damacy.Pipeline(config(n=2, shape=(6, 7, 8))) as p:
+        p.push(queries)
+        for batch in p.batches():
+            with batch:
+                check_batch(batch, by_uri(store), "f32")
+
+
+def test_index_query_out_of_range_is_refused(store):
+    uri, arr = store[1]["u16"]
+    with damacy.Pipeline(config(n=1, shape=(2, 7, 8))) as p:
+        p.push([damacy.IndexQuery(uri, ([0, 30], slice(0, 7), slice(0, 8)))])
+        with pytest.raises(damacy.OutOfBounds, match="index 30"):
+            p.pop()
+
+
+def test_out_of_bounds_error_policy(store):
+    uri, _ = store[1]["u16"]
+    with damacy.Pipeline(config(n=2, out_of_bounds="error")) as p:
+        p.push([damacy.Sample(uri, np.s_[-1:5, 0:7, 0:8]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        with pytest.raises(damacy.OutOfBounds, match=r"axis 0.*\(-1, 5\)") as info:
+            p.pop()
+        assert "Sample(" in str(info.value)
+
+
+def test_seed_style_composition(store):
+    uri, arr = store[1]["u16-sharded-start"]
+    pipe = damacy.Pipeline(
+        planner=damacy.ChunkPlanner(
+            metadata=damacy.ZarrMetadata(
+                reader=damacy.FileMetadataReader(concurrency=8),
+                cache=damacy.MetadataCache(array_entries=16, shard_index_entries=64),
+            ),
+            limits=damacy.PlanLimits(),
+        ),
+        executor=damacy.CpuExecutor(
+            reader=damacy.FileReader(workers=4, max_inflight_reads=64),
+            limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2),
+        ),
+        output=damacy.BatchSpec(samples=2, shape=(6, 7, 8), dtype="f32"),
+        queues=damacy.QueueLimits(lookahead_samples=4, prepared_batches=2),
+    )
+    with pipe:
+        pipe.push(damacy.Sample(uri, np.s_[i : i + 6, i : i + 7, 2 * i : 2 * i + 8]) for i in range(5))
+        sizes = []
+        for b in pipe.batches(10):
+            with b:
+                check_batch(b, by_uri(store), "f32")
+                sizes.append(len(b))
+        assert sizes == [2, 2, 1]
+        stats = pipe.stats()
+    for stage in ("plan", "read", "decode", "assemble"):
+        assert stats["stages"][stage]["count"] > 0 and stats["stages"][stage]["seconds"] >= 0
+    assert stats["stages"]["decode"]["bytes_out"] > 0
+    assert stats["cache"]["shard_indexes"]["misses"] > 0 and stats["cache"]["arrays"]["hits"] > 0
+    assert stats["chunks_deduplicated"] > 0 and stats["reads_merged"] > 0
+
+
+def test_two_dimensional_samples_from_a_volume(store):
+    uri, arr = store[1]["u16"]
+    with damacy.Pipeline(config(n=2, shape=(7, 8), dtype="u16")) as p:
+        p.push([damacy.Sample(uri, np.s_[3:4, 0:7, 10:18]), damacy.Sample(uri, np.s_[4:11, 5:6, 0:8])])
+        with p.pop() as b:
+            x = b.numpy()
+            assert np.array_equal(x[0], arr[3, 0:7, 10:18]) and np.array_equal(x[1], arr[4:11, 5, 0:8])
+
+
+# -- streaming ----------------------------------------------------------------------
+
+
+def endless(uri, counter):
+    for i in itertools.count():
+        counter[0] += 1
+        yield damacy.Sample(uri, np.s_[i % 20 : i % 20 + 6, 0:7, 0:8])
+
+
+def test_infinite_generator_is_pulled_lazily(store):
+    uri, _ = store[1]["u16"]
+    pulled = [0]
+    cfg = config(n=4, lookahead_samples=8, prepared_batches=2)
+    with damacy.Pipeline(cfg) as p:
+        p.push(endless(uri, pulled))
+        for batch in p.batches(5):
+            batch.release()
+        time.sleep(0.3)  # let the feeder run ahead as far as it may
+        delivered = 5 * 4
+        assert delivered <= pulled[0] <= delivered + cfg.lookahead_samples + 1
+        assert p.stats()["samples_pulled"] == pulled[0] or p.stats()["samples_pulled"] == pulled[0] - 1
+
+
+def test_close_with_an_infinite_generator_does_not_hang(store):
+    uri, _ = store[1]["u16"]
+    t0 = time.monotonic()
+    with damacy.Pipeline(config()) as p:
+        p.push(endless(uri, [0]))
+        p.pop().release()
+    p.close()  # idempotent
+    assert time.monotonic() - t0 < 10
+
+
+def test_exit_with_one_pushed_and_nothing_popped(store):
+    uri, _ = store[1]["u16"]
+    t0 = time.monotonic()
+    with damacy.Pipeline(config()) as p:
+        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+    assert time.monotonic() - t0 < 5
+
+
+def test_last_partial_batch_and_drop_last(store):
+    uri, _ = store[1]["u16"]
+    samples = [damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(10)]
+    with damacy.Pipeline(config(n=4)) as p:
+        p.push(samples)
+        sizes = []
+        for b in p.batches():
+            sizes.append(len(b))
+            b.release()
+    assert sizes == [4, 4, 2]
+    with damacy.Pipeline(config(n=4, drop_last=True)) as p:
+        p.push(samples)
+        sizes = []
+        for b in p.batches():
+            sizes.append(len(b))
+            b.release()
+        with pytest.raises(damacy.PipelineDrained):
+            p.pop()
+    assert sizes == [4, 4]
+
+
+def test_drained_and_empty_pops_raise_at_once(store):
+    uri, _ = store[1]["u16"]
+    with damacy.Pipeline(config(pop_timeout_s=60)) as p:
+        t0 = time.monotonic()
+        with pytest.raises(damacy.PipelineDrained, match="nothing was pushed"):
+            p.pop()
+        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        p.pop().release()
+        with pytest.raises(damacy.PipelineDrained, match="delivered"):
+            p.pop()
+        p.push([])  # an empty iterable
+        with pytest.raises(damacy.PipelineDrained):
+            p.pop()
+        assert time.monotonic() - t0 < 5
+        p.push([damacy.Sample(uri, np.s_[1:7, 0:7, 0:8])])  # pushing again continues the stream
+        with p.pop() as b:
+            assert b.info.batch_id == 1
+
+
+def test_pop_timeout_names_what_it_waited_for(store):
+    uri, _ = store[1]["u16"]
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(10)
+        yield damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])
+
+    with damacy.Pipeline(config()) as p:
+        p.push(slow())
+        with pytest.raises(TimeoutError, match="batch 0.*iterable"):
+            p.pop(timeout=0.3)
+        gate.set()
+        p.pop(timeout=10).release()
+
+
+def test_held_slots_are_named_in_the_timeout(store):
+    uri, _ = store[1]["u16"]
+    with damacy.Pipeline(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:
+        p.push(damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(5))
+        first = p.pop()
+        with pytest.raises(TimeoutError, match="held by batches"):
+            p.pop(timeout=0.5)
+        first.release()
+        p.pop(timeout=10).release()
+
+
+def test_generator_error_is_raised_at_its_pop(store):
+    uri, _ = store[1]["u16"]
+
+    def broken():
+        yield damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])
+        raise RuntimeError("the sampler broke")
+
+    with damacy.Pipeline(config(n=1)) as p:
+        p.push(broken())
+        p.push([damacy.Sample(uri, np.s_[2:8, 0:7, 0:8])])
+        p.pop().release()
+        with pytest.raises(RuntimeError, match="sampler broke"):
+            p.pop()
+        with p.pop() as b:
+            assert b.info.samples[0].aabb[0] == (2, 8)
+
+
+# -- error policies -----------------------------------------------------------------
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """An array with one corrupt chunk, and a uri that does not exist."""
+    data = random_data((24, 7, 8), "uint16", 5)
+    oracle = write_array(tmp_path / "d", data, chunks=(6, 7, 8), compressors=[ZstdCodec(level=1)], fill_value=3)
+    chunk = tmp_path / "d" / "c" / "2" / "0" / "0"
+    chunk.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)  # a zstd magic, then garbage
+    good = [damacy.Sample(str(tmp_path / "d"), np.s_[i : i + 6, 0:7, 0:8]) for i in (0, 6, 18)]
+    corrupt = damacy.Sample(str(tmp_path / "d"), np.s_[12:18, 0:7, 0:8])
+    missing = damacy.Sample(str(tmp_path / "nope.zarr"), np.s_[0:6, 0:7, 0:8])
+    return oracle, good, corrupt, missing
+
+
+def stream(good, corrupt, missing):
+    # batches of 2: [good0, corrupt], [good1, missing], [good2]
+    return [good[0], corrupt, good[1], missing, good[2]]
+
+
+def test_on_error_raise(damaged):
+    oracle, good, corrupt, missing = damaged
+    with damacy.Pipeline(config(n=2, shape=(6, 7, 8))) as p:
+        p.push(stream(good, corrupt, missing))
+        with pytest.raises(damacy.DecodeError) as e1:
+            p.pop()
+        assert "12:18" in str(e1.value) and "chunk [2, 0, 0]" in str(e1.value) and "zstd" in str(e1.value)
+        with pytest.raises(damacy.NotFound) as e2:
+            p.pop()
+        assert "nope.zarr" in str(e2.value) and e2.value.sample is not None
+        with p.pop() as b:  # the stream goes on
+            assert b.info.samples == (good[2],)
+            assert np.array_equal(b.numpy()[0], oracle[18:24].astype("f4"))
+        with pytest.raises(damacy.PipelineDrained):
+            p.pop()
+
+
+def test_on_error_fill(damaged):
+    oracle, good, corrupt, missing = damaged
+    with damacy.Pipeline(config(n=2, shape=(6, 7, 8), on_error="fill")) as p:
+        p.push(stream(good, corrupt, missing))
+        b0, b1 = p.pop(), p.pop()
+        b0c, b1c = b0.numpy().copy(), b1.numpy().copy()
+        info0, info1 = b0.info, b1.info
+        b0.release()
+        b1.release()
+        b2 = p.pop()
+        assert [i for i, _ in info0.errors] == [1] and isinstance(info0.errors[0][1], damacy.DecodeError)
+        assert (b0c[1] == 3).all()  # the array's fill value
+        assert np.array_equal(b0c[0], oracle[0:6].astype("f4"))
+        assert [i for i, _ in info1.errors] == [1] and isinstance(info1.errors[0][1], damacy.NotFound)
+        assert (b1c[1] == 0).all()  # no array, no fill value: zeros
+        assert b2.info.errors == () and len(b2) == 1
+        b2.release()
+        assert p.stats()["sample_errors"] == 2
+
+
+def test_on_error_skip(damaged):
+    oracle, good, corrupt, missing = damaged
+    # one batch in flight at a time, so "the next sample" is well defined
+    with damacy.Pipeline(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:
+        p.push(stream(good, corrupt, missing))
+        samples, sizes = [], []
+        for b in p.batches():
+            with b:
+                for j, s in enumerate(b.info.samples):
+                    assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+                assert b.info.errors == ()
+                samples.extend(b.info.samples)
+                sizes.append(len(b))
+        assert samples == good  # bad ones replaced by the next ones, order kept
+        assert sizes == [2, 1]
+
+
+def test_skip_when_every_sample_fails(damaged):
+    _, good, corrupt, missing = damaged
+    with damacy.Pipeline(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:
+        p.push([corrupt, missing, missing])
+        with pytest.raises(damacy.PipelineDrained):
+            p.pop()
+        p.push([missing, good[0], corrupt, good[1], good[2], missing])
+        got = []
+        for b in p.batches():
+            with b:
+                got.extend(b.info.samples)
+        assert got == good
+
+
+# -- construction -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(samples_per_batch=0, sample_shape=(4,)), "samples_per_batch"),
+        (dict(samples_per_batch=2, sample_shape=(4, -1)), "sample_shape"),
+        (dict(samples_per_batch=2, sample_shape=(4,), dtype="f128"), "dtype"),
+        (dict(samples_per_batch=2, sample_shape=(4,), on_error="ignore"), "on_error"),
+        (dict(samples_per_batch=2, sample_shape=(4,), out_of_bounds="clip"), "out_of_bounds"),
+        (dict(samples_per_batch=4, sample_shape=(4,), lookahead_samples=2), "lookahead_samples"),
+        (dict(samples_per_batch=2, sample_shape=(4,), prepared_batches=0), "prepared_batches"),
+        (dict(samples_per_batch=2, sample_shape=(4,), pop_timeout_s=-1), "pop_timeout_s"),
+        (dict(samples_per_batch=2, sample_shape=(4,), decode_workers=0), "decode_workers"),
+        (dict(samples_per_batch=2, sample_shape=(4,), max_memory_bytes=0), "max_memory_bytes"),
+    ],
+)
+def test_invalid_config_names_the_field(kwargs, field):
+    with pytest.raises(damacy.InvalidArgument, match=field):
+        damacy.Config(**kwargs)
+
+
+def test_budget_too_small_for_slots():
+    cfg = damacy.Config(samples_per_batch=8, sample_shape=(64, 256, 256), max_memory_bytes=64 << 20)
+    with pytest.raises(damacy.BudgetExceeded, match=r"max_memory_bytes >= (\d+)") as info:
+        damacy.Pipeline(cfg)
+    needed = 2 * 8 * 64 * 256 * 256 * 4
+    assert str(needed) in str(info.value)
+
+
+def test_bad_samples_are_refused_at_construction(tmp_path):
+    with pytest.raises(damacy.InvalidArgument, match="step"):
+        damacy.Sample(tmp_path / "a", np.s_[0:10:2])
+    with pytest.raises(damacy.InvalidArgument, match="before its start"):
+        damacy.Sample(tmp_path / "a", ((5, 2),))
+    with pytest.raises(damacy.InvalidArgument, match="index list or a slice"):
+        damacy.IndexQuery(tmp_path / "a", (3,))
+    s = damacy.Sample(tmp_path / "a", np.s_[0:4, 2:6])
+    assert s == damacy.Sample(str(tmp_path / "a"), ((0, 4), (2, 6))) and hash(s) == hash(damacy.Sample(str(tmp_path / "a"), ((0, 4), (2, 6))))
+    assert s.shape == (4, 4)
+    q = damacy.IndexQuery(tmp_path / "a", ([3, 1, 1], slice(0, 5), np.array([7, 0])))
+    assert q.shape == (3, 5, 2) and q == damacy.IndexQuery(str(tmp_path / "a"), ((3, 1, 1), slice(0, 5), (7, 0)))
+    assert q.shape_for((10, 10, 10, 4)) == (3, 5, 2, 4)
+
+
+def test_sample_of_wrong_shape_is_a_sample_error(store):
+    uri, _ = store[1]["u16"]
+    with damacy.Pipeline(config(n=2, on_error="fill")) as p:
+        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:9]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        with p.pop() as b:
+            (i, err), = b.info.errors
+            assert i == 0 and isinstance(err, damacy.InvalidArgument) and "shape" in str(err)
+
+
+# -- memory ---------------------------------------------------------------------------
+
+
+def test_memory_stays_under_budget_while_streaming(tmp_path):
+    data = random_data((64, 64, 64), "uint16", 6)
+    write_array(tmp_path / "m", data, chunks=(16, 16, 16), compressors=[ZstdCodec(level=1)])
+    uri = str(tmp_path / "m")
+    rng = np.random.default_rng(0)
+    budget = 24 << 20
+    cfg = config(n=4, shape=(32, 32, 32), max_memory_bytes=budget, lookahead_samples=8, prepared_batches=2, decode_workers=2)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        with damacy.Pipeline(cfg) as p:
+            p.push(damacy.Sample(uri, tuple((int(a), int(a) + 32) for a in rng.integers(-8, 40, size=3))) for _ in range(200))
+            for batch in p.batches(50):
+                batch.release()
+            stats = p.stats()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert stats["batches"] == 50
+    assert stats["memory"]["peak_bytes"] <= budget
+    assert peak <= budget, f"peak {peak} > budget {budget}"
+
+
+# -- DLPack and slot lifetime -------------------------------------------------------
+
+
+def test_dlpack_shares_the_slot_and_keeps_it_occupied(store):
+    uri, arr = store[1]["u16"]
+    with damacy.Pipeline(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:
+        p.push(damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(3))
+        batch = p.pop()
+        x = np.from_dlpack(batch)
+        assert x.shape == (1, 6, 7, 8) and x.dtype == np.float32
+        assert np.shares_memory(x, batch.numpy())
+        assert batch.__dlpack_device__() == (1, 0)
+        batch.release()
+        with pytest.raises(BufferError):
+            batch.numpy()
+        # x still uses the only slot: the next batch cannot be assembled yet
+        with pytest.raises(TimeoutError):
+            p.pop(timeout=0.5)
+        expected = arr[0:6, 0:7, 0:8].astype("f4")
+        assert np.array_equal(x[0], expected)  # not overwritten
+        del x
+        with p.pop(timeout=10) as b:
+            assert b.info.batch_id == 1
+
+
+def test_dlpack_capsules_versioned_and_legacy_and_bf16(store):
+    import ctypes
+
+    uri, arr = store[1]["u16"]
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    is_valid = ctypes.pythonapi.PyCapsule_IsValid
+    is_valid.restype = ctypes.c_int
+    is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    with damacy.Pipeline(config(n=1, dtype="bf16")) as p:
+        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        with p.pop() as b:
+            v1 = b.__dlpack__(max_version=(1, 0))
+            assert is_valid(v1, b"dltensor_versioned")
+            ptr = get(v1, b"dltensor_versioned")
+            major = ctypes.c_uint32.from_address(ptr).value
+            code, bits = ctypes.c_uint8.from_address(ptr + 32 + 20).value, ctypes.c_uint8.from_address(ptr + 32 + 21).value
+            assert (major, code, bits) == (1, 4, 16)  # kDLBfloat, 16 bits
+            v0 = b.__dlpack__()
+            assert is_valid(v0, b"dltensor")
+            ptr0 = get(v0, b"dltensor")
+            assert ctypes.c_uint8.from_address(ptr0 + 20).value == 4
+            del v1, v0
+            import ml_dtypes
+
+            y = b.numpy()
+            assert y.dtype == ml_dtypes.bfloat16
+            assert np.array_equal(y[0].astype("f4"), arr[0:6, 0:7, 0:8].astype("f4").astype(ml_dtypes.bfloat16).astype("f4"))
+
+
+def test_torch_from_dlpack(store):
+    torch = pytest.importorskip("torch")
+    uri, arr = store[1]["u16"]
+    for dtype, tdtype in (("bf16", torch.bfloat16), ("f32", torch.float32)):
+        with damacy.Pipeline(config(n=2, dtype=dtype)) as p:
+            p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8]), damacy.Sample(uri, np.s_[6:12, 0:7, 0:8])])
+            with p.pop() as b:
+                t = torch.from_dlpack(b)
+                assert t.dtype == tdtype and tuple(t.shape) == (2, 6, 7, 8)
+                want = torch.from_numpy(arr[0:12, 0:7, 0:8].astype("f4").reshape(2, 6, 7, 8)).to(tdtype)
+                assert torch.equal(t, want)
