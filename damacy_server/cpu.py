@@ -1,7 +1,7 @@
 """The CPU executor: runs a batch plan — read, decode, assemble — into a batch slot.
 
 Reads run on the reader's I/O threads, decodes and copies on ``decode_workers`` threads;
-positional reads, the codec libraries (zstandard, blosc2, zlib) and numpy's copy-with-cast
+positional reads, the codec libraries (zstandard, C-Blosc, zlib) and numpy's copy-with-cast
 all release the GIL, so the stages overlap across cores. Memory for chunk data in flight is
 reserved before each read and returned as its units are assembled, so slots plus chunk data
 never exceed ``max_memory_bytes``.
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import BudgetExceeded, InvalidArgument, SampleError
-from damacy_server.decode import check_length, decode_unit
+from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
@@ -95,9 +95,42 @@ class StageStats:
             d["bytes_in"] += bytes_in
             d["bytes_out"] += bytes_out
 
+    def add_units(self, n: int, decode_s: float, encoded: int, decoded: int, assemble_s: float, assembled: int) -> None:
+        """Decode and assembly of ``n`` units, under one lock."""
+        with self._lock:
+            d, a = self.data["decode"], self.data["assemble"]
+            d["seconds"] += decode_s
+            d["count"] += n
+            d["bytes_in"] += encoded
+            d["bytes_out"] += decoded
+            a["seconds"] += assemble_s
+            a["count"] += n
+            a["bytes_in"] += decoded
+            a["bytes_out"] += assembled
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
             return {s: dict(d) for s, d in self.data.items()}
+
+
+#: decoded bytes per decode task (small chunks are decoded several per task)
+TASK_BYTES = 1 << 20
+
+
+class _GroupState:
+    """Counts the decode tasks of one read still running."""
+
+    __slots__ = ("remaining", "encoded_reserved", "lock")
+
+    def __init__(self, tasks: int, encoded_reserved: int) -> None:
+        self.remaining = tasks
+        self.encoded_reserved = encoded_reserved
+        self.lock = threading.Lock()
+
+    def task_done(self) -> bool:
+        with self.lock:
+            self.remaining -= 1
+            return self.remaining == 0
 
 
 class _Run:
@@ -132,13 +165,6 @@ def _for_sample(err: SampleError, sample: Any) -> SampleError:
     e = type(err)(err.reason, uri=err.uri, path=err.path, chunk=err.chunk)
     e.__cause__ = err.__cause__
     return e.with_context(uri=getattr(sample, "uri", None), sample=sample)
-
-
-def cast_fill(value: Any, dtype: np.dtype) -> np.ndarray:
-    """A fill value cast to the output dtype as numpy casts arrays (NaN to an integer type
-    gives what ``astype`` gives, not an exception)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.asarray(value).astype(dtype)
 
 
 class CpuExecutor:
@@ -197,7 +223,7 @@ class CpuExecutor:
             need = group.reserve_nbytes
             if need > inflight:
                 run.fail(
-                    {c[0] for u in group.units for c in u.copies},
+                    {s for u in group.units for s, _ in u.copies},
                     SampleError(
                         f"reading {group.key} needs {need} bytes in flight, the memory budget leaves {inflight}; "
                         "raise max_memory_bytes",
@@ -237,60 +263,65 @@ class CpuExecutor:
                 data = self.reader.read_range(group.key, group.offset, group.length)
         except SampleError as e:
             self.budget.release(reserved)
-            run.fail({c[0] for u in group.units for c in u.copies}, e.with_context(uri=group.units[0].meta.uri))
+            run.fail({s for u in group.units for s, _ in u.copies}, e.with_context(uri=group.units[0].meta.uri))
             run.group_done()
             return
         self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
         if data is None:
             # a chunk that was never written: its regions read as the fill value
             for u in group.units:
-                for s, dst, _ in u.copies:
-                    run.views[s][dst] = cast_fill(u.meta.fill_value, run.views[s].dtype)
+                for s, op in u.copies:
+                    op.fill(run.views[s], cast_fill(u.meta.fill_value, run.views[s].dtype))
             self.budget.release(reserved)
             run.group_done()
             return
-        # the group's memory is returned as its units finish
-        remaining = [len(group.units)]
-        lock = threading.Lock()
-
-        def unit_done(nbytes: int) -> None:
-            self.budget.release(nbytes)
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                self.budget.release(reserved - sum(u.decoded_nbytes for u in group.units))
-                run.group_done()
-
-        view = memoryview(data)
+        # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do not
+        # pay a thread handoff each; the group's memory is returned as its tasks finish.
+        tasks: list[list[UnitJob]] = [[]]
+        size = 0
         for u in group.units:
-            start = 0 if group.length < 0 else u.offset - group.offset
-            piece = view if group.length < 0 else view[start : start + u.nbytes]
-            self._decode.submit(self._decode_unit, run, u, piece, unit_done)
+            if size >= TASK_BYTES:
+                tasks.append([])
+                size = 0
+            tasks[-1].append(u)
+            size += u.decoded_nbytes
+        state = _GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
+        view = memoryview(data)
+        for units in tasks:
+            self._decode.submit(self._decode_units, run, group, units, view, state)
 
-    def _decode_unit(self, run: _Run, u: UnitJob, data, unit_done) -> None:
+    def _decode_units(self, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview, state: _GroupState) -> None:
+        decode_s = assemble_s = 0.0
+        encoded = decoded = assembled = 0
         try:
             if run.cancelled() or self._closed:
                 return
-            t0 = time.perf_counter()
-            try:
-                check_length(u.meta, data, u.nbytes, u.unit, u.key)
-                arr = decode_unit(u.meta, data, u.unit, u.key)
-            except SampleError as e:
-                run.fail({c[0] for c in u.copies}, e)
-                return
-            t1 = time.perf_counter()
-            self.stats.add("decode", t1 - t0, bytes_in=len(data), bytes_out=arr.nbytes)
-            out_bytes = 0
+            whole = group.length < 0
             with np.errstate(invalid="ignore", over="ignore"):  # casts follow numpy's rules
-                for s, dst, src in u.copies:
-                    target = run.views[s]
-                    piece = arr[src]
-                    target[dst] = piece
-                    out_bytes += piece.size * target.itemsize
-            self.stats.add("assemble", time.perf_counter() - t1, bytes_out=out_bytes)
+                for u in units:
+                    t0 = time.perf_counter()
+                    start = u.offset - group.offset
+                    data = view if whole else view[start : start + u.nbytes]
+                    try:
+                        check_length(u.meta, data, u.nbytes, u.unit, u.key)
+                        arr = decode_unit(u.meta, data, u.unit, u.key)
+                    except SampleError as e:
+                        run.fail({s for s, _ in u.copies}, e)
+                        continue
+                    t1 = time.perf_counter()
+                    for s, op in u.copies:
+                        target = run.views[s]
+                        assembled += op.apply(target, arr) * target.itemsize
+                    decode_s += t1 - t0
+                    assemble_s += time.perf_counter() - t1
+                    encoded += len(data)
+                    decoded += arr.nbytes
         finally:
-            unit_done(u.decoded_nbytes)
+            self.stats.add_units(len(units), decode_s, encoded, decoded, assemble_s, assembled)
+            self.budget.release(sum(u.decoded_nbytes for u in units))
+            if state.task_done():
+                self.budget.release(state.encoded_reserved)
+                run.group_done()
 
     def close(self) -> None:
         self._closed = True

@@ -21,6 +21,13 @@ def decode_unit(meta: ArrayMetadata, data, unit: tuple[int, ...], key: str) -> n
         raise DecodeError(str(e) or type(e).__name__, uri=meta.uri, path=key, chunk=unit) from e
 
 
+def cast_fill(value, dtype: np.dtype) -> np.ndarray:
+    """A fill value cast to the output dtype as numpy casts arrays (NaN to an integer type
+    gives what ``astype`` gives, not an exception)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(value).astype(dtype)
+
+
 def check_length(meta: ArrayMetadata, data, expected: int, unit: tuple[int, ...], key: str) -> None:
     """A byte range read short means the object was cut off after its index was written."""
     if expected >= 0 and len(data) != expected:

@@ -23,7 +23,8 @@ from damacy_client.batch import Batch, BatchInfo, Slot
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import numpy_dtype
 from damacy_protocol.errors import InvalidArgument, PipelineDrained, SampleError
-from damacy_server.cpu import CpuExecutor, CpuLimits, cast_fill
+from damacy_server.cpu import CpuExecutor, CpuLimits
+from damacy_server.decode import cast_fill
 from damacy_server.plan import BatchSpec, ChunkPlanner, PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
 from damacy_server.store.file import FileMetadataReader, FileReader
@@ -171,7 +172,8 @@ class Pipeline:
         )
         self._slot_bytes = total
         for i in range(cfg.prepared_batches):
-            raw = np.empty(per_slot, dtype=np.uint8)
+            raw = np.zeros(per_slot, dtype=np.uint8)
+            raw.fill(0)  # touch every page now, so the first batches do not pay for page faults
             arr = raw.view(self._dtype).reshape(self._batch_shape) if self._dtype is not None else raw
             slot = Slot(arr, self._slot_freed, index=i)
             self._slots.append(slot)

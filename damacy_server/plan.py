@@ -10,6 +10,7 @@ the CPU and the GPU executors.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from damacy_server.selection import (
     AxisRange,
     AxisSelection,
     axis_parts,
+    CopyOp,
+    SliceCopy,
     index_array,
-    orthogonal,
     selection_shape,
     slice_selection,
 )
@@ -39,7 +41,7 @@ class PlanLimits:
     """How reads are merged: byte ranges of one object closer than ``max_gap_bytes`` are read
     as one, up to ``max_read_bytes`` per read."""
 
-    max_gap_bytes: int = 1 << 20
+    max_gap_bytes: int = 64 << 10
     max_read_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -67,7 +69,7 @@ class UnitJob:
     key: str
     offset: int  # within the object (-1: the whole object)
     nbytes: int  # encoded size (-1: the whole object, size unknown)
-    copies: list[tuple[int, tuple, tuple]] = field(default_factory=list)  # (sample, dst index, src index)
+    copies: list[tuple[int, SliceCopy | CopyOp]] = field(default_factory=list)  # (sample, copy into it)
 
     @property
     def decoded_nbytes(self) -> int:
@@ -120,9 +122,7 @@ class ChunkPlanner:
         metas: list[ArrayMetadata | None] = [None] * n
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
-        units: dict[tuple[str, tuple[int, ...]], UnitJob] = {}
-        by_array: dict[str, list[UnitJob]] = {}
-        unit_samples: dict[int, set[int]] = {}  # id(UnitJob) -> samples
+        by_array: dict[str, dict[tuple[int, ...], UnitJob]] = {}
         total = 0
         for i, sample in enumerate(samples):
             try:
@@ -134,40 +134,46 @@ class ChunkPlanner:
                     raise InvalidArgument(f"selects shape {shape}, the batch holds samples of shape {sample_shape}")
                 shapes[i] = shape
                 per_axis = [axis_parts(a, s, u) for a, s, u in zip(axes, meta.shape, meta.layout.unit_shape)]
-                covered = int(np.prod([sum(_part_len(p[1]) for p in parts) for parts in per_axis], dtype=np.int64))
-                if covered < int(np.prod(shape, dtype=np.int64)):
+                if math.prod(sum(_part_len(p[1]) for p in parts) for parts in per_axis) < math.prod(shape):
                     fills.append((i, meta.fill_value))  # pads outside the array
+                jobs = by_array.get(meta.root)
+                if jobs is None:
+                    jobs = by_array[meta.root] = {}
+                boxes = all(isinstance(a, AxisRange) for a in axes)
                 for combo in itertools.product(*per_axis):
-                    unit = tuple(c[0] for c in combo)
-                    job = units.get((meta.root, unit))
+                    unit, dst, src = zip(*combo) if combo else ((), (), ())
+                    job = jobs.get(unit)
                     if job is None:
-                        job = units[(meta.root, unit)] = UnitJob(meta, unit, "", -1, -1)
-                        by_array.setdefault(meta.root, []).append(job)
-                    job.copies.append((i, orthogonal([c[1] for c in combo]), orthogonal([c[2] for c in combo])))
-                    unit_samples.setdefault(id(job), set()).add(i)
+                        job = jobs[unit] = UnitJob(meta, unit, "", -1, -1)
+                    job.copies.append((i, SliceCopy(dst, src) if boxes else CopyOp(dst, src)))
                     total += 1
             except SampleError as e:
                 errors[i] = e.with_context(uri=sample.uri, sample=sample)
 
         present: list[UnitJob] = []
-        for jobs in by_array.values():
-            meta = jobs[0].meta
-            locs = self.metadata.locate(meta, np.array([j.unit for j in jobs], dtype=np.int64).reshape(len(jobs), meta.ndim))
-            for k, job in enumerate(jobs):
+        unique = 0
+        for table in by_array.values():
+            jobs_list = list(table.values())
+            if not jobs_list:  # only boxes wholly outside the array
+                continue
+            unique += len(jobs_list)
+            meta = jobs_list[0].meta
+            units = np.array([j.unit for j in jobs_list], dtype=np.int64).reshape(len(jobs_list), meta.ndim)
+            locs = self.metadata.locate(meta, units)
+            for k, job in enumerate(jobs_list):
                 job.key = locs.keys[k]
                 if k in locs.errors:
-                    for s in unit_samples[id(job)]:
+                    for s, _ in job.copies:
                         errors.setdefault(s, _copy_error(locs.errors[k]).with_context(sample=samples[s]))
                 elif locs.missing[k]:
-                    for s in unit_samples[id(job)]:
-                        fills.append((s, meta.fill_value))
+                    fills.extend((s, meta.fill_value) for s, _ in job.copies)
                 else:
                     job.offset, job.nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
                     present.append(job)
 
         if errors:  # a failed sample gets no copies
             for job in present:
-                job.copies = [c for c in job.copies if c[0] not in errors]
+                job.copies = [c for c in job.copies if c[0] not in errors]  # (sample, op)
             present = [j for j in present if j.copies]
             fills = [f for f in fills if f[0] not in errors]
         groups, merged = merge_reads(present, self.limits)
@@ -181,7 +187,7 @@ class ChunkPlanner:
             errors=errors,
             metas=metas,
             units_total=total,
-            units_unique=len(units),
+            units_unique=unique,
             reads_merged=merged,
             seconds=time.perf_counter() - t0,
         )

@@ -15,7 +15,7 @@ import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import SampleError
-from damacy_server.decode import check_length, decode_unit
+from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.resolve import ZarrMetadata
 from damacy_server.selection import iter_parts, parse_read_selection, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
@@ -64,20 +64,19 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
         locs.raise_first()
 
         def work(i: int) -> None:
-            unit, dst, src = parts[i]
+            unit, op = parts[i]
             key = locs.keys[i]
             data = None
             if not locs.missing[i]:
                 offset, nbytes = int(locs.offsets[i]), int(locs.nbytes[i])
                 data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
             if data is None:
-                with np.errstate(invalid="ignore", over="ignore"):
-                    out[dst] = meta.fill_value
+                op.fill(out, cast_fill(meta.fill_value, out.dtype))
                 return
             check_length(meta, data, nbytes, unit, key)
             chunk = decode_unit(meta, data, unit, key)
             with np.errstate(invalid="ignore", over="ignore"):
-                out[dst] = chunk[src]
+                op.apply(out, chunk)
 
         try:
             if len(parts) == 1:

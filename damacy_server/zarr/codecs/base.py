@@ -7,7 +7,8 @@ and zero or more bytes→bytes codecs. Decoding runs it backwards. Codecs raise
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -28,10 +29,10 @@ class ChunkSpec:
     shape: tuple[int, ...]
     dtype: np.dtype
     fill_value: np.generic
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
 
 class Codec:

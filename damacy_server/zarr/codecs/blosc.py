@@ -2,7 +2,8 @@
 
 The header says how the chunk was shuffled and compressed, so decoding does not need the
 configuration; it is still checked at metadata load so an unknown compressor is refused
-early.
+early. Decoding goes through numcodecs' C-Blosc binding, which releases the GIL (python-
+blosc2's ``decompress`` holds it, which serialises decoding across threads).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-import blosc2
+from numcodecs import blosc as _blosc
 
 from damacy_protocol.errors import MetadataError, UnsupportedError
 from damacy_server.zarr.codecs.base import Buffer, BytesBytesCodec, ChunkSpec, CorruptData, config_value
@@ -51,8 +52,8 @@ class BloscCodec(BytesBytesCodec):
         if decoded_size is not None and nbytes != decoded_size:
             raise CorruptData(f"blosc: header says {nbytes} decoded bytes, expected {decoded_size}")
         try:
-            out = blosc2.decompress(data)
-        except Exception as e:  # blosc2 reports corruption as RuntimeError/ValueError
+            out = _blosc.decompress(data)
+        except Exception as e:  # corruption is reported as RuntimeError/ValueError
             raise CorruptData(f"blosc: {e}") from e
         if len(out) != nbytes:
             raise CorruptData(f"blosc: decoded {len(out)} bytes, header says {nbytes}")

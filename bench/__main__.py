@@ -1,0 +1,141 @@
+"""``python -m bench run default [--data DIR]``: damacy, zarr-python and tensorstore side by side.
+
+Prints, per reader, median samples/s and output GB/s over the repeats and the ratio to
+tensorstore, plus the decode bound; writes the figures as JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import resource
+
+import numpy as np
+
+from bench import runners
+from bench.data import ensure
+from bench.scenarios import SCENARIOS
+from damacy_protocol.dtypes import numpy_dtype
+
+
+def _cpu() -> float:
+    """CPU seconds used by this process so far (every reader runs in this process)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def verify(scn, samples, readers) -> None:
+    """Every reader returns the same batches (exactly) for the first batches of the run."""
+    n = min(len(samples), 2 * scn.samples_per_batch)
+    got = {}
+    for name in readers:
+        parts = []
+        runners.READERS[name](scn, samples[:n], consume=lambda x, parts=parts: parts.append(x.copy()))
+        got[name] = np.concatenate(parts)
+    ref_name = readers[0]
+    for name, value in got.items():
+        if not np.array_equal(value, got[ref_name]):
+            raise SystemExit(f"MISMATCH: {name} and {ref_name} disagree on the first {n} samples")
+    print(f"verified: {', '.join(readers)} agree on the first {n} samples")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the scenarios")
+    run = sub.add_parser("run", help="run scenarios")
+    run.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS) + ["all"])
+    run.add_argument("--data", default="bench-data", help="where datasets are written (reused when present)")
+    run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--batches", type=int, default=None, help="batches per repeat (default: the scenario's)")
+    run.add_argument("--readers", default="damacy,tensorstore,zarr-python")
+    run.add_argument("--json", default=None, help="where to write the results (default: bench-results/<time>.json)")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "list":
+        for s in SCENARIOS.values():
+            print(f"{s.name:14} {s.description}")
+        return 0
+
+    names = sorted(SCENARIOS) if "all" in args.scenarios else args.scenarios
+    readers = [r.strip() for r in args.readers.split(",") if r.strip()]
+    results = {"machine": {"cpus": runners.CPUS, "python": sys.version.split()[0], "platform": platform.platform()}, "scenarios": {}}
+    for name in names:
+        scn = SCENARIOS[name]
+        uris = ensure(scn.dataset, Path(args.data))
+        n_batches = args.batches or scn.batches
+        sample_bytes = int(np.prod(scn.sample_shape)) * numpy_dtype(scn.dtype).itemsize
+        print(f"\n== {name}: {scn.description}; {n_batches} batches of {scn.samples_per_batch}, {args.repeats} repeats")
+        verify(scn, scn.samples(uris, 2, seed=99), readers)
+        times: dict[str, list[float]] = {r: [] for r in readers}
+        cpu: dict[str, list[float]] = {r: [] for r in readers + ["decode-bound"]}
+        bound: list[float] = []
+        first: list[float] = []
+        extra = {}
+        for rep in range(args.repeats):
+            samples = scn.samples(uris, n_batches, seed=rep)
+            for r in readers:
+                c0 = _cpu()
+                out = runners.READERS[r](scn, samples)
+                cpu[r].append(_cpu() - c0)
+                times[r].append(out["seconds"])
+                if r == "damacy":
+                    first.append(out["first_batch_s"])
+                    extra = out["stats"]
+            b = runners.decode_bound(scn, samples)
+            cpu["decode-bound"].append(b["cpu_seconds"])  # the decode threads only
+            bound.append(b["seconds"])
+        n = n_batches * scn.samples_per_batch
+        rows = {}
+        ts_rate = n / statistics.median(times["tensorstore"]) if "tensorstore" in times else None
+        for r, ts_ in times.items():
+            med = statistics.median(ts_)
+            rate = n / med
+            rows[r] = {
+                "median_s": med,
+                "samples_per_s": rate,
+                "output_GBps": rate * sample_bytes / 1e9,
+                "vs_tensorstore": rate / ts_rate if ts_rate else None,
+                "runs_s": ts_,
+                "cpu_ms_per_sample": 1e3 * statistics.median(cpu[r]) / n,
+            }
+        bound_rate = n / statistics.median(bound)
+        rows["decode-bound"] = {
+            "median_s": statistics.median(bound),
+            "samples_per_s": bound_rate,
+            "output_GBps": bound_rate * sample_bytes / 1e9,
+            "vs_tensorstore": bound_rate / ts_rate if ts_rate else None,
+            "runs_s": bound,
+            "cpu_ms_per_sample": 1e3 * statistics.median(cpu["decode-bound"]) / n,
+        }
+        ts_cpu = rows["tensorstore"]["cpu_ms_per_sample"] if "tensorstore" in rows else None
+        print(f"{'reader':14} {'samples/s':>10} {'out GB/s':>9} {'x tensorstore':>14} {'median s':>9} {'cpu ms/sample':>14} {'cpu x ts':>9}")
+        for r, row in rows.items():
+            vs = f"{row['vs_tensorstore']:.2f}x" if row["vs_tensorstore"] else "-"
+            cvs = f"{ts_cpu / row['cpu_ms_per_sample']:.2f}x" if ts_cpu else "-"
+            print(
+                f"{r:14} {row['samples_per_s']:10.1f} {row['output_GBps']:9.3f} {vs:>14} {row['median_s']:9.3f}"
+                f" {row['cpu_ms_per_sample']:14.2f} {cvs:>9}"
+            )
+        if "damacy" in rows:
+            frac = rows["damacy"]["samples_per_s"] / bound_rate
+            print(f"damacy reaches {100 * frac:.0f}% of the decode bound; first batch after {statistics.median(first):.3f}s (median)")
+            rows["damacy"]["fraction_of_decode_bound"] = frac
+            rows["damacy"]["first_batch_s"] = statistics.median(first)
+            rows["damacy"]["last_stats"] = extra
+        results["scenarios"][name] = {"description": scn.description, "batches": n_batches, "samples": n, "repeats": args.repeats, "readers": rows}
+    out = Path(args.json) if args.json else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nresults: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
