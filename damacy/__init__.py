@@ -22,13 +22,34 @@ from damacy_client.batch import Batch, BatchInfo
 from damacy_protocol.config import Config
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_server.cpu import CpuExecutor, CpuLimits
-from damacy_server.pipeline import Pipeline, QueueLimits
+from damacy_client.client import RemotePipeline
+from damacy_server.pipeline import Pipeline as EmbeddedPipeline
+from damacy_server.pipeline import QueueLimits
 from damacy_server.plan import BatchSpec, ChunkPlanner, PlanLimits
 from damacy_server.read import open_array, read
 from damacy_server.resolve import MetadataCache, ZarrMetadata
 from damacy_server.store.file import FileMetadataReader, FileReader
 
 __version__ = "0.1.0"
+
+
+def Pipeline(config: Config | None = None, *, endpoint: str | None = None, **parts):  # noqa: N802 - a class to its users
+    """A streaming pipeline: embedded in this process, or run by damacyd.
+
+    ``Pipeline(config)`` runs the engine here; ``Pipeline(config, endpoint="ipc://...")``
+    (or with ``DAMACY_ENDPOINT`` set) is a client of the node's damacyd, with the same
+    behaviour. Composed from parts (``planner=..., executor=..., output=..., queues=...``)
+    it is always embedded.
+    """
+    import os
+
+    if endpoint is None and not parts:
+        endpoint = os.environ.get("DAMACY_ENDPOINT") or None
+    if endpoint is not None:
+        if parts:
+            raise InvalidArgument(f"a daemon pipeline takes a Config only, not {sorted(parts)}")
+        return RemotePipeline(config, endpoint)
+    return EmbeddedPipeline(config, **parts)
 
 __all__ = [
     "Batch",
@@ -44,6 +65,8 @@ __all__ = [
     "Pipeline",
     "PlanLimits",
     "QueueLimits",
+    "RemotePipeline",
+    "EmbeddedPipeline",
     "Sample",
     "BudgetExceeded",
     "DaemonUnavailable",

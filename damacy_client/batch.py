@@ -73,8 +73,10 @@ class _Lease:
 @dataclass(frozen=True)
 class BatchInfo:
     """What a batch holds: ``shape`` (samples first), ``dtype`` (damacy's name), ``device``
-    ("cpu" or "cuda:k"), ``batch_id`` (0, 1, ... in push order), ``samples``, and ``errors``:
-    (index in the batch, error) of samples that were filled instead of read."""
+    ("cpu" or "cuda:k"), ``batch_id`` (0, 1, ... in push order), ``samples``, ``errors``:
+    (index in the batch, error) of samples that were filled instead of read
+    (``on_error="fill"``), and ``skipped``: (sample, error) of samples dropped and replaced
+    while this batch was assembled (``on_error="skip"``)."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -82,6 +84,7 @@ class BatchInfo:
     batch_id: int
     samples: tuple[Any, ...]
     errors: tuple[tuple[int, SampleError], ...] = field(default=())
+    skipped: tuple[tuple[Any, SampleError], ...] = field(default=())
 
 
 class Batch:
@@ -162,6 +165,14 @@ class Batch:
 
     def __del__(self) -> None:
         self.release()
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def slot_index(self) -> int:
+        return self._live().index
 
     def __len__(self) -> int:
         return self.info.shape[0]

@@ -38,6 +38,8 @@ class Config:
     - ``prepared_batches``: batch slots (ready or being filled).
     - ``io_workers``, ``decode_workers``: threads reading and decoding (default: the CPUs).
     - ``array_cache_entries``, ``shard_index_cache_entries``: metadata cache bounds.
+    - ``chunk_cache_bytes``: decoded chunks kept for reuse across batches (LRU, 0: off;
+      beside ``max_memory_bytes``). A daemon has one cache for all its clients instead.
     - ``on_error``: ``"raise"`` a bad sample's error at the pop that would have held it,
       ``"fill"`` it with the fill value and list it in ``batch.info.errors``, or ``"skip"`` it.
     - ``out_of_bounds``: ``"pad"`` boxes that leave the array with its fill value, or ``"error"``.
@@ -57,6 +59,7 @@ class Config:
     decode_workers: int | None = None
     array_cache_entries: int = 256
     shard_index_cache_entries: int = 8192
+    chunk_cache_bytes: int = 0
     on_error: str = "raise"
     out_of_bounds: str = "pad"
     drop_last: bool = False
@@ -95,6 +98,7 @@ class Config:
         _check_int("decode_workers", self.decode_workers, 1)
         _check_int("array_cache_entries", self.array_cache_entries, 0)
         _check_int("shard_index_cache_entries", self.shard_index_cache_entries, 0)
+        _check_int("chunk_cache_bytes", self.chunk_cache_bytes, 0)
         if self.on_error not in ON_ERROR:
             raise InvalidArgument(f"Config.on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.out_of_bounds not in OUT_OF_BOUNDS:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import BudgetExceeded, InvalidArgument, SampleError
+from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
 from damacy_server.store.file import FileReader
@@ -30,8 +31,13 @@ MIN_INFLIGHT_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class CpuLimits:
+    """``max_memory_bytes``: batch slots plus chunk data in flight; ``decode_workers``:
+    decode threads (default: the CPUs); ``chunk_cache_bytes``: decoded chunks kept for
+    reuse across batches (LRU by bytes, 0: off; not part of ``max_memory_bytes``)."""
+
     max_memory_bytes: int = 2 << 30
     decode_workers: int | None = None
+    chunk_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.decode_workers is None:
@@ -40,6 +46,9 @@ class CpuLimits:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"CpuLimits.{name} must be an integer >= 1, got {v!r}")
+        v = self.chunk_cache_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidArgument(f"CpuLimits.chunk_cache_bytes must be an integer >= 0, got {v!r}")
 
 
 class MemoryBudget:
@@ -136,9 +145,10 @@ class _GroupState:
 class _Run:
     """The state of one batch plan being executed."""
 
-    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled")
+    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key")
 
-    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled) -> None:
+    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key) -> None:
+        self.key = key
         self.plan = plan
         self.views = views
         self.errors: dict[int, SampleError] = {}
@@ -161,6 +171,19 @@ class _Run:
             self.on_done(self.errors)
 
 
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    """A read-only array holding only its own bytes (a view into a larger read is copied)."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, (bytes, bytearray)) and len(base) == arr.nbytes or arr.flags.owndata:
+        out = arr.view()
+    else:
+        out = arr.copy()
+    out.flags.writeable = False
+    return out
+
+
 def _for_sample(err: SampleError, sample: Any) -> SampleError:
     e = type(err)(err.reason, uri=err.uri, path=err.path, chunk=err.chunk)
     e.__cause__ = err.__cause__
@@ -179,19 +202,37 @@ class CpuExecutor:
         self._decode = WorkerPool(self.limits.decode_workers, "damacy-decode")
         self._io_slots = threading.BoundedSemaphore(self.reader.max_inflight_reads)
         self._closed = False
+        self._slot_bytes = 0
+        self._slot_lock = threading.Lock()
+        self.chunk_cache: LRUCache[np.ndarray] | None = (
+            LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes)
+            if self.limits.chunk_cache_bytes
+            else None
+        )
 
     # -- memory -------------------------------------------------------------------
     def reserve_slots(self, nbytes: int, what: str) -> None:
         """Take ``nbytes`` for output slots for good; the rest is for chunk data in flight."""
-        need = self.budget.used + nbytes + MIN_INFLIGHT_BYTES
-        if need > self.budget.total or not self.budget.try_reserve_now(nbytes):
-            raise BudgetExceeded(
-                f"max_memory_bytes={self.budget.total} is too small: {what} need {nbytes} bytes plus at least "
-                f"{MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
-            )
+        with self._slot_lock:
+            need = self._slot_bytes + nbytes + MIN_INFLIGHT_BYTES
+            if need > self.budget.total or not self.budget.try_reserve_now(nbytes):
+                raise BudgetExceeded(
+                    f"max_memory_bytes={self.budget.total} is too small: {what} need {nbytes} bytes"
+                    + (f" (beside {self._slot_bytes} held by other slots)" if self._slot_bytes else "")
+                    + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight;"
+                    f" set max_memory_bytes >= {need}"
+                )
+            self._slot_bytes += nbytes
 
     def release_slots(self, nbytes: int) -> None:
+        with self._slot_lock:
+            self._slot_bytes -= nbytes
         self.budget.release(nbytes)
+
+    @property
+    def inflight_capacity(self) -> int:
+        """Bytes of chunk data that may be in flight at once (the budget beside the slots)."""
+        return self.budget.total - self._slot_bytes
 
     # -- execution ----------------------------------------------------------------
     def execute(
@@ -200,11 +241,14 @@ class CpuExecutor:
         targets: Sequence[np.ndarray],
         on_done: Callable[[dict[int, SampleError]], None],
         cancelled: Callable[[], bool] = lambda: False,
+        key: Any = None,
     ) -> None:
         """Assemble sample i of ``plan`` into ``targets[i]`` (a view of a batch slot).
 
         ``on_done(errors)`` is called once, from a worker thread (or this one), when every
-        read of the plan has been assembled; ``errors`` maps sample index → error.
+        read of the plan has been assembled; ``errors`` maps sample index → error. Tasks are
+        queued under ``key`` (one per pipeline), so pipelines sharing this executor take
+        turns.
         """
         views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
         t0 = time.perf_counter()
@@ -212,13 +256,16 @@ class CpuExecutor:
             views[s][...] = cast_fill(fill, views[s].dtype)
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
-        groups = self._fit(plan)
-        run = _Run(plan, views, on_done, cancelled)
-        run.pending = len(groups)
-        if not groups:
+        groups, cached = self._from_cache(plan.groups)
+        groups = self._fit(groups)
+        run = _Run(plan, views, on_done, cancelled, key)
+        run.pending = len(groups) + (1 if cached else 0)
+        if not run.pending:
             on_done(run.errors)
             return
-        inflight = self.budget.total - self.budget.used
+        if cached:
+            self._decode.submit(self._copy_cached, run, cached, key=key)
+        inflight = self.inflight_capacity
         for group in groups:
             need = group.reserve_nbytes
             if need > inflight:
@@ -236,13 +283,53 @@ class CpuExecutor:
                 run.group_done()
                 continue
             self._io_slots.acquire()
-            self._io.submit(self._read, run, group, need)
+            self._io.submit(self._read, run, group, need, key=key)
 
-    def _fit(self, plan: BatchPlan) -> list[ReadGroup]:
+    def _from_cache(self, groups: list[ReadGroup]) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
+        """Units found in the chunk cache leave their reads (which shrink or go)."""
+        if self.chunk_cache is None:
+            return groups, []
+        cached: list[tuple[UnitJob, np.ndarray]] = []
+        out: list[ReadGroup] = []
+        for g in groups:
+            rest = []
+            for u in g.units:
+                arr = self.chunk_cache.get((u.meta.root, u.unit))
+                if arr is None:
+                    rest.append(u)
+                else:
+                    cached.append((u, arr))
+            if len(rest) == len(g.units):
+                out.append(g)
+            elif rest:
+                if g.length < 0:
+                    out.append(ReadGroup(g.store, g.key, g.offset, g.length, rest))
+                else:
+                    start = min(u.offset for u in rest)
+                    end = max(u.offset + u.nbytes for u in rest)
+                    out.append(ReadGroup(g.store, g.key, start, end - start, rest))
+        return out, cached
+
+    def _copy_cached(self, run: _Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
+        t0 = time.perf_counter()
+        assembled = 0
+        try:
+            if run.cancelled() or self._closed:
+                return
+            with np.errstate(invalid="ignore", over="ignore"):
+                for u, arr in cached:
+                    for s, op in u.copies:
+                        target = run.views[s]
+                        assembled += op.apply(target, arr) * target.itemsize
+        finally:
+            self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
+            run.group_done()
+
+    def _fit(self, groups: list[ReadGroup]) -> list[ReadGroup]:
         """Merged reads too large for the in-flight budget are read unit by unit again."""
-        inflight = self.budget.total - self.budget.used
+        inflight = self.inflight_capacity
         out = []
-        for g in plan.groups:
+        for g in groups:
             if g.reserve_nbytes > inflight and len(g.units) > 1:
                 out.extend(ReadGroup(g.store, g.key, u.offset, u.nbytes, [u]) for u in g.units)
             else:
@@ -288,7 +375,7 @@ class CpuExecutor:
         state = _GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
         view = memoryview(data)
         for units in tasks:
-            self._decode.submit(self._decode_units, run, group, units, view, state)
+            self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key)
 
     def _decode_units(self, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview, state: _GroupState) -> None:
         decode_s = assemble_s = 0.0
@@ -309,6 +396,8 @@ class CpuExecutor:
                         run.fail({s for s, _ in u.copies}, e)
                         continue
                     t1 = time.perf_counter()
+                    if self.chunk_cache is not None:
+                        self.chunk_cache.put((u.meta.root, u.unit), _frozen(arr))
                     for s, op in u.copies:
                         target = run.views[s]
                         assembled += op.apply(target, arr) * target.itemsize

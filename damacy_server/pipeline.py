@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ class _Delivery:
     errors: list[tuple[int, SampleError]]
     error: BaseException | None = None  # raised by the pop that takes this delivery
     dtype: np.dtype | None = None
+    skipped: list[tuple[Any, SampleError]] = dataclasses.field(default_factory=list)
 
 
 class _Pending:
@@ -61,6 +63,7 @@ class _Pending:
         self.metas: list[Any] = [None] * len(samples)
         self.errors: dict[int, SampleError] = {}  # slot position -> error
         self.holes: list[int] = []  # positions whose sample failed, to refill (on_error="skip")
+        self.skipped: list[tuple[Any, SampleError]] = []  # (sample, error) dropped by on_error="skip"
         self.dtype: np.dtype | None = None  # the batch's numpy dtype
 
 
@@ -75,7 +78,11 @@ class Pipeline:
                 with batch:
                     x = torch.from_dlpack(batch)
 
-    or composed from parts (``planner``, ``executor``, ``output``, ``queues``).
+    or composed from parts (``planner``, ``executor``, ``output``, ``queues``). A planner and
+    an executor may be shared by several pipelines (the daemon's sessions do): each pipeline
+    reserves its own slots in the executor's memory budget and its tasks take turns with the
+    others'. ``slot_factory(index, nbytes)`` supplies the slots' memory (shared memory in
+    the daemon); by default they are ordinary host memory.
     """
 
     def __init__(
@@ -90,6 +97,8 @@ class Pipeline:
         out_of_bounds: str = "pad",
         drop_last: bool = False,
         pop_timeout_s: float | None = 600.0,
+        slot_factory: Callable[[int, int], np.ndarray] | None = None,
+        on_skip: Callable[[list[tuple[Any, SampleError]]], None] | None = None,
     ) -> None:
         if config is None:
             if output is None:
@@ -127,7 +136,11 @@ class Pipeline:
         if executor is None:
             executor = CpuExecutor(
                 FileReader(workers=config.io_workers),
-                CpuLimits(max_memory_bytes=config.max_memory_bytes, decode_workers=config.decode_workers),
+                CpuLimits(
+                    max_memory_bytes=config.max_memory_bytes,
+                    decode_workers=config.decode_workers,
+                    chunk_cache_bytes=config.chunk_cache_bytes,
+                ),
             )
         self.planner = planner
         self.executor = executor
@@ -154,6 +167,8 @@ class Pipeline:
         self._patches: deque[_Pending] = deque()
         self._dedup = 0
         self._merged = 0
+        self._slot_factory = slot_factory
+        self._on_skip = on_skip
         self._allocate_slots()
 
     # -- slots --------------------------------------------------------------------
@@ -172,7 +187,10 @@ class Pipeline:
         )
         self._slot_bytes = total
         for i in range(cfg.prepared_batches):
-            raw = np.zeros(per_slot, dtype=np.uint8)
+            if self._slot_factory is not None:
+                raw = self._slot_factory(i, per_slot)
+            else:
+                raw = np.empty(per_slot, dtype=np.uint8)
             raw.fill(0)  # touch every page now, so the first batches do not pay for page faults
             arr = raw.view(self._dtype).reshape(self._batch_shape) if self._dtype is not None else raw
             slot = Slot(arr, self._slot_freed, index=i)
@@ -312,7 +330,7 @@ class Pipeline:
         def done(errors: dict[int, SampleError]) -> None:
             self._executed(pending, positions, plan, {**plan.errors, **errors}, targets)
 
-        self.executor.execute(plan, targets, done, lambda: self._closed)
+        self.executor.execute(plan, targets, done, lambda: self._closed, key=id(self))
 
     def _batch_dtype(self, pending: _Pending, plan) -> np.dtype:
         if pending.dtype is None:
@@ -350,6 +368,10 @@ class Pipeline:
         and append the next samples of the input in their place."""
         holes = set(pending.holes)
         pending.holes = []
+        dropped = [(pending.samples[p], pending.errors[p]) for p in sorted(holes) if p in pending.errors]
+        pending.skipped.extend(dropped)
+        if self._on_skip is not None:
+            self._on_skip(dropped)
         keep = [p for p in range(len(pending.samples)) if p not in holes]
         view = self._slot_view(pending.slot, pending.dtype or np.dtype("float32"))
         for new, old in enumerate(keep):
@@ -377,14 +399,18 @@ class Pipeline:
         errors = sorted(pending.errors.items())
         if self.config.on_error == "raise" and errors:
             first = errors[0][1]
-            first.batch_errors = [e for _, e in errors]  # type: ignore[attr-defined]
+            # every failure of the batch, and every sample it consumed (good ones included)
+            first.batch_errors = [(pending.samples[p], e) for p, e in errors]  # type: ignore[attr-defined]
+            first.batch_samples = tuple(pending.samples)  # type: ignore[attr-defined]
             delivery = _Delivery(pending.batch_id, None, pending.samples, errors, error=first)
             pending.slot.release()
         elif not pending.samples:  # every sample was skipped and the input ran out
             delivery = _Delivery(pending.batch_id, None, [], [], error=_SKIPPED)
             pending.slot.release()
         else:
-            delivery = _Delivery(pending.batch_id, pending.slot, pending.samples, errors, dtype=pending.dtype)
+            delivery = _Delivery(
+                pending.batch_id, pending.slot, pending.samples, errors, dtype=pending.dtype, skipped=pending.skipped
+            )
         with self._cond:
             self._sample_errors += len(errors)
             self._ready[pending.batch_id] = delivery
@@ -442,6 +468,7 @@ class Pipeline:
             batch_id=delivery.batch_id,
             samples=tuple(delivery.samples),
             errors=tuple(delivery.errors),
+            skipped=tuple(delivery.skipped),
         )
         batch = Batch(slot, info, dtype, self._slot_view(slot, dtype))
         slot.release()  # the pipeline's hold; the batch holds its own
@@ -474,6 +501,11 @@ class Pipeline:
     def __iter__(self) -> Iterator[Batch]:
         return self.batches()
 
+    def outstanding(self) -> int:
+        """Samples pulled from the input and not yet popped (at most ``lookahead_samples``)."""
+        with self._cond:
+            return self._outstanding
+
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:
         """Stop: cancel work in flight and return the memory. Idempotent, never hangs."""
@@ -504,16 +536,20 @@ class Pipeline:
             pass
 
     # -- introspection ------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Per-stage time/bytes/counts, cache hits and misses, deduplicated chunks, merged
-        reads, memory and delivery counters."""
+    def counters(self) -> dict[str, int]:
+        """Batches and samples delivered, sample errors, samples pulled from the input."""
         with self._cond:
-            counters = {
+            return {
                 "batches": self._delivered_batches,
                 "samples": self._delivered_samples,
                 "sample_errors": self._sample_errors,
                 "samples_pulled": self._pulled,
             }
+
+    def stats(self) -> dict[str, Any]:
+        """Per-stage time/bytes/counts, cache hits and misses, deduplicated chunks, merged
+        reads, memory and delivery counters."""
+        counters = self.counters()
         return {
             "stages": self.executor.stats.snapshot(),
             "cache": self.planner.metadata.cache.stats(),

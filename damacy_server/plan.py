@@ -126,6 +126,8 @@ class ChunkPlanner:
         total = 0
         for i, sample in enumerate(samples):
             try:
+                if isinstance(sample, BadSample):
+                    raise sample.error
                 meta = self.metadata.array(sample.uri)
                 metas[i] = meta
                 axes = sample_axes(sample, meta, out_of_bounds)
@@ -207,6 +209,21 @@ def same_shape(shape: tuple[int, ...], sample_shape: tuple[int, ...]) -> bool:
     if shape == sample_shape:
         return True
     return tuple(n for n in shape if n != 1) == tuple(n for n in sample_shape if n != 1)
+
+
+class BadSample:
+    """A sample that was refused before planning (e.g. a path the daemon may not serve); its
+    pop reports ``error`` like any other bad sample."""
+
+    __slots__ = ("uri", "error", "description")
+
+    def __init__(self, uri: str, error: SampleError, description: str | None = None) -> None:
+        self.uri = uri
+        self.error = error
+        self.description = description or f"sample of {uri!r}"
+
+    def __repr__(self) -> str:
+        return self.description
 
 
 def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[AxisSelection]:

@@ -1,15 +1,17 @@
-"""A lean thread pool: daemon threads pulling callables from one queue.
+"""A lean thread pool: daemon threads taking callables from per-key queues, round robin.
 
 Lighter than ``concurrent.futures`` (no future per task): the engine submits thousands of
-small tasks per second and each task reports its own outcome.
+small tasks per second and each task reports its own outcome. Tasks are queued per key
+(one key per pipeline or daemon session) and workers take from the keys in turn, so one
+client with a deep queue cannot starve the others.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 log = logging.getLogger("damacy")
@@ -19,28 +21,50 @@ class WorkerPool:
     def __init__(self, workers: int, name: str) -> None:
         self.workers = workers
         self.name = name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[Hashable, deque] = {}
+        self._ring: deque[Hashable] = deque()  # keys with queued tasks, in turn order
+        self._cond = threading.Condition(threading.Lock())
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
         self._closed = False
 
     def _start(self) -> None:
-        with self._lock:
-            if self._threads or self._closed:
-                return
-            for i in range(self.workers):
-                t = threading.Thread(target=self._run, name=f"{self.name}-{i}", daemon=True)
-                t.start()
-                self._threads.append(t)
+        for i in range(self.workers):
+            t = threading.Thread(target=self._run, name=f"{self.name}-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        if not self._threads:
-            self._start()
-        self._queue.put((fn, args))
+    def submit(self, fn: Callable[..., Any], *args: Any, key: Hashable = None) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if not self._threads:
+                self._start()
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = deque()
+            if not q:
+                self._ring.append(key)
+            q.append((fn, args))
+            self._cond.notify()
+
+    def _take(self):
+        with self._cond:
+            while not self._ring:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            key = self._ring.popleft()
+            q = self._queues[key]
+            item = q.popleft()
+            if q:
+                self._ring.append(key)  # its next task waits for the other keys' turns
+            else:
+                del self._queues[key]
+            return item
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._take()
             if item is None:
                 return
             fn, args = item
@@ -49,13 +73,22 @@ class WorkerPool:
             except BaseException:  # a task must report its own errors; never kill the worker
                 log.exception("damacy: unhandled error in %s task", self.name)
 
+    def pending(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
+
     def close(self, timeout: float = 5.0) -> None:
-        with self._lock:
+        """Stop taking tasks; queued tasks are dropped (their owners are cancelled first)."""
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
+            dropped = [item for q in self._queues.values() for item in q]
+            self._queues.clear()
+            self._ring.clear()
+            self._cond.notify_all()
             threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
         for t in threads:
-            t.join(timeout)
+            if t is not threading.current_thread():
+                t.join(timeout)
+        del dropped

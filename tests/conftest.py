@@ -102,3 +102,24 @@ def conformance_dir() -> Path:
     if not (root / "EXPECTED.json").is_file():
         pytest.skip(f"conformance corpus not found at {root} (set DAMACY_CONFORMANCE to its folder)")
     return root
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory):
+    """A damacyd serving everything the tests write (the session's temporary folder)."""
+    from daemon_helpers import DaemonProcess
+
+    proc = DaemonProcess(tmp_path_factory.mktemp("damacyd"), [tmp_path_factory.getbasetemp()])
+    yield proc
+    assert proc.stop() == 0, proc.log_path.read_text()
+
+
+@pytest.fixture(params=["embedded", "daemon"])
+def make(request):
+    """Build a pipeline from a Config in each mode: in this process, or by damacyd."""
+    import damacy
+
+    if request.param == "embedded":
+        return lambda cfg: damacy.Pipeline(cfg)
+    endpoint = request.getfixturevalue("daemon").endpoint
+    return lambda cfg: damacy.Pipeline(cfg, endpoint=endpoint)

@@ -19,6 +19,7 @@ class CountingStore(FileStore):
     """A file store that records every read."""
 
     def __init__(self):
+        super().__init__()
         self.whole: list[str] = []
         self.ranges: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()

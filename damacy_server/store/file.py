@@ -6,21 +6,73 @@ of a file than asked, which matters for shards of hundreds of megabytes.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 
-from damacy_protocol.errors import StorageError
+from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server.store.base import ByteRange, Store
 
 _MISSING = (FileNotFoundError, NotADirectoryError)
+_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 class FileStore(Store):
-    """Reads files by absolute path."""
+    """Reads files by absolute path.
+
+    With ``roots`` set, only files inside those directories are read, after resolving
+    symlinks and ``..`` (a daemon reads files on behalf of its clients).
+    """
+
+    def __init__(self, roots: list[str] | None = None) -> None:
+        self.roots = None if roots is None else [os.path.realpath(r) for r in roots]
+        self._dirs_ok: dict[str, bool] = {}
+
+    def check_allowed(self, path: str) -> None:
+        """Refuse ``path`` unless it lies inside one of the roots (symlinks resolved)."""
+        if self.roots is None:
+            return
+        real = os.path.realpath(path)
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self.roots):
+            if not self.roots:
+                raise InvalidArgument("this damacyd serves no paths (start it with --allow-root DIR)", path=path)
+            raise InvalidArgument(f"{path} is outside the daemon's allowed roots ({', '.join(self.roots)})", path=path)
 
     def _open(self, key: str) -> int | None:
+        if self.roots is not None:
+            return self._open_rooted(key)
         try:
-            return os.open(key, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return os.open(key, _FLAGS)
+        except _MISSING:
+            return None
+        except OSError as e:
+            raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
+
+    def _open_rooted(self, key: str) -> int | None:
+        folder = os.path.dirname(key)
+        ok = self._dirs_ok.get(folder)
+        if ok is None:
+            try:
+                self.check_allowed(folder)
+                ok = True
+            except InvalidArgument:
+                ok = False
+            if len(self._dirs_ok) > 65536:
+                self._dirs_ok.clear()
+            self._dirs_ok[folder] = ok
+        if not ok:
+            self.check_allowed(folder)  # raises, naming the path
+        try:
+            return os.open(key, _FLAGS | os.O_NOFOLLOW)
+        except _MISSING:
+            return None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
+        # the file itself is a symlink: follow it only into an allowed root
+        self.check_allowed(key)
+        try:
+            return os.open(key, _FLAGS)
         except _MISSING:
             return None
         except OSError as e:
@@ -59,6 +111,8 @@ class FileStore(Store):
             os.close(fd)
 
     def size(self, key: str) -> int | None:
+        if self.roots is not None:
+            self.check_allowed(key)
         try:
             st = os.stat(key)
         except _MISSING:
@@ -68,6 +122,8 @@ class FileStore(Store):
         return st.st_size
 
     def exists(self, key: str) -> bool:
+        if self.roots is not None:
+            self.check_allowed(key)
         return os.path.isfile(key)
 
     def join(self, base: str, *parts: str) -> str:
@@ -94,10 +150,9 @@ class FileMetadataReader(FileStore):
     """The store used for ``zarr.json`` files and shard indexes; ``concurrency`` bounds how
     many of those reads run at once while planning."""
 
-    def __init__(self, concurrency: int = 64) -> None:
+    def __init__(self, concurrency: int = 64, roots: list[str] | None = None) -> None:
+        super().__init__(roots)
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-            from damacy_protocol.errors import InvalidArgument
-
             raise InvalidArgument(f"FileMetadataReader.concurrency must be an integer >= 1, got {concurrency!r}")
         self.concurrency = concurrency
 
@@ -106,9 +161,8 @@ class FileReader(FileStore):
     """The store used for chunk data: ``workers`` threads issue positional reads (the GIL is
     released while they wait) with at most ``max_inflight_reads`` queued at once."""
 
-    def __init__(self, workers: int = 8, max_inflight_reads: int = 4096) -> None:
-        from damacy_protocol.errors import InvalidArgument
-
+    def __init__(self, workers: int = 8, max_inflight_reads: int = 4096, roots: list[str] | None = None) -> None:
+        super().__init__(roots)
         for name, v in (("workers", workers), ("max_inflight_reads", max_inflight_reads)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"FileReader.{name} must be an integer >= 1, got {v!r}")

@@ -1,0 +1,151 @@
+"""``damacy``: talk to the node's damacyd — ping it, warm its caches, show its stats."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from damacy_protocol import messages as m
+from damacy_protocol.connection import error_from_wire
+from damacy_protocol.errors import DaemonUnavailable, DamacyError
+
+ENDPOINT = click.option("--endpoint", default=None, help="The daemon's endpoint (default: $DAMACY_ENDPOINT, else the default ipc socket).")
+
+
+def _connect(endpoint):
+    from damacy_client.client import Connection
+
+    try:
+        conn = Connection(endpoint, connect_timeout_s=5.0)
+        conn.call(lambda i: m.Attached(id=i), 5.0, "attach")
+        return conn
+    except DaemonUnavailable as e:
+        click.echo(f"damacy: {e}", err=True)
+        sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Control and inspect damacyd, the per-node damacy daemon."""
+
+
+@main.command()
+@ENDPOINT
+@click.option("--timeout", type=float, default=2.0, show_default=True)
+def ping(endpoint, timeout):
+    """Check that damacyd answers."""
+    from damacy_client.client import default_endpoint
+    from damacy_client.probe import ping as probe
+
+    endpoint = endpoint or default_endpoint()
+    t0 = time.perf_counter()
+    if not probe(endpoint, timeout):
+        click.echo(f"no damacyd answers at {endpoint}", err=True)
+        sys.exit(1)
+    click.echo(f"damacyd at {endpoint} answered in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+
+
+@main.command()
+@ENDPOINT
+@click.argument("uris", nargs=-1, required=True)
+@click.option("--shard-indexes", is_flag=True, help="Also read every shard index.")
+@click.option("--chunks", is_flag=True, help="Also decode every chunk into the daemon's chunk cache.")
+def warm(endpoint, uris, shard_indexes, chunks):
+    """Load arrays' metadata (and shard indexes, chunks) into the daemon's caches."""
+    conn = _connect(endpoint)
+    bar = None
+    state = {"done": 0}
+
+    def progress(msg):
+        nonlocal bar
+        if bar is None and msg.total:
+            bar = click.progressbar(length=msg.total, label="warming", file=sys.stderr)
+            bar.__enter__()
+        if bar is not None:
+            bar.update(msg.done - state["done"])
+            state["done"] = msg.done
+
+    try:
+        call = conn.request(lambda i: m.Warm(id=i, uris=list(uris), shard_indexes=shard_indexes, chunks=chunks), on_progress=progress)
+        reply = call.wait(None, "warm")
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+        conn.close()
+    if isinstance(reply, m.Failed):
+        click.echo(f"damacy: {error_from_wire(reply.error)}", err=True)
+        sys.exit(1)
+    click.echo(f"warmed {reply.arrays} array(s), {reply.shard_indexes} shard index(es), {reply.chunks} chunk(s)")
+    for e in reply.errors:
+        click.echo(f"  error: {error_from_wire(e)}", err=True)
+    if reply.errors:
+        sys.exit(1)
+
+
+def _fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def render(stats) -> str:
+    d = stats["daemon"]
+    lines = [f"damacyd pid {d['pid']} at {d['endpoint']}, up {d['uptime_s']:.0f} s, serving {', '.join(d['allow_roots']) or 'no paths'}"]
+    mem = stats["memory"]
+    lines.append(
+        f"memory: {_fmt_bytes(mem['in_use_bytes'])} in use of {_fmt_bytes(mem['budget_bytes'])} "
+        f"(slots {_fmt_bytes(mem['slot_bytes'])}, peak {_fmt_bytes(mem['peak_bytes'])}), chunk cache {_fmt_bytes(mem['chunk_cache_bytes'])}"
+    )
+    lines.append(f"{'stage':10} {'count':>10} {'seconds':>10} {'in':>12} {'out':>12}")
+    for name, s in stats["stages"].items():
+        lines.append(f"{name:10} {s['count']:10d} {s['seconds']:10.3f} {_fmt_bytes(s['bytes_in']):>12} {_fmt_bytes(s['bytes_out']):>12}")
+    caches = dict(stats["cache"])
+    if stats.get("chunk_cache"):
+        caches["chunks"] = stats["chunk_cache"]
+    for name, c in caches.items():
+        total = c["hits"] + c["misses"]
+        rate = f"{100 * c['hits'] / total:.1f}%" if total else "-"
+        lines.append(f"cache {name}: {c['entries']} entries, hit rate {rate} ({c['hits']} hits, {c['misses']} misses)")
+    sessions = [s for s in stats["sessions"] if not s.get("control")]
+    lines.append(f"sessions: {len(sessions)}")
+    for s in sessions:
+        lines.append(
+            f"  {s['session']} pid {s['pid']} rank {s['rank']}: {s['batches']} batches, {s['samples']} samples, "
+            f"{s['held_batches']} held, {s['samples_per_batch']} x {tuple(s['sample_shape'])} {s['dtype']}"
+        )
+    return "\n".join(lines)
+
+
+@main.command()
+@ENDPOINT
+@click.option("--json", "as_json", is_flag=True, help="Print the raw figures as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
+@click.option("--interval", type=float, default=2.0, show_default=True)
+def stats(endpoint, as_json, watch, interval):
+    """Per-stage timings, cache hit rates, sessions and memory of the daemon."""
+    conn = _connect(endpoint)
+    try:
+        while True:
+            try:
+                data = conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats
+            except DamacyError as e:
+                click.echo(f"damacy: {e}", err=True)
+                sys.exit(1)
+            if watch and not as_json:
+                click.clear()
+            click.echo(json.dumps(data, indent=2) if as_json else render(data))
+            if not watch:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The protocol as state machines, without I/O (in the manner of h11).
+
+:class:`ClientConnection` and :class:`ServerConnection` turn messages into bytes and bytes
+into messages, and check that each side keeps the contract: the version handshake comes
+first, every reply answers an outstanding request, nothing follows ``bye``. Transport
+(ZeroMQ) and threads live elsewhere; these classes are tested on their own.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from damacy_protocol import messages as m
+from damacy_protocol.errors import (
+    BudgetExceeded,
+    DaemonUnavailable,
+    DamacyError,
+    PipelineDrained,
+    ProtocolError,
+    SampleError,
+    from_wire,
+)
+
+_NON_SAMPLE: dict[str, type[BaseException]] = {
+    "PipelineDrained": PipelineDrained,
+    "BudgetExceeded": BudgetExceeded,
+    "DaemonUnavailable": DaemonUnavailable,
+    "ProtocolError": ProtocolError,
+    "DamacyError": DamacyError,
+    "TimeoutError": TimeoutError,
+}
+
+
+def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:
+    if isinstance(err, SampleError):
+        return m.WireError(
+            kind=type(err).__name__,
+            reason=err.reason,
+            uri=err.uri,
+            sample=err.sample,
+            path=err.path,
+            chunk=None if err.chunk is None else list(err.chunk),
+            seq=seq,
+        )
+    kind = type(err).__name__ if type(err).__name__ in _NON_SAMPLE else "DamacyError"
+    return m.WireError(kind=kind, reason=str(err) or type(err).__name__, seq=seq)
+
+
+def error_from_wire(w: m.WireError) -> BaseException:
+    cls = _NON_SAMPLE.get(w.kind)
+    if cls is not None:
+        return cls(w.reason)
+    return from_wire(
+        {"kind": w.kind, "reason": w.reason, "uri": w.uri, "sample": w.sample, "path": w.path, "chunk": w.chunk}
+    )
+
+
+class State(enum.Enum):
+    NEW = "new"  # nothing sent yet
+    HELLO_SENT = "hello-sent"
+    WELCOMED = "welcomed"  # slots known, not yet attached
+    READY = "ready"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+class ClientConnection:
+    """The client's side of one session."""
+
+    def __init__(self) -> None:
+        self.state = State.NEW
+        self._next_id = 1
+        self.pending: dict[int, type] = {}  # request id -> request type
+        self.welcome: m.Welcome | None = None
+
+    def _send(self, msg: Any) -> bytes:
+        self.pending[msg.id] = type(msg)
+        return m.encode(msg)
+
+    def new_id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    def hello(self, pid: int, rank: int | None, config: dict[str, Any]) -> bytes:
+        if self.state is not State.NEW:
+            raise ProtocolError(f"hello in state {self.state.value}")
+        self.state = State.HELLO_SENT
+        self.hello_id = self.new_id()
+        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=config))
+
+    def send(self, msg: Any) -> bytes:
+        """Encode a request (not ``Hello``) built with :meth:`new_id`."""
+        if isinstance(msg, m.Hello):
+            raise ProtocolError("use hello() for the handshake")
+        if isinstance(msg, m.Attached):
+            if self.state is not State.WELCOMED:
+                raise ProtocolError(f"attached in state {self.state.value}")
+            self.state = State.READY
+        elif isinstance(msg, m.Ping):
+            if self.state in (State.NEW, State.CLOSED):
+                raise ProtocolError(f"ping in state {self.state.value}")
+        elif self.state is not State.READY:
+            raise ProtocolError(f"{type(msg).__name__.lower()} before the session is ready (state {self.state.value})")
+        if isinstance(msg, m.Bye):
+            self.state = State.CLOSED
+        return self._send(msg)
+
+    def receive(self, data: bytes) -> m.DaemonMessage:
+        """Decode a daemon message and check that it answers a pending request."""
+        try:
+            msg = m.decode_daemon(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"malformed message from the daemon: {e}") from None
+        kind = self.pending.get(msg.reply_to)
+        if kind is None:
+            raise ProtocolError(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
+        if not isinstance(msg, (m.WarmProgress, m.Consumed)):  # progress comes before the answer
+            del self.pending[msg.reply_to]
+        if kind is m.Hello:
+            if isinstance(msg, m.Welcome):
+                if msg.version != m.PROTOCOL_VERSION:
+                    self.state = State.FAILED
+                    raise ProtocolError(
+                        f"the daemon speaks protocol version {msg.version}, this client {m.PROTOCOL_VERSION}"
+                    )
+                self.welcome = msg
+                self.state = State.WELCOMED
+            elif isinstance(msg, m.Failed):
+                self.state = State.FAILED
+            else:
+                raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
+        return msg
+
+
+class ServerConnection:
+    """The daemon's side of one session (one client identity)."""
+
+    def __init__(self) -> None:
+        self.state = State.NEW
+        self.hello: m.Hello | None = None
+
+    def receive(self, data: bytes) -> m.ClientMessage:
+        """Decode a client message and check it may come now; :class:`ProtocolError` says why
+        not (the daemon answers with it and carries on)."""
+        try:
+            msg = m.decode_client(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"malformed message: {e}") from None
+        if isinstance(msg, m.Hello):
+            if self.state is not State.NEW:
+                raise ProtocolError("hello twice in one session")
+            if msg.version != m.PROTOCOL_VERSION:
+                self.state = State.FAILED
+                raise ProtocolError(
+                    f"the client speaks protocol version {msg.version}, this daemon {m.PROTOCOL_VERSION}; "
+                    "install the same damacy version on both sides"
+                )
+            self.hello = msg
+            self.state = State.HELLO_SENT
+            return msg
+        if isinstance(msg, m.Ping) and self.state in (State.NEW, State.CLOSED, State.FAILED):
+            return msg  # a liveness probe needs no session
+        if self.state is State.NEW:
+            raise ProtocolError(f"{type(msg).__name__.lower()} before hello (unknown session: start a new Pipeline)")
+        if self.state in (State.CLOSED, State.FAILED):
+            raise ProtocolError(f"{type(msg).__name__.lower()} after the session ended")
+        if isinstance(msg, m.Attached):
+            if self.state is not State.WELCOMED:
+                raise ProtocolError("attached before welcome")
+            self.state = State.READY
+        elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.state is not State.READY:
+            raise ProtocolError(f"{type(msg).__name__.lower()} before the slots were attached")
+        elif isinstance(msg, m.Bye):
+            self.state = State.CLOSED
+        return msg
+
+    def welcome(self, msg: m.Welcome) -> bytes:
+        if self.state is not State.HELLO_SENT:
+            raise ProtocolError(f"welcome in state {self.state.value}")
+        self.state = State.WELCOMED
+        return m.encode(msg)
+
+    def reply(self, msg: Any) -> bytes:
+        return m.encode(msg)

@@ -1,0 +1,207 @@
+"""The messages between damacyd and its clients: msgspec Structs, msgpack on the wire.
+
+Every request carries an ``id``; every reply names the request it answers in ``reply_to``.
+The Structs are the single source of truth of the schema: a message that does not match
+them fails to decode with an error naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+#: bumped whenever a message changes incompatibly; checked at connect
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+# -- values inside messages -------------------------------------------------------------
+
+
+class WireAxis(msgspec.Struct, array_like=True):
+    """One axis of an index query: an index list, or a slice (start, stop, step)."""
+
+    indices: list[int] | None = None
+    start: int | None = None
+    stop: int | None = None
+    step: int | None = None
+
+
+class WireSample(msgspec.Struct, array_like=True):
+    """A Sample (``box`` set) or an IndexQuery (``index`` set), numbered by the client."""
+
+    seq: int
+    uri: str
+    box: list[tuple[int | None, int | None]] | None = None
+    index: list[WireAxis] | None = None
+
+
+class WireError(msgspec.Struct):
+    """An error as data: ``kind`` is the exception class name."""
+
+    kind: str
+    reason: str
+    uri: str | None = None
+    sample: str | None = None
+    path: str | None = None
+    chunk: list[int] | None = None
+    seq: int | None = None  # the sample's number, for sample errors
+
+
+class SlotInfo(msgspec.Struct):
+    """One batch slot: a shared-memory segment the client maps once per session."""
+
+    name: str
+    nbytes: int
+
+
+# -- client to daemon -------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    id: int
+    version: int
+    pid: int
+    rank: int | None
+    config: dict[str, Any]
+
+
+class Attached(_Msg, tag="attached"):
+    """The client has mapped every slot segment (the daemon may unlink their names)."""
+
+    id: int
+
+
+class Push(_Msg, tag="push"):
+    id: int
+    samples: list[WireSample]
+    final: bool = False  # the client's input is exhausted (until it pushes again)
+
+
+class Pop(_Msg, tag="pop"):
+    id: int
+    timeout_s: float | None = None
+    # the client has sent all it will push for now (the final push travels before this pop)
+    final: bool = False
+
+
+class Release(_Msg, tag="release"):
+    id: int
+    batch_id: int
+
+
+class Stats(_Msg, tag="stats"):
+    id: int
+
+
+class Warm(_Msg, tag="warm"):
+    id: int
+    uris: list[str]
+    shard_indexes: bool = False
+    chunks: bool = False
+
+
+class Ping(_Msg, tag="ping"):
+    id: int
+
+
+class Bye(_Msg, tag="bye"):
+    id: int
+
+
+# -- daemon to client -------------------------------------------------------------------
+
+
+class Welcome(_Msg, tag="welcome"):
+    reply_to: int
+    version: int
+    session: str
+    slots: list[SlotInfo]
+    dtype: str  # numpy dtype name of the slots' elements ("" when it is set per batch)
+    credits: int
+
+
+class Ack(_Msg, tag="ack"):
+    reply_to: int
+    credits: int
+
+
+class BatchReady(_Msg, tag="batch"):
+    reply_to: int
+    batch_id: int
+    slot: int
+    count: int
+    dtype: str
+    seqs: list[int]
+    errors: list[WireError]  # samples filled instead of read (on_error="fill")
+    skipped: list[WireError]  # samples dropped and replaced (on_error="skip")
+    credits: int
+
+
+class Consumed(_Msg, tag="consumed"):
+    """Progress of a pending pop: samples the daemon dropped (``on_error="skip"``), so the
+    client may push as many new ones (the pop stays pending)."""
+
+    reply_to: int
+    seqs: list[int]
+
+
+class Failed(_Msg, tag="failed"):
+    reply_to: int
+    error: WireError
+    credits: int = 0
+    consumed: list[int] = []  # samples used up by the failed batch (on_error="raise")
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    reply_to: int
+    stats: dict[str, Any]
+
+
+class WarmProgress(_Msg, tag="warm_progress"):
+    reply_to: int
+    done: int
+    total: int
+    item: str
+
+
+class WarmDone(_Msg, tag="warm_done"):
+    reply_to: int
+    arrays: int
+    shard_indexes: int
+    chunks: int
+    errors: list[WireError]
+
+
+class Pong(_Msg, tag="pong"):
+    reply_to: int
+    credits: int = 0
+
+
+class Goodbye(_Msg, tag="goodbye"):
+    reply_to: int
+
+
+ClientMessage = Union[Hello, Attached, Push, Pop, Release, Stats, Warm, Ping, Bye]
+DaemonMessage = Union[Welcome, Ack, BatchReady, Consumed, Failed, StatsReply, WarmProgress, WarmDone, Pong, Goodbye]
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_client(data: bytes) -> ClientMessage:
+    """A client message; ``msgspec.DecodeError``/``ValidationError`` name what is wrong."""
+    return _client_decoder.decode(data)
+
+
+def decode_daemon(data: bytes) -> DaemonMessage:
+    return _daemon_decoder.decode(data)

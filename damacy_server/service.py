@@ -1,0 +1,624 @@
+"""damacyd: one daemon per node serving every training rank over ZeroMQ.
+
+The daemon owns what ranks share: the metadata and shard-index caches, the decoded-chunk
+cache, the I/O and decode pools and the memory budget. Each client connection is a
+:class:`Session` with its own pipeline (queue, lookahead, error policy) and its own batch
+slots in POSIX shared memory; batches are handed over as (slot, batch id) and read in the
+client without a copy.
+
+Threads: one loop thread owns the ROUTER socket; other threads hand it replies through an
+outbox and a wake-up pipe. Each session has a pop thread (a pop may wait for its batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from damacy_client.batch import Batch
+from damacy_protocol import messages as m
+from damacy_protocol.config import Config
+from damacy_protocol.connection import ServerConnection, State, error_to_wire
+from damacy_protocol.errors import (
+    DamacyError,
+    InvalidArgument,
+    PipelineDrained,
+    ProtocolError,
+    SampleError,
+)
+from damacy_protocol.samples import IndexQuery, Sample
+from damacy_server.cpu import CpuExecutor, CpuLimits
+from damacy_server.endpoint import bind_socket, cleanup_endpoint
+from damacy_server.pipeline import Pipeline
+from damacy_server.plan import BadSample, ChunkPlanner, PlanLimits
+from damacy_server.resolve import MetadataCache, ZarrMetadata
+from damacy_server.shm import Segment, remove_stale
+from damacy_server.store import resolve_uri
+from damacy_server.store.file import FileMetadataReader, FileReader
+from damacy_server.warm import warm
+
+log = logging.getLogger("damacyd")
+
+
+@dataclass
+class DaemonOptions:
+    endpoint: str
+    allow_roots: list[str] = field(default_factory=list)
+    memory_bytes: int = 8 << 30
+    chunk_cache_bytes: int = 0
+    io_workers: int = max(4, os.cpu_count() or 1)
+    decode_workers: int = os.cpu_count() or 1
+    array_cache_entries: int = 1024
+    shard_index_cache_entries: int = 65536
+    socket_mode: int = 0o600
+    socket_group: str | None = None
+    curve_secret_key: bytes | None = None
+    heartbeat_timeout_s: float = 5.0
+
+
+class SampleFeed:
+    """The samples a client pushed, as an iterator the session's pipeline pulls from; it ends
+    when the client says its input is exhausted (``final``) or the session closes."""
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._head = 0
+        self._cond = threading.Condition()
+        self.final = False
+        self.closed = False
+
+    def put(self, samples: list[Any], final: bool) -> None:
+        with self._cond:
+            self._items.extend(samples)
+            self.final = self.final or final
+            self._cond.notify_all()
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._items) - self._head
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def __iter__(self) -> SampleFeed:
+        return self
+
+    def __next__(self) -> Any:
+        with self._cond:
+            while self._head >= len(self._items):
+                if self.final or self.closed:
+                    raise StopIteration
+                self._cond.wait(0.5)
+            item = self._items[self._head]
+            self._head += 1
+            if self._head > 4096 and self._head * 2 > len(self._items):
+                del self._items[: self._head]
+                self._head = 0
+            return item
+
+
+class Session:
+    """One client: its pipeline, its slots, the batches it holds."""
+
+    def __init__(self, daemon: Daemon, identity: bytes, conn: ServerConnection, hello: m.Hello) -> None:
+        self.daemon = daemon
+        self.identity = identity
+        self.conn = conn
+        self.pid = hello.pid
+        self.rank = hello.rank
+        self.sid = uuid.uuid4().hex[:12]
+        self.last_seen = time.monotonic()
+        self.pid_visible = _pid_alive(hello.pid)
+        self.segments: list[Segment] = []
+        self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
+        self.lent: dict[int, Batch] = {}
+        self.feed: SampleFeed | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        self.delivered_batches = 0
+        self.delivered_samples = 0
+        config = dict(hello.config)
+        self.config: Config | None = None
+        self.pipeline: Pipeline | None = None  # a control session (the CLI) has none
+        if config:
+            if config.get("device") is not None:
+                raise InvalidArgument(f"Config.device={config['device']}: this damacyd serves host memory only")
+            self.config = Config.from_dict(config)
+            try:
+                self.pipeline = Pipeline(
+                    self.config,
+                    planner=daemon.planner,
+                    executor=daemon.executor,
+                    slot_factory=self._new_slot,
+                    on_skip=self._on_skip,
+                )
+            except BaseException:
+                for seg in self.segments:
+                    seg.close()
+                raise
+        self._pushed = threading.Condition()  # notified on every push
+        self._pushes = 0  # pushes received
+        self._final_at = -1  # the number of the last push that said the input was final
+        self._pop_id: int | None = None  # the pop being answered now
+        self._dropped: list[int] = []  # skipped samples not yet reported to the client
+        self._pops: queue.SimpleQueue = queue.SimpleQueue()
+        self._popper = threading.Thread(target=self._pop_loop, name=f"damacyd-pop-{self.sid}", daemon=True)
+        self._popper.start()
+
+    def _on_skip(self, dropped: list[tuple[Any, SampleError]]) -> None:
+        """Skipped samples free credits at once (their batch may wait for replacements)."""
+        with self._lock:
+            self._dropped.extend(self.seqs.get(id(s), -1) for s, _ in dropped)
+            self._report_dropped()
+
+    def _report_dropped(self) -> None:
+        """Called with the lock held: tell the waiting pop which samples were dropped."""
+        if self._dropped and self._pop_id is not None:
+            self.reply(m.Consumed(reply_to=self._pop_id, seqs=self._dropped))
+            self._dropped = []
+
+    def _new_slot(self, index: int, nbytes: int) -> np.ndarray:
+        seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes)
+        self.segments.append(seg)
+        return seg.array
+
+    def welcome(self, reply_to: int) -> m.Welcome:
+        if self.pipeline is None:
+            return m.Welcome(reply_to=reply_to, version=m.PROTOCOL_VERSION, session=self.sid, slots=[], dtype="", credits=0)
+        dtype = "" if self.config.dtype == "native" else self.pipeline._dtype.name
+        return m.Welcome(
+            reply_to=reply_to,
+            version=m.PROTOCOL_VERSION,
+            session=self.sid,
+            slots=[m.SlotInfo(seg.name, seg.nbytes) for seg in self.segments],
+            dtype=dtype,
+            credits=self.config.lookahead_samples,
+        )
+
+    def credits(self) -> int:
+        if self.pipeline is None:
+            return 0
+        queued = self.feed.queued() if self.feed is not None else 0
+        return max(0, self.config.lookahead_samples - queued - self.pipeline.outstanding())
+
+    # -- requests -------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        self.last_seen = time.monotonic()
+        if isinstance(msg, m.Attached):
+            for seg in self.segments:
+                seg.unlink()  # the client has mapped them; nothing is left in /dev/shm
+            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+        elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.pipeline is None:
+            self.fail(msg.id, InvalidArgument("this session was opened without a Config: it has no pipeline"))
+        elif isinstance(msg, m.Push):
+            self._push(msg)
+        elif isinstance(msg, m.Pop):
+            self._pops.put(msg)
+        elif isinstance(msg, m.Release):
+            with self._lock:
+                batch = self.lent.pop(msg.batch_id, None)
+            if batch is None:
+                self.fail(msg.id, InvalidArgument(f"batch {msg.batch_id} is not held by this session"))
+                return
+            batch.release()
+            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+        elif isinstance(msg, m.Stats):
+            self.reply(m.StatsReply(reply_to=msg.id, stats=self.daemon.stats(session=self)))
+        elif isinstance(msg, m.Warm):
+            self.daemon.start_warm(self, msg)
+        elif isinstance(msg, m.Ping):
+            self.reply(m.Pong(reply_to=msg.id, credits=self.credits()))
+        elif isinstance(msg, m.Bye):
+            self.reply(m.Goodbye(reply_to=msg.id))
+            self.daemon.end_session(self, "said bye")
+        else:  # pragma: no cover - the connection lets nothing else through
+            self.fail(getattr(msg, "id", -1), ProtocolError(f"unexpected {type(msg).__name__}"))
+
+    def _push(self, msg: m.Push) -> None:
+        samples = []
+        for w in msg.samples:
+            sample = self.daemon.to_sample(w)
+            self.seqs[id(sample)] = w.seq
+            samples.append(sample)
+        if self.feed is None or (self.feed.final and msg.samples):
+            self.feed = SampleFeed()
+            self.feed.put(samples, msg.final)
+            self.pipeline.push(self.feed)
+        else:
+            self.feed.put(samples, msg.final)
+        with self._pushed:
+            self._pushes += 1
+            if msg.final:
+                self._final_at = self._pushes
+            self._pushed.notify_all()
+        self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+
+    def _input_final(self) -> bool:
+        """Has the client said that everything it will push (for now) is pushed?"""
+        return self.feed is not None and self.feed.final
+
+    def _pop_loop(self) -> None:
+        while True:
+            msg = self._pops.get()
+            if msg is None or self.closed:
+                return
+            deadline = None if msg.timeout_s is None else time.monotonic() + msg.timeout_s
+            batch = None
+            with self._lock:
+                self._pop_id = msg.id
+                self._report_dropped()
+            pushes_before = self._pushes
+            while batch is None and not self.closed:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    batch = self.pipeline.pop(timeout=left)
+                except PipelineDrained as e:
+                    if self.closed:
+                        return
+                    # drained, if the client said its input was final with this pop or since
+                    if self._input_final() and (msg.final or self._final_at > pushes_before):
+                        self.fail(msg.id, e)
+                        break
+                    # the client's samples may still be on their way (its pushes and pops
+                    # travel separately): wait for them instead of calling the stream over
+                    if left is not None and left <= 0:
+                        self.fail(msg.id, TimeoutError(f"no batch within {msg.timeout_s} s: waiting for the client to push samples"))
+                        break
+                    with self._pushed:
+                        self._pushed.wait(0.2 if left is None else min(0.2, left))
+                    continue
+                except SampleError as e:
+                    consumed = [self._seq(s) for s in getattr(e, "batch_samples", ())]
+                    err = error_to_wire(e, seq=self._seq(_first_failed(e)))
+                    self.reply(m.Failed(reply_to=msg.id, error=err, credits=self.credits(), consumed=consumed))
+                    break
+                except BaseException as e:  # TimeoutError, or a failure of the batch itself
+                    self.fail(msg.id, e)
+                    break
+            with self._lock:
+                self._pop_id = None
+            if batch is None:
+                continue
+            info = batch.info
+            with self._lock:
+                if self.closed:
+                    batch.release()
+                    return
+                self.lent[info.batch_id] = batch
+                self.delivered_batches += 1
+                self.delivered_samples += len(info.samples)
+            errors = [error_to_wire(err, seq=self.seqs.get(id(info.samples[i]))) for i, err in info.errors]
+            skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in info.skipped]  # seqs reported before
+            seqs = [self._seq(s) for s in info.samples]
+            self.reply(
+                m.BatchReady(
+                    reply_to=msg.id,
+                    batch_id=info.batch_id,
+                    slot=batch.slot_index,
+                    count=len(info.samples),
+                    dtype=batch.numpy_dtype.name,
+                    seqs=seqs,
+                    errors=errors,
+                    skipped=skipped,
+                    credits=self.credits(),
+                )
+            )
+
+    def _seq(self, sample: Any) -> int:
+        return self.seqs.pop(id(sample), -1)
+
+    def reply(self, msg: Any) -> None:
+        self.daemon.post(self.identity, self.conn.reply(msg))
+
+    def fail(self, reply_to: int, err: BaseException) -> None:
+        self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err), credits=self.credits() if not self.closed else 0))
+
+    # -- liveness ---------------------------------------------------------------------
+    def dead(self, now: float, timeout: float) -> str | None:
+        if self.pid_visible and not _pid_alive(self.pid):
+            return f"client process {self.pid} is gone"
+        if now - self.last_seen > timeout:
+            return f"no message from the client for {now - self.last_seen:.1f} s"
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            lent = list(self.lent.values())
+            self.lent.clear()
+        if self.feed is not None:
+            self.feed.close()
+        self._pops.put(None)
+        for batch in lent:
+            batch.release()
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self._popper.join(2.0)
+        for seg in self.segments:
+            seg.close()
+        self.seqs.clear()
+
+    def describe(self) -> dict[str, Any]:
+        if self.config is None:
+            return {"session": self.sid, "pid": self.pid, "rank": self.rank, "control": True}
+        counters = self.pipeline.counters()
+        return {
+            "session": self.sid,
+            "pid": self.pid,
+            "rank": self.rank,
+            "batches": self.delivered_batches,
+            "samples": self.delivered_samples,
+            "sample_errors": counters["sample_errors"],
+            "samples_pulled": counters["samples_pulled"],
+            "held_batches": len(self.lent),
+            "slot_bytes": sum(s.nbytes for s in self.segments),
+            "samples_per_batch": self.config.samples_per_batch,
+            "sample_shape": list(self.config.sample_shape),
+            "dtype": self.config.dtype,
+        }
+
+
+def _first_failed(err: SampleError) -> Any:
+    pairs = getattr(err, "batch_errors", None)
+    return pairs[0][0] if pairs else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Daemon:
+    """The damacyd process: sockets, sessions, the shared engine."""
+
+    def __init__(self, options: DaemonOptions) -> None:
+        self.options = options
+        self.started = time.time()
+        remove_stale(log.info)
+        roots = [os.path.realpath(r) for r in options.allow_roots]
+        self.roots = roots
+        if not roots:
+            log.warning("no --allow-root given: every sample will be refused until damacyd serves a directory")
+        self.metadata = ZarrMetadata(
+            FileMetadataReader(concurrency=64, roots=roots),
+            MetadataCache(options.array_cache_entries, options.shard_index_cache_entries),
+        )
+        self.planner = ChunkPlanner(self.metadata, PlanLimits())
+        self.executor = CpuExecutor(
+            FileReader(workers=options.io_workers, roots=roots),
+            CpuLimits(
+                max_memory_bytes=options.memory_bytes,
+                decode_workers=options.decode_workers,
+                chunk_cache_bytes=options.chunk_cache_bytes,
+            ),
+        )
+        self.sessions: dict[bytes, Session] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stop = threading.Event()
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bind_socket(self.socket, options)
+        self.endpoint = options.endpoint
+        self.malformed = 0
+
+    # -- plumbing -----------------------------------------------------------------
+    def post(self, identity: bytes, payload: bytes) -> None:
+        """Queue a message for a client (from any thread)."""
+        self._outbox.put((identity, payload))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the loop is already being woken
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_check = time.monotonic() + 0.5
+        log.info("damacyd serving %s (pid %d)", self.endpoint, os.getpid())
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(250))
+                if self.socket in events:
+                    self._receive_all()
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                self._flush()
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + 0.5
+                    self._check_liveness(now)
+        finally:
+            self.shutdown()
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.malformed += 1
+                log.warning("dropped a message of %d frames", len(frames))
+                continue
+            identity, data = frames
+            try:
+                self._handle(identity, data)
+            except Exception:  # one bad request never takes the daemon down
+                log.exception("error handling a request")
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                identity, payload = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # the peer is gone (or its queue is full)
+                log.debug("dropped a reply to a gone client: %s", e)
+
+    def _handle(self, identity: bytes, data: bytes) -> None:
+        session = self.sessions.get(identity)
+        conn = session.conn if session is not None else ServerConnection()
+        try:
+            msg = conn.receive(data)
+        except ProtocolError as e:
+            self.malformed += 1
+            log.warning("protocol error from a client: %s", e)
+            self.post(identity, m.encode(m.Failed(reply_to=_request_id(data), error=error_to_wire(e))))
+            if conn.state is State.FAILED and session is not None:
+                self.end_session(session, "protocol version mismatch")
+            return
+        if session is None and isinstance(msg, m.Ping):
+            self.post(identity, m.encode(m.Pong(reply_to=msg.id)))
+            return
+        if session is None:
+            assert isinstance(msg, m.Hello)
+            try:
+                session = Session(self, identity, conn, msg)
+            except DamacyError as e:
+                log.warning("refused a session of pid %d: %s", msg.pid, e)
+                self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(e))))
+                return
+            self.sessions[identity] = session
+            log.info("session %s: pid %s rank %s", session.sid, msg.pid, msg.rank)
+            self.post(identity, conn.welcome(session.welcome(msg.id)))
+            return
+        session.handle(msg)
+
+    def _check_liveness(self, now: float) -> None:
+        for session in list(self.sessions.values()):
+            why = session.dead(now, self.options.heartbeat_timeout_s)
+            if why:
+                self.end_session(session, why)
+
+    def end_session(self, session: Session, why: str) -> None:
+        if self.sessions.get(session.identity) is session:
+            del self.sessions[session.identity]
+        log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why)
+        threading.Thread(target=session.close, name=f"damacyd-close-{session.sid}", daemon=True).start()
+
+    def shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            session.close()
+        self.sessions.clear()
+        self.executor.close()
+        self.socket.close(0)
+        self.ctx.term()
+        cleanup_endpoint(self.options)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        log.info("damacyd stopped")
+
+    # -- services -------------------------------------------------------------------
+    def to_sample(self, w: m.WireSample) -> Any:
+        """A wire sample as a Sample/IndexQuery; one that may not be served becomes a
+        :class:`BadSample` whose error its pop reports."""
+        try:
+            self.metadata.reader.check_allowed(resolve_uri(w.uri)[1])
+            if w.box is not None:
+                return Sample(w.uri, [tuple(e) for e in w.box])
+            if w.index is not None:
+                axes = [
+                    slice(a.start, a.stop, a.step) if a.indices is None else a.indices for a in w.index
+                ]
+                return IndexQuery(w.uri, tuple(axes))
+            raise InvalidArgument("a sample needs a box or an index selection", uri=w.uri)
+        except SampleError as e:
+            box = "" if w.box is None else ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b in w.box)
+            what = f"Sample({w.uri!r}, [{box}])" if w.box is not None else f"IndexQuery({w.uri!r}, ...)"
+            return BadSample(w.uri, e.with_context(uri=w.uri), what)
+
+    def start_warm(self, session: Session, msg: m.Warm) -> None:
+        def run() -> None:
+            def progress(done: int, total: int, item: str) -> None:
+                session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
+
+            result = warm(self, msg.uris, msg.shard_indexes, msg.chunks, progress)
+            session.reply(
+                m.WarmDone(
+                    reply_to=msg.id,
+                    arrays=result["arrays"],
+                    shard_indexes=result["shard_indexes"],
+                    chunks=result["chunks"],
+                    errors=[error_to_wire(e) for e in result["errors"]],
+                )
+            )
+
+        threading.Thread(target=run, name=f"damacyd-warm-{session.sid}", daemon=True).start()
+
+    def stats(self, session: Session | None = None) -> dict[str, Any]:
+        ex = self.executor
+        out = {
+            "daemon": {
+                "pid": os.getpid(),
+                "endpoint": self.endpoint,
+                "uptime_s": time.time() - self.started,
+                "allow_roots": self.roots,
+                "malformed_messages": self.malformed,
+            },
+            "stages": ex.stats.snapshot(),
+            "cache": self.metadata.cache.stats(),
+            "chunk_cache": ex.chunk_cache.stats() if ex.chunk_cache is not None else None,
+            "memory": {
+                "budget_bytes": ex.budget.total,
+                "slot_bytes": ex.budget.total - ex.inflight_capacity,
+                "in_use_bytes": ex.budget.used,
+                "peak_bytes": ex.budget.peak,
+                "chunk_cache_bytes": ex.chunk_cache.nbytes if ex.chunk_cache is not None else 0,
+            },
+            "sessions": [s.describe() for s in list(self.sessions.values())],
+        }
+        if session is not None:
+            out["session"] = session.describe()
+        return out
+
+
+def _request_id(data: bytes) -> int:
+    """The id of a request that failed to decode, when it can be found (else -1)."""
+    try:
+        import msgspec
+
+        raw = msgspec.msgpack.decode(data)
+        value = raw.get("id") if isinstance(raw, dict) else None
+        return value if isinstance(value, int) else -1
+    except Exception:  # noqa: BLE001 - not even msgpack
+        return -1

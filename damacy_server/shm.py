@@ -1,0 +1,90 @@
+"""POSIX shared-memory segments for batch slots (files under /dev/shm).
+
+Segment names carry the daemon's pid: ``damacy-<pid>-<session>-<slot>``. The daemon unlinks
+a segment's name as soon as its client has mapped it (the memory lives on while mapped), at
+session end at the latest, and a starting daemon removes the segments of dead predecessors,
+so no segment outlives its daemon.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+PREFIX = "damacy-"
+_NAME = re.compile(r"^damacy-(\d+)-[0-9a-f]+-\d+$")
+
+
+class Segment:
+    """A segment this process created and maps."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.linked = True
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid). Idempotent."""
+        if self.linked:
+            self.linked = False
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+
+
+def remove_stale(log=None) -> list[str]:
+    """Unlink segments whose daemon process is gone; returns their names."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        match = _NAME.match(name)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed and log is not None:
+        log(f"removed {len(removed)} stale shared-memory segment(s) of dead damacyd processes")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,81 @@
+"""Warming the daemon's caches: array metadata, shard indexes, and (optionally) chunks."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import DamacyError, SampleError
+from damacy_server.decode import check_length, decode_unit
+from damacy_server.store import resolve_uri
+
+#: units located (and read) per step, so progress moves and memory stays small
+STEP = 256
+
+
+def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progress: Callable[[int, int, str], None]) -> dict[str, Any]:
+    """Load ``uris``' metadata (and shard indexes, and decoded chunks into the chunk cache).
+
+    ``progress(done, total, item)`` is called as arrays and chunk batches complete. Errors
+    are collected per array, not raised."""
+    out: dict[str, Any] = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": []}
+    metas = []
+    for uri in uris:
+        try:
+            daemon.metadata.reader.check_allowed(resolve_uri(uri)[1])
+            metas.append(daemon.metadata.array(uri))
+            out["arrays"] += 1
+        except SampleError as e:
+            out["errors"].append(e)
+    cache = daemon.executor.chunk_cache
+    if chunks and cache is None:
+        out["errors"].append(DamacyError("--chunks needs a chunk cache (start damacyd with --chunk-cache BYTES)"))
+        chunks = False
+    total = sum(int(np.prod(meta.layout.grid, dtype=np.int64)) for meta in metas) if (shard_indexes or chunks) else len(metas)
+    done = 0
+    progress(done, total, "")
+    if not (shard_indexes or chunks):
+        progress(len(metas), len(metas), "metadata")
+        return out
+    for meta in metas:
+        before = daemon.metadata.cache.shard_indexes.misses
+        grid = meta.layout.grid
+        every = itertools.product(*(range(n) for n in grid))
+        while True:
+            units = list(itertools.islice(every, STEP))
+            if not units:
+                break
+            arr = np.array(units, dtype=np.int64).reshape(len(units), meta.ndim)
+            try:
+                locs = daemon.metadata.locate(meta, arr)
+                if chunks:
+                    out["chunks"] += _load_chunks(meta, units, locs, cache)
+                out["errors"].extend(locs.errors.values())
+            except SampleError as e:
+                out["errors"].append(e)
+            done += len(units)
+            progress(done, total, meta.uri)
+        out["shard_indexes"] += daemon.metadata.cache.shard_indexes.misses - before
+    return out
+
+
+def _load_chunks(meta, units, locs, cache) -> int:
+    n = 0
+    for k, unit in enumerate(units):
+        if locs.missing[k] or k in locs.errors:
+            continue
+        key = locs.keys[k]
+        offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
+        data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
+        if data is None:
+            continue
+        check_length(meta, data, nbytes, unit, key)
+        arr = decode_unit(meta, data, unit, key)
+        arr = np.array(arr)
+        arr.flags.writeable = False
+        cache.put((meta.root, unit), arr)
+        n += 1
+    return n
