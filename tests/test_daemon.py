@@ -1,0 +1,328 @@
+"""damacyd with real processes: real daemons, real client processes, real sockets and shm."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, damacyd_command, shm_segments
+from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
+
+import damacy
+from damacy_protocol import messages as m
+
+LE = BytesCodec(endian="little")
+SHAPE = (64, 48, 40)
+BOX = (8, 12, 10)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("daemon-data")
+    write_array(
+        root / "vol.zarr",
+        random_data(SHAPE, "uint16", 11),
+        chunks=(32, 24, 20),
+        serializer=ShardingCodec(chunk_shape=(8, 12, 10), codecs=[LE, ZstdCodec(level=1)]),
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def cached_daemon(tmp_path_factory, data):
+    proc = DaemonProcess(tmp_path_factory.mktemp("cached"), [data], ["--chunk-cache", "64M", "--memory", "256M"])
+    yield proc
+    assert proc.stop() == 0, proc.log_path.read_text()
+
+
+def stats(endpoint) -> dict:
+    out = subprocess.run(["damacy", "stats", "--json", "--endpoint", endpoint], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(predicate, timeout=15.0, what="condition"):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- client processes (spawned, as torchrun starts ranks) ------------------------------
+
+
+def _client(endpoint, uri, starts, queue):
+    import numpy as np
+    import zarr
+
+    import damacy
+
+    try:
+        oracle = zarr.open_array(uri, mode="r")
+        cfg = damacy.Config(samples_per_batch=3, sample_shape=BOX, dtype="f32", pop_timeout_s=60)
+        checked = 0
+        with damacy.Pipeline(cfg, endpoint=endpoint) as pipe:
+            pipe.push(damacy.Sample(uri, tuple((a, a + n) for a, n in zip(s, BOX))) for s in starts)
+            for batch in pipe.batches():
+                with batch:
+                    x = np.from_dlpack(batch)
+                    for j, sample in enumerate(batch.info.samples):
+                        want = oracle[tuple(slice(a, b) for a, b in sample.aabb)].astype("f4")
+                        if not np.array_equal(x[j], want):
+                            queue.put(("mismatch", str(sample)))
+                            return
+                        checked += 1
+        queue.put(("ok", checked))
+    except BaseException as e:  # report everything to the test
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("clients", [1, 2, 4])
+def test_several_client_processes_share_the_daemon(cached_daemon, data, clients):
+    uri = str(data / "vol.zarr")
+    rng = np.random.default_rng(clients)
+    shared = [tuple(int(v) for v in rng.integers(0, 20, size=3)) for _ in range(6)]  # every client reads these
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    before = stats(cached_daemon.endpoint)["chunk_cache"]["hits"]
+    procs = []
+    for k in range(clients):
+        own = [tuple(int(v) for v in rng.integers(0, 30, size=3)) for _ in range(7)]
+        p = ctx.Process(target=_client, args=(cached_daemon.endpoint, uri, own + shared, queue))
+        p.start()
+        procs.append(p)
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(r[0] == "ok" for r in results), results
+    assert sum(r[1] for r in results) == clients * 13
+    after = stats(cached_daemon.endpoint)
+    if clients > 1:
+        assert after["chunk_cache"]["hits"] > before  # the overlap was decoded once
+    assert wait_for(lambda: not [s for s in stats(cached_daemon.endpoint)["sessions"] if not s.get("control")], what="sessions to end")
+
+
+# -- liveness ----------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time, numpy as np, damacy
+endpoint, uri = sys.argv[1], sys.argv[2]
+cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 12, 10), dtype="f32")
+pipe = damacy.Pipeline(cfg, endpoint=endpoint)
+pipe.push(damacy.Sample(uri, np.s_[i % 50 : i % 50 + 8, 0:12, 0:10]) for i in range(10**9))
+batch = pipe.pop()
+x = np.from_dlpack(batch)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_clients_are_reclaimed(tmp_path, data):
+    proc = DaemonProcess(tmp_path, [data], ["--memory", "256M"])
+    try:
+        uri = str(data / "vol.zarr")
+        base = stats(proc.endpoint)["memory"]["in_use_bytes"]
+        for _ in range(20):
+            client = subprocess.Popen([sys.executable, "-c", HOLDER, proc.endpoint, uri], stdout=subprocess.PIPE, text=True)
+            assert client.stdout.readline().strip() == "holding"  # a batch is held, more are in flight
+            client.kill()  # kill -9, mid-stream
+            client.wait()
+        wait_for(
+            lambda: not [x for x in stats(proc.endpoint)["sessions"] if not x.get("control")],
+            timeout=20,
+            what="dead sessions to be reclaimed",
+        )
+        s = stats(proc.endpoint)
+        assert s["memory"]["in_use_bytes"] == base, s["memory"]
+        assert shm_segments(proc.pid) == []
+        # and it still serves
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=30)
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push([damacy.Sample(uri, np.s_[0:8, 0:12, 0:10])])
+            with pipe.pop() as b:
+                assert b.info.shape == (1, *BOX)
+    finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
+    assert shm_segments(proc.pid) == []
+
+
+def test_killed_daemon_is_reported_and_replaced(tmp_path, data):
+    uri = str(data / "vol.zarr")
+    proc = DaemonProcess(tmp_path, [data])
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=60)
+    pipe = damacy.Pipeline(cfg, endpoint=proc.endpoint)
+    pipe.push(damacy.Sample(uri, np.s_[i % 50 : i % 50 + 8, 0:12, 0:10]) for i in range(10**9))
+    pipe.pop().release()
+    dead_pid = proc.pid
+    proc.kill()
+    t0 = time.monotonic()
+    with pytest.raises(damacy.DaemonUnavailable):
+        while True:  # batches already delivered may still come; then the loss shows
+            pipe.pop().release()
+    assert time.monotonic() - t0 < 10
+    pipe.close()
+    # a segment left by a dead daemon (as if it died before its client mapped it)
+    stale = Path("/dev/shm") / f"damacy-{dead_pid}-deadbeef0000-0"
+    stale.write_bytes(b"\0" * 64)
+    replacement = DaemonProcess(tmp_path, [data])  # same endpoint; the old socket file is stale
+    try:
+        assert not stale.exists()
+        with damacy.Pipeline(cfg, endpoint=replacement.endpoint) as pipe2:
+            pipe2.push([damacy.Sample(uri, np.s_[8:16, 0:12, 0:10])])
+            with pipe2.pop() as b:
+                assert len(b) == 1
+    finally:
+        assert replacement.stop() == 0
+
+
+def test_sigterm_drains_and_exits_cleanly(tmp_path, data):
+    proc = DaemonProcess(tmp_path, [data])
+    sock = Path(proc.endpoint[len("ipc://") :])
+    assert (sock.stat().st_mode & 0o777) == 0o600  # owner-only by default
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=30)
+    pipe = damacy.Pipeline(cfg, endpoint=proc.endpoint)
+    pipe.push(damacy.Sample(str(data / "vol.zarr"), np.s_[i % 50 : i % 50 + 8, 0:12, 0:10]) for i in range(10**9))
+    held = pipe.pop()
+    assert proc.stop() == 0
+    assert not sock.exists() and shm_segments(proc.pid) == []
+    assert np.from_dlpack(held).shape == (2, *BOX)  # the client's mapping outlives the daemon
+    held.release()
+    pipe.close()
+    assert proc.startup_s < 5, f"damacyd took {proc.startup_s:.2f} s to answer"
+
+
+# -- security and bad input --------------------------------------------------------------
+
+
+def test_paths_outside_the_allowed_roots_are_refused(tmp_path, data):
+    allowed, other = tmp_path / "allowed", tmp_path / "other"
+    allowed.mkdir()
+    other.mkdir()
+    write_array(allowed / "in.zarr", random_data((16, 12, 10), "uint16", 1), chunks=(8, 12, 10))
+    write_array(other / "out.zarr", random_data((16, 12, 10), "uint16", 2), chunks=(8, 12, 10))
+    (allowed / "link.zarr").symlink_to(other / "out.zarr")
+    proc = DaemonProcess(tmp_path, [allowed])
+    try:
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=BOX, on_error="fill", pop_timeout_s=30)
+        box = np.s_[0:8, 0:12, 0:10]
+        uris = [str(other / "out.zarr"), str(allowed / "link.zarr"), f"{allowed}/../other/out.zarr", "/etc"]
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push([damacy.Sample(u, box) for u in uris] + [damacy.Sample(str(allowed / "in.zarr"), box)])
+            for uri in uris:
+                with pipe.pop() as b:
+                    (_, err), = b.info.errors
+                    assert isinstance(err, damacy.InvalidArgument) and "outside the daemon's allowed roots" in str(err), err
+                    assert (b.numpy() == 0).all()  # nothing from outside was read
+            with pipe.pop() as b:
+                assert b.info.errors == ()
+    finally:
+        assert proc.stop() == 0
+
+
+def test_a_daemon_without_roots_says_so(tmp_path, data):
+    proc = DaemonProcess(tmp_path, [])
+    try:
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=BOX, pop_timeout_s=30)
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push([damacy.Sample(str(data / "vol.zarr"), np.s_[0:8, 0:12, 0:10])])
+            with pytest.raises(damacy.InvalidArgument, match="serves no paths.*--allow-root"):
+                pipe.pop()
+    finally:
+        assert proc.stop() == 0
+
+
+def test_malformed_messages_get_an_error_and_the_daemon_goes_on(daemon):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    try:
+        for payload, words in [
+            (b"not msgpack at all \xc1", "malformed"),
+            (m.encode(m.Hello(id=3, version=m.PROTOCOL_VERSION + 7, pid=1, rank=None, config={})), "protocol version"),
+            (m.encode(m.Pop(id=4)), "before hello"),
+        ]:
+            sock.send(payload)
+            assert sock.poll(5000), "no reply"
+            reply = m.decode_daemon(sock.recv())
+            assert isinstance(reply, m.Failed) and reply.error.kind == "ProtocolError" and words in reply.error.reason, reply
+        sock.send_multipart([b"", b"three", b"frames"])  # not even our framing
+    finally:
+        sock.close(0)
+    assert "protocol version" in daemon.log_path.read_text()
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(2, 2))
+    with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:  # still serving
+        assert pipe.stats()["daemon"]["malformed_messages"] >= 3
+
+
+def test_session_config_is_checked(daemon):
+    with pytest.raises(damacy.BudgetExceeded, match="max_memory_bytes"):
+        damacy.Pipeline(damacy.Config(samples_per_batch=64, sample_shape=(512, 512, 512)), endpoint=daemon.endpoint)
+    with pytest.raises(damacy.DaemonUnavailable, match="no damacyd answers"):
+        damacy.RemotePipeline(damacy.Config(samples_per_batch=1, sample_shape=(2,)), "ipc:///nonexistent/damacy.sock", connect_timeout_s=1.0)
+
+
+def test_tcp_off_loopback_needs_curve(tmp_path):
+    out = subprocess.run([*damacyd_command(), "--endpoint", "tcp://0.0.0.0:47111", "--allow-root", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "CURVE" in out.stderr
+
+
+def test_tcp_with_curve_keys(tmp_path, data):
+    public, secret = zmq.curve_keypair()
+    key = tmp_path / "server.key"
+    key.write_bytes(secret)
+    port = 47000 + os.getpid() % 1000
+    args = [*damacyd_command(), "--endpoint", f"tcp://0.0.0.0:{port}", "--allow-root", str(data), "--curve-secret-key", str(key)]
+    daemon_proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        os.environ["DAMACY_CURVE_SERVER_KEY"] = public.decode()
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=BOX, pop_timeout_s=30)
+        pipe = wait_for(lambda: _try_connect(cfg, f"tcp://127.0.0.1:{port}"), what="the CURVE daemon")
+        with pipe:
+            pipe.push([damacy.Sample(str(data / "vol.zarr"), np.s_[0:8, 0:12, 0:10])])
+            with pipe.pop() as b:
+                assert len(b) == 1
+    finally:
+        os.environ.pop("DAMACY_CURVE_SERVER_KEY", None)
+        daemon_proc.send_signal(signal.SIGTERM)
+        daemon_proc.wait(15)
+
+
+def _try_connect(cfg, endpoint):
+    try:
+        return damacy.RemotePipeline(cfg, endpoint, connect_timeout_s=1.0)
+    except damacy.DaemonUnavailable:
+        return None
+
+
+# -- the damacy CLI ----------------------------------------------------------------------
+
+
+def test_cli_ping_warm_stats(cached_daemon, data):
+    env = {**os.environ, "DAMACY_ENDPOINT": cached_daemon.endpoint}
+    out = subprocess.run(["damacy", "ping"], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0 and "answered" in out.stdout
+    out = subprocess.run(["damacy", "warm", str(data / "vol.zarr"), "--shard-indexes", "--chunks"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "warmed 1 array(s)" in out.stdout and "128 chunk(s)" in out.stdout  # 8 x 4 x 4 inner chunks
+    s = stats(cached_daemon.endpoint)
+    assert s["chunk_cache"]["entries"] == 128
+    out = subprocess.run(["damacy", "stats"], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0 and "cache chunks" in out.stdout and "decode" in out.stdout
+    out = subprocess.run(["damacy", "warm", "/etc/passwd"], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 1 and "outside" in out.stderr
+    out = subprocess.run(["damacy", "ping", "--endpoint", "ipc:///nonexistent.sock", "--timeout", "0.5"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "no damacyd" in out.stderr

@@ -1,0 +1,109 @@
+"""The wire contract on its own: messages, the handshake, state checks (no sockets)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from damacy_protocol import messages as m
+from damacy_protocol.connection import ClientConnection, ServerConnection, State, error_from_wire, error_to_wire
+from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError
+
+
+def handshake():
+    client, server = ClientConnection(), ServerConnection()
+    hello = server.receive(client.hello(pid=123, rank=0, config={"samples_per_batch": 2}))
+    assert isinstance(hello, m.Hello) and hello.version == m.PROTOCOL_VERSION and hello.pid == 123
+    data = server.welcome(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION, session="s", slots=[m.SlotInfo("damacy-1-a-0", 64)], dtype="float32", credits=4))
+    welcome = client.receive(data)
+    assert isinstance(welcome, m.Welcome) and client.state is State.WELCOMED
+    attached = m.Attached(id=client.new_id())
+    assert isinstance(server.receive(client.send(attached)), m.Attached)
+    assert client.state is State.READY and server.state is State.READY
+    return client, server
+
+
+def test_handshake_and_round_trip():
+    client, server = handshake()
+    push = m.Push(id=client.new_id(), samples=[m.WireSample(seq=0, uri="/a", box=[(0, 4), (None, 8)]), m.WireSample(seq=1, uri="/b", index=[m.WireAxis(indices=[3, 1, 1]), m.WireAxis(start=0, stop=4)])], final=True)
+    got = server.receive(client.send(push))
+    assert got == push
+    reply = client.receive(server.reply(m.Ack(reply_to=push.id, credits=2)))
+    assert isinstance(reply, m.Ack) and push.id not in client.pending
+
+
+def test_requests_before_the_handshake_are_refused():
+    client, server = ClientConnection(), ServerConnection()
+    with pytest.raises(ProtocolError, match="before the session is ready"):
+        client.send(m.Pop(id=client.new_id()))
+    with pytest.raises(ProtocolError, match="before hello"):
+        server.receive(m.encode(m.Pop(id=1)))
+    assert isinstance(server.receive(m.encode(m.Ping(id=7))), m.Ping)  # a probe needs no session
+    server.receive(client.hello(1, None, {}))
+    with pytest.raises(ProtocolError, match="before the slots were attached"):
+        server.receive(m.encode(m.Pop(id=5)))
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_version_mismatch_is_a_clear_error_on_both_sides(side):
+    client, server = ClientConnection(), ServerConnection()
+    if side == "server":
+        bad = m.encode(m.Hello(id=1, version=m.PROTOCOL_VERSION + 1, pid=1, rank=None, config={}))
+        with pytest.raises(ProtocolError, match=f"client speaks protocol version {m.PROTOCOL_VERSION + 1}"):
+            server.receive(bad)
+        assert server.state is State.FAILED
+    else:
+        hello = server.receive(client.hello(1, None, {}))
+        data = m.encode(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION + 1, session="s", slots=[], dtype="", credits=0))
+        with pytest.raises(ProtocolError, match=f"daemon speaks protocol version {m.PROTOCOL_VERSION + 1}"):
+            client.receive(data)
+        assert client.state is State.FAILED
+
+
+@pytest.mark.parametrize(
+    "payload,words",
+    [
+        (b"\xc1", "malformed"),
+        (msgspec.msgpack.encode({"type": "pop", "id": "seven"}), "$.id"),
+        (msgspec.msgpack.encode({"type": "launch", "id": 1}), "$.type"),
+        (msgspec.msgpack.encode([1, 2, 3]), "malformed"),
+        (msgspec.msgpack.encode({"type": "push", "id": 1, "samples": [[0, 5]]}), "$.samples[0]"),
+    ],
+)
+def test_malformed_messages_name_what_is_wrong(payload, words):
+    client, server = handshake()
+    with pytest.raises(ProtocolError) as info:
+        server.receive(payload)
+    assert words in str(info.value)
+    assert server.state is State.READY  # the session goes on
+
+
+def test_replies_must_answer_a_pending_request():
+    client, server = handshake()
+    with pytest.raises(ProtocolError, match="not pending"):
+        client.receive(m.encode(m.Ack(reply_to=999, credits=0)))
+    pop = m.Pop(id=client.new_id(), timeout_s=1.0)
+    client.send(pop)
+    progress = client.receive(m.encode(m.Consumed(reply_to=pop.id, seqs=[3])))
+    assert isinstance(progress, m.Consumed) and pop.id in client.pending  # progress keeps it pending
+    client.receive(m.encode(m.Failed(reply_to=pop.id, error=error_to_wire(PipelineDrained("done")))))
+    assert pop.id not in client.pending
+
+
+def test_nothing_after_bye():
+    client, server = handshake()
+    server.receive(client.send(m.Bye(id=client.new_id())))
+    assert client.state is State.CLOSED and server.state is State.CLOSED
+    with pytest.raises(ProtocolError, match="after the session ended"):
+        server.receive(m.encode(m.Pop(id=99)))
+    with pytest.raises(ProtocolError):
+        client.send(m.Pop(id=client.new_id()))
+
+
+def test_errors_travel_as_data():
+    err = DecodeError("zstd: bad frame", uri="/a", path="/a/c/0", chunk=(1, 2), sample="Sample('/a', [0:4])")
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(error_to_wire(err, seq=5)), type=m.WireError)
+    back = error_from_wire(wire)
+    assert type(back) is DecodeError and str(back) == str(err) and wire.seq == 5
+    assert type(error_from_wire(error_to_wire(TimeoutError("late")))) is TimeoutError
+    assert type(error_from_wire(m.WireError(kind="SomethingNew", reason="x"))).__name__ == "SampleError"
