@@ -56,11 +56,28 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", type=int, default=None, help="batches per repeat (default: the scenario's)")
     run.add_argument("--readers", default="damacy,tensorstore,zarr-python")
     run.add_argument("--json", default=None, help="where to write the results (default: bench-results/<time>.json)")
+    dm = sub.add_parser("daemon", help="damacyd with 1 and 2 client processes against the embedded engine")
+    dm.add_argument("scenario", nargs="?", default="default", choices=sorted(SCENARIOS))
+    dm.add_argument("--data", default="bench-data")
+    dm.add_argument("--batches", type=int, default=12, help="batches per client")
+    dm.add_argument("--repeats", type=int, default=3)
+    dm.add_argument("--clients", default="1,2")
+    dm.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
         for s in SCENARIOS.values():
             print(f"{s.name:14} {s.description}")
+        return 0
+
+    if args.cmd == "daemon":
+        from bench import daemon
+
+        res = daemon.main(args.scenario, args.data, args.batches, args.repeats, [int(c) for c in args.clients.split(",")])
+        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("daemon-%Y%m%d-%H%M%S.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(f"\nresults: {out}")
         return 0
 
     names = sorted(SCENARIOS) if "all" in args.scenarios else args.scenarios

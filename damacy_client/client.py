@@ -49,13 +49,14 @@ def default_endpoint() -> str:
 class _Call:
     """A request waiting for its reply (or replies, for warm)."""
 
-    __slots__ = ("event", "reply", "error", "on_progress")
+    __slots__ = ("event", "reply", "error", "on_progress", "epoch")
 
     def __init__(self, on_progress: Callable[[Any], None] | None = None) -> None:
         self.event = threading.Event()
         self.reply: Any = None
         self.error: BaseException | None = None
         self.on_progress = on_progress
+        self.epoch = 0
 
     def wait(self, timeout: float | None, what: str) -> Any:
         if not self.event.wait(timeout):
@@ -295,6 +296,9 @@ class RemotePipeline:
         self._source_error_after = -1  # raised once the samples up to this number are delivered
         self._last_seq = -1
         self._next_batch = 0  # the id the next batch should have (for messages)
+        self._next_call: _Call | None = None  # the pop already sent for the next batch
+        self._push_epoch = 0  # pushes so far (a drained answer to an older pop is stale)
+        self._held = 0  # batches handed out and not yet released
         self._push_calls: deque = deque()  # pushes not yet acknowledged
         self._closed = False
         self._feeder: threading.Thread | None = None
@@ -308,6 +312,7 @@ class RemotePipeline:
         with self._cond:
             self._sources.append(iter(samples))
             self._pushed = True
+            self._push_epoch += 1
             self._final_sent = False
             if self._feeder is None:
                 self._feeder = threading.Thread(target=self._feed, name="damacy-client-feeder", daemon=True)
@@ -387,35 +392,46 @@ class RemotePipeline:
                 if isinstance(call.reply, m.Failed):
                     raise error_from_wire(call.reply.error)
 
+    def _request_pop(self) -> _Call:
+        """Ask the daemon for the next batch. The daemon answers when it is assembled (or the
+        stream drained); timeouts are the caller's, so a late answer is kept for the next pop."""
+        with self._cond:
+            # "final": everything this client will push (for now) is already on its way, so
+            # the daemon may call the stream drained; otherwise it waits for more pushes
+            final = self._final_sent and not self._sources
+            epoch = self._push_epoch
+        call = self._conn.request(lambda i: m.Pop(id=i, timeout_s=None, final=final), on_progress=self._consumed)
+        call.epoch = epoch  # type: ignore[attr-defined]
+        return call
+
     def pop(self, timeout: float | None = None) -> Batch:
+        """The next batch in push order; see :meth:`damacy.EmbeddedPipeline.pop`. The next
+        batch is requested as soon as this one is handed out, so a pop whose batch is ready
+        costs no round trip to the daemon."""
         self._check()
         if not self._pushed:
             raise PipelineDrained("nothing was pushed")
         if timeout is None:
             timeout = self.config.pop_timeout_s
-        wait = None if timeout is None else timeout + DEAD_AFTER_S + 1.0
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            # Let the feeder send what it may first, so the daemon knows whether more input
-            # is coming (the pop then says so: a "final" pop may be told the stream drained).
-            while self._sources and self._outstanding < self.config.lookahead_samples and not self._closed:
-                error = self._due_source_error()
-                if error is not None:
-                    raise error
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(
-                        f"no batch {self._next_batch} within {timeout}s: waiting for the pushed iterable to yield samples"
-                    )
-                self._cond.wait(0.05 if left is None else min(0.05, left))
             error = self._due_source_error()
-            if error is not None:
-                raise error
-            final = self._final_sent and not self._sources
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        reply = self._conn.request(lambda i: m.Pop(id=i, timeout_s=timeout, final=final), on_progress=self._consumed).wait(
-            wait, "pop"
-        )
+        if error is not None:
+            raise error
+        while True:
+            call, self._next_call = self._next_call, None
+            if call is None:
+                call = self._request_pop()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not call.event.wait(left):
+                self._next_call = call  # its answer will serve the next pop
+                raise TimeoutError(self._waiting_for(timeout))
+            if call.error is not None:
+                raise call.error
+            reply = call.reply
+            if isinstance(reply, m.Failed) and reply.error.kind == "PipelineDrained" and call.epoch < self._push_epoch:
+                continue  # asked before the last push: ask again
+            break
         if isinstance(reply, m.Failed):
             err = error_from_wire(reply.error)
             with self._cond:
@@ -427,10 +443,27 @@ class RemotePipeline:
                     error = self._due_source_error(drained=True)
                 if error is not None:
                     raise error
+            else:
+                self._next_call = self._request_pop()
             if reply.error.seq is not None and hasattr(err, "sample"):
                 err.batch_samples = tuple(s for s in consumed if s is not None)  # type: ignore[attr-defined]
             raise err
-        return self._batch(reply)
+        batch = self._batch(reply)
+        self._next_call = self._request_pop()
+        return batch
+
+    def _waiting_for(self, timeout: float) -> str:
+        what = f"no batch {self._next_batch} within {timeout}s"
+        with self._cond:
+            held = self._held
+            if self._sources and self._outstanding == 0:
+                return f"{what}: waiting for the pushed iterable to yield samples"
+        if held >= self.config.prepared_batches:
+            return (
+                f"{what}: all {self.config.prepared_batches} batch slots are held by batches "
+                "(or arrays exported from them) that were not released"
+            )
+        return f"{what}: its reads and decodes are still running in damacyd"
 
     def _consumed(self, msg: m.Consumed) -> None:
         """The daemon dropped samples (skipped): they free room for new ones."""
@@ -471,10 +504,14 @@ class RemotePipeline:
             errors=errors,
             skipped=skipped,
         )
+        with self._cond:
+            self._held += 1
         slot = Slot(full, lambda _slot, bid=r.batch_id: self._release(bid), index=r.slot)
         return Batch(slot, info, dtype, full)
 
     def _release(self, batch_id: int) -> None:
+        with self._cond:
+            self._held -= 1
         if self._closed or self._conn.dead is not None:
             return
         try:

@@ -425,6 +425,12 @@ class Pipeline:
             and self._next_pop >= self._next_plan
         )
 
+    def ready(self) -> bool:
+        """Would :meth:`pop` return (or raise) at once?"""
+        with self._cond:
+            delivery = self._ready.get(self._next_pop)
+            return delivery is not None and delivery.error is not _SKIPPED
+
     def pop(self, timeout: float | None = None) -> Batch:
         """The next batch in push order (use it as a context manager).
 

@@ -153,6 +153,7 @@ class Session:
         self._pop_id: int | None = None  # the pop being answered now
         self._dropped: list[int] = []  # skipped samples not yet reported to the client
         self._pops: queue.SimpleQueue = queue.SimpleQueue()
+        self._pops_queued = 0  # pops handed to the pop thread and not yet answered
         self._popper = threading.Thread(target=self._pop_loop, name=f"damacyd-pop-{self.sid}", daemon=True)
         self._popper.start()
 
@@ -204,7 +205,14 @@ class Session:
         elif isinstance(msg, m.Push):
             self._push(msg)
         elif isinstance(msg, m.Pop):
-            self._pops.put(msg)
+            with self._lock:
+                inline = self._pops_queued == 0 and self.pipeline.ready()
+                if not inline:
+                    self._pops_queued += 1
+            if inline:  # the batch is ready: answer now, without a thread handoff
+                self._answer_pop(msg)
+            else:
+                self._pops.put(msg)
         elif isinstance(msg, m.Release):
             with self._lock:
                 batch = self.lent.pop(msg.batch_id, None)
@@ -253,67 +261,81 @@ class Session:
             msg = self._pops.get()
             if msg is None or self.closed:
                 return
-            deadline = None if msg.timeout_s is None else time.monotonic() + msg.timeout_s
-            batch = None
-            with self._lock:
-                self._pop_id = msg.id
-                self._report_dropped()
-            pushes_before = self._pushes
-            while batch is None and not self.closed:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    batch = self.pipeline.pop(timeout=left)
-                except PipelineDrained as e:
-                    if self.closed:
-                        return
-                    # drained, if the client said its input was final with this pop or since
-                    if self._input_final() and (msg.final or self._final_at > pushes_before):
-                        self.fail(msg.id, e)
-                        break
-                    # the client's samples may still be on their way (its pushes and pops
-                    # travel separately): wait for them instead of calling the stream over
-                    if left is not None and left <= 0:
-                        self.fail(msg.id, TimeoutError(f"no batch within {msg.timeout_s} s: waiting for the client to push samples"))
-                        break
-                    with self._pushed:
-                        self._pushed.wait(0.2 if left is None else min(0.2, left))
-                    continue
-                except SampleError as e:
-                    consumed = [self._seq(s) for s in getattr(e, "batch_samples", ())]
-                    err = error_to_wire(e, seq=self._seq(_first_failed(e)))
-                    self.reply(m.Failed(reply_to=msg.id, error=err, credits=self.credits(), consumed=consumed))
-                    break
-                except BaseException as e:  # TimeoutError, or a failure of the batch itself
+            try:
+                self._answer_pop(msg)
+            finally:
+                with self._lock:
+                    self._pops_queued -= 1
+
+    def _answer_pop(self, msg: m.Pop) -> None:
+        """Wait for the next batch (or its error) and reply to ``msg``."""
+        deadline = None if msg.timeout_s is None else time.monotonic() + msg.timeout_s
+        batch = None
+        with self._lock:
+            self._pop_id = msg.id
+            self._report_dropped()
+        pushes_before = self._pushes
+        while batch is None and not self.closed:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                batch = self.pipeline.pop(timeout=left)
+            except PipelineDrained as e:
+                if self.closed:
+                    return
+                # drained, if the client said its input was final with this pop or since
+                if self._input_final() and (msg.final or self._final_at > pushes_before):
                     self.fail(msg.id, e)
                     break
-            with self._lock:
-                self._pop_id = None
-            if batch is None:
+                # the client's samples may still be on their way (its pushes and pops
+                # travel separately): wait for them instead of calling the stream over
+                if left is not None and left <= 0:
+                    self.fail(
+                        msg.id,
+                        TimeoutError(
+                            f"no batch {self.pipeline.counters()['batches']} within {msg.timeout_s}s: "
+                            "waiting for the pushed iterable to yield samples"
+                        ),
+                    )
+                    break
+                with self._pushed:
+                    self._pushed.wait(0.2 if left is None else min(0.2, left))
                 continue
-            info = batch.info
-            with self._lock:
-                if self.closed:
-                    batch.release()
-                    return
-                self.lent[info.batch_id] = batch
-                self.delivered_batches += 1
-                self.delivered_samples += len(info.samples)
-            errors = [error_to_wire(err, seq=self.seqs.get(id(info.samples[i]))) for i, err in info.errors]
-            skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in info.skipped]  # seqs reported before
-            seqs = [self._seq(s) for s in info.samples]
-            self.reply(
-                m.BatchReady(
-                    reply_to=msg.id,
-                    batch_id=info.batch_id,
-                    slot=batch.slot_index,
-                    count=len(info.samples),
-                    dtype=batch.numpy_dtype.name,
-                    seqs=seqs,
-                    errors=errors,
-                    skipped=skipped,
-                    credits=self.credits(),
-                )
+            except SampleError as e:
+                consumed = [self._seq(s) for s in getattr(e, "batch_samples", ())]
+                err = error_to_wire(e, seq=self._seq(_first_failed(e)))
+                self.reply(m.Failed(reply_to=msg.id, error=err, credits=self.credits(), consumed=consumed))
+                break
+            except BaseException as e:  # TimeoutError, or a failure of the batch itself
+                self.fail(msg.id, e)
+                break
+        with self._lock:
+            self._pop_id = None
+        if batch is None:
+            return
+        info = batch.info
+        with self._lock:
+            if self.closed:
+                batch.release()
+                return
+            self.lent[info.batch_id] = batch
+            self.delivered_batches += 1
+            self.delivered_samples += len(info.samples)
+        errors = [error_to_wire(err, seq=self.seqs.get(id(info.samples[i]))) for i, err in info.errors]
+        skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in info.skipped]  # seqs reported before
+        seqs = [self._seq(s) for s in info.samples]
+        self.reply(
+            m.BatchReady(
+                reply_to=msg.id,
+                batch_id=info.batch_id,
+                slot=batch.slot_index,
+                count=len(info.samples),
+                dtype=batch.numpy_dtype.name,
+                seqs=seqs,
+                errors=errors,
+                skipped=skipped,
+                credits=self.credits(),
             )
+        )
 
     def _seq(self, sample: Any) -> int:
         return self.seqs.pop(id(sample), -1)

@@ -1,0 +1,132 @@
+"""Daemon mode: damacyd serving 1 and 2 client processes, against the embedded engine.
+
+Reports the aggregate throughput of the clients and the cost of a pop when its batch is
+already prepared (the daemon's per-batch overhead: a round trip and a shared-memory view).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import runners
+from bench.data import ensure
+from damacy_client.probe import ping
+
+CLIENT = r"""
+import json, sys, time
+sys.path.insert(0, {root!r})
+from bench.scenarios import SCENARIOS
+from bench import runners
+import damacy
+scn = SCENARIOS[{scenario!r}]
+samples = scn.samples({uris!r}, {batches}, seed={seed})
+cfg = runners.damacy_config(scn)
+t0 = time.time()
+with damacy.Pipeline(cfg, endpoint={endpoint!r}) as pipe:
+    pipe.push(samples)
+    for batch in pipe.batches():
+        batch.release()
+print(json.dumps({{"start": t0, "end": time.time(), "samples": len(samples)}}))
+"""
+
+
+def start_daemon(data: Path, folder: Path) -> tuple[subprocess.Popen, str]:
+    endpoint = f"ipc://{folder}/bench.sock"
+    exe = shutil.which("damacyd", path=os.path.dirname(sys.executable)) or "damacyd"
+    proc = subprocess.Popen(
+        [exe, "--endpoint", endpoint, "--allow-root", str(data), "--memory", "4G", "--decode-workers", str(runners.CPUS), "--log-level", "warning"],
+    )
+    t0 = time.monotonic()
+    while not ping(endpoint, 0.2):
+        if proc.poll() is not None or time.monotonic() - t0 > 30:
+            raise SystemExit("damacyd did not start")
+    return proc, endpoint
+
+
+def measure_pop(cfg, uri: str, endpoint: str | None, rounds: int = 10, step_s: float = 0.005) -> float:
+    """Median seconds of pop + release when every batch is already prepared: all samples
+    are pushed (the input is finite and within the lookahead) and assembled first, and the
+    loop spends ``step_s`` between pops, as a training step would."""
+    import damacy
+
+    times = []
+    n = cfg.prepared_batches * cfg.samples_per_batch
+    for _ in range(rounds):
+        pipe = damacy.Pipeline(cfg, endpoint=endpoint) if endpoint else damacy.EmbeddedPipeline(cfg)
+        with pipe:
+            pipe.push([damacy.Sample(uri, np.s_[0:8, 0:8, 0:8]) for _ in range(n)])
+            time.sleep(0.5)  # every slot is filled by now
+            for _ in range(cfg.prepared_batches):
+                t0 = time.perf_counter()
+                batch = pipe.pop()
+                batch.release()
+                times.append(time.perf_counter() - t0)
+                time.sleep(step_s)
+    return statistics.median(times)
+
+
+def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients: list[int]) -> dict:
+    from bench.scenarios import SCENARIOS
+
+    import damacy
+
+    scn = SCENARIOS[scenario_name]
+    data = Path(data_dir).resolve()
+    uris = ensure(scn.dataset, data)
+    folder = Path(tempfile.mkdtemp(prefix="damacy-bench-"))
+    proc, endpoint = start_daemon(data, folder)
+    out: dict = {"scenario": scenario_name, "batches_per_client": batches, "repeats": repeats}
+    try:
+        cfg = damacy.Config(samples_per_batch=8, sample_shape=(8, 8, 8), dtype="f32", prepared_batches=8, lookahead_samples=64, pop_timeout_s=60)
+        out["pop_ready_ms"] = {
+            "embedded": 1e3 * measure_pop(cfg, uris[0], None),
+            "daemon": 1e3 * measure_pop(cfg, uris[0], endpoint),
+        }
+        out["pop_ready_ms"]["overhead"] = out["pop_ready_ms"]["daemon"] - out["pop_ready_ms"]["embedded"]
+        n = batches * scn.samples_per_batch
+        emb = []
+        for rep in range(repeats):
+            emb.append(n / runners.run_damacy(scn, scn.samples(uris, batches, seed=rep))["seconds"])
+        out["embedded_samples_per_s"] = statistics.median(emb)
+        root = str(Path(__file__).resolve().parents[1])
+        for k in clients:
+            rates = []
+            for rep in range(repeats):
+                procs = [
+                    subprocess.Popen(
+                        [sys.executable, "-c", CLIENT.format(root=root, scenario=scenario_name, uris=uris, batches=batches, seed=100 * rep + c, endpoint=endpoint)],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    for c in range(k)
+                ]
+                results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+                wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+                rates.append(sum(r["samples"] for r in results) / wall)
+            out[f"daemon_{k}_clients_samples_per_s"] = statistics.median(rates)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"\n== daemon mode, {scenario_name}: {batches} batches of {scn.samples_per_batch} per client, {repeats} repeats")
+    p = out["pop_ready_ms"]
+    print(
+        f"pop + release of a prepared batch (5 ms step between pops): embedded {p['embedded']:.3f} ms, "
+        f"daemon {p['daemon']:.3f} ms (overhead {p['overhead']:.3f} ms per batch)"
+    )
+    print(f"embedded           {out['embedded_samples_per_s']:8.1f} samples/s")
+    for k in clients:
+        rate = out[f"daemon_{k}_clients_samples_per_s"]
+        print(f"daemon, {k} client(s) {rate:8.1f} samples/s in all ({rate / out['embedded_samples_per_s']:.2f}x embedded)")
+    return out
