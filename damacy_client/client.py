@@ -299,6 +299,7 @@ class RemotePipeline:
         self._next_call: _Call | None = None  # the pop already sent for the next batch
         self._push_epoch = 0  # pushes so far (a drained answer to an older pop is stale)
         self._held = 0  # batches handed out and not yet released
+        self._pushes_sent = 0
         self._push_calls: deque = deque()  # pushes not yet acknowledged
         self._closed = False
         self._feeder: threading.Thread | None = None
@@ -358,25 +359,24 @@ class RemotePipeline:
                     break
                 self._samples[wire.seq] = sample
                 batch.append(wire)
-            with self._cond:
+            if self._closed:
+                return
+            with self._cond:  # counted, flagged and queued together, so a pop never misses it
                 final = not self._sources
-                self._outstanding += len(batch)
-                if batch:
-                    self._last_seq = batch[-1].seq
-                if final:
-                    self._final_sent = True
-                self._cond.notify_all()
-            if batch or final:
-                if self._closed:
-                    return
-                try:
-                    call = self._conn.request(lambda i, b=batch, f=final: m.Push(id=i, samples=b, final=f))
-                except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
-                    with self._cond:
+                if batch or final:
+                    try:
+                        call = self._conn.request(lambda i, b=batch, f=final: m.Push(id=i, samples=b, final=f))
+                    except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
                         self._source_error = self._source_error or e
-                    return
-                with self._cond:
+                        return
+                    self._pushes_sent += 1
                     self._push_calls.append(call)
+                    self._outstanding += len(batch)
+                    if batch:
+                        self._last_seq = batch[-1].seq
+                    if final:
+                        self._final_sent = True
+                self._cond.notify_all()
 
     # -- output -------------------------------------------------------------------
     def _check(self) -> None:
@@ -400,7 +400,10 @@ class RemotePipeline:
             # the daemon may call the stream drained; otherwise it waits for more pushes
             final = self._final_sent and not self._sources
             epoch = self._push_epoch
-        call = self._conn.request(lambda i: m.Pop(id=i, timeout_s=None, final=final), on_progress=self._consumed)
+            pushes = self._pushes_sent
+        call = self._conn.request(
+            lambda i: m.Pop(id=i, timeout_s=None, pushes=pushes, final=final), on_progress=self._consumed
+        )
         call.epoch = epoch  # type: ignore[attr-defined]
         return call
 

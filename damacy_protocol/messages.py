@@ -85,7 +85,10 @@ class Push(_Msg, tag="push"):
 class Pop(_Msg, tag="pop"):
     id: int
     timeout_s: float | None = None
-    # the client has sent all it will push for now (the final push travels before this pop)
+    # pushes the client had sent before this pop (they arrive before it), and whether its
+    # input was exhausted then: the daemon calls the stream drained only when the last push
+    # that said so is known
+    pushes: int = 0
     final: bool = False
 
 

@@ -274,7 +274,6 @@ class Session:
         with self._lock:
             self._pop_id = msg.id
             self._report_dropped()
-        pushes_before = self._pushes
         while batch is None and not self.closed:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -282,8 +281,9 @@ class Session:
             except PipelineDrained as e:
                 if self.closed:
                     return
-                # drained, if the client said its input was final with this pop or since
-                if self._input_final() and (msg.final or self._final_at > pushes_before):
+                # drained, if the client's input was final when it sent this pop, or a push
+                # sent after the pop said so
+                if self._input_final() and (msg.final or self._final_at > msg.pushes):
                     self.fail(msg.id, e)
                     break
                 # the client's samples may still be on their way (its pushes and pops
