@@ -45,6 +45,9 @@ class Config:
     - ``out_of_bounds``: ``"pad"`` boxes that leave the array with its fill value, or ``"error"``.
     - ``drop_last``: drop the last batch when it is not full.
     - ``pop_timeout_s``: how long ``pop`` waits for a batch (``None``: no limit).
+    - ``switch_interval_s``: while an embedded pipeline is open, the interpreter's thread
+      switch interval is lowered to this (Python's default is 5 ms), so a decode thread
+      coming back from C code waits at most that long for the GIL; ``None`` leaves it alone.
     """
 
     samples_per_batch: int
@@ -64,6 +67,7 @@ class Config:
     out_of_bounds: str = "pad"
     drop_last: bool = False
     pop_timeout_s: float | None = 600.0
+    switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -105,9 +109,10 @@ class Config:
             raise InvalidArgument(f"Config.out_of_bounds must be one of {OUT_OF_BOUNDS}, got {self.out_of_bounds!r}")
         if not isinstance(self.drop_last, bool):
             raise InvalidArgument(f"Config.drop_last must be True or False, got {self.drop_last!r}")
-        t = self.pop_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise InvalidArgument(f"Config.pop_timeout_s must be a positive number or None, got {t!r}")
+        for name in ("pop_timeout_s", "switch_interval_s"):
+            t = getattr(self, name)
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+                raise InvalidArgument(f"Config.{name} must be a positive number or None, got {t!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

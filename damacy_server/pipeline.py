@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -170,6 +171,7 @@ class Pipeline:
         self._slot_factory = slot_factory
         self._on_skip = on_skip
         self._allocate_slots()
+        self._switch = _SwitchInterval.lower(config.switch_interval_s)
 
     # -- slots --------------------------------------------------------------------
     def _allocate_slots(self) -> None:
@@ -528,6 +530,9 @@ class Pipeline:
             self.executor.close()
         self.executor.release_slots(self._slot_bytes)
         self._slot_bytes = 0
+        if self._switch:
+            _SwitchInterval.restore()
+            self._switch = False
 
     def __enter__(self) -> Pipeline:
         return self
@@ -572,4 +577,37 @@ class Pipeline:
 
 
 _SKIPPED = PipelineDrained("every sample of this batch was skipped")
+
+
+class _SwitchInterval:
+    """Lowers ``sys.setswitchinterval`` while pipelines that ask for it are open, and puts the
+    previous value back when the last one closes (unless someone changed it meanwhile)."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _saved: float | None = None
+    _set: float | None = None
+
+    @classmethod
+    def lower(cls, value: float | None) -> bool:
+        if value is None:
+            return False
+        with cls._lock:
+            current = sys.getswitchinterval()
+            if cls._users == 0:
+                cls._saved = current
+            cls._users += 1
+            if value < current:
+                sys.setswitchinterval(value)
+                cls._set = value
+        return True
+
+    @classmethod
+    def restore(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0 and cls._saved is not None:
+                if cls._set is not None and sys.getswitchinterval() == cls._set:
+                    sys.setswitchinterval(cls._saved)
+                cls._saved = cls._set = None
 
