@@ -599,7 +599,7 @@ class _SwitchInterval:
             cls._users += 1
             if value < current:
                 sys.setswitchinterval(value)
-                cls._set = value
+                cls._set = sys.getswitchinterval()  # as stored (it is rounded)
         return True
 
     @classmethod

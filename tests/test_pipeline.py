@@ -546,3 +546,41 @@ def test_torch_from_dlpack(store, make):
                 assert t.dtype == tdtype and tuple(t.shape) == (2, 6, 7, 8)
                 want = torch.from_numpy(arr[0:12, 0:7, 0:8].astype("f4").reshape(2, 6, 7, 8)).to(tdtype)
                 assert torch.equal(t, want)
+
+
+def test_chunk_cache_serves_repeated_chunks(store):
+    uri, arr = store[1]["f32-sharded"]
+    samples = [damacy.Sample(uri, np.s_[0:6, 0:7, 0:8]), damacy.Sample(uri, np.s_[2:8, 3:10, 1:9])] * 3
+    # one batch at a time, so each batch finds what the one before put in the cache
+    with damacy.Pipeline(config(n=2, chunk_cache_bytes=8 << 20, lookahead_samples=2, prepared_batches=1)) as p:
+        p.push(samples)
+        for batch in p.batches():
+            with batch:
+                check_batch(batch, by_uri(store), "f32")
+        cache = p.executor.chunk_cache.stats()
+    assert cache["misses"] > 0 and cache["hits"] >= 2 * cache["misses"]  # batches 2 and 3 decode nothing
+    assert 0 < cache["bytes"] <= 8 << 20
+
+
+def test_skipped_samples_are_reported_with_their_batch(damaged, make):
+    _, good, corrupt, missing = damaged
+    with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:
+        p.push([good[0], corrupt, good[1]])
+        with p.pop() as b:
+            assert b.info.samples == (good[0], good[1])
+            (sample, err), = b.info.skipped
+            assert sample == corrupt and isinstance(err, damacy.DecodeError)
+
+
+def test_switch_interval_is_lowered_and_restored():
+    import sys
+
+    before = sys.getswitchinterval()
+    with damacy.Pipeline(config(switch_interval_s=0.0002)):
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        with damacy.Pipeline(config(switch_interval_s=0.0002)):
+            pass
+        assert sys.getswitchinterval() == pytest.approx(0.0002)  # still one pipeline open
+    assert sys.getswitchinterval() == before
+    with damacy.Pipeline(config(switch_interval_s=None)):
+        assert sys.getswitchinterval() == before
