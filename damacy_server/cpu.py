@@ -145,9 +145,9 @@ class _GroupState:
 class _Run:
     """The state of one batch plan being executed."""
 
-    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key")
+    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "finals", "release")
 
-    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key) -> None:
+    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, finals, release) -> None:
         self.key = key
         self.plan = plan
         self.views = views
@@ -156,6 +156,31 @@ class _Run:
         self.lock = threading.Lock()
         self.on_done = on_done
         self.cancelled = cancelled
+        self.remaining = list(plan.copy_counts)  # per sample: copies not yet applied
+        self.finals = finals  # sample -> its slot view, for samples assembled in sorted order
+        self.release = release  # returns the memory of those temporary buffers
+
+    def copied(self, units: Sequence[UnitJob] = (), samples: Sequence[int] = ()) -> None:
+        """The copies of ``units`` (or one copy for each of ``samples``) are applied or given
+        up; a sample assembled in sorted order is put in its caller's order once complete."""
+        if not self.finals:
+            return
+        done = []
+        with self.lock:
+            for s in [s for u in units for s, _ in u.copies] + list(samples):
+                self.remaining[s] -= 1
+                if self.remaining[s] == 0 and s in self.finals and s not in self.errors:
+                    done.append(s)
+        for s in done:
+            self.unsort(s)
+
+    def unsort(self, s: int) -> None:
+        src = self.views[s]
+        perm = self.plan.perms[s]
+        for j, (axis, inverse) in enumerate(perm):
+            dst = self.finals[s] if j == len(perm) - 1 else np.empty_like(src)
+            np.take(src, inverse, axis=axis, out=dst, mode="clip")
+            src = dst
 
     def fail(self, samples, err: SampleError) -> None:
         with self.lock:
@@ -168,6 +193,7 @@ class _Run:
             self.pending -= 1
             last = self.pending == 0
         if last:
+            self.release()
             self.on_done(self.errors)
 
 
@@ -251,6 +277,18 @@ class CpuExecutor:
         turns.
         """
         views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
+        # index queries with unsorted lists are assembled in sorted order (each read unit then
+        # fills one block) in a temporary buffer, and put in the caller's order at the end
+        finals = {}
+        temp = 0
+        for i, perm in enumerate(plan.perms):
+            if perm and views[i] is not None:
+                finals[i] = views[i]
+                views[i] = np.empty_like(finals[i])
+                temp += finals[i].nbytes * (2 if len(perm) > 1 else 1)
+        if temp and not self.budget.reserve(temp, lambda: cancelled() or self._closed):
+            on_done({})
+            return
         t0 = time.perf_counter()
         for s, fill in plan.fills:
             views[s][...] = cast_fill(fill, views[s].dtype)
@@ -258,9 +296,13 @@ class CpuExecutor:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
         groups, cached = self._from_cache(plan.groups)
         groups = self._fit(groups)
-        run = _Run(plan, views, on_done, cancelled, key)
+        run = _Run(plan, views, on_done, cancelled, key, finals, lambda: self.budget.release(temp) if temp else None)
+        for s in finals:
+            if plan.copy_counts[s] == 0:  # nothing to read: fill values only
+                run.unsort(s)
         run.pending = len(groups) + (1 if cached else 0)
         if not run.pending:
+            run.release()
             on_done(run.errors)
             return
         if cached:
@@ -277,6 +319,7 @@ class CpuExecutor:
                         path=group.key,
                     ),
                 )
+                run.copied(group.units)
                 run.group_done()
                 continue
             if not self.budget.reserve(need, lambda: cancelled() or self._closed):
@@ -321,6 +364,7 @@ class CpuExecutor:
                     for s, op in u.copies:
                         target = run.views[s]
                         assembled += op.apply(target, arr) * target.itemsize
+                    run.copied((u,))
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
             run.group_done()
@@ -351,6 +395,7 @@ class CpuExecutor:
         except SampleError as e:
             self.budget.release(reserved)
             run.fail({s for u in group.units for s, _ in u.copies}, e.with_context(uri=group.units[0].meta.uri))
+            run.copied(group.units)
             run.group_done()
             return
         self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
@@ -359,6 +404,7 @@ class CpuExecutor:
             for u in group.units:
                 for s, op in u.copies:
                     op.fill(run.views[s], cast_fill(u.meta.fill_value, run.views[s].dtype))
+            run.copied(group.units)
             self.budget.release(reserved)
             run.group_done()
             return
@@ -394,6 +440,7 @@ class CpuExecutor:
                         arr = decode_unit(u.meta, data, u.unit, u.key)
                     except SampleError as e:
                         run.fail({s for s, _ in u.copies}, e)
+                        run.copied((u,))
                         continue
                     t1 = time.perf_counter()
                     if self.chunk_cache is not None:
@@ -401,6 +448,7 @@ class CpuExecutor:
                     for s, op in u.copies:
                         target = run.views[s]
                         assembled += op.apply(target, arr) * target.itemsize
+                    run.copied((u,))
                     decode_s += t1 - t0
                     assemble_s += time.perf_counter() - t1
                     encoded += len(data)

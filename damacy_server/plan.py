@@ -102,6 +102,10 @@ class BatchPlan:
     groups: list[ReadGroup]
     errors: dict[int, SampleError]
     metas: list[ArrayMetadata | None]
+    # per sample: (axis, inverse order) to apply at the end, for index queries whose lists
+    # were sorted so that each read unit fills a contiguous block (None: no permutation)
+    perms: list[list[tuple[int, np.ndarray]] | None] = field(default_factory=list)
+    copy_counts: list[int] = field(default_factory=list)  # per sample: copies to apply
     units_total: int = 0  # unit references over all samples
     units_unique: int = 0
     reads_merged: int = 0  # ranges saved by merging
@@ -123,6 +127,7 @@ class ChunkPlanner:
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
         by_array: dict[str, dict[tuple[int, ...], UnitJob]] = {}
+        perms: list[list[tuple[int, np.ndarray]] | None] = [None] * n
         total = 0
         for i, sample in enumerate(samples):
             try:
@@ -131,6 +136,8 @@ class ChunkPlanner:
                 meta = self.metadata.array(sample.uri)
                 metas[i] = meta
                 axes = sample_axes(sample, meta, out_of_bounds)
+                if isinstance(sample, IndexQuery):
+                    axes, perms[i] = sorted_axes(axes)
                 shape = selection_shape(axes)
                 if not same_shape(shape, sample_shape):
                     raise InvalidArgument(f"selects shape {shape}, the batch holds samples of shape {sample_shape}")
@@ -178,6 +185,10 @@ class ChunkPlanner:
                 job.copies = [c for c in job.copies if c[0] not in errors]  # (sample, op)
             present = [j for j in present if j.copies]
             fills = [f for f in fills if f[0] not in errors]
+        copy_counts = [0] * n
+        for job in present:
+            for s, _ in job.copies:
+                copy_counts[s] += 1
         groups, merged = merge_reads(present, self.limits)
         seen = set()
         fills = [f for f in fills if not (f[0] in seen or seen.add(f[0]))]
@@ -188,6 +199,8 @@ class ChunkPlanner:
             groups=groups,
             errors=errors,
             metas=metas,
+            perms=[None if i in errors else p for i, p in enumerate(perms)],
+            copy_counts=copy_counts,
             units_total=total,
             units_unique=unique,
             reads_merged=merged,
@@ -252,6 +265,21 @@ def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[Ax
                 axes.append(AxisIndex(index_array(list(s), size, axis, None)))
         return axes
     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
+
+
+def sorted_axes(axes: list[AxisSelection]) -> tuple[list[AxisSelection], list[tuple[int, np.ndarray]] | None]:
+    """Index lists in ascending order (so each read unit's part is one block of the
+    selection) and, per reordered axis, the order that restores the caller's."""
+    perm = []
+    out = list(axes)
+    for k, a in enumerate(axes):
+        if isinstance(a, AxisIndex) and len(a.indices) > 1 and bool(np.any(np.diff(a.indices) < 0)):
+            order = np.argsort(a.indices, kind="stable")
+            out[k] = AxisIndex(a.indices[order])
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(len(order))
+            perm.append((k, inverse))
+    return out, perm or None
 
 
 def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:

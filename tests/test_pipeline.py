@@ -584,3 +584,29 @@ def test_switch_interval_is_lowered_and_restored():
     assert sys.getswitchinterval() == before
     with damacy.Pipeline(config(switch_interval_s=None)):
         assert sys.getswitchinterval() == before
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_index_queries(store, data):
+    arrays = list(store[1].values())
+    shape = (4, 6, 5)
+    queries = []
+    for _ in range(data.draw(st.integers(1, 5))):
+        uri, arr = data.draw(st.sampled_from(arrays))
+        sel = []
+        for n, k in zip(arr.shape, shape):
+            if data.draw(st.booleans()):
+                sel.append(data.draw(st.lists(st.integers(-n, n - 1), min_size=k, max_size=k)))
+            else:
+                a = data.draw(st.integers(0, n - k))
+                sel.append(slice(a, a + k))
+        queries.append(damacy.IndexQuery(uri, tuple(sel)))
+    with damacy.Pipeline(config(n=2, shape=shape, dtype="f64")) as p:
+        p.push(queries)
+        got = 0
+        for batch in p.batches():
+            with batch:
+                check_batch(batch, by_uri(store), "f64")
+                got += len(batch)
+        assert got == len(queries)
