@@ -37,7 +37,7 @@ def main():
 @click.option("--timeout", type=float, default=2.0, show_default=True)
 def ping(endpoint, timeout):
     """Check that damacyd answers."""
-    from damacy_client.client import default_endpoint
+    from damacy_protocol.endpoint import default_endpoint
     from damacy_client.probe import ping as probe
 
     endpoint = endpoint or default_endpoint()

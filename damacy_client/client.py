@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 import zmq
 
+from damacy_client.api import PipelineAPI
 from damacy_client.batch import Batch, BatchInfo, Slot
 from damacy_client.shm import map_segment
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ClientConnection, error_from_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
+from damacy_protocol.endpoint import default_endpoint
 from damacy_protocol.errors import DaemonUnavailable, DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.samples import IndexQuery, Sample
 
@@ -36,14 +38,6 @@ log = logging.getLogger("damacy")
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 4.0
 PUSH_CHUNK = 256  # samples per push message at most
-
-
-def default_endpoint() -> str:
-    env = os.environ.get("DAMACY_ENDPOINT")
-    if env:
-        return env
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return f"ipc://{base}/damacy-{os.getuid()}/damacyd.sock"
 
 
 class _Call:
@@ -261,7 +255,7 @@ def to_wire(seq: int, sample: Any) -> m.WireSample:
     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
 
 
-class RemotePipeline:
+class RemotePipeline(PipelineAPI):
     """``damacy.Pipeline(config, endpoint=...)``: a pipeline run by damacyd.
 
     Same behaviour as the embedded pipeline: ``push``/``pop``/``batches``, batches in push
@@ -522,17 +516,6 @@ class RemotePipeline:
         except (DamacyError, ProtocolError):
             pass
 
-    def batches(self, n: int | None = None) -> Iterator[Batch]:
-        for _ in itertools.count() if n is None else range(n):
-            try:
-                batch = self.pop()
-            except PipelineDrained:
-                return
-            yield batch
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self.batches()
-
     def stats(self) -> dict[str, Any]:
         """The daemon's figures (stages, caches, memory, sessions) with this session's
         counters (batches, samples, sample_errors, samples_pulled) at the top level."""
@@ -554,15 +537,3 @@ class RemotePipeline:
         self._conn.close()
         if self._feeder is not None and self._feeder is not threading.current_thread():
             self._feeder.join(2.0)
-
-    def __enter__(self) -> RemotePipeline:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

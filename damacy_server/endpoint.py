@@ -21,14 +21,6 @@ from damacy_protocol.errors import InvalidArgument
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
-def default_endpoint() -> str:
-    env = os.environ.get("DAMACY_ENDPOINT")
-    if env:
-        return env
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return f"ipc://{base}/damacy-{os.getuid()}/damacyd.sock"
-
-
 def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 

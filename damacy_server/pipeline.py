@@ -8,7 +8,6 @@ batches in push order. A bad sample is handled per ``on_error`` and never stops 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_client.api import PipelineAPI
 from damacy_client.batch import Batch, BatchInfo, Slot
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import numpy_dtype
@@ -68,7 +68,7 @@ class _Pending:
         self.dtype: np.dtype | None = None  # the batch's numpy dtype
 
 
-class Pipeline:
+class Pipeline(PipelineAPI):
     """Streams samples into batches in host memory.
 
     Config style::
@@ -354,8 +354,7 @@ class Pipeline:
             pending.errors[pos] = err
             if policy == "fill":
                 meta = plan.metas[i]
-                with np.errstate(invalid="ignore", over="ignore"):
-                    targets[i][...] = meta.fill_value if meta is not None else 0
+                targets[i][...] = cast_fill(meta.fill_value if meta is not None else 0, targets[i].dtype)
             elif policy == "skip":
                 pending.holes.append(pos)
         if policy == "skip" and pending.holes:
@@ -497,18 +496,6 @@ class Pipeline:
             return f"no {what} within {timeout}s: waiting for the pushed iterable to yield samples"
         return f"no {what} within {timeout}s: its reads and decodes are still running ({held} slots in use)"
 
-    def batches(self, n: int | None = None) -> Iterator[Batch]:
-        """Yield ``n`` batches (all, when ``n`` is None), stopping early when drained."""
-        for _ in itertools.count() if n is None else range(n):
-            try:
-                batch = self.pop()
-            except PipelineDrained:
-                return
-            yield batch
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self.batches()
-
     def outstanding(self) -> int:
         """Samples pulled from the input and not yet popped (at most ``lookahead_samples``)."""
         with self._cond:
@@ -533,18 +520,6 @@ class Pipeline:
         if self._switch:
             _SwitchInterval.restore()
             self._switch = False
-
-    def __enter__(self) -> Pipeline:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     # -- introspection ------------------------------------------------------------
     def counters(self) -> dict[str, int]:

@@ -41,7 +41,7 @@ from damacy_server.endpoint import bind_socket, cleanup_endpoint
 from damacy_server.pipeline import Pipeline
 from damacy_server.plan import BadSample, ChunkPlanner, PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
-from damacy_server.shm import Segment, remove_stale
+from damacy_server.shm import Segment, pid_alive, remove_stale
 from damacy_server.store import resolve_uri
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.warm import warm
@@ -119,7 +119,7 @@ class Session:
         self.rank = hello.rank
         self.sid = uuid.uuid4().hex[:12]
         self.last_seen = time.monotonic()
-        self.pid_visible = _pid_alive(hello.pid)
+        self.pid_visible = pid_alive(hello.pid)
         self.segments: list[Segment] = []
         self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
         self.lent: dict[int, Batch] = {}
@@ -348,7 +348,7 @@ class Session:
 
     # -- liveness ---------------------------------------------------------------------
     def dead(self, now: float, timeout: float) -> str | None:
-        if self.pid_visible and not _pid_alive(self.pid):
+        if self.pid_visible and not pid_alive(self.pid):
             return f"client process {self.pid} is gone"
         if now - self.last_seen > timeout:
             return f"no message from the client for {now - self.last_seen:.1f} s"
@@ -396,16 +396,6 @@ class Session:
 def _first_failed(err: SampleError) -> Any:
     pairs = getattr(err, "batch_errors", None)
     return pairs[0][0] if pairs else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Daemon:

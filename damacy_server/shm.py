@@ -68,7 +68,7 @@ def remove_stale(log=None) -> list[str]:
         if not match:
             continue
         pid = int(match.group(1))
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, name))
@@ -80,7 +80,8 @@ def remove_stale(log=None) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` running (as far as this pid namespace can tell)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

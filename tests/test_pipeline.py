@@ -610,3 +610,17 @@ def test_random_index_queries(store, data):
                 check_batch(batch, by_uri(store), "f64")
                 got += len(batch)
         assert got == len(queries)
+
+
+def test_fill_policy_with_a_nan_fill_value_and_an_integer_batch(tmp_path, make):
+    # the fill value (NaN) cast as numpy casts it, not an exception that loses the batch
+    write_array(tmp_path / "n", np.ones((12, 7, 8), "f4"), chunks=(6, 7, 8), compressors=[ZstdCodec(level=1)], fill_value=float("nan"))
+    (tmp_path / "n" / "c" / "1" / "0" / "0").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)
+    with make(config(n=2, shape=(6, 7, 8), dtype="i16", on_error="fill")) as p:
+        p.push([damacy.Sample(str(tmp_path / "n"), np.s_[0:6, 0:7, 0:8]), damacy.Sample(str(tmp_path / "n"), np.s_[6:12, 0:7, 0:8])])
+        with p.pop() as b:
+            assert [i for i, _ in b.info.errors] == [1]
+            x = b.numpy()
+            with np.errstate(invalid="ignore"):
+                nan_as_i16 = np.asarray(np.nan, "f4").astype("i2")
+            assert (x[0] == 1).all() and (x[1] == nan_as_i16).all()

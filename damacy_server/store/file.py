@@ -41,12 +41,7 @@ class FileStore(Store):
     def _open(self, key: str) -> int | None:
         if self.roots is not None:
             return self._open_rooted(key)
-        try:
-            return os.open(key, _FLAGS)
-        except _MISSING:
-            return None
-        except OSError as e:
-            raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
+        return _open_fd(key, _FLAGS)
 
     def _open_rooted(self, key: str) -> int | None:
         folder = os.path.dirname(key)
@@ -63,20 +58,11 @@ class FileStore(Store):
         if not ok:
             self.check_allowed(folder)  # raises, naming the path
         try:
-            return os.open(key, _FLAGS | os.O_NOFOLLOW)
-        except _MISSING:
-            return None
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
-        # the file itself is a symlink: follow it only into an allowed root
-        self.check_allowed(key)
-        try:
-            return os.open(key, _FLAGS)
-        except _MISSING:
-            return None
-        except OSError as e:
-            raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
+            return _open_fd(key, _FLAGS | os.O_NOFOLLOW, symlink_ok=False)
+        except _Symlink:
+            # the file itself is a symlink: follow it only into an allowed root
+            self.check_allowed(key)
+            return _open_fd(key, _FLAGS)
 
     def read(self, key: str) -> bytes | None:
         fd = self._open(key)
@@ -128,6 +114,22 @@ class FileStore(Store):
 
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
+
+
+class _Symlink(Exception):
+    pass
+
+
+def _open_fd(key: str, flags: int, symlink_ok: bool = True) -> int | None:
+    """An open file descriptor, ``None`` for a missing file, :class:`StorageError` otherwise."""
+    try:
+        return os.open(key, flags)
+    except _MISSING:
+        return None
+    except OSError as e:
+        if not symlink_ok and e.errno == errno.ELOOP:
+            raise _Symlink from None
+        raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
 
 
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:
