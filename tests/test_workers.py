@@ -1,0 +1,34 @@
+"""The shared worker pool takes tasks from its clients in turn."""
+
+from __future__ import annotations
+
+import threading
+
+from damacy_server.workers import WorkerPool
+
+
+def test_one_greedy_key_does_not_starve_another():
+    pool = WorkerPool(1, "test")
+    order: list[str] = []
+    gate = threading.Event()
+    done = threading.Event()
+    pool.submit(gate.wait)  # hold the only worker while the queues fill
+    for i in range(100):
+        pool.submit(order.append, f"greedy{i}", key="greedy")
+    for i in range(3):
+        pool.submit(order.append, f"light{i}", key="light")
+    pool.submit(done.set, key="light")
+    gate.set()
+    assert done.wait(10)
+    # the light client's tasks ran after at most one greedy task each, not after all 100
+    assert order.index("light2") <= 6, order[:10]
+    pool.close()
+
+
+def test_a_failing_task_does_not_kill_the_worker():
+    pool = WorkerPool(1, "test")
+    done = threading.Event()
+    pool.submit(lambda: 1 / 0)
+    pool.submit(done.set)
+    assert done.wait(10)
+    pool.close()
