@@ -1,14 +1,18 @@
 """The CPU executor: runs a batch plan — read, decode, assemble — into a batch slot.
 
 Reads run on the reader's I/O threads, decodes and copies on ``decode_workers`` threads;
-positional reads, the codec libraries (zstandard, C-Blosc, zlib) and numpy's copy-with-cast
-all release the GIL, so the stages overlap across cores. Memory for chunk data in flight is
-reserved before each read and returned as its units are assembled, so slots plus chunk data
-never exceed ``max_memory_bytes``.
+positional reads, the codec libraries (zstandard, C-Blosc, zlib), numpy's copy-with-cast and
+the native decode-and-assemble path all release the GIL, so the stages overlap across cores.
+Memory for chunk data in flight is reserved before each read and returned as its units are
+assembled, so slots plus chunk data never exceed ``max_memory_bytes``. Whatever goes wrong
+in a task — a corrupt chunk or an unexpected exception — fails the samples concerned and
+nothing else: every read reports back, every reservation is returned.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import threading
 import time
@@ -18,26 +22,37 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import BudgetExceeded, InvalidArgument, SampleError
+from damacy_protocol.errors import BudgetExceeded, DecodeError, InvalidArgument, SampleError
+from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
+from damacy_server.selection import SliceCopy
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 
+log = logging.getLogger("damacy")
+
 #: the least memory for chunk data in flight that a budget must leave beside the slots
 MIN_INFLIGHT_BYTES = 16 << 20
+#: how long a new pipeline waits for chunk data in flight to make room for its slots
+SLOT_WAIT_S = 30.0
+#: decoded bytes per decode task (small chunks are decoded several per task)
+TASK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class CpuLimits:
     """``max_memory_bytes``: batch slots plus chunk data in flight; ``decode_workers``:
     decode threads (default: the CPUs); ``chunk_cache_bytes``: decoded chunks kept for
-    reuse across batches (LRU by bytes, 0: off; not part of ``max_memory_bytes``)."""
+    reuse across batches (LRU by bytes, 0: off; not part of ``max_memory_bytes``);
+    ``native``: decode zstd/raw chunks and copy boxes in C without the GIL where that applies
+    (the results are the same as numpy's)."""
 
     max_memory_bytes: int = 2 << 30
     decode_workers: int | None = None
     chunk_cache_bytes: int = 0
+    native: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_workers is None:
@@ -52,45 +67,79 @@ class CpuLimits:
 
 
 class MemoryBudget:
-    """Bytes reserved against a fixed total; ``reserve`` waits until the bytes are free."""
+    """A fixed total shared by batch slots (held for a pipeline's life) and chunk data in
+    flight (held for a read). ``reserve`` waits for room, but never for more than the slots
+    leave: a read that can never fit is refused instead of waiting forever."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self.used = 0
+        self.slots = 0
+        self.used = 0  # slots + in flight
         self.peak = 0
         self._cond = threading.Condition()
 
-    def try_reserve_now(self, nbytes: int) -> bool:
-        with self._cond:
-            if self.used + nbytes > self.total:
-                return False
-            self._take(nbytes)
-            return True
+    @property
+    def capacity(self) -> int:
+        """Bytes that chunk data in flight may use at most (the total beside the slots)."""
+        return self.total - self.slots
 
-    def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> bool:
-        """Wait for ``nbytes``; False when cancelled first."""
+    def admit_slots(self, nbytes: int, what: str) -> None:
         with self._cond:
-            while self.used + nbytes > self.total:
-                if cancelled():
-                    return False
-                self._cond.wait(0.05)
+            need = self.slots + nbytes + MIN_INFLIGHT_BYTES
+            if need > self.total:
+                raise BudgetExceeded(
+                    f"max_memory_bytes={self.total} is too small: {what} need {nbytes} bytes"
+                    + (f" (beside {self.slots} held by other slots)" if self.slots else "")
+                    + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
+                )
+            deadline = time.monotonic() + SLOT_WAIT_S
+            while self.used + nbytes > self.total:  # chunk data in flight must drain first
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BudgetExceeded(
+                        f"{what} need {nbytes} bytes and max_memory_bytes={self.total} stayed full of chunk data in "
+                        f"flight for {SLOT_WAIT_S:.0f} s"
+                    )
+                self._cond.wait(min(left, 0.1))
+            self.slots += nbytes
             self._take(nbytes)
-            return True
+
+    def release_slots(self, nbytes: int) -> None:
+        with self._cond:
+            self.slots -= nbytes
+            self.used -= nbytes
+            self._cond.notify_all()
+
+    def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> str:
+        """Wait for ``nbytes`` of room in flight: "ok", "cancelled", or "too big" (more than
+        the slots leave, now or after waiting)."""
+        with self._cond:
+            while True:
+                if nbytes > self.capacity:
+                    return "too big"
+                if self.used + nbytes <= self.total:
+                    self._take(nbytes)
+                    return "ok"
+                if cancelled():
+                    return "cancelled"
+                self._cond.wait(0.05)
 
     def _take(self, nbytes: int) -> None:
         self.used += nbytes
         self.peak = max(self.peak, self.used)
 
     def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.used -= nbytes
-            self._cond.notify_all()
+        if nbytes:
+            with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
 
 
 class StageStats:
-    """Seconds, counts and bytes per stage, summed over worker threads."""
+    """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
+    copied by the native path count under "decode" and again under "native"."""
 
-    STAGES = ("plan", "read", "decode", "assemble")
+    STAGES = ("plan", "read", "decode", "assemble", "native")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -122,10 +171,6 @@ class StageStats:
             return {s: dict(d) for s, d in self.data.items()}
 
 
-#: decoded bytes per decode task (small chunks are decoded several per task)
-TASK_BYTES = 1 << 20
-
-
 class _GroupState:
     """Counts the decode tasks of one read still running."""
 
@@ -145,42 +190,18 @@ class _GroupState:
 class _Run:
     """The state of one batch plan being executed."""
 
-    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "finals", "release")
+    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining")
 
-    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, finals, release) -> None:
+    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key) -> None:
         self.key = key
         self.plan = plan
         self.views = views
         self.errors: dict[int, SampleError] = {}
-        self.pending = len(plan.groups)
+        self.pending = 0  # reads (and the cached-units task) not yet reported
         self.lock = threading.Lock()
         self.on_done = on_done
         self.cancelled = cancelled
         self.remaining = list(plan.copy_counts)  # per sample: copies not yet applied
-        self.finals = finals  # sample -> its slot view, for samples assembled in sorted order
-        self.release = release  # returns the memory of those temporary buffers
-
-    def copied(self, units: Sequence[UnitJob] = (), samples: Sequence[int] = ()) -> None:
-        """The copies of ``units`` (or one copy for each of ``samples``) are applied or given
-        up; a sample assembled in sorted order is put in its caller's order once complete."""
-        if not self.finals:
-            return
-        done = []
-        with self.lock:
-            for s in [s for u in units for s, _ in u.copies] + list(samples):
-                self.remaining[s] -= 1
-                if self.remaining[s] == 0 and s in self.finals and s not in self.errors:
-                    done.append(s)
-        for s in done:
-            self.unsort(s)
-
-    def unsort(self, s: int) -> None:
-        src = self.views[s]
-        perm = self.plan.perms[s]
-        for j, (axis, inverse) in enumerate(perm):
-            dst = self.finals[s] if j == len(perm) - 1 else np.empty_like(src)
-            np.take(src, inverse, axis=axis, out=dst, mode="clip")
-            src = dst
 
     def fail(self, samples, err: SampleError) -> None:
         with self.lock:
@@ -188,13 +209,59 @@ class _Run:
                 if s not in self.errors:
                     self.errors[s] = _for_sample(err, self.plan.samples[s])
 
+    def crash(self, units: Sequence[UnitJob], exc: BaseException) -> None:
+        """An unexpected exception: the samples of ``units`` fail with it, the others go on."""
+        log.exception("damacy: unexpected error assembling a batch", exc_info=exc)
+        err = SampleError(f"internal error: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        self.fail({s for u in units for s, _ in u.copies}, err)
+
+    def copied(self, units: Sequence[UnitJob]) -> None:
+        """The copies of ``units`` are applied or given up; a sample whose index lists were
+        sorted for assembly is put in its caller's order once it is complete."""
+        if not any(self.plan.perms):
+            return
+        done = []
+        with self.lock:
+            for u in units:
+                for s, _ in u.copies:
+                    self.remaining[s] -= 1
+                    if self.remaining[s] == 0 and self.plan.perms[s] and s not in self.errors:
+                        done.append(s)
+        for s in done:
+            self.unsort(s)
+
+    def unsort(self, s: int) -> None:
+        """Reorder sample ``s`` in place along each sorted axis (cycle by cycle, with one
+        hyperplane of scratch memory): position i takes what was assembled at ``inverse[i]``."""
+        view = self.views[s]
+        for axis, inverse in self.plan.perms[s]:
+            planes = np.moveaxis(view, axis, 0)
+            seen = np.zeros(len(inverse), dtype=bool)
+            for start in range(len(inverse)):
+                if seen[start] or inverse[start] == start:
+                    seen[start] = True
+                    continue
+                saved = planes[start].copy()
+                i = start
+                while True:
+                    seen[i] = True
+                    j = int(inverse[i])
+                    if j == start:
+                        planes[i] = saved
+                        break
+                    planes[i] = planes[j]
+                    i = j
+
     def group_done(self) -> None:
         with self.lock:
             self.pending -= 1
             last = self.pending == 0
         if last:
-            self.release()
-            self.on_done(self.errors)
+            try:
+                self.on_done(self.errors)
+            except Exception:  # the pipeline's own bookkeeping failed; it must not stop the pool
+                log.exception("damacy: error delivering a batch")
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -216,6 +283,10 @@ def _for_sample(err: SampleError, sample: Any) -> SampleError:
     return e.with_context(uri=getattr(sample, "uri", None), sample=sample)
 
 
+def _samples_of(units: Sequence[UnitJob]) -> set[int]:
+    return {s for u in units for s, _ in u.copies}
+
+
 class CpuExecutor:
     """Executes batch plans into host memory."""
 
@@ -228,8 +299,8 @@ class CpuExecutor:
         self._decode = WorkerPool(self.limits.decode_workers, "damacy-decode")
         self._io_slots = threading.BoundedSemaphore(self.reader.max_inflight_reads)
         self._closed = False
-        self._slot_bytes = 0
-        self._slot_lock = threading.Lock()
+        self.native = native.available() and self.limits.native
+        self._kernels: dict[tuple, native.NativeKernel | None] = {}
         self.chunk_cache: LRUCache[np.ndarray] | None = (
             LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes)
             if self.limits.chunk_cache_bytes
@@ -239,26 +310,15 @@ class CpuExecutor:
     # -- memory -------------------------------------------------------------------
     def reserve_slots(self, nbytes: int, what: str) -> None:
         """Take ``nbytes`` for output slots for good; the rest is for chunk data in flight."""
-        with self._slot_lock:
-            need = self._slot_bytes + nbytes + MIN_INFLIGHT_BYTES
-            if need > self.budget.total or not self.budget.try_reserve_now(nbytes):
-                raise BudgetExceeded(
-                    f"max_memory_bytes={self.budget.total} is too small: {what} need {nbytes} bytes"
-                    + (f" (beside {self._slot_bytes} held by other slots)" if self._slot_bytes else "")
-                    + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight;"
-                    f" set max_memory_bytes >= {need}"
-                )
-            self._slot_bytes += nbytes
+        self.budget.admit_slots(nbytes, what)
 
     def release_slots(self, nbytes: int) -> None:
-        with self._slot_lock:
-            self._slot_bytes -= nbytes
-        self.budget.release(nbytes)
+        self.budget.release_slots(nbytes)
 
     @property
     def inflight_capacity(self) -> int:
         """Bytes of chunk data that may be in flight at once (the budget beside the slots)."""
-        return self.budget.total - self._slot_bytes
+        return self.budget.capacity
 
     # -- execution ----------------------------------------------------------------
     def execute(
@@ -277,56 +337,40 @@ class CpuExecutor:
         turns.
         """
         views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
-        # index queries with unsorted lists are assembled in sorted order (each read unit then
-        # fills one block) in a temporary buffer, and put in the caller's order at the end
-        finals = {}
-        temp = 0
-        for i, perm in enumerate(plan.perms):
-            if perm and views[i] is not None:
-                finals[i] = views[i]
-                views[i] = np.empty_like(finals[i])
-                temp += finals[i].nbytes * (2 if len(perm) > 1 else 1)
-        if temp and not self.budget.reserve(temp, lambda: cancelled() or self._closed):
-            on_done({})
-            return
+        run = _Run(plan, views, on_done, cancelled, key)
         t0 = time.perf_counter()
         for s, fill in plan.fills:
             views[s][...] = cast_fill(fill, views[s].dtype)
+        for s, perm in enumerate(plan.perms):
+            if perm and plan.copy_counts[s] == 0:  # fill values only: nothing to reorder later
+                run.unsort(s)
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
         groups, cached = self._from_cache(plan.groups)
         groups = self._fit(groups)
-        run = _Run(plan, views, on_done, cancelled, key, finals, lambda: self.budget.release(temp) if temp else None)
-        for s in finals:
-            if plan.copy_counts[s] == 0:  # nothing to read: fill values only
-                run.unsort(s)
-        run.pending = len(groups) + (1 if cached else 0)
-        if not run.pending:
-            run.release()
-            on_done(run.errors)
-            return
+        run.pending = len(groups) + (1 if cached else 0) + 1  # +1: this call, until all is queued
         if cached:
             self._decode.submit(self._copy_cached, run, cached, key=key)
-        inflight = self.inflight_capacity
+        stop = lambda: cancelled() or self._closed  # noqa: E731
         for group in groups:
             need = group.reserve_nbytes
-            if need > inflight:
+            status = self.budget.reserve(need, stop)
+            if status == "ok":
+                self._io_slots.acquire()
+                self._io.submit(self._read, run, group, need, key=key)
+                continue
+            if status == "too big":
                 run.fail(
-                    {s for u in group.units for s, _ in u.copies},
+                    _samples_of(group.units),
                     SampleError(
-                        f"reading {group.key} needs {need} bytes in flight, the memory budget leaves {inflight}; "
-                        "raise max_memory_bytes",
+                        f"reading {group.key} needs {need} bytes in flight, the memory budget leaves "
+                        f"{self.budget.capacity} beside the batch slots; raise max_memory_bytes",
                         path=group.key,
                     ),
                 )
-                run.copied(group.units)
-                run.group_done()
-                continue
-            if not self.budget.reserve(need, lambda: cancelled() or self._closed):
-                run.group_done()
-                continue
-            self._io_slots.acquire()
-            self._io.submit(self._read, run, group, need, key=key)
+            run.copied(group.units)
+            run.group_done()
+        run.group_done()
 
     def _from_cache(self, groups: list[ReadGroup]) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
         """Units found in the chunk cache leave their reads (which shrink or go)."""
@@ -353,81 +397,106 @@ class CpuExecutor:
                     out.append(ReadGroup(g.store, g.key, start, end - start, rest))
         return out, cached
 
-    def _copy_cached(self, run: _Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
-        t0 = time.perf_counter()
-        assembled = 0
-        try:
-            if run.cancelled() or self._closed:
-                return
-            with np.errstate(invalid="ignore", over="ignore"):
-                for u, arr in cached:
-                    for s, op in u.copies:
-                        target = run.views[s]
-                        assembled += op.apply(target, arr) * target.itemsize
-                    run.copied((u,))
-        finally:
-            self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
-            run.group_done()
-
     def _fit(self, groups: list[ReadGroup]) -> list[ReadGroup]:
         """Merged reads too large for the in-flight budget are read unit by unit again."""
-        inflight = self.inflight_capacity
+        capacity = self.budget.capacity
         out = []
         for g in groups:
-            if g.reserve_nbytes > inflight and len(g.units) > 1:
+            if g.reserve_nbytes > capacity and len(g.units) > 1:
                 out.extend(ReadGroup(g.store, g.key, u.offset, u.nbytes, [u]) for u in g.units)
             else:
                 out.append(g)
         return out
 
+    def _apply(self, run: _Run, u: UnitJob, arr: np.ndarray) -> int:
+        """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
+        assembled = 0
+        for s, op in u.copies:
+            target = run.views[s]
+            assembled += op.apply(target, arr) * target.itemsize
+        return assembled
+
+    def _copy_cached(self, run: _Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
+        t0 = time.perf_counter()
+        assembled = 0
+        done: list[UnitJob] = []
+        try:
+            if run.cancelled() or self._closed:
+                return
+            with np.errstate(invalid="ignore", over="ignore"):
+                for u, arr in cached:
+                    assembled += self._apply(run, u, arr)
+                    done.append(u)
+                    run.copied((u,))
+        except Exception as e:
+            rest = [u for u, _ in cached if u not in done]
+            run.crash(rest, e)
+            run.copied(rest)
+        finally:
+            self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
+            run.group_done()
+
     def _read(self, run: _Run, group: ReadGroup, reserved: int) -> None:
         self._io_slots.release()
-        if run.cancelled() or self._closed:
-            self.budget.release(reserved)
-            run.group_done()
-            return
-        t0 = time.perf_counter()
+        handed_over = False
         try:
-            if group.length < 0:
-                data = self.reader.read(group.key)
-            else:
-                data = self.reader.read_range(group.key, group.offset, group.length)
-        except SampleError as e:
-            self.budget.release(reserved)
-            run.fail({s for u in group.units for s, _ in u.copies}, e.with_context(uri=group.units[0].meta.uri))
-            run.copied(group.units)
-            run.group_done()
-            return
-        self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
-        if data is None:
-            # a chunk that was never written: its regions read as the fill value
+            if run.cancelled() or self._closed:
+                return
+            t0 = time.perf_counter()
+            try:
+                if group.length < 0:
+                    data = self.reader.read(group.key)
+                else:
+                    data = self.reader.read_range(group.key, group.offset, group.length)
+            except SampleError as e:
+                run.fail(_samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
+                run.copied(group.units)
+                return
+            self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
+            if data is None:
+                # a chunk that was never written: its regions read as the fill value
+                for u in group.units:
+                    for s, op in u.copies:
+                        op.fill(run.views[s], cast_fill(u.meta.fill_value, run.views[s].dtype))
+                run.copied(group.units)
+                return
+            # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do
+            # not pay a thread handoff each; the group's memory is returned as tasks finish.
+            tasks: list[list[UnitJob]] = [[]]
+            size = 0
             for u in group.units:
-                for s, op in u.copies:
-                    op.fill(run.views[s], cast_fill(u.meta.fill_value, run.views[s].dtype))
+                if size >= TASK_BYTES:
+                    tasks.append([])
+                    size = 0
+                tasks[-1].append(u)
+                size += u.decoded_nbytes
+            state = _GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
+            view = memoryview(data)
+            for units in tasks:
+                self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key)
+            handed_over = True
+        except Exception as e:
+            run.crash(group.units, e)
             run.copied(group.units)
-            self.budget.release(reserved)
-            run.group_done()
-            return
-        # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do not
-        # pay a thread handoff each; the group's memory is returned as its tasks finish.
-        tasks: list[list[UnitJob]] = [[]]
-        size = 0
-        for u in group.units:
-            if size >= TASK_BYTES:
-                tasks.append([])
-                size = 0
-            tasks[-1].append(u)
-            size += u.decoded_nbytes
-        state = _GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
-        view = memoryview(data)
-        for units in tasks:
-            self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key)
+        finally:
+            if not handed_over:
+                self.budget.release(reserved)
+                run.group_done()
 
     def _decode_units(self, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview, state: _GroupState) -> None:
         decode_s = assemble_s = 0.0
         encoded = decoded = assembled = 0
+        done: list[UnitJob] = []  # units whose copies are made or given up
         try:
             if run.cancelled() or self._closed:
+                return
+            kernel = self._native_kernel(run, units)
+            if kernel is not None:
+                t0 = time.perf_counter()
+                encoded, decoded, assembled = self._native(kernel, run, group, units, view)
+                done = units
+                decode_s = time.perf_counter() - t0  # decode and copies, in one call
+                self.stats.add("native", decode_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
                 return
             whole = group.length < 0
             with np.errstate(invalid="ignore", over="ignore"):  # casts follow numpy's rules
@@ -439,20 +508,24 @@ class CpuExecutor:
                         check_length(u.meta, data, u.nbytes, u.unit, u.key)
                         arr = decode_unit(u.meta, data, u.unit, u.key)
                     except SampleError as e:
-                        run.fail({s for s, _ in u.copies}, e)
+                        run.fail(_samples_of((u,)), e)
+                        done.append(u)
                         run.copied((u,))
                         continue
                     t1 = time.perf_counter()
                     if self.chunk_cache is not None:
                         self.chunk_cache.put((u.meta.root, u.unit), _frozen(arr))
-                    for s, op in u.copies:
-                        target = run.views[s]
-                        assembled += op.apply(target, arr) * target.itemsize
+                    assembled += self._apply(run, u, arr)
+                    done.append(u)
                     run.copied((u,))
                     decode_s += t1 - t0
                     assemble_s += time.perf_counter() - t1
                     encoded += len(data)
                     decoded += arr.nbytes
+        except Exception as e:
+            rest = [u for u in units if u not in done]
+            run.crash(rest, e)
+            run.copied(rest)
         finally:
             self.stats.add_units(len(units), decode_s, encoded, decoded, assemble_s, assembled)
             self.budget.release(sum(u.decoded_nbytes for u in units))
@@ -460,8 +533,51 @@ class CpuExecutor:
                 self.budget.release(state.encoded_reserved)
                 run.group_done()
 
+    def _native_kernel(self, run: _Run, units: list[UnitJob]) -> native.NativeKernel | None:
+        """The native kernel for this task, when every unit and copy qualifies."""
+        if not self.native or self.chunk_cache is not None:
+            return None
+        meta = units[0].meta
+        if any(u.meta is not meta for u in units):
+            return None
+        for u in units:
+            for _, op in u.copies:
+                if type(op) is not SliceCopy:
+                    return None
+        dtype = run.views[units[0].copies[0][0]].dtype
+        key = (meta.root, dtype.str, dtype.name)
+        kernel = self._kernels.get(key, False)
+        if kernel is False:
+            kernel = self._kernels[key] = native.kernel_for(meta, dtype)
+        if kernel is not None and any(run.views[s].dtype != dtype for u in units for s, _ in u.copies):
+            return None
+        return kernel
+
+    def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
+        datas = []
+        whole = group.length < 0
+        for u in units:
+            start = u.offset - group.offset
+            datas.append(view if whole else view[start : start + u.nbytes])
+        failures = native.run(kernel, datas, units, run.views)
+        for k, reason in failures:
+            u = units[k]
+            if u.nbytes >= 0 and len(datas[k]) != u.nbytes:
+                reason = f"truncated data: expected {u.nbytes} bytes, the file has {len(datas[k])} there"
+            elif kernel.codec == native.CODEC_ZSTD and "expected" not in reason:
+                reason = f"zstd: {reason}"
+            run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
+        run.copied(units)
+        failed = {k for k, _ in failures}
+        ok = [u for k, u in enumerate(units) if k not in failed]
+        encoded = sum(len(datas[k]) for k in range(len(units)) if k not in failed)
+        decoded = sum(u.decoded_nbytes for u in ok)
+        assembled = sum(
+            math.prod(p.stop - p.start for p in op.src) * run.views[s].itemsize for u in ok for s, op in u.copies
+        )
+        return encoded, decoded, assembled
+
     def close(self) -> None:
         self._closed = True
         self._io.close()
         self._decode.close()
-

@@ -1,0 +1,384 @@
+/*
+ * damacy_server.native._assemble: decode read units and copy their boxes into batch slots,
+ * with the cast, for a whole decode task in one call that releases the GIL.
+ *
+ * The Python side (damacy_server/native/__init__.py) hands over:
+ *   - the units' encoded bytes (a list of buffers) and, per unit, the codec and sizes;
+ *   - an op table (int64): per copy the unit, the sample, and per axis the source start,
+ *     the destination start and the extent;
+ *   - per sample the destination's address and strides (elements of the output dtype).
+ * zstd is reached through the system's libzstd (dlopen, no build-time dependency). Every
+ * element conversion follows numpy's rules for the pairs offered here; pairs with other
+ * semantics (float to integer, wide integers to bf16/f16 from f64) are left to numpy.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_NDIM 8
+
+/* dtype codes shared with Python */
+enum { T_BOOL, T_I1, T_U1, T_I2, T_U2, T_I4, T_U4, T_I8, T_U8, T_F2, T_F4, T_F8, T_BF16, T_COUNT };
+static const int ITEMSIZE[T_COUNT] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 4, 8, 2};
+
+enum { CODEC_RAW = 0, CODEC_ZSTD = 1 };
+enum { OK = 0, E_ZSTD = 1, E_SIZE = 2, E_NOZSTD = 3 };
+
+/* ---- zstd, found at run time ------------------------------------------------------- */
+typedef void *(*zstd_create_t)(void);
+typedef size_t (*zstd_free_t)(void *);
+typedef size_t (*zstd_decompress_t)(void *, void *, size_t, const void *, size_t);
+typedef unsigned (*zstd_iserror_t)(size_t);
+typedef const char *(*zstd_errname_t)(size_t);
+static zstd_create_t zstd_create;
+static zstd_free_t zstd_free;
+static zstd_decompress_t zstd_decompress;
+static zstd_iserror_t zstd_iserror;
+static zstd_errname_t zstd_errname;
+
+static int load_zstd(void) {
+    void *lib = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) lib = dlopen("libzstd.so", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return 0;
+    zstd_create = (zstd_create_t)dlsym(lib, "ZSTD_createDCtx");
+    zstd_free = (zstd_free_t)dlsym(lib, "ZSTD_freeDCtx");
+    zstd_decompress = (zstd_decompress_t)dlsym(lib, "ZSTD_decompressDCtx");
+    zstd_iserror = (zstd_iserror_t)dlsym(lib, "ZSTD_isError");
+    zstd_errname = (zstd_errname_t)dlsym(lib, "ZSTD_getErrorName");
+    return zstd_create && zstd_free && zstd_decompress && zstd_iserror && zstd_errname;
+}
+
+/* ---- element conversions (numpy's rounding) --------------------------------------- */
+static inline uint16_t bswap16(uint16_t v) { return (uint16_t)((v >> 8) | (v << 8)); }
+static inline uint32_t bswap32(uint32_t v) { return __builtin_bswap32(v); }
+static inline uint64_t bswap64(uint64_t v) { return __builtin_bswap64(v); }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 113;
+            while (!(mant & 0x400u)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_half(float value) { /* round half to even, as numpy */
+    uint32_t f;
+    memcpy(&f, &value, 4);
+    uint32_t f_exp = f & 0x7f800000u, f_sig;
+    uint16_t h_sgn = (uint16_t)((f & 0x80000000u) >> 16), h_sig;
+    if (f_exp >= 0x47800000u) {
+        if (f_exp == 0x7f800000u && (f & 0x007fffffu)) { /* NaN: keep it a NaN */
+            uint16_t ret = (uint16_t)(0x7c00u + ((f & 0x007fffffu) >> 13));
+            if (ret == 0x7c00u) ret++;
+            return (uint16_t)(h_sgn + ret);
+        }
+        return (uint16_t)(h_sgn + 0x7c00u); /* inf, or too large */
+    }
+    if (f_exp <= 0x38000000u) {
+        if (f_exp < 0x33000000u) return h_sgn;
+        f_exp >>= 23;
+        f_sig = 0x00800000u + (f & 0x007fffffu);
+        f_sig >>= (113 - f_exp);
+        if (((f_sig & 0x00003fffu) != 0x00001000u) || (f & 0x000007ffu)) f_sig += 0x00001000u;
+        h_sig = (uint16_t)(f_sig >> 13);
+        return (uint16_t)(h_sgn + h_sig);
+    }
+    uint16_t h_exp = (uint16_t)((f_exp - 0x38000000u) >> 13);
+    f_sig = f & 0x007fffffu;
+    if ((f_sig & 0x00003fffu) != 0x00001000u) f_sig += 0x00001000u;
+    h_sig = (uint16_t)(f_sig >> 13);
+    h_sig = (uint16_t)(h_sig + h_exp);
+    return (uint16_t)(h_sgn + h_sig);
+}
+
+static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as ml_dtypes */
+    uint32_t f;
+    memcpy(&f, &value, 4);
+    if ((f & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((f >> 16) & 0x8000u) | 0x7fc0u); /* a quiet NaN */
+    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+
+/* loads: the element at p as its C type, byte-swapped when the data is big endian */
+#define LOAD_INT(T, U, SW)                                                              \
+    static inline T load_##T(const char *p, int swap) {                                 \
+        U u;                                                                            \
+        memcpy(&u, p, sizeof(U));                                                       \
+        if (swap) u = SW(u);                                                            \
+        T v;                                                                            \
+        memcpy(&v, &u, sizeof(T));                                                      \
+        return v;                                                                       \
+    }
+static inline uint8_t noswap8(uint8_t v) { return v; }
+LOAD_INT(int8_t, uint8_t, noswap8)
+LOAD_INT(uint8_t, uint8_t, noswap8)
+LOAD_INT(int16_t, uint16_t, bswap16)
+LOAD_INT(uint16_t, uint16_t, bswap16)
+LOAD_INT(int32_t, uint32_t, bswap32)
+LOAD_INT(uint32_t, uint32_t, bswap32)
+LOAD_INT(int64_t, uint64_t, bswap64)
+LOAD_INT(uint64_t, uint64_t, bswap64)
+LOAD_INT(float, uint32_t, bswap32)
+LOAD_INT(double, uint64_t, bswap64)
+static inline float load_half(const char *p, int swap) { return half_to_float(load_uint16_t(p, swap)); }
+static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p != 0; }
+
+typedef void (*row_fn)(const char *src, char *dst, Py_ssize_t n, int swap);
+
+/* one row: n elements from contiguous src to contiguous dst */
+#define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR)                                            \
+    static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap) { \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            DT out = (DT)(EXPR(LOAD(s + i * (SRC_SIZE), swap)));                       \
+            memcpy(d + i * (Py_ssize_t)sizeof(DT), &out, sizeof(DT));                  \
+        }                                                                              \
+    }
+#define AS_IS(v) (v)
+#define AS_BOOL(v) ((v) != 0)
+#define AS_HALF(v) float_to_half((float)(v))
+#define AS_BF16(v) float_to_bf16((float)(v))
+
+/* every source to: f32, f64, bool, integers (integer and bool sources only), f16, bf16 */
+#define ROWS_FOR(SRC, LOAD, SIZE)                                                      \
+    ROW(SRC##_to_f4, LOAD, SIZE, float, AS_IS)                                         \
+    ROW(SRC##_to_f8, LOAD, SIZE, double, AS_IS)                                        \
+    ROW(SRC##_to_b1, LOAD, SIZE, uint8_t, AS_BOOL)                                     \
+    ROW(SRC##_to_f2, LOAD, SIZE, uint16_t, AS_HALF)                                    \
+    ROW(SRC##_to_bf, LOAD, SIZE, uint16_t, AS_BF16)
+#define INT_ROWS_FOR(SRC, LOAD, SIZE)                                                  \
+    ROWS_FOR(SRC, LOAD, SIZE)                                                          \
+    ROW(SRC##_to_i1, LOAD, SIZE, int8_t, AS_IS)                                        \
+    ROW(SRC##_to_u1, LOAD, SIZE, uint8_t, AS_IS)                                       \
+    ROW(SRC##_to_i2, LOAD, SIZE, int16_t, AS_IS)                                       \
+    ROW(SRC##_to_u2, LOAD, SIZE, uint16_t, AS_IS)                                      \
+    ROW(SRC##_to_i4, LOAD, SIZE, int32_t, AS_IS)                                       \
+    ROW(SRC##_to_u4, LOAD, SIZE, uint32_t, AS_IS)                                      \
+    ROW(SRC##_to_i8, LOAD, SIZE, int64_t, AS_IS)                                       \
+    ROW(SRC##_to_u8, LOAD, SIZE, uint64_t, AS_IS)
+
+INT_ROWS_FOR(b1, load_bool, 1)
+INT_ROWS_FOR(i1, load_int8_t, 1)
+INT_ROWS_FOR(u1, load_uint8_t, 1)
+INT_ROWS_FOR(i2, load_int16_t, 2)
+INT_ROWS_FOR(u2, load_uint16_t, 2)
+INT_ROWS_FOR(i4, load_int32_t, 4)
+INT_ROWS_FOR(u4, load_uint32_t, 4)
+INT_ROWS_FOR(i8, load_int64_t, 8)
+INT_ROWS_FOR(u8, load_uint64_t, 8)
+ROWS_FOR(f2, load_half, 2)
+ROWS_FOR(f4, load_float, 4)
+ROWS_FOR(f8, load_double, 8)
+
+/* [src][dst]; NULL where numpy's semantics differ or are undefined (left to numpy) */
+#define INT_TABLE(S)                                                                   \
+    {S##_to_b1, S##_to_i1, S##_to_u1, S##_to_i2, S##_to_u2, S##_to_i4, S##_to_u4,      \
+     S##_to_i8, S##_to_u8, S##_to_f2, S##_to_f4, S##_to_f8, S##_to_bf}
+static row_fn TABLE[T_COUNT][T_COUNT] = {
+    INT_TABLE(b1), INT_TABLE(i1), INT_TABLE(u1), INT_TABLE(i2), INT_TABLE(u2),
+    /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
+    {i4_to_b1, i4_to_i1, i4_to_u1, i4_to_i2, i4_to_u2, i4_to_i4, i4_to_u4, i4_to_i8, i4_to_u8, i4_to_f2, i4_to_f4, i4_to_f8, NULL},
+    {u4_to_b1, u4_to_i1, u4_to_u1, u4_to_i2, u4_to_u2, u4_to_i4, u4_to_u4, u4_to_i8, u4_to_u8, u4_to_f2, u4_to_f4, u4_to_f8, NULL},
+    {i8_to_b1, i8_to_i1, i8_to_u1, i8_to_i2, i8_to_u2, i8_to_i4, i8_to_u4, i8_to_i8, i8_to_u8, i8_to_f2, i8_to_f4, i8_to_f8, NULL},
+    {u8_to_b1, u8_to_i1, u8_to_u1, u8_to_i2, u8_to_u2, u8_to_i4, u8_to_u4, u8_to_i8, u8_to_u8, u8_to_f2, u8_to_f4, u8_to_f8, NULL},
+    /* floats: not to integers (numpy's results there are platform-defined) */
+    {f2_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2, f2_to_f4, f2_to_f8, f2_to_bf},
+    {f4_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f4_to_f2, f4_to_f4, f4_to_f8, f4_to_bf},
+    /* f64 to f16/bf16 would round twice through f32 */
+    {f8_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4, f8_to_f8, NULL},
+};
+
+/* ---- the task ----------------------------------------------------------------------- */
+typedef struct {
+    const char *src;  /* encoded bytes */
+    Py_ssize_t src_len;
+} unit_in;
+
+/* Copy one op's box: nested loops over all axes but the last, a row call per row. */
+static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int src_size, char *dst_base,
+                     const int64_t *dst_strides, int dst_size, const int64_t *src_start, const int64_t *dst_start,
+                     const int64_t *extent, row_fn row, int swap) {
+    int64_t src_strides[MAX_NDIM];
+    int64_t s = 1;
+    for (int a = ndim - 1; a >= 0; a--) {
+        src_strides[a] = s;
+        s *= unit_shape[a];
+    }
+    if (ndim == 0) {
+        row(chunk, dst_base, 1, swap);
+        return;
+    }
+    int64_t idx[MAX_NDIM] = {0};
+    int last = ndim - 1;
+    Py_ssize_t n = (Py_ssize_t)extent[last];
+    for (int a = 0; a < ndim; a++)
+        if (extent[a] <= 0) return;
+    for (;;) {
+        int64_t so = 0, dof = 0;
+        for (int a = 0; a < ndim; a++) {
+            so += (src_start[a] + (a == last ? 0 : idx[a])) * src_strides[a];
+            dof += (dst_start[a] + (a == last ? 0 : idx[a])) * dst_strides[a];
+        }
+        row(chunk + so * src_size, dst_base + dof * dst_size, n, swap);
+        int a = last - 1;
+        while (a >= 0) {
+            if (++idx[a] < extent[a]) break;
+            idx[a] = 0;
+            a--;
+        }
+        if (a < 0) return;
+    }
+}
+
+static int zstd_ok = -1;
+
+/*
+ * run(buffers, units, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes)
+ *   buffers: list of bytes-like (one per unit)
+ *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, sample, src_start[ndim], dst_start[ndim], extent[ndim]
+ *   targets: int64 array (n_samples, 1 + ndim): address, strides in elements
+ * Returns a list of (unit, message) for units that failed; their copies are not made.
+ */
+static PyObject *run(PyObject *self, PyObject *args) {
+    PyObject *buffers;
+    Py_buffer ops_buf, targets_buf, shape_buf;
+    int src_type, dst_type, swap, codec;
+    Py_ssize_t decoded_nbytes;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*iiiin", &PyList_Type, &buffers, &ops_buf, &targets_buf, &shape_buf, &src_type,
+                          &dst_type, &swap, &codec, &decoded_nbytes))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_units = PyList_GET_SIZE(buffers);
+    Py_buffer *views = calloc((size_t)(n_units ? n_units : 1), sizeof(Py_buffer));
+    int *status = calloc((size_t)(n_units ? n_units : 1), sizeof(int));
+    size_t *err_codes = calloc((size_t)(n_units ? n_units : 1), sizeof(size_t));
+    Py_ssize_t got = 0;
+    int ndim = (int)(shape_buf.len / 8);
+    if (!views || !status || !err_codes) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (src_type < 0 || src_type >= T_COUNT || dst_type < 0 || dst_type >= T_COUNT || !TABLE[src_type][dst_type] ||
+        ndim > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "unsupported cast or rank for the native path");
+        goto done;
+    }
+    for (got = 0; got < n_units; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, got), &views[got], PyBUF_SIMPLE) < 0) goto done;
+    }
+    if (codec == CODEC_ZSTD && zstd_ok < 0) zstd_ok = load_zstd();
+    {
+        const int64_t *ops = (const int64_t *)ops_buf.buf;
+        const int64_t *targets = (const int64_t *)targets_buf.buf;
+        const int64_t *unit_shape = (const int64_t *)shape_buf.buf;
+        Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
+        row_fn row = TABLE[src_type][dst_type];
+        int src_size = ITEMSIZE[src_type], dst_size = ITEMSIZE[dst_type];
+        Py_BEGIN_ALLOW_THREADS;
+        char *scratch = NULL;
+        void *dctx = NULL;
+        if (codec == CODEC_ZSTD && zstd_ok) {
+            scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
+            dctx = zstd_create();
+        }
+        Py_ssize_t op = 0;
+        for (Py_ssize_t u = 0; u < n_units; u++) {
+            const char *chunk = (const char *)views[u].buf;
+            if (codec == CODEC_ZSTD) {
+                if (!zstd_ok || !scratch || !dctx) {
+                    status[u] = E_NOZSTD;
+                } else {
+                    size_t r = zstd_decompress(dctx, scratch, (size_t)decoded_nbytes, views[u].buf, (size_t)views[u].len);
+                    if (zstd_iserror(r)) {
+                        status[u] = E_ZSTD;
+                        err_codes[u] = r;
+                    } else if ((Py_ssize_t)r != decoded_nbytes) {
+                        status[u] = E_SIZE;
+                        err_codes[u] = r;
+                    }
+                    chunk = scratch;
+                }
+            } else if (views[u].len != decoded_nbytes) {
+                status[u] = E_SIZE;
+                err_codes[u] = (size_t)views[u].len;
+            }
+            /* ops are grouped by unit, in unit order */
+            while (op < n_ops && ops[op * width] == u) {
+                const int64_t *o = ops + op * width;
+                if (status[u] == OK) {
+                    const int64_t *t = targets + o[1] * (1 + ndim);
+                    copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
+                             o + 2 + ndim, o + 2 + 2 * ndim, row, swap);
+                }
+                op++;
+            }
+        }
+        if (dctx) zstd_free(dctx);
+        free(scratch);
+        Py_END_ALLOW_THREADS;
+    }
+    result = PyList_New(0);
+    if (!result) goto done;
+    for (Py_ssize_t u = 0; u < n_units; u++) {
+        if (status[u] == OK) continue;
+        PyObject *item;
+        if (status[u] == E_ZSTD)
+            item = Py_BuildValue("(ns)", u, zstd_errname(err_codes[u]));
+        else if (status[u] == E_SIZE)
+            item = Py_BuildValue("(nN)", u, PyUnicode_FromFormat("decoded chunk has %zd bytes, expected %zd",
+                                                                 (Py_ssize_t)err_codes[u], decoded_nbytes));
+        else
+            item = Py_BuildValue("(ns)", u, "libzstd is not available");
+        if (!item || PyList_Append(result, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(result);
+            goto done;
+        }
+        Py_DECREF(item);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(status);
+    free(err_codes);
+    PyBuffer_Release(&ops_buf);
+    PyBuffer_Release(&targets_buf);
+    PyBuffer_Release(&shape_buf);
+    return result;
+}
+
+static PyObject *supports(PyObject *self, PyObject *args) {
+    int src_type, dst_type;
+    if (!PyArg_ParseTuple(args, "ii", &src_type, &dst_type)) return NULL;
+    int ok = src_type >= 0 && src_type < T_COUNT && dst_type >= 0 && dst_type < T_COUNT && TABLE[src_type][dst_type];
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *has_zstd(PyObject *self, PyObject *noargs) {
+    if (zstd_ok < 0) zstd_ok = load_zstd();
+    return PyBool_FromLong(zstd_ok);
+}
+
+static PyMethodDef methods[] = {
+    {"run", run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
+    {"supports", supports, METH_VARARGS, "Whether the cast from one dtype code to another is offered."},
+    {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_assemble", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__assemble(void) { return PyModule_Create(&module); }

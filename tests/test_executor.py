@@ -1,0 +1,87 @@
+"""The executor's bookkeeping under pressure: budgets, unexpected errors, in-place reordering."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import random_data, write_array
+from zarr.codecs import ZstdCodec
+
+import damacy
+from damacy_server.cpu import MIN_INFLIGHT_BYTES, MemoryBudget
+from damacy_server.selection import SliceCopy
+
+
+@pytest.fixture
+def volume(tmp_path):
+    data = random_data((32, 64, 64), "uint16", 3)
+    oracle = write_array(tmp_path / "v", data, chunks=(8, 32, 32), compressors=[ZstdCodec(level=1)])
+    return str(tmp_path / "v"), oracle
+
+
+def test_unsorted_index_query_with_a_tight_budget(volume):
+    uri, oracle = volume
+    sample_bytes = 16 * 64 * 64 * 4
+    cfg = damacy.Config(
+        samples_per_batch=1,
+        sample_shape=(16, 64, 64),
+        prepared_batches=2,
+        max_memory_bytes=2 * sample_bytes + MIN_INFLIGHT_BYTES + (1 << 20),
+        pop_timeout_s=30,
+    )
+    z = list(range(31, 15, -1))  # reversed: assembled sorted, reordered in place
+    y = [63 - i for i in range(64)]
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.IndexQuery(uri, (z, y, slice(0, 64)))] * 3)
+        for batch in p.batches():
+            with batch:
+                assert np.array_equal(batch.numpy()[0], oracle.oindex[z, y, :].astype("f4"))
+
+
+def test_an_unexpected_error_fails_its_samples_only(volume, monkeypatch):
+    uri, oracle = volume
+    real = SliceCopy.apply
+    calls = []
+
+    def flaky(self, target, arr):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(self, target, arr)
+
+    monkeypatch.setattr(SliceCopy, "apply", flaky)
+    monkeypatch.setattr("damacy_server.native.kernel_for", lambda meta, dtype: None)  # the Python path
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 64, 64), on_error="fill", pop_timeout_s=30, lookahead_samples=2)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, np.s_[0:8, :, :]), damacy.Sample(uri, np.s_[8:16, :, :]), damacy.Sample(uri, np.s_[16:24, :, :])])
+        with p.pop() as b:
+            (i, err), = b.info.errors
+            assert isinstance(err, damacy.SampleError) and "internal error: RuntimeError: boom" in str(err)
+            ok = 1 - i
+            assert np.array_equal(b.numpy()[ok], oracle[8 * ok : 8 * ok + 8].astype("f4"))
+        with p.pop() as b:  # the stream goes on
+            assert b.info.errors == () and np.array_equal(b.numpy()[0], oracle[16:24].astype("f4"))
+        assert p.executor.budget.used == p.executor.budget.slots
+
+
+def test_slots_wait_for_chunk_data_in_flight():
+    budget = MemoryBudget(MIN_INFLIGHT_BYTES + 1000)
+    assert budget.reserve(MIN_INFLIGHT_BYTES + 500, lambda: False) == "ok"  # in flight now
+    done = threading.Event()
+
+    def admit():
+        budget.admit_slots(1000, "slots")
+        done.set()
+
+    t = threading.Thread(target=admit)
+    t.start()
+    time.sleep(0.2)
+    assert not done.is_set()  # it fits the budget, but only once the reads are done
+    budget.release(MIN_INFLIGHT_BYTES + 500)
+    assert done.wait(5)
+    assert budget.reserve(MIN_INFLIGHT_BYTES + 1, lambda: False) == "too big"  # beside the slots it never fits
+    with pytest.raises(damacy.BudgetExceeded, match="set max_memory_bytes >="):
+        budget.admit_slots(10, "more slots")

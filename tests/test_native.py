@@ -1,0 +1,99 @@
+"""The native decode-and-assemble path gives exactly what the numpy path gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DTYPES, random_data, write_array
+from zarr.codecs import BytesCodec, ZstdCodec
+
+import damacy
+from damacy_server import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native extension was not built (no C compiler at install)")
+
+OUT = ["f32", "bf16", "f16", "f64", "u8", "u16", "i16", "i32", "i64", "bool", "native"]
+SHAPE = (9, 10, 11)
+BOX = (4, 5, 6)
+
+
+def boxes(n, seed):
+    rng = np.random.default_rng(seed)
+    return [tuple((int(a), int(a) + b) for a, b in zip(rng.integers(-3, 8, size=3), BOX)) for _ in range(n)]
+
+
+def run(uri, out, use_native, aabbs):
+    cfg = damacy.Config(samples_per_batch=3, sample_shape=BOX, dtype=out, pop_timeout_s=30, lookahead_samples=3, prepared_batches=1)
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native))
+    pipe = damacy.Pipeline(
+        planner=damacy.ChunkPlanner(),
+        executor=executor,
+        output=damacy.BatchSpec(3, BOX, out),
+        queues=damacy.QueueLimits(lookahead_samples=3, prepared_batches=1),
+    )
+    del cfg
+    got = []
+    with pipe:
+        pipe.push([damacy.Sample(uri, a) for a in aabbs])
+        for b in pipe.batches():
+            with b:
+                got.append(b.numpy().copy())
+        stats = pipe.stats()["stages"]
+    return np.concatenate(got), stats["native"]["count"]
+
+
+@pytest.mark.parametrize("codec", ["raw-little", "raw-big", "zstd-little", "zstd-big"])
+@pytest.mark.parametrize("src", DTYPES)
+def test_native_equals_numpy(tmp_path, src, codec):
+    endian = codec.split("-")[1]
+    compressors = [ZstdCodec(level=1)] if codec.startswith("zstd") else []
+    data = random_data(SHAPE, src, seed=7)
+    write_array(tmp_path / "a", data, chunks=(4, 4, 5), serializer=BytesCodec(endian=endian if np.dtype(src).itemsize > 1 else None), compressors=compressors, fill_value=np.ones((), src)[()])
+    aabbs = boxes(6, seed=len(src))
+    for out in OUT:
+        want, used = run(str(tmp_path / "a"), out, False, aabbs)
+        got, native_units = run(str(tmp_path / "a"), out, True, aabbs)
+        assert used == 0
+        assert got.dtype == want.dtype and got.shape == want.shape
+        # bit for bit, NaN payloads included
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (src, out, codec)
+        meta = damacy.open_array(tmp_path / "a")
+        expect_native = native.kernel_for(meta, want.dtype) is not None
+        assert (native_units > 0) == expect_native, (src, out, codec)
+
+
+def test_native_reports_corrupt_and_truncated_chunks(tmp_path):
+    data = np.arange(8 * 10 * 12, dtype="u2").reshape(8, 10, 12)
+    write_array(tmp_path / "z", data, chunks=(4, 10, 12), compressors=[ZstdCodec(level=3)])
+    chunk = tmp_path / "z" / "c" / "1" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-8])
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 10, 12), on_error="fill", pop_timeout_s=30)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(str(tmp_path / "z"), np.s_[0:4, :, :]), damacy.Sample(str(tmp_path / "z"), np.s_[4:8, :, :])])
+        with p.pop() as b:
+            (i, err), = b.info.errors
+            assert i == 1 and isinstance(err, damacy.DecodeError) and "zstd" in str(err) and "chunk [1, 0, 0]" in str(err)
+            assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
+        assert p.stats()["stages"]["native"]["count"] > 0
+
+
+def test_half_and_bfloat_rounding_edges():
+    import ml_dtypes
+
+    from damacy_server.native import _assemble
+
+    special = np.array(
+        [0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, 1e-8, 5.96e-8, 6.1e-5, 1.00048828125, 1.0009765625, 3.4e38, np.inf, -np.inf, np.nan, -np.nan],
+        dtype="f4",
+    )
+    bits = np.frombuffer(np.random.default_rng(0).bytes(4 * 4096), dtype="u4").view("f4")
+    values = np.concatenate([special, bits])
+    for name, code, ref in (("f16", 9, np.float16), ("bf16", 12, ml_dtypes.bfloat16)):
+        out = np.zeros(len(values), dtype=ref)
+        ops = np.array([[0, 0, 0, 0, len(values)]], dtype=np.int64)
+        targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
+        shape = np.array([len(values)], dtype=np.int64)
+        assert _assemble.run([values.tobytes()], ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes) == []
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = values.astype(ref)
+        assert np.array_equal(out.view("u2"), want.view("u2")), name
