@@ -37,11 +37,20 @@ class Slot:
         self.index = index
         self._on_free = on_free
         self._users = 0
-        self._lock = threading.Lock()
+        # reentrant: a lease collected (and released) while this thread holds the lock
+        self._lock = threading.RLock()
 
     def acquire(self) -> None:
         with self._lock:
             self._users += 1
+
+    def try_acquire(self) -> bool:
+        """Take one more use, unless the slot has no user left (it is free, maybe refilled)."""
+        with self._lock:
+            if self._users <= 0:
+                return False
+            self._users += 1
+            return True
 
     def release(self) -> None:
         with self._lock:
@@ -59,7 +68,8 @@ class _Lease:
     """The base object of an exported array: holds the slot until the array is gone."""
 
     def __init__(self, slot: Slot, view: np.ndarray) -> None:
-        slot.acquire()
+        if not slot.try_acquire():
+            raise BufferError("the batch was released; its slot may hold another batch now")
         self._slot = slot
         self._view = view
         self.__array_interface__ = view.__array_interface__
@@ -98,6 +108,7 @@ class Batch:
 
     def __init__(self, slot: Slot, info: BatchInfo, numpy_dtype: np.dtype, array: np.ndarray | None = None) -> None:
         slot.acquire()
+        self._lock = threading.Lock()
         self._slot: Slot | None = slot
         self.info = info
         self._dtype = np.dtype(numpy_dtype)
@@ -114,7 +125,10 @@ class Batch:
     def numpy(self) -> np.ndarray:
         """A numpy view of the batch (no copy) that keeps the slot occupied while it lives."""
         slot = self._live()
-        raw = self._array.view(np.uint8) if self._array.ndim else self._array.reshape(1).view(np.uint8)
+        array = self._array
+        if array is None:  # released meanwhile, by another thread
+            raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
+        raw = array.view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
         out = np.asarray(_Lease(slot, raw)).view(self._dtype)
         return out.reshape(self.info.shape)
 
@@ -151,7 +165,11 @@ class Batch:
     # -- lifetime -----------------------------------------------------------------
     def release(self) -> None:
         """Give the slot back (once every exported array is gone too). Idempotent."""
-        slot, self._slot = self._slot, None
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # a half-built batch
+            return
+        with lock:
+            slot, self._slot = self._slot, None
         if slot is not None:
             self._array = None  # type: ignore[assignment]
             slot.release()

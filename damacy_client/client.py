@@ -69,6 +69,7 @@ class Connection:
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._deferred: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -132,10 +133,21 @@ class Connection:
             raise error_from_wire(reply.error)
         return reply
 
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread, holding no lock (safe to call from ``__del__``)."""
+        self._deferred.put(fn)
+        self._wake()
+
     def _send(self, payload: bytes) -> None:
         self._outbox.put(payload)
+        self._wake()
+
+    def _wake(self) -> None:
+        fd = self._wake_w
+        if fd < 0:  # closed: the number may belong to another file by now
+            return
         try:
-            os.write(self._wake_w, b"x")
+            os.write(fd, b"x")
         except (BlockingIOError, OSError):
             pass
 
@@ -158,6 +170,15 @@ class Connection:
                             pass
                     except (BlockingIOError, OSError):
                         pass
+                while True:
+                    try:
+                        fn = self._deferred.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 - deferred work must not stop the connection
+                        log.exception("damacy: deferred client work failed")
                 while True:
                     try:
                         payload = self._outbox.get_nowait()
@@ -236,7 +257,9 @@ class Connection:
     def _teardown(self) -> None:
         self._sock.close(0)
         self._ctx.term()
-        for fd in (self._wake_r, self._wake_w):
+        fds = (self._wake_r, self._wake_w)
+        self._wake_r = self._wake_w = -1
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:
@@ -286,8 +309,9 @@ class RemotePipeline(PipelineAPI):
         self._outstanding = 0
         self._pushed = False
         self._final_sent = True
-        self._source_error: BaseException | None = None
-        self._source_error_after = -1  # raised once the samples up to this number are delivered
+        # exceptions of the pushed iterables, each raised once the samples pulled before it
+        # (numbered up to ``after``) are delivered: (after, error)
+        self._source_errors: deque[tuple[int, BaseException]] = deque()
         self._last_seq = -1
         self._next_batch = 0  # the id the next batch should have (for messages)
         self._next_call: _Call | None = None  # the pop already sent for the next batch
@@ -341,15 +365,13 @@ class RemotePipeline(PipelineAPI):
                     with self._cond:
                         if self._sources and self._sources[0] is source:
                             self._sources.popleft()
-                        self._source_error = e
-                        self._source_error_after = batch[-1].seq if batch else self._last_seq
+                        self._source_errors.append((batch[-1].seq if batch else self._last_seq, e))
                     break
                 try:
                     wire = to_wire(next(self._seq), sample)
                 except InvalidArgument as e:
                     with self._cond:
-                        self._source_error = e
-                        self._source_error_after = batch[-1].seq if batch else self._last_seq
+                        self._source_errors.append((batch[-1].seq if batch else self._last_seq, e))
                     break
                 self._samples[wire.seq] = sample
                 batch.append(wire)
@@ -361,7 +383,7 @@ class RemotePipeline(PipelineAPI):
                     try:
                         call = self._conn.request(lambda i, b=batch, f=final: m.Push(id=i, samples=b, final=f))
                     except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
-                        self._source_error = self._source_error or e
+                        self._source_errors.append((self._last_seq, e))
                         return
                     self._pushes_sent += 1
                     self._push_calls.append(call)
@@ -471,13 +493,13 @@ class RemotePipeline(PipelineAPI):
             self._cond.notify_all()
 
     def _due_source_error(self, drained: bool = False) -> BaseException | None:
-        """The pushed iterable's exception, once every sample it yielded before is delivered
-        (called with the lock held); it is raised once, by that pop."""
-        if self._source_error is None:
+        """The oldest exception of a pushed iterable, once every sample pulled before it is
+        delivered (called with the lock held); each is raised once, by that pop."""
+        if not self._source_errors:
             return None
-        after = self._source_error_after
+        after, error = self._source_errors[0]
         if drained or not any(seq <= after for seq in self._samples):
-            error, self._source_error = self._source_error, None
+            self._source_errors.popleft()
             return error
         return None
 
@@ -507,6 +529,12 @@ class RemotePipeline(PipelineAPI):
         return Batch(slot, info, dtype, full)
 
     def _release(self, batch_id: int) -> None:
+        """A batch's slot is free (its Batch and every array from it are gone). This can run
+        inside a garbage collection in any thread, even one holding our locks, so it only
+        queues the work for the I/O thread."""
+        self._conn.defer(lambda: self._send_release(batch_id))
+
+    def _send_release(self, batch_id: int) -> None:
         with self._cond:
             self._held -= 1
         if self._closed or self._conn.dead is not None:

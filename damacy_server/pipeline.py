@@ -9,6 +9,7 @@ batches in push order. A bad sample is handled per ``on_error`` and never stops 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from damacy_client.api import PipelineAPI
 from damacy_client.batch import Batch, BatchInfo, Slot
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import numpy_dtype
-from damacy_protocol.errors import InvalidArgument, PipelineDrained, SampleError
+from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, SampleError
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.decode import cast_fill
 from damacy_server.plan import BatchSpec, ChunkPlanner, PlanLimits
@@ -164,6 +165,7 @@ class Pipeline(PipelineAPI):
         self._delivered_samples = 0
         self._sample_errors = 0
         self._closed = False
+        self._failure: BaseException | None = None  # what stopped the feeder, if anything did
         self._feeder: threading.Thread | None = None
         self._patches: deque[_Pending] = deque()
         self._dedup = 0
@@ -187,21 +189,26 @@ class Pipeline(PipelineAPI):
         self.executor.reserve_slots(
             total, f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}"
         )
+        try:
+            for i in range(cfg.prepared_batches):
+                if self._slot_factory is not None:
+                    raw = self._slot_factory(i, per_slot)
+                else:
+                    raw = np.empty(per_slot, dtype=np.uint8)
+                raw.fill(0)  # touch every page now, so the first batches do not pay for page faults
+                arr = raw.view(self._dtype).reshape(self._batch_shape) if self._dtype is not None else raw
+                slot = Slot(arr, self._slot_freed, index=i)
+                self._slots.append(slot)
+                self._free.append(slot)
+        except BaseException:
+            self.executor.release_slots(total)
+            raise
         self._slot_bytes = total
-        for i in range(cfg.prepared_batches):
-            if self._slot_factory is not None:
-                raw = self._slot_factory(i, per_slot)
-            else:
-                raw = np.empty(per_slot, dtype=np.uint8)
-            raw.fill(0)  # touch every page now, so the first batches do not pay for page faults
-            arr = raw.view(self._dtype).reshape(self._batch_shape) if self._dtype is not None else raw
-            slot = Slot(arr, self._slot_freed, index=i)
-            self._slots.append(slot)
-            self._free.append(slot)
 
     def _slot_freed(self, slot: Slot) -> None:
         with self._cond:
-            self._free.append(slot)
+            if slot not in self._free:  # a slot is free once, however its users let go
+                self._free.append(slot)
             self._cond.notify_all()
 
     def _slot_view(self, slot: Slot, dtype: np.dtype) -> np.ndarray:
@@ -267,11 +274,12 @@ class Pipeline(PipelineAPI):
                     self._refill(patch)
                     continue
                 self._start_batch(slot)
-        except BaseException:  # never expected; keep pop from waiting forever
+        except BaseException as e:  # never expected: pops say so instead of waiting forever
             log.exception("damacy: the feeder thread failed")
             with self._cond:
-                self._closed = True
+                self._failure = e
                 self._cond.notify_all()
+            threading.Thread(target=self.close, name="damacy-close", daemon=True).start()
 
     def _can_start(self) -> bool:
         cfg = self.config
@@ -304,6 +312,7 @@ class Pipeline(PipelineAPI):
             self._plan_and_execute(pending, positions)
         except Exception as e:  # a bug, not a bad sample: this batch's pop raises it, the stream goes on
             log.exception("damacy: batch %d failed", pending.batch_id)
+            e.batch_samples = tuple(pending.samples)  # type: ignore[attr-defined]
             pending.slot.release()
             with self._cond:
                 self._ready[pending.batch_id] = _Delivery(pending.batch_id, None, pending.samples, [], error=e)
@@ -437,15 +446,17 @@ class Pipeline(PipelineAPI):
 
         Raises :class:`PipelineDrained` at once when nothing was pushed or everything pushed
         has been delivered; :class:`TimeoutError` when no batch is ready in time
-        (``timeout``, default ``Config.pop_timeout_s``); a bad sample's :class:`SampleError`
+        (``timeout``, default ``Config.pop_timeout_s``; ``math.inf``: no limit); a bad sample's :class:`SampleError`
         under ``on_error="raise"`` (the next pop continues).
         """
         if timeout is None:
             timeout = self.config.pop_timeout_s
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None or timeout == math.inf else time.monotonic() + timeout
         while True:
             with self._cond:
                 while True:
+                    if self._failure is not None:
+                        raise DamacyError(f"the pipeline stopped: {self._failure!r}") from self._failure
                     if self._closed:
                         raise PipelineDrained("the pipeline is closed")
                     delivery = self._ready.pop(self._next_pop, None)
@@ -495,6 +506,11 @@ class Pipeline(PipelineAPI):
         if self._pulling or (self._sources and self._next_pop >= self._next_plan):
             return f"no {what} within {timeout}s: waiting for the pushed iterable to yield samples"
         return f"no {what} within {timeout}s: its reads and decodes are still running ({held} slots in use)"
+
+    @property
+    def closed(self) -> bool:
+        """Closed, or stopped by a failure of its own."""
+        return self._closed or self._failure is not None
 
     def outstanding(self) -> int:
         """Samples pulled from the input and not yet popped (at most ``lookahead_samples``)."""

@@ -13,6 +13,7 @@ outbox and a wake-up pipe. Each session has a pop thread (a pop may wait for its
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -268,74 +269,74 @@ class Session:
                     self._pops_queued -= 1
 
     def _answer_pop(self, msg: m.Pop) -> None:
-        """Wait for the next batch (or its error) and reply to ``msg``."""
+        """Wait for the next batch (or its error) and reply to ``msg``. A pop without a
+        timeout waits until its batch is assembled or the session ends (the client keeps
+        its own timeouts)."""
         deadline = None if msg.timeout_s is None else time.monotonic() + msg.timeout_s
-        batch = None
         with self._lock:
             self._pop_id = msg.id
             self._report_dropped()
-        while batch is None and not self.closed:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        batch = None
+        reply = None
+        while batch is None and reply is None and not self.closed:
+            left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+            with self._pushed:  # what the client had said before this attempt
+                input_final, final_at = self._input_final(), self._final_at
             try:
                 batch = self.pipeline.pop(timeout=left)
             except PipelineDrained as e:
                 if self.closed:
-                    return
+                    break
+                if self.pipeline.closed:
+                    reply = self._failed(msg.id, DamacyError(f"this session's pipeline stopped: {e}"))
                 # drained, if the client's input was final when it sent this pop, or a push
                 # sent after the pop said so
-                if self._input_final() and (msg.final or self._final_at > msg.pushes):
-                    self.fail(msg.id, e)
-                    break
+                elif input_final and (msg.final or final_at > msg.pushes):
+                    reply = self._failed(msg.id, e)
                 # the client's samples may still be on their way (its pushes and pops
                 # travel separately): wait for them instead of calling the stream over
-                if left is not None and left <= 0:
-                    self.fail(
+                elif left <= 0:
+                    n = self.pipeline.counters()["batches"]
+                    reply = self._failed(
                         msg.id,
-                        TimeoutError(
-                            f"no batch {self.pipeline.counters()['batches']} within {msg.timeout_s}s: "
-                            "waiting for the pushed iterable to yield samples"
-                        ),
+                        TimeoutError(f"no batch {n} within {msg.timeout_s}s: waiting for the pushed iterable to yield samples"),
                     )
-                    break
-                with self._pushed:
-                    self._pushed.wait(0.2 if left is None else min(0.2, left))
-                continue
-            except SampleError as e:
-                consumed = [self._seq(s) for s in getattr(e, "batch_samples", ())]
-                err = error_to_wire(e, seq=self._seq(_first_failed(e)))
-                self.reply(m.Failed(reply_to=msg.id, error=err, credits=self.credits(), consumed=consumed))
-                break
-            except BaseException as e:  # TimeoutError, or a failure of the batch itself
-                self.fail(msg.id, e)
-                break
+                else:
+                    with self._pushed:
+                        self._pushed.wait(min(0.2, left))
+            except BaseException as e:  # a bad sample (on_error="raise"), a timeout, a failed batch
+                reply = self._failed(msg.id, e, seq=self._seq(_first_failed(e)) if isinstance(e, SampleError) else None)
         with self._lock:
-            self._pop_id = None
-        if batch is None:
-            return
-        info = batch.info
-        with self._lock:
-            if self.closed:
-                batch.release()
-                return
-            self.lent[info.batch_id] = batch
-            self.delivered_batches += 1
-            self.delivered_samples += len(info.samples)
-        errors = [error_to_wire(err, seq=self.seqs.get(id(info.samples[i]))) for i, err in info.errors]
-        skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in info.skipped]  # seqs reported before
-        seqs = [self._seq(s) for s in info.samples]
-        self.reply(
-            m.BatchReady(
+            self._pop_id = None  # no progress after the answer
+            if batch is not None:
+                if self.closed:
+                    batch.release()
+                    return
+                info = batch.info
+                self.lent[info.batch_id] = batch
+                self.delivered_batches += 1
+                self.delivered_samples += len(info.samples)
+        if batch is not None:
+            errors = [error_to_wire(err, seq=self.seqs.get(id(info.samples[i]))) for i, err in info.errors]
+            skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in info.skipped]  # seqs reported before
+            reply = m.BatchReady(
                 reply_to=msg.id,
                 batch_id=info.batch_id,
                 slot=batch.slot_index,
                 count=len(info.samples),
                 dtype=batch.numpy_dtype.name,
-                seqs=seqs,
+                seqs=[self._seq(s) for s in info.samples],
                 errors=errors,
                 skipped=skipped,
                 credits=self.credits(),
             )
-        )
+        if reply is not None:
+            self.reply(reply)
+
+    def _failed(self, reply_to: int, err: BaseException, seq: int | None = None) -> m.Failed:
+        """A failure reply; the samples a failed batch used up are reported as consumed."""
+        consumed = [self._seq(s) for s in getattr(err, "batch_samples", ())]
+        return m.Failed(reply_to=reply_to, error=error_to_wire(err, seq=seq), credits=self.credits(), consumed=consumed)
 
     def _seq(self, sample: Any) -> int:
         return self.seqs.pop(id(sample), -1)
@@ -345,6 +346,7 @@ class Session:
 
     def fail(self, reply_to: int, err: BaseException) -> None:
         self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err), credits=self.credits() if not self.closed else 0))
+
 
     # -- liveness ---------------------------------------------------------------------
     def dead(self, now: float, timeout: float) -> str | None:
@@ -423,6 +425,8 @@ class Daemon:
             ),
         )
         self.sessions: dict[bytes, Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._starting: set[bytes] = set()  # identities whose session is being set up
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -432,6 +436,7 @@ class Daemon:
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.SNDHWM, 100_000)  # replies are never dropped for a busy client
         bind_socket(self.socket, options)
         self.endpoint = options.endpoint
         self.malformed = 0
@@ -440,17 +445,20 @@ class Daemon:
     def post(self, identity: bytes, payload: bytes) -> None:
         """Queue a message for a client (from any thread)."""
         self._outbox.put((identity, payload))
+        self._wake()
+
+    def _wake(self) -> None:
+        fd = self._wake_w
+        if fd < 0:  # stopped: the number may belong to another file by now
+            return
         try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the loop is already being woken
+            os.write(fd, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already being woken, or stopping
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._wake()
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -505,7 +513,8 @@ class Daemon:
                 log.debug("dropped a reply to a gone client: %s", e)
 
     def _handle(self, identity: bytes, data: bytes) -> None:
-        session = self.sessions.get(identity)
+        with self._sessions_lock:
+            session = self.sessions.get(identity)
         conn = session.conn if session is not None else ServerConnection()
         try:
             msg = conn.receive(data)
@@ -521,39 +530,61 @@ class Daemon:
             return
         if session is None:
             assert isinstance(msg, m.Hello)
-            try:
-                session = Session(self, identity, conn, msg)
-            except DamacyError as e:
-                log.warning("refused a session of pid %d: %s", msg.pid, e)
-                self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(e))))
-                return
-            self.sessions[identity] = session
-            log.info("session %s: pid %s rank %s", session.sid, msg.pid, msg.rank)
-            self.post(identity, conn.welcome(session.welcome(msg.id)))
+            with self._sessions_lock:
+                if identity in self._starting:
+                    self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(ProtocolError("hello twice")))))
+                    return
+                self._starting.add(identity)
+            # slots are allocated and touched off the loop thread, which keeps answering
+            threading.Thread(target=self._start_session, args=(identity, conn, msg), name="damacyd-start", daemon=True).start()
             return
         session.handle(msg)
 
+    def _start_session(self, identity: bytes, conn: ServerConnection, msg: m.Hello) -> None:
+        try:
+            try:
+                session = Session(self, identity, conn, msg)
+            except Exception as e:  # a bad config, no memory left, no room in /dev/shm...
+                log.warning("refused a session of pid %d: %s", msg.pid, e)
+                err = e if isinstance(e, DamacyError) else DamacyError(f"cannot start a session: {type(e).__name__}: {e}")
+                self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(err))))
+                return
+            with self._sessions_lock:
+                self.sessions[identity] = session
+            log.info("session %s: pid %s rank %s", session.sid, msg.pid, msg.rank)
+            self.post(identity, conn.welcome(session.welcome(msg.id)))
+        finally:
+            with self._sessions_lock:
+                self._starting.discard(identity)
+
     def _check_liveness(self, now: float) -> None:
-        for session in list(self.sessions.values()):
+        with self._sessions_lock:
+            sessions = list(self.sessions.values())
+        for session in sessions:
             why = session.dead(now, self.options.heartbeat_timeout_s)
             if why:
                 self.end_session(session, why)
 
     def end_session(self, session: Session, why: str) -> None:
-        if self.sessions.get(session.identity) is session:
-            del self.sessions[session.identity]
+        with self._sessions_lock:
+            if self.sessions.get(session.identity) is session:
+                del self.sessions[session.identity]
         log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why)
         threading.Thread(target=session.close, name=f"damacyd-close-{session.sid}", daemon=True).start()
 
     def shutdown(self) -> None:
-        for session in list(self.sessions.values()):
+        with self._sessions_lock:
+            sessions = list(self.sessions.values())
+            self.sessions.clear()
+        for session in sessions:
             session.close()
-        self.sessions.clear()
         self.executor.close()
         self.socket.close(0)
         self.ctx.term()
         cleanup_endpoint(self.options)
-        for fd in (self._wake_r, self._wake_w):
+        fds = (self._wake_r, self._wake_w)
+        self._wake_r = self._wake_w = -1
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:
@@ -561,6 +592,10 @@ class Daemon:
         log.info("damacyd stopped")
 
     # -- services -------------------------------------------------------------------
+    def _session_list(self) -> list[Session]:
+        with self._sessions_lock:
+            return list(self.sessions.values())
+
     def to_sample(self, w: m.WireSample) -> Any:
         """A wire sample as a Sample/IndexQuery; one that may not be served becomes a
         :class:`BadSample` whose error its pop reports."""
@@ -581,8 +616,13 @@ class Daemon:
 
     def start_warm(self, session: Session, msg: m.Warm) -> None:
         def run() -> None:
+            last = [0.0]
+
             def progress(done: int, total: int, item: str) -> None:
-                session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
+                now = time.monotonic()
+                if now - last[0] >= 0.05 or done >= total:  # at most 20 a second
+                    last[0] = now
+                    session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
 
             result = warm(self, msg.uris, msg.shard_indexes, msg.chunks, progress)
             session.reply(
@@ -617,7 +657,7 @@ class Daemon:
                 "peak_bytes": ex.budget.peak,
                 "chunk_cache_bytes": ex.chunk_cache.nbytes if ex.chunk_cache is not None else 0,
             },
-            "sessions": [s.describe() for s in list(self.sessions.values())],
+            "sessions": [s.describe() for s in self._session_list()],
         }
         if session is not None:
             out["session"] = session.describe()

@@ -14,6 +14,8 @@ import re
 
 import numpy as np
 
+from damacy_protocol.errors import DamacyError
+
 SHM_DIR = "/dev/shm"
 PREFIX = "damacy-"
 _NAME = re.compile(r"^damacy-(\d+)-[0-9a-f]+-\d+$")
@@ -28,7 +30,13 @@ class Segment:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            try:  # claim the pages now: a full /dev/shm is an error here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                raise DamacyError(
+                    f"cannot allocate {nbytes} bytes of shared memory in {SHM_DIR}: {e.strerror}"
+                    " (is /dev/shm too small? containers often give 64 MB)"
+                ) from e
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -88,7 +89,8 @@ class WorkerPool:
             self._ring.clear()
             self._cond.notify_all()
             threads = list(self._threads)
+        deadline = time.monotonic() + timeout  # for all of them together
         for t in threads:
             if t is not threading.current_thread():
-                t.join(timeout)
+                t.join(max(0.0, deadline - time.monotonic()))
         del dropped
