@@ -97,3 +97,31 @@ def test_half_and_bfloat_rounding_edges():
         with np.errstate(over="ignore", invalid="ignore"):
             want = values.astype(ref)
         assert np.array_equal(out.view("u2"), want.view("u2")), name
+
+
+def test_checksummed_frames_are_decoded_whole_and_verified(tmp_path):
+    data = np.arange(16 * 64 * 64, dtype="u2").reshape(16, 64, 64)
+    write_array(tmp_path / "c", data, chunks=(16, 64, 64), compressors=[ZstdCodec(level=3, checksum=True)])
+    chunk = tmp_path / "c" / "c" / "0" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0x5A  # the content checksum
+    chunk.write_bytes(bytes(raw))
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(2, 64, 64), on_error="fill", pop_timeout_s=30)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(str(tmp_path / "c"), np.s_[0:2, :, :])])  # needs only the first 16 KiB
+        with p.pop() as b:
+            (_, err), = b.info.errors
+            assert isinstance(err, damacy.DecodeError) and "checksum" in str(err).lower()
+        assert p.stats()["stages"]["native"]["count"] == 1
+
+
+def test_a_box_at_the_start_of_a_chunk_decodes_only_what_it_needs(tmp_path):
+    # correctness of the prefix decode: values equal zarr-python's for boxes ending early
+    data = random_data((32, 64, 64), "uint16", 5)
+    oracle = write_array(tmp_path / "p", data, chunks=(32, 64, 64), compressors=[ZstdCodec(level=3)])
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(1, 8, 64), pop_timeout_s=30)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(str(tmp_path / "p"), np.s_[z : z + 1, 0:8, :]) for z in (0, 3, 31)])
+        for z, b in zip((0, 3, 31), p.batches()):
+            with b:
+                assert np.array_equal(b.numpy()[0], oracle[z : z + 1, 0:8, :].astype("f4"))

@@ -33,6 +33,12 @@ typedef size_t (*zstd_free_t)(void *);
 typedef size_t (*zstd_decompress_t)(void *, void *, size_t, const void *, size_t);
 typedef unsigned (*zstd_iserror_t)(size_t);
 typedef const char *(*zstd_errname_t)(size_t);
+typedef struct { const void *src; size_t size; size_t pos; } zstd_in;
+typedef struct { void *dst; size_t size; size_t pos; } zstd_out;
+typedef size_t (*zstd_stream_t)(void *, zstd_out *, zstd_in *);
+typedef size_t (*zstd_reset_t)(void *, int);
+static zstd_stream_t zstd_stream;
+static zstd_reset_t zstd_reset;
 static zstd_create_t zstd_create;
 static zstd_free_t zstd_free;
 static zstd_decompress_t zstd_decompress;
@@ -48,7 +54,40 @@ static int load_zstd(void) {
     zstd_decompress = (zstd_decompress_t)dlsym(lib, "ZSTD_decompressDCtx");
     zstd_iserror = (zstd_iserror_t)dlsym(lib, "ZSTD_isError");
     zstd_errname = (zstd_errname_t)dlsym(lib, "ZSTD_getErrorName");
-    return zstd_create && zstd_free && zstd_decompress && zstd_iserror && zstd_errname;
+    zstd_stream = (zstd_stream_t)dlsym(lib, "ZSTD_decompressStream");
+    zstd_reset = (zstd_reset_t)dlsym(lib, "ZSTD_DCtx_reset");
+    return zstd_create && zstd_free && zstd_decompress && zstd_iserror && zstd_errname && zstd_stream && zstd_reset;
+}
+
+/* Does this zstd frame carry a content checksum? (Frame_Header_Descriptor bit 2) */
+static int zstd_has_checksum(const unsigned char *p, size_t n) {
+    return n >= 5 && p[0] == 0x28 && p[1] == 0xb5 && p[2] == 0x2f && p[3] == 0xfd && (p[4] & 0x04);
+}
+
+/*
+ * Decode at least the first `need` bytes of a frame whose full size is `full`. When the
+ * copies only use the start of a chunk, decoding stops after the zstd block that covers it
+ * (blocks are at most 128 KiB), which saves work on boxes that end inside a chunk. A frame
+ * with a checksum is always decoded whole, so the checksum is always verified.
+ * Returns 0 or a zstd error code; *got is set to the bytes produced.
+ */
+static size_t zstd_prefix(void *dctx, char *dst, size_t full, size_t need, const void *src, size_t len, size_t *got) {
+    if (need >= full || zstd_has_checksum((const unsigned char *)src, len)) {
+        size_t r = zstd_decompress(dctx, dst, full, src, len);
+        if (!zstd_iserror(r)) *got = r;
+        return zstd_iserror(r) ? r : 0;
+    }
+    size_t r = zstd_reset(dctx, 1 /* ZSTD_reset_session_only */);
+    if (zstd_iserror(r)) return r;
+    zstd_in in = {src, len, 0};
+    zstd_out out = {dst, need, 0};
+    while (out.pos < need) {
+        r = zstd_stream(dctx, &out, &in);
+        if (zstd_iserror(r)) return r;
+        if (r == 0 || (in.pos == in.size && out.pos < out.size)) break; /* frame (or input) ended */
+    }
+    *got = out.pos < need ? out.pos : need;
+    return 0;
 }
 
 /* ---- element conversions (numpy's rounding) --------------------------------------- */
@@ -294,20 +333,39 @@ static PyObject *run(PyObject *self, PyObject *args) {
             scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
             dctx = zstd_create();
         }
+        int64_t unit_strides[MAX_NDIM];
+        int64_t st = 1;
+        for (int a = ndim - 1; a >= 0; a--) {
+            unit_strides[a] = st;
+            st *= unit_shape[a];
+        }
         Py_ssize_t op = 0;
         for (Py_ssize_t u = 0; u < n_units; u++) {
             const char *chunk = (const char *)views[u].buf;
             if (codec == CODEC_ZSTD) {
+                /* the bytes this unit's copies read: up to the last element of any box */
+                size_t need = 0;
+                for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
+                    const int64_t *o = ops + q * width;
+                    int64_t last = 0, empty = 0;
+                    for (int a = 0; a < ndim; a++) {
+                        if (o[2 + 2 * ndim + a] <= 0) empty = 1;
+                        last += (o[2 + a] + o[2 + 2 * ndim + a] - 1) * unit_strides[a];
+                    }
+                    size_t end = empty ? 0 : (size_t)(last + 1) * (size_t)src_size;
+                    if (end > need) need = end;
+                }
                 if (!zstd_ok || !scratch || !dctx) {
                     status[u] = E_NOZSTD;
-                } else {
-                    size_t r = zstd_decompress(dctx, scratch, (size_t)decoded_nbytes, views[u].buf, (size_t)views[u].len);
-                    if (zstd_iserror(r)) {
+                } else if (need > 0) {
+                    size_t got = 0;
+                    size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].buf, (size_t)views[u].len, &got);
+                    if (r) {
                         status[u] = E_ZSTD;
                         err_codes[u] = r;
-                    } else if ((Py_ssize_t)r != decoded_nbytes) {
+                    } else if (got < need || (need >= (size_t)decoded_nbytes && (Py_ssize_t)got != decoded_nbytes)) {
                         status[u] = E_SIZE;
-                        err_codes[u] = r;
+                        err_codes[u] = got;
                     }
                     chunk = scratch;
                 }
