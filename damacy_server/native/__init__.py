@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from damacy_server import optable
+
 try:
     from damacy_server.native import _assemble
 except ImportError:  # built without a C compiler: the Python path does all the work
@@ -89,26 +91,15 @@ def run(kernel: NativeKernel, datas: list, units: list, views: list) -> list[tup
     """Decode ``datas`` (the encoded bytes of ``units``) and make every copy of every unit into
     ``views`` (per sample, the destination array). Returns (unit index, reason) of units
     that could not be decoded; their copies are not made."""
-    ndim = len(kernel.unit_shape)
-    rows = []
-    samples: dict[int, int] = {}
-    for k, u in enumerate(units):
-        for s, op in u.copies:
-            t = samples.get(s)
-            if t is None:
-                t = samples[s] = len(samples)
-            rows.append(
-                (k, t, *(p.start for p in op.src), *(p.start for p in op.dst), *(p.stop - p.start for p in op.src))
-            )
-    ops = np.asarray(rows, dtype=np.int64).reshape(len(rows), 2 + 3 * ndim)
-    targets = np.empty((len(samples), 1 + ndim), dtype=np.int64)
-    for s, t in samples.items():
+    table = optable.build(units, len(kernel.unit_shape))
+    targets = np.empty((len(table.samples), 1 + table.ndim), dtype=np.int64)
+    for t, s in enumerate(table.samples):
         view = views[s]
         targets[t, 0] = view.__array_interface__["data"][0]
         targets[t, 1:] = [st // view.itemsize for st in view.strides]
     return _assemble.run(
         datas,
-        ops.tobytes(),
+        table.ops.tobytes(),
         targets.tobytes(),
         kernel.unit_shape.tobytes(),
         kernel.src,

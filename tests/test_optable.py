@@ -1,0 +1,39 @@
+"""Op tables (the copies of a plan as an array) reproduce the CPU path's batches."""
+
+from __future__ import annotations
+
+import numpy as np
+from conftest import random_data, write_array
+from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
+
+import damacy
+from damacy_server import optable
+from damacy_server.decode import decode_unit
+
+
+def test_op_table_reproduces_the_batch(tmp_path):
+    data = random_data((20, 30, 40), "int16", 2)
+    write_array(
+        tmp_path / "o",
+        data,
+        chunks=(10, 15, 20),
+        serializer=ShardingCodec(chunk_shape=(5, 5, 10), codecs=[BytesCodec(endian="big"), ZstdCodec(level=1)]),
+    )
+    uri = str(tmp_path / "o")
+    rng = np.random.default_rng(3)
+    shape = (6, 7, 9)
+    samples = [damacy.Sample(uri, tuple((int(a), int(a) + n) for a, n in zip(rng.integers(-2, 16, 3), shape))) for _ in range(5)]
+    plan = damacy.ChunkPlanner().plan(samples, shape)
+    units = [u for g in plan.groups for u in g.units]
+    table = optable.build(units, 3)
+    assert table.ops.shape[1] == 2 + 3 * 3 and sorted(table.samples) == list(range(5))
+    decoded = [decode_unit(u.meta, u.meta.store.read_range(u.key, u.offset, u.nbytes), u.unit, u.key) for u in units]
+    out = np.zeros((5, *shape), dtype="f4")
+    for s, fill in plan.fills:
+        out[s] = fill
+    optable.apply(table, decoded, [out[s] for s in table.samples])
+    cfg = damacy.Config(samples_per_batch=5, sample_shape=shape, pop_timeout_s=30)
+    with damacy.Pipeline(cfg) as p:
+        p.push(samples)
+        with p.pop() as b:
+            assert np.array_equal(b.numpy(), out)
