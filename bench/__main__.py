@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {name}: {scn.description}; {n_batches} batches of {scn.samples_per_batch}, {args.repeats} repeats")
         verify(scn, scn.samples(uris, 2, seed=99), readers)
         times: dict[str, list[float]] = {r: [] for r in readers}
+        steady: dict[str, list[float]] = {r: [] for r in readers}
         cpu: dict[str, list[float]] = {r: [] for r in readers + ["decode-bound"]}
         bound: list[float] = []
         first: list[float] = []
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                 out = runners.READERS[r](scn, samples)
                 cpu[r].append(_cpu() - c0)
                 times[r].append(out["seconds"])
+                # after the first batch: the rate a long training run sees (start-up excluded)
+                rest = n_batches * scn.samples_per_batch - scn.samples_per_batch
+                steady[r].append(rest / max(out["seconds"] - out["first_batch_s"], 1e-9))
                 if r == "damacy":
                     first.append(out["first_batch_s"])
                     extra = out["stats"]
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         n = n_batches * scn.samples_per_batch
         rows = {}
         ts_rate = n / statistics.median(times["tensorstore"]) if "tensorstore" in times else None
+        ts_steady = statistics.median(steady["tensorstore"]) if "tensorstore" in steady else None
         for r, ts_ in times.items():
             med = statistics.median(ts_)
             rate = n / med
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 "vs_tensorstore": rate / ts_rate if ts_rate else None,
                 "runs_s": ts_,
                 "cpu_ms_per_sample": 1e3 * statistics.median(cpu[r]) / n,
+                "steady_samples_per_s": statistics.median(steady[r]),
+                "steady_vs_tensorstore": statistics.median(steady[r]) / ts_steady if ts_steady else None,
             }
         bound_rate = n / statistics.median(bound)
         rows["decode-bound"] = {
@@ -132,17 +139,26 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_ms_per_sample": 1e3 * statistics.median(cpu["decode-bound"]) / n,
         }
         ts_cpu = rows["tensorstore"]["cpu_ms_per_sample"] if "tensorstore" in rows else None
-        print(f"{'reader':14} {'samples/s':>10} {'out GB/s':>9} {'x tensorstore':>14} {'median s':>9} {'cpu ms/sample':>14} {'cpu x ts':>9}")
+        print(
+            f"{'reader':14} {'samples/s':>10} {'out GB/s':>9} {'x tensorstore':>14} {'median s':>9} {'cpu ms/sample':>14}"
+            f" {'cpu x ts':>9} {'steady s/s':>11} {'steady x ts':>12}"
+        )
         for r, row in rows.items():
             vs = f"{row['vs_tensorstore']:.2f}x" if row["vs_tensorstore"] else "-"
             cvs = f"{ts_cpu / row['cpu_ms_per_sample']:.2f}x" if ts_cpu else "-"
+            st = f"{row['steady_samples_per_s']:11.1f}" if "steady_samples_per_s" in row else f"{'-':>11}"
+            svs = f"{row['steady_vs_tensorstore']:.2f}x" if row.get("steady_vs_tensorstore") else "-"
             print(
                 f"{r:14} {row['samples_per_s']:10.1f} {row['output_GBps']:9.3f} {vs:>14} {row['median_s']:9.3f}"
-                f" {row['cpu_ms_per_sample']:14.2f} {cvs:>9}"
+                f" {row['cpu_ms_per_sample']:14.2f} {cvs:>9} {st} {svs:>12}"
             )
         if "damacy" in rows:
             frac = rows["damacy"]["samples_per_s"] / bound_rate
-            print(f"damacy reaches {100 * frac:.0f}% of the decode bound; first batch after {statistics.median(first):.3f}s (median)")
+            sfrac = rows["damacy"]["steady_samples_per_s"] / bound_rate
+            print(
+                f"damacy reaches {100 * frac:.0f}% of the decode bound ({100 * sfrac:.0f}% after the first batch);"
+                f" first batch after {statistics.median(first):.3f}s (median)"
+            )
             rows["damacy"]["fraction_of_decode_bound"] = frac
             rows["damacy"]["first_batch_s"] = statistics.median(first)
             rows["damacy"]["last_stats"] = extra

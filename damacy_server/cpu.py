@@ -11,6 +11,7 @@ nothing else: every read reports back, every reservation is returned.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -190,10 +191,11 @@ class _GroupState:
 class _Run:
     """The state of one batch plan being executed."""
 
-    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining")
+    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "order")
 
-    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key) -> None:
+    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
         self.key = key
+        self.order = order  # runs are served oldest first within a pipeline
         self.plan = plan
         self.views = views
         self.errors: dict[int, SampleError] = {}
@@ -299,6 +301,7 @@ class CpuExecutor:
         self._decode = WorkerPool(self.limits.decode_workers, "damacy-decode")
         self._io_slots = threading.BoundedSemaphore(self.reader.max_inflight_reads)
         self._closed = False
+        self._runs = itertools.count()
         self.native = native.available() and self.limits.native
         self._kernels: dict[tuple, native.NativeKernel | None] = {}
         self.chunk_cache: LRUCache[np.ndarray] | None = (
@@ -337,7 +340,7 @@ class CpuExecutor:
         turns.
         """
         views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
-        run = _Run(plan, views, on_done, cancelled, key)
+        run = _Run(plan, views, on_done, cancelled, key, next(self._runs))
         t0 = time.perf_counter()
         for s, fill in plan.fills:
             views[s][...] = cast_fill(fill, views[s].dtype)
@@ -350,14 +353,14 @@ class CpuExecutor:
         groups = self._fit(groups)
         run.pending = len(groups) + (1 if cached else 0) + 1  # +1: this call, until all is queued
         if cached:
-            self._decode.submit(self._copy_cached, run, cached, key=key)
+            self._decode.submit(self._copy_cached, run, cached, key=key, priority=run.order)
         stop = lambda: cancelled() or self._closed  # noqa: E731
         for group in groups:
             need = group.reserve_nbytes
             status = self.budget.reserve(need, stop)
             if status == "ok":
                 self._io_slots.acquire()
-                self._io.submit(self._read, run, group, need, key=key)
+                self._io.submit(self._read, run, group, need, key=key, priority=run.order)
                 continue
             if status == "too big":
                 run.fail(
@@ -473,7 +476,7 @@ class CpuExecutor:
             state = _GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
             view = memoryview(data)
             for units in tasks:
-                self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key)
+                self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key, priority=run.order)
             handed_over = True
         except Exception as e:
             run.crash(group.units, e)

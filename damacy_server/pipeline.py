@@ -193,9 +193,11 @@ class Pipeline(PipelineAPI):
             for i in range(cfg.prepared_batches):
                 if self._slot_factory is not None:
                     raw = self._slot_factory(i, per_slot)
+                    raw.fill(0)  # map every page now (shared memory is not backed by huge pages)
                 else:
-                    raw = np.empty(per_slot, dtype=np.uint8)
-                raw.fill(0)  # touch every page now, so the first batches do not pay for page faults
+                    # zeroed pages on first touch (numpy asks for transparent huge pages, so
+                    # touching costs little and happens in the workers, in parallel)
+                    raw = np.zeros(per_slot, dtype=np.uint8)
                 arr = raw.view(self._dtype).reshape(self._batch_shape) if self._dtype is not None else raw
                 slot = Slot(arr, self._slot_freed, index=i)
                 self._slots.append(slot)

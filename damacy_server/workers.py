@@ -3,11 +3,15 @@
 Lighter than ``concurrent.futures`` (no future per task): the engine submits thousands of
 small tasks per second and each task reports its own outcome. Tasks are queued per key
 (one key per pipeline or daemon session) and workers take from the keys in turn, so one
-client with a deep queue cannot starve the others.
+client with a deep queue cannot starve the others. Within a key the task with the lowest
+priority number goes first (the engine numbers batches, so the batch a consumer waits for
+is not held up by the ones behind it), ties in submission order.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -22,7 +26,8 @@ class WorkerPool:
     def __init__(self, workers: int, name: str) -> None:
         self.workers = workers
         self.name = name
-        self._queues: dict[Hashable, deque] = {}
+        self._queues: dict[Hashable, list] = {}  # key -> heap of (priority, order, fn, args)
+        self._order = itertools.count()
         self._ring: deque[Hashable] = deque()  # keys with queued tasks, in turn order
         self._cond = threading.Condition(threading.Lock())
         self._threads: list[threading.Thread] = []
@@ -34,7 +39,7 @@ class WorkerPool:
             t.start()
             self._threads.append(t)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, key: Hashable = None) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any, key: Hashable = None, priority: int = 0) -> None:
         with self._cond:
             if self._closed:
                 return
@@ -42,10 +47,10 @@ class WorkerPool:
                 self._start()
             q = self._queues.get(key)
             if q is None:
-                q = self._queues[key] = deque()
+                q = self._queues[key] = []
             if not q:
                 self._ring.append(key)
-            q.append((fn, args))
+            heapq.heappush(q, (priority, next(self._order), fn, args))
             self._cond.notify()
 
     def _take(self):
@@ -56,7 +61,8 @@ class WorkerPool:
                 self._cond.wait()
             key = self._ring.popleft()
             q = self._queues[key]
-            item = q.popleft()
+            _, _, fn, args = heapq.heappop(q)
+            item = (fn, args)
             if q:
                 self._ring.append(key)  # its next task waits for the other keys' turns
             else:
@@ -84,7 +90,7 @@ class WorkerPool:
             if self._closed:
                 return
             self._closed = True
-            dropped = [item for q in self._queues.values() for item in q]
+            dropped = [item for q in self._queues.values() for item in q]  # noqa: F841 - freed below
             self._queues.clear()
             self._ring.clear()
             self._cond.notify_all()

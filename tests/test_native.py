@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import DTYPES, random_data, write_array
-from zarr.codecs import BytesCodec, ZstdCodec
+from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
 import damacy
 from damacy_server import native
@@ -42,11 +42,16 @@ def run(uri, out, use_native, aabbs):
     return np.concatenate(got), stats["native"]["count"]
 
 
-@pytest.mark.parametrize("codec", ["raw-little", "raw-big", "zstd-little", "zstd-big"])
+@pytest.mark.parametrize("codec", ["raw-big", "zstd-little", "zstd-big", "blosc-little", "bitshuffle-big"])
 @pytest.mark.parametrize("src", DTYPES)
 def test_native_equals_numpy(tmp_path, src, codec):
     endian = codec.split("-")[1]
-    compressors = [ZstdCodec(level=1)] if codec.startswith("zstd") else []
+    itemsize = np.dtype(src).itemsize
+    compressors = {
+        "zstd": [ZstdCodec(level=1)],
+        "blosc": [BloscCodec(cname="lz4", shuffle="shuffle", typesize=itemsize, blocksize=64)],
+        "bitshuffle": [BloscCodec(cname="zstd", shuffle="bitshuffle", typesize=itemsize, blocksize=128)],
+    }.get(codec.split("-")[0], [])
     data = random_data(SHAPE, src, seed=7)
     write_array(tmp_path / "a", data, chunks=(4, 4, 5), serializer=BytesCodec(endian=endian if np.dtype(src).itemsize > 1 else None), compressors=compressors, fill_value=np.ones((), src)[()])
     aabbs = boxes(6, seed=len(src))
@@ -125,3 +130,20 @@ def test_a_box_at_the_start_of_a_chunk_decodes_only_what_it_needs(tmp_path):
         for z, b in zip((0, 3, 31), p.batches()):
             with b:
                 assert np.array_equal(b.numpy()[0], oracle[z : z + 1, 0:8, :].astype("f4"))
+
+
+def test_corrupt_blosc_frames_are_decode_errors(tmp_path):
+    data = np.arange(8 * 10 * 12, dtype="u2").reshape(8, 10, 12)
+    write_array(tmp_path / "b", data, chunks=(4, 10, 12), compressors=[BloscCodec(cname="zstd", shuffle="shuffle", typesize=2, blocksize=128)])
+    chunk = tmp_path / "b" / "c" / "1" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[16:20] = (10**6).to_bytes(4, "little")  # the first block starts outside the frame
+    chunk.write_bytes(bytes(raw))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 10, 12), on_error="fill", pop_timeout_s=30)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(str(tmp_path / "b"), np.s_[0:4, :, :]), damacy.Sample(str(tmp_path / "b"), np.s_[4:8, :, :])])
+        with p.pop() as b:
+            (i, err), = b.info.errors
+            assert i == 1 and isinstance(err, damacy.DecodeError) and "blosc" in str(err)
+            assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
+        assert p.stats()["stages"]["native"]["count"] > 0

@@ -1,8 +1,10 @@
 """The native decode-and-assemble path: a whole decode task in one call without the GIL.
 
-Read units whose chain is ``bytes`` (either byte order) optionally followed by ``zstd``, copied
-as boxes into a batch with a cast numpy would make the same way, are decoded and copied by
-``_assemble.run`` (C), so decode threads do not queue for the GIL between units. Everything
+Read units whose chain is ``bytes`` (either byte order) optionally followed by ``zstd`` or
+``blosc``, copied as boxes into a batch with a cast numpy would make the same way, are decoded
+and copied by ``_assemble.run`` (C), so decode threads do not queue for the GIL between
+units. Only what the boxes read is decoded: zstd up to the block holding the last element
+used (frames with a checksum whole), blosc only the blocks holding used elements. Everything
 else goes through the Python path; results are identical (the tests compare both).
 """
 
@@ -35,12 +37,21 @@ _CODES = {
     np.dtype("float32"): 10,
     np.dtype("float64"): 11,
 }
-CODEC_RAW, CODEC_ZSTD = 0, 1
+CODEC_RAW, CODEC_ZSTD, CODEC_BLOSC = 0, 1, 2
 MAX_NDIM = 8
 
 
 def available() -> bool:
     return _assemble is not None
+
+
+def _blosc_available() -> bool:
+    """C-Blosc as numcodecs ships it (blosc_getitem decodes only the blocks a copy needs)."""
+    try:
+        from numcodecs import blosc
+    except ImportError:
+        return False
+    return bool(_assemble.use_blosc(blosc.__file__))
 
 
 def dtype_code(dtype: np.dtype) -> int | None:
@@ -76,6 +87,8 @@ def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
         codec = CODEC_RAW
     elif names == ("zstd",) and _assemble.has_zstd():
         codec = CODEC_ZSTD
+    elif names == ("blosc",) and _blosc_available():
+        codec = CODEC_BLOSC
     else:
         return None
     stored = leaf.a2b.stored_dtype(meta.dtype)

@@ -24,8 +24,8 @@
 enum { T_BOOL, T_I1, T_U1, T_I2, T_U2, T_I4, T_U4, T_I8, T_U8, T_F2, T_F4, T_F8, T_BF16, T_COUNT };
 static const int ITEMSIZE[T_COUNT] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 4, 8, 2};
 
-enum { CODEC_RAW = 0, CODEC_ZSTD = 1 };
-enum { OK = 0, E_ZSTD = 1, E_SIZE = 2, E_NOZSTD = 3 };
+enum { CODEC_RAW = 0, CODEC_ZSTD = 1, CODEC_BLOSC = 2 };
+enum { OK = 0, E_ZSTD = 1, E_SIZE = 2, E_NOZSTD = 3, E_BLOSC = 4 };
 
 /* ---- zstd, found at run time ------------------------------------------------------- */
 typedef void *(*zstd_create_t)(void);
@@ -284,6 +284,45 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
 
 static int zstd_ok = -1;
 
+/* ---- Blosc 1, through the C-Blosc that numcodecs carries (its symbols are exported) ---- */
+typedef int (*blosc_getitem_t)(const void *src, int start, int nitems, void *dest);
+static blosc_getitem_t blosc_getitem_fn;
+
+/* Check the frame's structure where blosc_getitem would read it unchecked: the header, the
+ * block table and every stream of the blocks that hold bytes [b0, b1). */
+static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nbytes_expected, int64_t b0, int64_t b1) {
+    if (len < 16) return 0;
+    int32_t flags = p[2], typesize = p[3];
+    int32_t nbytes, blocksize, cbytes;
+    memcpy(&nbytes, p + 4, 4);
+    memcpy(&blocksize, p + 8, 4);
+    memcpy(&cbytes, p + 12, 4);
+    if (cbytes != len || nbytes != nbytes_expected || typesize <= 0) return 0;
+    if (flags & 0x02) return 16 + (Py_ssize_t)nbytes <= len; /* stored as it is */
+    if (blocksize <= 0) return 0;
+    int64_t nblocks = ((int64_t)nbytes + blocksize - 1) / blocksize;
+    int64_t table_end = 16 + 4 * nblocks;
+    if (table_end > len) return 0;
+    int dont_split = (flags & 0x10) != 0;
+    for (int64_t j = b0 / blocksize; j < nblocks && j * blocksize < b1; j++) {
+        int32_t start;
+        memcpy(&start, p + 16 + 4 * j, 4);
+        int64_t bsize = nbytes - j * blocksize < blocksize ? nbytes - j * blocksize : blocksize;
+        int leftover = bsize < blocksize;
+        int split = !dont_split && typesize <= 16 && blocksize / typesize >= 128 && !leftover;
+        int64_t pos = start;
+        for (int k = 0; k < (split ? typesize : 1); k++) {
+            if (pos < table_end || pos + 4 > len) return 0;
+            int32_t size;
+            memcpy(&size, p + pos, 4);
+            pos += 4;
+            if (size < 0 || pos + size > len) return 0;
+            pos += size;
+        }
+    }
+    return 1;
+}
+
 /*
  * run(buffers, units, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes)
  *   buffers: list of bytes-like (one per unit)
@@ -332,6 +371,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
         if (codec == CODEC_ZSTD && zstd_ok) {
             scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
             dctx = zstd_create();
+        } else if (codec == CODEC_BLOSC) {
+            scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1) + 16);
         }
         int64_t unit_strides[MAX_NDIM];
         int64_t st = 1;
@@ -342,19 +383,40 @@ static PyObject *run(PyObject *self, PyObject *args) {
         Py_ssize_t op = 0;
         for (Py_ssize_t u = 0; u < n_units; u++) {
             const char *chunk = (const char *)views[u].buf;
-            if (codec == CODEC_ZSTD) {
-                /* the bytes this unit's copies read: up to the last element of any box */
-                size_t need = 0;
-                for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
-                    const int64_t *o = ops + q * width;
-                    int64_t last = 0, empty = 0;
-                    for (int a = 0; a < ndim; a++) {
-                        if (o[2 + 2 * ndim + a] <= 0) empty = 1;
-                        last += (o[2 + a] + o[2 + 2 * ndim + a] - 1) * unit_strides[a];
-                    }
-                    size_t end = empty ? 0 : (size_t)(last + 1) * (size_t)src_size;
-                    if (end > need) need = end;
+            /* the bytes this unit's copies read: [first, need) */
+            size_t need = 0, first = (size_t)decoded_nbytes;
+            for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
+                const int64_t *o = ops + q * width;
+                int64_t lo = 0, last = 0, empty = 0;
+                for (int a = 0; a < ndim; a++) {
+                    if (o[2 + 2 * ndim + a] <= 0) empty = 1;
+                    lo += o[2 + a] * unit_strides[a];
+                    last += (o[2 + a] + o[2 + 2 * ndim + a] - 1) * unit_strides[a];
                 }
+                if (empty) continue;
+                size_t end = (size_t)(last + 1) * (size_t)src_size, begin = (size_t)lo * (size_t)src_size;
+                if (end > need) need = end;
+                if (begin < first) first = begin;
+            }
+            if (codec == CODEC_BLOSC) {
+                const unsigned char *p = (const unsigned char *)views[u].buf;
+                if (!blosc_getitem_fn) {
+                    status[u] = E_NOZSTD;
+                } else if (need > first) {
+                    int ts = views[u].len >= 16 ? p[3] : 1;
+                    int64_t start = (int64_t)first / ts, stop = ((int64_t)need + ts - 1) / ts;
+                    if (!blosc_frame_ok(p, views[u].len, decoded_nbytes, start * ts, stop * ts)) {
+                        status[u] = E_BLOSC;
+                    } else {
+                        int r = blosc_getitem_fn(p, (int)start, (int)(stop - start), scratch + start * ts);
+                        if (r != (stop - start) * ts) {
+                            status[u] = E_BLOSC;
+                            err_codes[u] = (size_t)(r < 0 ? -r : r);
+                        }
+                    }
+                    chunk = scratch;
+                }
+            } else if (codec == CODEC_ZSTD) {
                 if (!zstd_ok || !scratch || !dctx) {
                     status[u] = E_NOZSTD;
                 } else if (need > 0) {
@@ -398,8 +460,10 @@ static PyObject *run(PyObject *self, PyObject *args) {
         else if (status[u] == E_SIZE)
             item = Py_BuildValue("(nN)", u, PyUnicode_FromFormat("decoded chunk has %zd bytes, expected %zd",
                                                                  (Py_ssize_t)err_codes[u], decoded_nbytes));
+        else if (status[u] == E_BLOSC)
+            item = Py_BuildValue("(ns)", u, "blosc: corrupt or truncated frame");
         else
-            item = Py_BuildValue("(ns)", u, "libzstd is not available");
+            item = Py_BuildValue("(ns)", u, "the codec library is not available");
         if (!item || PyList_Append(result, item) < 0) {
             Py_XDECREF(item);
             Py_CLEAR(result);
@@ -430,10 +494,23 @@ static PyObject *has_zstd(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(zstd_ok);
 }
 
+/* use_blosc(path): take blosc_getitem from the (already loaded) library at path */
+static PyObject *use_blosc(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    if (!blosc_getitem_fn) {
+        void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+        if (!lib) lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (lib) blosc_getitem_fn = (blosc_getitem_t)dlsym(lib, "blosc_getitem");
+    }
+    return PyBool_FromLong(blosc_getitem_fn != NULL);
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
     {"supports", supports, METH_VARARGS, "Whether the cast from one dtype code to another is offered."},
     {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},
+    {"use_blosc", use_blosc, METH_VARARGS, "Take blosc_getitem from the C-Blosc library at the given path."},
     {NULL, NULL, 0, NULL},
 };
 
