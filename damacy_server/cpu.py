@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import BudgetExceeded, DecodeError, InvalidArgument, SampleError
-from damacy_server import native
+from damacy_server import native, optable
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
-from damacy_server.selection import SliceCopy
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 
@@ -545,7 +544,7 @@ class CpuExecutor:
             return None
         for u in units:
             for _, op in u.copies:
-                if type(op) is not SliceCopy:
+                if not optable.tabulable(op):
                     return None
         dtype = run.views[units[0].copies[0][0]].dtype
         key = (meta.root, dtype.str, dtype.name)
@@ -576,7 +575,7 @@ class CpuExecutor:
         encoded = sum(len(datas[k]) for k in range(len(units)) if k not in failed)
         decoded = sum(u.decoded_nbytes for u in ok)
         assembled = sum(
-            math.prod(p.stop - p.start for p in op.src) * run.views[s].itemsize for u in ok for s, op in u.copies
+            math.prod(p.stop - p.start for p in op.dst) * run.views[s].itemsize for u in ok for s, op in u.copies
         )
         return encoded, decoded, assembled
 

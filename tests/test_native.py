@@ -147,3 +147,40 @@ def test_corrupt_blosc_frames_are_decode_errors(tmp_path):
             assert i == 1 and isinstance(err, damacy.DecodeError) and "blosc" in str(err)
             assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
         assert p.stats()["stages"]["native"]["count"] > 0
+
+
+@pytest.mark.parametrize("codec", ["zstd-little", "blosc-little", "raw-big"])
+def test_native_index_queries_equal_numpy(tmp_path, codec):
+    endian = codec.split("-")[1]
+    compressors = {"zstd": [ZstdCodec(level=1)], "blosc": [BloscCodec(cname="zstd", shuffle="bitshuffle", typesize=2, blocksize=256)]}.get(codec.split("-")[0], [])
+    data = random_data(SHAPE, "uint16", seed=11)
+    write_array(tmp_path / "q", data, chunks=(4, 4, 5), serializer=BytesCodec(endian=endian), compressors=compressors)
+    uri = str(tmp_path / "q")
+    rng = np.random.default_rng(2)
+    queries = [
+        damacy.IndexQuery(uri, (rng.integers(-9, 9, size=4).tolist(), slice(2, 7), rng.integers(0, 11, size=6).tolist()))
+        for _ in range(6)
+    ]
+
+    def batches(use_native):
+        executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native))
+        pipe = damacy.Pipeline(planner=damacy.ChunkPlanner(), executor=executor, output=damacy.BatchSpec(3, (4, 5, 6), "f32"))
+        out = []
+        with pipe:
+            pipe.push(queries)
+            for b in pipe.batches():
+                with b:
+                    out.append(b.numpy().copy())
+            used = pipe.stats()["stages"]["native"]["count"]
+        return np.concatenate(out), used
+
+    want, used = batches(False)
+    got, native_units = batches(True)
+    assert used == 0 and native_units > 0
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    import zarr
+
+    oracle = zarr.open_array(uri, mode="r")
+    for j, q in enumerate(queries):
+        sel = tuple(np.arange(n)[s] if isinstance(s, slice) else np.array(s) for s, n in zip(q.selection, SHAPE))
+        assert np.array_equal(got[j], oracle.oindex[sel].astype("f4"))

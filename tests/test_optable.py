@@ -37,3 +37,19 @@ def test_op_table_reproduces_the_batch(tmp_path):
         p.push(samples)
         with p.pop() as b:
             assert np.array_equal(b.numpy(), out)
+
+
+def test_op_table_holds_sorted_index_copies(tmp_path):
+    data = random_data((20, 30, 40), "uint16", 4)
+    write_array(tmp_path / "i", data, chunks=(10, 15, 20), compressors=[ZstdCodec(level=1)])
+    uri = str(tmp_path / "i")
+    queries = [damacy.IndexQuery(uri, ([19, 3, 3, 0], slice(4, 9), [39, 1, 22, 22, 7]))]
+    plan = damacy.ChunkPlanner().plan(queries, (4, 5, 5))
+    units = [u for g in plan.groups for u in g.units]
+    table = optable.build(units, 3)
+    assert (table.ops[:, 2:5] < 0).any() and len(table.pool) > 0  # index lists in the pool
+    decoded = [decode_unit(u.meta, u.meta.store.read(u.key), u.unit, u.key) for u in units]
+    out = np.zeros((1, 4, 5, 5), dtype="u2")
+    optable.apply(table, decoded, [out[0]])
+    sorted_z, sorted_x = sorted([19, 3, 3, 0]), sorted([39, 1, 22, 22, 7])
+    assert np.array_equal(out[0], data[np.ix_(sorted_z, range(4, 9), sorted_x)])

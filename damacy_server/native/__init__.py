@@ -120,4 +120,5 @@ def run(kernel: NativeKernel, datas: list, units: list, views: list) -> list[tup
         int(kernel.swap),
         kernel.codec,
         kernel.decoded_nbytes,
+        table.pool.tobytes(),
     )

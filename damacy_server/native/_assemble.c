@@ -247,9 +247,17 @@ typedef struct {
 } unit_in;
 
 /* Copy one op's box: nested loops over all axes but the last, a row call per row. */
+/* The source coordinate along axis a at position i of a copy: a range (start >= 0) or an
+ * index list in the pool (start = -(offset + 1); the list is sorted). */
+static inline int64_t src_coord(const int64_t *pool, int64_t start, int64_t i) {
+    return start >= 0 ? start + i : pool[-start - 1 + i];
+}
+
+/* Copy one op: nested loops over all axes but the last, a row call per row (an element
+ * call per element when the last axis is an index list). */
 static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int src_size, char *dst_base,
                      const int64_t *dst_strides, int dst_size, const int64_t *src_start, const int64_t *dst_start,
-                     const int64_t *extent, row_fn row, int swap) {
+                     const int64_t *extent, const int64_t *pool, row_fn row, int swap) {
     int64_t src_strides[MAX_NDIM];
     int64_t s = 1;
     for (int a = ndim - 1; a >= 0; a--) {
@@ -267,11 +275,18 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
         if (extent[a] <= 0) return;
     for (;;) {
         int64_t so = 0, dof = 0;
-        for (int a = 0; a < ndim; a++) {
-            so += (src_start[a] + (a == last ? 0 : idx[a])) * src_strides[a];
-            dof += (dst_start[a] + (a == last ? 0 : idx[a])) * dst_strides[a];
+        for (int a = 0; a < last; a++) {
+            so += src_coord(pool, src_start[a], idx[a]) * src_strides[a];
+            dof += (dst_start[a] + idx[a]) * dst_strides[a];
         }
-        row(chunk + so * src_size, dst_base + dof * dst_size, n, swap);
+        dof += dst_start[last] * dst_strides[last];
+        if (src_start[last] >= 0) {
+            row(chunk + (so + src_start[last]) * src_size, dst_base + dof * dst_size, n, swap);
+        } else {
+            const int64_t *list = pool - src_start[last] - 1;
+            for (Py_ssize_t i = 0; i < n; i++)
+                row(chunk + (so + list[i]) * src_size, dst_base + (dof + i * dst_strides[last]) * dst_size, 1, swap);
+        }
         int a = last - 1;
         while (a >= 0) {
             if (++idx[a] < extent[a]) break;
@@ -324,19 +339,20 @@ static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nby
 }
 
 /*
- * run(buffers, units, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes)
+ * run(buffers, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes, pool)
  *   buffers: list of bytes-like (one per unit)
- *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, sample, src_start[ndim], dst_start[ndim], extent[ndim]
+ *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, sample, src_start[ndim], dst_start[ndim], extent[ndim];
+ *        a negative src_start -(k + 1) means the sorted index list pool[k : k + extent]
  *   targets: int64 array (n_samples, 1 + ndim): address, strides in elements
  * Returns a list of (unit, message) for units that failed; their copies are not made.
  */
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *buffers;
-    Py_buffer ops_buf, targets_buf, shape_buf;
+    Py_buffer ops_buf, targets_buf, shape_buf, pool_buf;
     int src_type, dst_type, swap, codec;
     Py_ssize_t decoded_nbytes;
-    if (!PyArg_ParseTuple(args, "O!y*y*y*iiiin", &PyList_Type, &buffers, &ops_buf, &targets_buf, &shape_buf, &src_type,
-                          &dst_type, &swap, &codec, &decoded_nbytes))
+    if (!PyArg_ParseTuple(args, "O!y*y*y*iiiiny*", &PyList_Type, &buffers, &ops_buf, &targets_buf, &shape_buf, &src_type,
+                          &dst_type, &swap, &codec, &decoded_nbytes, &pool_buf))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n_units = PyList_GET_SIZE(buffers);
@@ -362,6 +378,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         const int64_t *ops = (const int64_t *)ops_buf.buf;
         const int64_t *targets = (const int64_t *)targets_buf.buf;
         const int64_t *unit_shape = (const int64_t *)shape_buf.buf;
+        const int64_t *pool = (const int64_t *)pool_buf.buf;
         Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
         row_fn row = TABLE[src_type][dst_type];
         int src_size = ITEMSIZE[src_type], dst_size = ITEMSIZE[dst_type];
@@ -389,9 +406,13 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 const int64_t *o = ops + q * width;
                 int64_t lo = 0, last = 0, empty = 0;
                 for (int a = 0; a < ndim; a++) {
-                    if (o[2 + 2 * ndim + a] <= 0) empty = 1;
-                    lo += o[2 + a] * unit_strides[a];
-                    last += (o[2 + a] + o[2 + 2 * ndim + a] - 1) * unit_strides[a];
+                    int64_t ext = o[2 + 2 * ndim + a];
+                    if (ext <= 0) {
+                        empty = 1;
+                        break;
+                    }
+                    lo += src_coord(pool, o[2 + a], 0) * unit_strides[a]; /* lists are sorted */
+                    last += src_coord(pool, o[2 + a], ext - 1) * unit_strides[a];
                 }
                 if (empty) continue;
                 size_t end = (size_t)(last + 1) * (size_t)src_size, begin = (size_t)lo * (size_t)src_size;
@@ -441,7 +462,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 if (status[u] == OK) {
                     const int64_t *t = targets + o[1] * (1 + ndim);
                     copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                             o + 2 + ndim, o + 2 + 2 * ndim, row, swap);
+                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, swap);
                 }
                 op++;
             }
@@ -479,6 +500,7 @@ done:
     PyBuffer_Release(&ops_buf);
     PyBuffer_Release(&targets_buf);
     PyBuffer_Release(&shape_buf);
+    PyBuffer_Release(&pool_buf);
     return result;
 }
 
