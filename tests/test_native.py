@@ -98,7 +98,7 @@ def test_half_and_bfloat_rounding_edges():
         ops = np.array([[0, 0, 0, 0, len(values)]], dtype=np.int64)
         targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
         shape = np.array([len(values)], dtype=np.int64)
-        assert _assemble.run([values.tobytes()], ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes) == []
+        assert _assemble.run([values.tobytes()], ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"") == []
         with np.errstate(over="ignore", invalid="ignore"):
             want = values.astype(ref)
         assert np.array_equal(out.view("u2"), want.view("u2")), name

@@ -177,13 +177,30 @@ static inline float load_half(const char *p, int swap) { return half_to_float(lo
 static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p != 0; }
 
 typedef void (*row_fn)(const char *src, char *dst, Py_ssize_t n, int swap);
+typedef void (*gather_fn)(const char *src, const int64_t *index, char *dst, Py_ssize_t n, int swap);
 
-/* one row: n elements from contiguous src to contiguous dst */
+/* One row: n elements from contiguous src to contiguous dst; the byte-order test is out of
+ * the loop so the common case vectorises. GATHER: element i comes from src[index[i]]. */
 #define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR)                                            \
     static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap) { \
+        DT *out = (DT *)d;                                                             \
+        if (swap) {                                                                    \
+            for (Py_ssize_t i = 0; i < n; i++) {                                       \
+                DT v = (DT)(EXPR(LOAD(s + i * (SRC_SIZE), 1)));                        \
+                memcpy(out + i, &v, sizeof(DT));                                       \
+            }                                                                          \
+        } else {                                                                       \
+            for (Py_ssize_t i = 0; i < n; i++) {                                       \
+                DT v = (DT)(EXPR(LOAD(s + i * (SRC_SIZE), 0)));                        \
+                memcpy(out + i, &v, sizeof(DT));                                       \
+            }                                                                          \
+        }                                                                              \
+    }                                                                                  \
+    static void __attribute__((unused)) NAME##_g(const char *s, const int64_t *ix, char *d, Py_ssize_t n, int swap) { \
+        DT *out = (DT *)d;                                                             \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            DT out = (DT)(EXPR(LOAD(s + i * (SRC_SIZE), swap)));                       \
-            memcpy(d + i * (Py_ssize_t)sizeof(DT), &out, sizeof(DT));                  \
+            DT v = (DT)(EXPR(LOAD(s + ix[i] * (SRC_SIZE), swap)));                     \
+            memcpy(out + i, &v, sizeof(DT));                                           \
         }                                                                              \
     }
 #define AS_IS(v) (v)
@@ -240,6 +257,27 @@ static row_fn TABLE[T_COUNT][T_COUNT] = {
     {f8_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4, f8_to_f8, NULL},
 };
 
+/* the same conversions, gathering along an index list */
+#define INT_GTABLE(S)                                                                  \
+    {S##_to_b1_g, S##_to_i1_g, S##_to_u1_g, S##_to_i2_g, S##_to_u2_g, S##_to_i4_g, S##_to_u4_g, \
+     S##_to_i8_g, S##_to_u8_g, S##_to_f2_g, S##_to_f4_g, S##_to_f8_g, S##_to_bf_g}
+
+
+static gather_fn GATHER[T_COUNT][T_COUNT] = {
+    INT_GTABLE(b1), INT_GTABLE(i1), INT_GTABLE(u1), INT_GTABLE(i2), INT_GTABLE(u2),
+    /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
+    {i4_to_b1_g, i4_to_i1_g, i4_to_u1_g, i4_to_i2_g, i4_to_u2_g, i4_to_i4_g, i4_to_u4_g, i4_to_i8_g, i4_to_u8_g, i4_to_f2_g, i4_to_f4_g, i4_to_f8_g, NULL},
+    {u4_to_b1_g, u4_to_i1_g, u4_to_u1_g, u4_to_i2_g, u4_to_u2_g, u4_to_i4_g, u4_to_u4_g, u4_to_i8_g, u4_to_u8_g, u4_to_f2_g, u4_to_f4_g, u4_to_f8_g, NULL},
+    {i8_to_b1_g, i8_to_i1_g, i8_to_u1_g, i8_to_i2_g, i8_to_u2_g, i8_to_i4_g, i8_to_u4_g, i8_to_i8_g, i8_to_u8_g, i8_to_f2_g, i8_to_f4_g, i8_to_f8_g, NULL},
+    {u8_to_b1_g, u8_to_i1_g, u8_to_u1_g, u8_to_i2_g, u8_to_u2_g, u8_to_i4_g, u8_to_u4_g, u8_to_i8_g, u8_to_u8_g, u8_to_f2_g, u8_to_f4_g, u8_to_f8_g, NULL},
+    /* floats: not to integers (numpy's results there are platform-defined) */
+    {f2_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2_g, f2_to_f4_g, f2_to_f8_g, f2_to_bf_g},
+    {f4_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f4_to_f2_g, f4_to_f4_g, f4_to_f8_g, f4_to_bf_g},
+    /* f64 to f16/bf16 would round twice through f32 */
+    {f8_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4_g, f8_to_f8_g, NULL},
+};
+
+
 /* ---- the task ----------------------------------------------------------------------- */
 typedef struct {
     const char *src;  /* encoded bytes */
@@ -253,11 +291,11 @@ static inline int64_t src_coord(const int64_t *pool, int64_t start, int64_t i) {
     return start >= 0 ? start + i : pool[-start - 1 + i];
 }
 
-/* Copy one op: nested loops over all axes but the last, a row call per row (an element
- * call per element when the last axis is an index list). */
+/* Copy one op: nested loops over all axes but the last, a row (or gather) call per row.
+ * The destination's last axis is contiguous (slots are C-ordered). */
 static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int src_size, char *dst_base,
                      const int64_t *dst_strides, int dst_size, const int64_t *src_start, const int64_t *dst_start,
-                     const int64_t *extent, const int64_t *pool, row_fn row, int swap) {
+                     const int64_t *extent, const int64_t *pool, row_fn row, gather_fn gather, int swap) {
     int64_t src_strides[MAX_NDIM];
     int64_t s = 1;
     for (int a = ndim - 1; a >= 0; a--) {
@@ -283,9 +321,7 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
         if (src_start[last] >= 0) {
             row(chunk + (so + src_start[last]) * src_size, dst_base + dof * dst_size, n, swap);
         } else {
-            const int64_t *list = pool - src_start[last] - 1;
-            for (Py_ssize_t i = 0; i < n; i++)
-                row(chunk + (so + list[i]) * src_size, dst_base + (dof + i * dst_strides[last]) * dst_size, 1, swap);
+            gather(chunk + so * src_size, pool - src_start[last] - 1, dst_base + dof * dst_size, n, swap);
         }
         int a = last - 1;
         while (a >= 0) {
@@ -381,6 +417,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         const int64_t *pool = (const int64_t *)pool_buf.buf;
         Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
         row_fn row = TABLE[src_type][dst_type];
+        gather_fn gather = GATHER[src_type][dst_type];
         int src_size = ITEMSIZE[src_type], dst_size = ITEMSIZE[dst_type];
         Py_BEGIN_ALLOW_THREADS;
         char *scratch = NULL;
@@ -462,7 +499,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 if (status[u] == OK) {
                     const int64_t *t = targets + o[1] * (1 + ndim);
                     copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, swap);
+                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, swap);
                 }
                 op++;
             }
