@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,23 @@ static zstd_free_t zstd_free;
 static zstd_decompress_t zstd_decompress;
 static zstd_iserror_t zstd_iserror;
 static zstd_errname_t zstd_errname;
+
+/* one decompression context per thread, kept for the thread's life (they are pool workers) */
+static pthread_key_t dctx_key;
+static pthread_once_t dctx_once = PTHREAD_ONCE_INIT;
+static void free_dctx(void *dctx) {
+    if (dctx && zstd_free) zstd_free(dctx);
+}
+static void make_dctx_key(void) { pthread_key_create(&dctx_key, free_dctx); }
+static void *thread_dctx(void) {
+    pthread_once(&dctx_once, make_dctx_key);
+    void *dctx = pthread_getspecific(dctx_key);
+    if (!dctx) {
+        dctx = zstd_create();
+        if (dctx) pthread_setspecific(dctx_key, dctx);
+    }
+    return dctx;
+}
 
 static int load_zstd(void) {
     void *lib = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -424,7 +442,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         void *dctx = NULL;
         if (codec == CODEC_ZSTD && zstd_ok) {
             scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
-            dctx = zstd_create();
+            dctx = thread_dctx();
         } else if (codec == CODEC_BLOSC) {
             scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1) + 16);
         }
@@ -504,7 +522,6 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 op++;
             }
         }
-        if (dctx) zstd_free(dctx);
         free(scratch);
         Py_END_ALLOW_THREADS;
     }
