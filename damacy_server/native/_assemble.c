@@ -89,8 +89,11 @@ static int zstd_has_checksum(const unsigned char *p, size_t n) {
  * with a checksum is always decoded whole, so the checksum is always verified.
  * Returns 0 or a zstd error code; *got is set to the bytes produced.
  */
+#define ZSTD_BLOCK_MAX (128 * 1024)
+
 static size_t zstd_prefix(void *dctx, char *dst, size_t full, size_t need, const void *src, size_t len, size_t *got) {
-    if (need >= full || zstd_has_checksum((const unsigned char *)src, len)) {
+    /* streaming costs a copy through zstd's window: worth it only when a whole block can go */
+    if (need + ZSTD_BLOCK_MAX > full || zstd_has_checksum((const unsigned char *)src, len)) {
         size_t r = zstd_decompress(dctx, dst, full, src, len);
         if (!zstd_iserror(r)) *got = r;
         return zstd_iserror(r) ? r : 0;
