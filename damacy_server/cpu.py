@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -302,7 +303,7 @@ class CpuExecutor:
         self._closed = False
         self._runs = itertools.count()
         self.native = native.available() and self.limits.native
-        self._kernels: dict[tuple, native.NativeKernel | None] = {}
+        self._kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.chunk_cache: LRUCache[np.ndarray] | None = (
             LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes)
             if self.limits.chunk_cache_bytes
@@ -547,12 +548,19 @@ class CpuExecutor:
                 if not optable.tabulable(op):
                     return None
         dtype = run.views[units[0].copies[0][0]].dtype
-        key = (meta.root, dtype.str, dtype.name)
-        kernel = self._kernels.get(key, False)
+        per_meta = self._kernels.get(meta)  # keyed by the metadata object: a reloaded array gets its own
+        if per_meta is None:
+            per_meta = self._kernels.setdefault(meta, {})
+        key = (dtype.str, dtype.name)
+        kernel = per_meta.get(key, False)
         if kernel is False:
-            kernel = self._kernels[key] = native.kernel_for(meta, dtype)
-        if kernel is not None and any(run.views[s].dtype != dtype for u in units for s, _ in u.copies):
-            return None
+            kernel = per_meta[key] = native.kernel_for(meta, dtype)
+        if kernel is not None:
+            for u in units:
+                for s, _ in u.copies:
+                    view = run.views[s]
+                    if view.dtype != dtype or (view.ndim and view.strides[-1] != view.itemsize):
+                        return None
         return kernel
 
     def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:

@@ -184,3 +184,75 @@ def test_native_index_queries_equal_numpy(tmp_path, codec):
     for j, q in enumerate(queries):
         sel = tuple(np.arange(n)[s] if isinstance(s, slice) else np.array(s) for s, n in zip(q.selection, SHAPE))
         assert np.array_equal(got[j], oracle.oindex[sel].astype("f4"))
+
+
+def _run_one(uri, box, executor=None, out="f32"):
+    shape = tuple(b - a for a, b in box)
+    pipe = damacy.Pipeline(
+        planner=damacy.ChunkPlanner(),
+        executor=executor or damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=1)),
+        output=damacy.BatchSpec(1, shape, out),
+        on_error="fill",
+    )
+    with pipe:
+        pipe.push([damacy.Sample(uri, box)])
+        with pipe.pop() as b:
+            return b.numpy()[0].copy(), b.info.errors
+
+
+def test_blosc_header_with_typesize_zero_is_an_error(tmp_path):
+    data = np.arange(64, dtype="u1").reshape(8, 8)
+    write_array(tmp_path / "t", data, chunks=(8, 8), compressors=[BloscCodec(cname="zstd", shuffle="noshuffle", typesize=1)])
+    chunk = tmp_path / "t" / "c" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[3] = 0
+    chunk.write_bytes(bytes(raw))
+    _, errors = _run_one(str(tmp_path / "t"), ((0, 4), (0, 8)))
+    (_, err), = errors
+    assert isinstance(err, damacy.DecodeError) and "blosc" in str(err)
+
+
+def test_blosc_typesize_that_does_not_tile_the_chunk(tmp_path):
+    data = (np.arange(10 * 100) % 251).astype("u1").reshape(10, 100)
+    write_array(tmp_path / "t3", data, chunks=(10, 100), compressors=[BloscCodec(cname="lz4", shuffle="shuffle", typesize=3)])
+    got, errors = _run_one(str(tmp_path / "t3"), ((3, 9), (10, 99)))
+    assert errors == () and np.array_equal(got, data[3:9, 10:99].astype("f4"))
+
+
+def test_truncated_zstd_frame_is_an_error_even_when_only_a_prefix_is_needed(tmp_path):
+    data = random_data((64, 64, 64), "uint16", 9)  # 512 KiB chunks: four zstd blocks
+    write_array(tmp_path / "z", data, chunks=(64, 64, 64), compressors=[ZstdCodec(level=3)])
+    chunk = tmp_path / "z" / "c" / "0" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-1000])
+    _, errors = _run_one(str(tmp_path / "z"), ((0, 2), (0, 64), (0, 64)))
+    (_, err), = errors
+    assert isinstance(err, damacy.DecodeError) and "chunk [0, 0, 0]" in str(err)
+
+
+def test_ops_outside_their_unit_are_refused():
+    from damacy_server.native import _assemble
+
+    data = np.arange(16, dtype="f4")
+    out = np.zeros(8, dtype="f4")
+    targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
+    shape = np.array([16], dtype=np.int64)
+    for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2])):
+        ops = np.array([row], dtype=np.int64)
+        failed = _assemble.run([data.tobytes()], ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())
+        assert failed and "outside its chunk" in failed[0][1]
+    assert not out.any()
+
+
+def test_a_rewritten_array_gets_its_own_kernel(tmp_path):
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=1))
+    first = np.arange(64, dtype="u2").reshape(8, 8)
+    write_array(tmp_path / "r", first, chunks=(4, 4))
+    got, _ = _run_one(str(tmp_path / "r"), ((0, 8), (0, 8)), executor)
+    assert np.array_equal(got, first.astype("f4"))
+    import shutil
+
+    shutil.rmtree(tmp_path / "r")
+    second = np.arange(64, 128, dtype="u2").reshape(8, 8)
+    write_array(tmp_path / "r", second, chunks=(2, 8))  # same chunk bytes, another chunk shape
+    got, _ = _run_one(str(tmp_path / "r"), ((0, 8), (0, 8)), executor)  # a new planner: fresh metadata
+    assert np.array_equal(got, second.astype("f4"))

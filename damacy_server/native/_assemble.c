@@ -26,7 +26,7 @@ enum { T_BOOL, T_I1, T_U1, T_I2, T_U2, T_I4, T_U4, T_I8, T_U8, T_F2, T_F4, T_F8,
 static const int ITEMSIZE[T_COUNT] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 4, 8, 2};
 
 enum { CODEC_RAW = 0, CODEC_ZSTD = 1, CODEC_BLOSC = 2 };
-enum { OK = 0, E_ZSTD = 1, E_SIZE = 2, E_NOZSTD = 3, E_BLOSC = 4 };
+enum { OK = 0, E_ZSTD = 1, E_SIZE = 2, E_NOZSTD = 3, E_BLOSC = 4, E_OPS = 5, E_MEMORY = 6 };
 
 /* ---- zstd, found at run time ------------------------------------------------------- */
 typedef void *(*zstd_create_t)(void);
@@ -38,6 +38,10 @@ typedef struct { const void *src; size_t size; size_t pos; } zstd_in;
 typedef struct { void *dst; size_t size; size_t pos; } zstd_out;
 typedef size_t (*zstd_stream_t)(void *, zstd_out *, zstd_in *);
 typedef size_t (*zstd_reset_t)(void *, int);
+typedef unsigned long long (*zstd_content_size_t)(const void *, size_t);
+typedef size_t (*zstd_frame_size_t)(const void *, size_t);
+static zstd_content_size_t zstd_content_size;
+static zstd_frame_size_t zstd_frame_size;
 static zstd_stream_t zstd_stream;
 static zstd_reset_t zstd_reset;
 static zstd_create_t zstd_create;
@@ -74,7 +78,10 @@ static int load_zstd(void) {
     zstd_errname = (zstd_errname_t)dlsym(lib, "ZSTD_getErrorName");
     zstd_stream = (zstd_stream_t)dlsym(lib, "ZSTD_decompressStream");
     zstd_reset = (zstd_reset_t)dlsym(lib, "ZSTD_DCtx_reset");
-    return zstd_create && zstd_free && zstd_decompress && zstd_iserror && zstd_errname && zstd_stream && zstd_reset;
+    zstd_content_size = (zstd_content_size_t)dlsym(lib, "ZSTD_getFrameContentSize");
+    zstd_frame_size = (zstd_frame_size_t)dlsym(lib, "ZSTD_findFrameCompressedSize");
+    return zstd_create && zstd_free && zstd_decompress && zstd_iserror && zstd_errname && zstd_stream && zstd_reset &&
+           zstd_content_size && zstd_frame_size;
 }
 
 /* Does this zstd frame carry a content checksum? (Frame_Header_Descriptor bit 2) */
@@ -91,12 +98,19 @@ static int zstd_has_checksum(const unsigned char *p, size_t n) {
  */
 #define ZSTD_BLOCK_MAX (128 * 1024)
 
-static size_t zstd_prefix(void *dctx, char *dst, size_t full, size_t need, const void *src, size_t len, size_t *got) {
-    /* streaming costs a copy through zstd's window: worth it only when a whole block can go */
-    if (need + ZSTD_BLOCK_MAX > full || zstd_has_checksum((const unsigned char *)src, len)) {
+static size_t zstd_prefix(void *dctx, char *dst, size_t full, size_t need, const void *src, size_t len, size_t *got,
+                          int *whole) {
+    /* Streaming costs a copy through zstd's window: worth it only when a whole block can go.
+     * A prefix is decoded only from a single, whole frame of the expected size (its block
+     * headers are walked, so truncation and broken block sizes are still errors); frames
+     * with a checksum are always decoded whole so the checksum is verified. */
+    if (need + ZSTD_BLOCK_MAX > full || zstd_has_checksum((const unsigned char *)src, len) ||
+        zstd_content_size(src, len) != (unsigned long long)full || zstd_frame_size(src, len) != len) {
         size_t r = zstd_decompress(dctx, dst, full, src, len);
-        if (!zstd_iserror(r)) *got = r;
-        return zstd_iserror(r) ? r : 0;
+        if (zstd_iserror(r)) return r;
+        *got = r;
+        *whole = 1; /* decoded whole: it must be all of the chunk */
+        return 0;
     }
     size_t r = zstd_reset(dctx, 1 /* ZSTD_reset_session_only */);
     if (zstd_iserror(r)) return r;
@@ -265,14 +279,17 @@ ROWS_FOR(f8, load_double, 8)
     {S##_to_b1, S##_to_i1, S##_to_u1, S##_to_i2, S##_to_u2, S##_to_i4, S##_to_u4,      \
      S##_to_i8, S##_to_u8, S##_to_f2, S##_to_f4, S##_to_f8, S##_to_bf}
 static row_fn TABLE[T_COUNT][T_COUNT] = {
-    INT_TABLE(b1), INT_TABLE(i1), INT_TABLE(u1), INT_TABLE(i2), INT_TABLE(u2),
+    /* bool: numpy copies a bool's byte to bool and ml_dtypes takes it as a number for bf16 */
+    {NULL, b1_to_i1, b1_to_u1, b1_to_i2, b1_to_u2, b1_to_i4, b1_to_u4, b1_to_i8, b1_to_u8, b1_to_f2, b1_to_f4, b1_to_f8, NULL},
+    INT_TABLE(i1), INT_TABLE(u1), INT_TABLE(i2), INT_TABLE(u2),
     /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
     {i4_to_b1, i4_to_i1, i4_to_u1, i4_to_i2, i4_to_u2, i4_to_i4, i4_to_u4, i4_to_i8, i4_to_u8, i4_to_f2, i4_to_f4, i4_to_f8, NULL},
     {u4_to_b1, u4_to_i1, u4_to_u1, u4_to_i2, u4_to_u2, u4_to_i4, u4_to_u4, u4_to_i8, u4_to_u8, u4_to_f2, u4_to_f4, u4_to_f8, NULL},
     {i8_to_b1, i8_to_i1, i8_to_u1, i8_to_i2, i8_to_u2, i8_to_i4, i8_to_u4, i8_to_i8, i8_to_u8, i8_to_f2, i8_to_f4, i8_to_f8, NULL},
     {u8_to_b1, u8_to_i1, u8_to_u1, u8_to_i2, u8_to_u2, u8_to_i4, u8_to_u4, u8_to_i8, u8_to_u8, u8_to_f2, u8_to_f4, u8_to_f8, NULL},
     /* floats: not to integers (numpy's results there are platform-defined) */
-    {f2_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2, f2_to_f4, f2_to_f8, f2_to_bf},
+    /* f16 to f64 through f32 would quieten signalling NaNs numpy keeps */
+    {f2_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2, f2_to_f4, NULL, f2_to_bf},
     {f4_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f4_to_f2, f4_to_f4, f4_to_f8, f4_to_bf},
     /* f64 to f16/bf16 would round twice through f32 */
     {f8_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4, f8_to_f8, NULL},
@@ -285,14 +302,15 @@ static row_fn TABLE[T_COUNT][T_COUNT] = {
 
 
 static gather_fn GATHER[T_COUNT][T_COUNT] = {
-    INT_GTABLE(b1), INT_GTABLE(i1), INT_GTABLE(u1), INT_GTABLE(i2), INT_GTABLE(u2),
+    {NULL, b1_to_i1_g, b1_to_u1_g, b1_to_i2_g, b1_to_u2_g, b1_to_i4_g, b1_to_u4_g, b1_to_i8_g, b1_to_u8_g, b1_to_f2_g, b1_to_f4_g, b1_to_f8_g, NULL},
+    INT_GTABLE(i1), INT_GTABLE(u1), INT_GTABLE(i2), INT_GTABLE(u2),
     /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
     {i4_to_b1_g, i4_to_i1_g, i4_to_u1_g, i4_to_i2_g, i4_to_u2_g, i4_to_i4_g, i4_to_u4_g, i4_to_i8_g, i4_to_u8_g, i4_to_f2_g, i4_to_f4_g, i4_to_f8_g, NULL},
     {u4_to_b1_g, u4_to_i1_g, u4_to_u1_g, u4_to_i2_g, u4_to_u2_g, u4_to_i4_g, u4_to_u4_g, u4_to_i8_g, u4_to_u8_g, u4_to_f2_g, u4_to_f4_g, u4_to_f8_g, NULL},
     {i8_to_b1_g, i8_to_i1_g, i8_to_u1_g, i8_to_i2_g, i8_to_u2_g, i8_to_i4_g, i8_to_u4_g, i8_to_i8_g, i8_to_u8_g, i8_to_f2_g, i8_to_f4_g, i8_to_f8_g, NULL},
     {u8_to_b1_g, u8_to_i1_g, u8_to_u1_g, u8_to_i2_g, u8_to_u2_g, u8_to_i4_g, u8_to_u4_g, u8_to_i8_g, u8_to_u8_g, u8_to_f2_g, u8_to_f4_g, u8_to_f8_g, NULL},
     /* floats: not to integers (numpy's results there are platform-defined) */
-    {f2_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2_g, f2_to_f4_g, f2_to_f8_g, f2_to_bf_g},
+    {f2_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2_g, f2_to_f4_g, NULL, f2_to_bf_g},
     {f4_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f4_to_f2_g, f4_to_f4_g, f4_to_f8_g, f4_to_bf_g},
     /* f64 to f16/bf16 would round twice through f32 */
     {f8_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4_g, f8_to_f8_g, NULL},
@@ -358,7 +376,9 @@ static int zstd_ok = -1;
 
 /* ---- Blosc 1, through the C-Blosc that numcodecs carries (its symbols are exported) ---- */
 typedef int (*blosc_getitem_t)(const void *src, int start, int nitems, void *dest);
+typedef int (*blosc_decompress_t)(const void *src, void *dest, size_t destsize, int numinternalthreads);
 static blosc_getitem_t blosc_getitem_fn;
+static blosc_decompress_t blosc_decompress_fn;
 
 /* Check the frame's structure where blosc_getitem would read it unchecked: the header, the
  * block table and every stream of the blocks that hold bytes [b0, b1). */
@@ -436,6 +456,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         const int64_t *targets = (const int64_t *)targets_buf.buf;
         const int64_t *unit_shape = (const int64_t *)shape_buf.buf;
         const int64_t *pool = (const int64_t *)pool_buf.buf;
+        const int64_t pool_len = pool_buf.len / 8;
         Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
         row_fn row = TABLE[src_type][dst_type];
         gather_fn gather = GATHER[src_type][dst_type];
@@ -458,36 +479,72 @@ static PyObject *run(PyObject *self, PyObject *args) {
         Py_ssize_t op = 0;
         for (Py_ssize_t u = 0; u < n_units; u++) {
             const char *chunk = (const char *)views[u].buf;
-            /* the bytes this unit's copies read: [first, need) */
+            /* the bytes this unit's copies read: [first, need); every op is checked to stay
+             * inside the unit (and its index lists inside the pool) */
             size_t need = 0, first = (size_t)decoded_nbytes;
             for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
                 const int64_t *o = ops + q * width;
                 int64_t lo = 0, last = 0, empty = 0;
                 for (int a = 0; a < ndim; a++) {
-                    int64_t ext = o[2 + 2 * ndim + a];
+                    int64_t st = o[2 + a], ext = o[2 + 2 * ndim + a], amin, amax;
                     if (ext <= 0) {
                         empty = 1;
                         break;
                     }
-                    lo += src_coord(pool, o[2 + a], 0) * unit_strides[a]; /* lists are sorted */
-                    last += src_coord(pool, o[2 + a], ext - 1) * unit_strides[a];
+                    if (st >= 0) {
+                        amin = st;
+                        amax = st + ext - 1;
+                    } else {
+                        int64_t off = -st - 1;
+                        if (off + ext > pool_len) {
+                            status[u] = E_OPS;
+                            break;
+                        }
+                        amin = amax = pool[off];
+                        for (int64_t i = 1; i < ext; i++) {
+                            if (pool[off + i] < amin) amin = pool[off + i];
+                            if (pool[off + i] > amax) amax = pool[off + i];
+                        }
+                    }
+                    if (amin < 0 || amax >= unit_shape[a]) {
+                        status[u] = E_OPS;
+                        break;
+                    }
+                    lo += amin * unit_strides[a];
+                    last += amax * unit_strides[a];
                 }
-                if (empty) continue;
+                if (empty || status[u] != OK) continue;
                 size_t end = (size_t)(last + 1) * (size_t)src_size, begin = (size_t)lo * (size_t)src_size;
                 if (end > need) need = end;
                 if (begin < first) first = begin;
             }
-            if (codec == CODEC_BLOSC) {
+            if (status[u] != OK) {
+                /* an op outside its unit: a planning error, reported, nothing copied */
+            } else if (codec == CODEC_BLOSC) {
                 const unsigned char *p = (const unsigned char *)views[u].buf;
-                if (!blosc_getitem_fn) {
+                int ts = views[u].len >= 16 ? p[3] : 0;
+                if (!blosc_getitem_fn || !blosc_decompress_fn) {
                     status[u] = E_NOZSTD;
+                } else if (!scratch) {
+                    status[u] = E_MEMORY;
+                } else if (ts == 0 || !blosc_frame_ok(p, views[u].len, decoded_nbytes, 0, 0)) {
+                    status[u] = E_BLOSC;
                 } else if (need > first) {
-                    int ts = views[u].len >= 16 ? p[3] : 1;
                     int64_t start = (int64_t)first / ts, stop = ((int64_t)need + ts - 1) / ts;
-                    if (!blosc_frame_ok(p, views[u].len, decoded_nbytes, start * ts, stop * ts)) {
+                    int r;
+                    if (decoded_nbytes % ts != 0 || stop * ts > decoded_nbytes) {
+                        /* items do not tile the chunk: decode it whole */
+                        r = blosc_frame_ok(p, views[u].len, decoded_nbytes, 0, decoded_nbytes)
+                                ? blosc_decompress_fn(p, scratch, (size_t)decoded_nbytes, 1)
+                                : -1;
+                        if (r != decoded_nbytes) {
+                            status[u] = E_BLOSC;
+                            err_codes[u] = (size_t)(r < 0 ? -r : r);
+                        }
+                    } else if (!blosc_frame_ok(p, views[u].len, decoded_nbytes, start * ts, stop * ts)) {
                         status[u] = E_BLOSC;
                     } else {
-                        int r = blosc_getitem_fn(p, (int)start, (int)(stop - start), scratch + start * ts);
+                        r = blosc_getitem_fn(p, (int)start, (int)(stop - start), scratch + start * ts);
                         if (r != (stop - start) * ts) {
                             status[u] = E_BLOSC;
                             err_codes[u] = (size_t)(r < 0 ? -r : r);
@@ -496,15 +553,19 @@ static PyObject *run(PyObject *self, PyObject *args) {
                     chunk = scratch;
                 }
             } else if (codec == CODEC_ZSTD) {
-                if (!zstd_ok || !scratch || !dctx) {
+                if (!zstd_ok) {
                     status[u] = E_NOZSTD;
+                } else if (!scratch || !dctx) {
+                    status[u] = E_MEMORY;
                 } else if (need > 0) {
                     size_t got = 0;
-                    size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].buf, (size_t)views[u].len, &got);
+                    int whole = 0;
+                    size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].buf, (size_t)views[u].len, &got,
+                                           &whole);
                     if (r) {
                         status[u] = E_ZSTD;
                         err_codes[u] = r;
-                    } else if (got < need || (need >= (size_t)decoded_nbytes && (Py_ssize_t)got != decoded_nbytes)) {
+                    } else if (got < need || (whole && (Py_ssize_t)got != decoded_nbytes)) {
                         status[u] = E_SIZE;
                         err_codes[u] = got;
                     }
@@ -540,6 +601,10 @@ static PyObject *run(PyObject *self, PyObject *args) {
                                                                  (Py_ssize_t)err_codes[u], decoded_nbytes));
         else if (status[u] == E_BLOSC)
             item = Py_BuildValue("(ns)", u, "blosc: corrupt or truncated frame");
+        else if (status[u] == E_OPS)
+            item = Py_BuildValue("(ns)", u, "a copy reaches outside its chunk (planning error)");
+        else if (status[u] == E_MEMORY)
+            item = Py_BuildValue("(ns)", u, "out of memory for the decode buffer");
         else
             item = Py_BuildValue("(ns)", u, "the codec library is not available");
         if (!item || PyList_Append(result, item) < 0) {
@@ -580,9 +645,12 @@ static PyObject *use_blosc(PyObject *self, PyObject *args) {
     if (!blosc_getitem_fn) {
         void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
         if (!lib) lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-        if (lib) blosc_getitem_fn = (blosc_getitem_t)dlsym(lib, "blosc_getitem");
+        if (lib) {
+            blosc_decompress_fn = (blosc_decompress_t)dlsym(lib, "blosc_decompress_ctx");
+            blosc_getitem_fn = (blosc_getitem_t)dlsym(lib, "blosc_getitem");
+        }
     }
-    return PyBool_FromLong(blosc_getitem_fn != NULL);
+    return PyBool_FromLong(blosc_getitem_fn != NULL && blosc_decompress_fn != NULL);
 }
 
 static PyMethodDef methods[] = {
