@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -191,7 +190,9 @@ class _GroupState:
 class _Run:
     """The state of one batch plan being executed."""
 
-    __slots__ = ("plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "order")
+    __slots__ = (
+        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "order", "dtype", "targets"
+    )
 
     def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
         self.key = key
@@ -204,6 +205,14 @@ class _Run:
         self.on_done = on_done
         self.cancelled = cancelled
         self.remaining = list(plan.copy_counts)  # per sample: copies not yet applied
+        # for the native path: the views' common dtype when every view's rows are contiguous
+        # (else None), and per rank the views' addresses and strides
+        live = [v for v in views if v is not None]
+        dtype = live[0].dtype if live else None
+        if any(v.dtype != dtype or (v.ndim and v.strides[-1] != v.itemsize) for v in live):
+            dtype = None
+        self.dtype = dtype
+        self.targets: dict[int, np.ndarray] = {}
 
     def fail(self, samples, err: SampleError) -> None:
         with self.lock:
@@ -216,7 +225,7 @@ class _Run:
         log.exception("damacy: unexpected error assembling a batch", exc_info=exc)
         err = SampleError(f"internal error: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
-        self.fail({s for u in units for s, _ in u.copies}, err)
+        self.fail(_samples_of(units), err)
 
     def copied(self, units: Sequence[UnitJob]) -> None:
         """The copies of ``units`` are applied or given up; a sample whose index lists were
@@ -226,7 +235,7 @@ class _Run:
         done = []
         with self.lock:
             for u in units:
-                for s, _ in u.copies:
+                for s in u.samples:
                     self.remaining[s] -= 1
                     if self.remaining[s] == 0 and self.plan.perms[s] and s not in self.errors:
                         done.append(s)
@@ -286,7 +295,7 @@ def _for_sample(err: SampleError, sample: Any) -> SampleError:
 
 
 def _samples_of(units: Sequence[UnitJob]) -> set[int]:
-    return {s for u in units for s, _ in u.copies}
+    return {s for u in units for s in u.samples}
 
 
 class CpuExecutor:
@@ -537,17 +546,13 @@ class CpuExecutor:
                 run.group_done()
 
     def _native_kernel(self, run: _Run, units: list[UnitJob]) -> native.NativeKernel | None:
-        """The native kernel for this task, when every unit and copy qualifies."""
-        if not self.native or self.chunk_cache is not None:
+        """The native kernel for this task, when it applies (one array, plain views)."""
+        if not self.native or self.chunk_cache is not None or run.dtype is None:
             return None
         meta = units[0].meta
         if any(u.meta is not meta for u in units):
             return None
-        for u in units:
-            for _, op in u.copies:
-                if not optable.tabulable(op):
-                    return None
-        dtype = run.views[units[0].copies[0][0]].dtype
+        dtype = run.dtype
         per_meta = self._kernels.get(meta)  # keyed by the metadata object: a reloaded array gets its own
         if per_meta is None:
             per_meta = self._kernels.setdefault(meta, {})
@@ -555,36 +560,37 @@ class CpuExecutor:
         kernel = per_meta.get(key, False)
         if kernel is False:
             kernel = per_meta[key] = native.kernel_for(meta, dtype)
-        if kernel is not None:
-            for u in units:
-                for s, _ in u.copies:
-                    view = run.views[s]
-                    if view.dtype != dtype or (view.ndim and view.strides[-1] != view.itemsize):
-                        return None
         return kernel
 
     def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
-        datas = []
-        whole = group.length < 0
-        for u in units:
-            start = u.offset - group.offset
-            datas.append(view if whole else view[start : start + u.nbytes])
-        failures = native.run(kernel, datas, units, run.views)
+        if group.length < 0:
+            spans = np.array([[0, len(view)]], dtype=np.int64)
+        else:
+            spans = np.array([(u.offset - group.offset, u.nbytes) for u in units], dtype=np.int64).reshape(len(units), 2)
+        table = optable.build(units)
+        ndim = table.ndim
+        targets = run.targets.get(ndim)
+        if targets is None:
+            targets = run.targets.setdefault(ndim, native.targets(run.views, ndim))
+        failures = native.run(kernel, view, spans, table, targets)
+        itemsize = run.dtype.itemsize
+        assembled = int(np.prod(table.ops[:, 2 + 2 * ndim :], axis=1).sum()) * itemsize
+        encoded = sum(min(int(n), max(0, len(view) - int(o))) for o, n in spans.tolist())
+        decoded = len(units) * kernel.decoded_nbytes
         for k, reason in failures:
             u = units[k]
-            if u.nbytes >= 0 and len(datas[k]) != u.nbytes:
-                reason = f"truncated data: expected {u.nbytes} bytes, the file has {len(datas[k])} there"
+            o, n = spans[k].tolist()
+            got = min(n, max(0, len(view) - o))
+            if u.nbytes >= 0 and got != u.nbytes:
+                reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
             elif kernel.codec == native.CODEC_ZSTD and "expected" not in reason:
                 reason = f"zstd: {reason}"
             run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
+            rows = table.ops[table.ops[:, 0] == k]
+            assembled -= int(np.prod(rows[:, 2 + 2 * ndim :], axis=1).sum()) * itemsize
+            encoded -= got
+            decoded -= kernel.decoded_nbytes
         run.copied(units)
-        failed = {k for k, _ in failures}
-        ok = [u for k, u in enumerate(units) if k not in failed]
-        encoded = sum(len(datas[k]) for k in range(len(units)) if k not in failed)
-        decoded = sum(u.decoded_nbytes for u in ok)
-        assembled = sum(
-            math.prod(p.stop - p.start for p in op.dst) * run.views[s].itemsize for u in ok for s, op in u.copies
-        )
         return encoded, decoded, assembled
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ the CPU and the GPU executors.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -25,9 +24,9 @@ from damacy_server.selection import (
     AxisIndex,
     AxisRange,
     AxisSelection,
-    axis_parts,
     CopyOp,
     SliceCopy,
+    axis_parts,
     index_array,
     selection_shape,
     slice_selection,
@@ -60,20 +59,82 @@ class BatchSpec:
     dtype: str = "f32"
 
 
-@dataclass(eq=False)
-class UnitJob:
-    """One read unit to decode, and where its pieces go."""
+class CopyTable:
+    """The copies from the read units of one array into the samples of a batch, as one int64
+    array (what the native CPU path and a GPU assembly kernel consume as it is).
 
-    meta: ArrayMetadata
-    unit: tuple[int, ...]
-    key: str
-    offset: int  # within the object (-1: the whole object)
-    nbytes: int  # encoded size (-1: the whole object, size unknown)
-    copies: list[tuple[int, SliceCopy | CopyOp]] = field(default_factory=list)  # (sample, copy into it)
+    Row layout (``2 + 3 * ndim`` columns): the unit's position in the plan's unit order, the
+    sample, then per axis the source start (in the unit), the destination start (in the
+    sample) and the extent. A negative source start ``-(k + 1)`` stands for the ascending
+    index list ``pool[k : k + extent]`` (index queries, assembled in sorted order). Rows are
+    grouped by unit, in unit order; unit ``p`` owns rows ``[bounds[p], bounds[p + 1])``.
+    """
+
+    __slots__ = ("ndim", "rows", "pool")
+
+    def __init__(self, ndim: int, rows: np.ndarray, pool: np.ndarray) -> None:
+        self.ndim = ndim
+        self.rows = rows
+        self.pool = pool
+
+    def copies(self, lo: int, hi: int) -> list[tuple[int, SliceCopy | CopyOp]]:
+        """Rows ``[lo, hi)`` as (sample, copy) objects, for the numpy path."""
+        n = self.ndim
+        out: list[tuple[int, SliceCopy | CopyOp]] = []
+        for row in self.rows[lo:hi].tolist():
+            src, dst, ext = row[2 : 2 + n], row[2 + n : 2 + 2 * n], row[2 + 2 * n :]
+            dst_box = tuple(slice(d, d + e) for d, e in zip(dst, ext))
+            if all(a >= 0 for a in src):
+                out.append((row[1], SliceCopy(dst_box, tuple(slice(a, a + e) for a, e in zip(src, ext)))))
+            else:
+                parts = [slice(a, a + e) if a >= 0 else self.pool[-a - 1 : -a - 1 + e] for a, e in zip(src, ext)]
+                out.append((row[1], CopyOp(dst_box, parts)))
+        return out
+
+
+class UnitJob:
+    """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`)."""
+
+    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi")
+
+    def __init__(
+        self,
+        meta: ArrayMetadata,
+        unit: tuple[int, ...],
+        key: str,
+        offset: int,  # within the object (-1: the whole object)
+        nbytes: int,  # encoded size (-1: the whole object, size unknown)
+        table: CopyTable,
+        pos: int,
+        lo: int,
+        hi: int,
+    ) -> None:
+        self.meta = meta
+        self.unit = unit
+        self.key = key
+        self.offset = offset
+        self.nbytes = nbytes
+        self.table = table
+        self.pos = pos
+        self.lo = lo
+        self.hi = hi
+
+    @property
+    def copies(self) -> list[tuple[int, SliceCopy | CopyOp]]:
+        """(sample, copy into it) for each piece of this unit."""
+        return self.table.copies(self.lo, self.hi)
+
+    @property
+    def samples(self) -> list[int]:
+        """The sample of each copy (a sample may appear more than once)."""
+        return self.table.rows[self.lo : self.hi, 1].tolist()
 
     @property
     def decoded_nbytes(self) -> int:
         return self.meta.layout.leaf.spec.nbytes
+
+    def __repr__(self) -> str:
+        return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
 
 
 @dataclass(eq=False)
@@ -112,6 +173,80 @@ class BatchPlan:
     seconds: float = 0.0
 
 
+class _ArrayRows:
+    """The copies of one array's samples while a batch is planned: per sample a block of rows
+    (sample, unit coordinates, source starts, destination starts, extents), and the pool of
+    index lists they point to."""
+
+    __slots__ = ("meta", "blocks", "pool", "pool_len")
+
+    def __init__(self, meta: ArrayMetadata) -> None:
+        self.meta = meta
+        self.blocks: list[np.ndarray] = []
+        self.pool: list[np.ndarray] = []
+        self.pool_len = 0
+
+    def pooled(self, indices: np.ndarray) -> int:
+        """Keep an index list; returns its reference (a negative source start)."""
+        ref = -(self.pool_len + 1)
+        self.pool.append(indices)
+        self.pool_len += len(indices)
+        return ref
+
+    def add(self, sample: int, axes: list[AxisSelection]) -> bool:
+        """The rows of one sample; returns whether they cover all of it (else it is padded)."""
+        meta = self.meta
+        ndim = meta.ndim
+        per_axis = [self._axis(a, size, unit) for a, size, unit in zip(axes, meta.shape, meta.layout.unit_shape)]
+        covered = math.prod(sum(p[3] for p in parts) for parts in per_axis)
+        counts = [len(parts) for parts in per_axis]
+        total = math.prod(counts)
+        if total:
+            block = np.empty((total, 1 + 4 * ndim), dtype=np.int64)
+            block[:, 0] = sample
+            if ndim:
+                grid = np.indices(counts).reshape(ndim, total)
+                for a, parts in enumerate(per_axis):
+                    # columns 1 + a + k * ndim: unit coordinate, source, destination, extent
+                    block[:, 1 + a :: ndim] = np.asarray(parts, dtype=np.int64)[grid[a]]
+            self.blocks.append(block)
+        return covered >= math.prod(a.size for a in axes)
+
+    def _axis(self, sel: AxisSelection, size: int, unit: int) -> list[tuple[int, int, int, int]]:
+        """(unit index, source start or index-list reference, destination start, extent) of
+        each read unit one axis touches."""
+        if isinstance(sel, AxisRange):
+            lo, hi = max(sel.start, 0), min(sel.stop, size)
+            out = []
+            for u in range(lo // unit, (hi - 1) // unit + 1) if lo < hi else ():
+                a, b = max(lo, u * unit), min(hi, (u + 1) * unit)
+                out.append((u, a - u * unit, a - sel.start, b - a))
+            return out
+        out = []
+        for u, dst, src in axis_parts(sel, size, unit):
+            if not isinstance(dst, slice):  # index lists are sorted before planning
+                raise AssertionError("an index query was planned unsorted")
+            start = src.start if isinstance(src, slice) else self.pooled(np.asarray(src, dtype=np.int64))
+            out.append((u, start, dst.start, dst.stop - dst.start))
+        return out
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All rows; the unique units (n, ndim) they touch; each row's unit (index into them)."""
+        ndim = self.meta.ndim
+        rows = np.concatenate(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
+        coords = rows[:, 1 : 1 + ndim]
+        grid = tuple(-(-s // u) for s, u in zip(self.meta.shape, self.meta.layout.unit_shape))
+        if ndim == 0:
+            return rows, np.zeros((1, 0), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+        if math.prod(grid) < 1 << 62:
+            ids = np.ravel_multi_index(tuple(coords.T), grid)
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            units = np.stack(np.unravel_index(uniq, grid), axis=1).astype(np.int64, copy=False)
+        else:
+            units, inverse = np.unique(coords, axis=0, return_inverse=True)
+        return rows, units, inverse.reshape(-1)
+
+
 class ChunkPlanner:
     """Turns the samples of a batch into a :class:`BatchPlan`."""
 
@@ -126,9 +261,8 @@ class ChunkPlanner:
         metas: list[ArrayMetadata | None] = [None] * n
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
-        by_array: dict[str, dict[tuple[int, ...], UnitJob]] = {}
+        by_array: dict[str, _ArrayRows] = {}
         perms: list[list[tuple[int, np.ndarray]] | None] = [None] * n
-        total = 0
         for i, sample in enumerate(samples):
             try:
                 if isinstance(sample, BadSample):
@@ -142,56 +276,66 @@ class ChunkPlanner:
                 if not same_shape(shape, sample_shape):
                     raise InvalidArgument(f"selects shape {shape}, the batch holds samples of shape {sample_shape}")
                 shapes[i] = shape
-                per_axis = [axis_parts(a, s, u) for a, s, u in zip(axes, meta.shape, meta.layout.unit_shape)]
-                if math.prod(sum(_part_len(p[1]) for p in parts) for parts in per_axis) < math.prod(shape):
+                acc = by_array.get(meta.root)
+                if acc is None:
+                    acc = by_array[meta.root] = _ArrayRows(meta)
+                if not acc.add(i, axes):
                     fills.append((i, meta.fill_value))  # pads outside the array
-                jobs = by_array.get(meta.root)
-                if jobs is None:
-                    jobs = by_array[meta.root] = {}
-                boxes = all(isinstance(a, AxisRange) for a in axes)
-                for combo in itertools.product(*per_axis):
-                    unit, dst, src = zip(*combo) if combo else ((), (), ())
-                    job = jobs.get(unit)
-                    if job is None:
-                        job = jobs[unit] = UnitJob(meta, unit, "", -1, -1)
-                    job.copies.append((i, SliceCopy(dst, src) if boxes else CopyOp(dst, src)))
-                    total += 1
             except SampleError as e:
                 errors[i] = e.with_context(uri=sample.uri, sample=sample)
 
-        present: list[UnitJob] = []
-        unique = 0
-        for table in by_array.values():
-            jobs_list = list(table.values())
-            if not jobs_list:  # only boxes wholly outside the array
+        # where the units are; units that cannot be located fail their samples
+        located = []
+        total = unique = 0
+        for acc in by_array.values():
+            if not acc.blocks:  # only boxes wholly outside the array
                 continue
-            unique += len(jobs_list)
-            meta = jobs_list[0].meta
-            units = np.array([j.unit for j in jobs_list], dtype=np.int64).reshape(len(jobs_list), meta.ndim)
-            locs = self.metadata.locate(meta, units)
-            for k, job in enumerate(jobs_list):
-                job.key = locs.keys[k]
-                if k in locs.errors:
-                    for s, _ in job.copies:
-                        errors.setdefault(s, _copy_error(locs.errors[k]).with_context(sample=samples[s]))
-                elif locs.missing[k]:
-                    fills.extend((s, meta.fill_value) for s, _ in job.copies)
-                else:
-                    job.offset, job.nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
-                    present.append(job)
+            rows, units, inverse = acc.rows()
+            locs = self.metadata.locate(acc.meta, units)
+            total += len(rows)
+            unique += len(units)
+            for k, err in locs.errors.items():
+                for s in np.unique(rows[inverse == k, 0]).tolist():
+                    errors.setdefault(s, _copy_error(err).with_context(sample=samples[s]))
+            located.append((acc, rows, units, inverse, locs))
 
-        if errors:  # a failed sample gets no copies
-            for job in present:
-                job.copies = [c for c in job.copies if c[0] not in errors]  # (sample, op)
-            present = [j for j in present if j.copies]
-            fills = [f for f in fills if f[0] not in errors]
-        copy_counts = [0] * n
-        for job in present:
-            for s, _ in job.copies:
-                copy_counts[s] += 1
+        failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
+        present: list[UnitJob] = []
+        copy_counts = np.zeros(n, dtype=np.int64)
+        for acc, rows, units, inverse, locs in located:
+            meta = acc.meta
+            ok = ~np.isin(rows[:, 0], failed) if len(failed) else np.ones(len(rows), dtype=bool)
+            gone = locs.missing[inverse]  # never written (or failed): reads as the fill value
+            fills.extend((s, meta.fill_value) for s in np.unique(rows[ok & gone, 0]).tolist())
+            keep = ok & ~gone
+            used = np.zeros(len(units), dtype=bool)
+            used[inverse[keep]] = True
+            idx = np.flatnonzero(used)
+            # unit order: by object, then by offset (what merging and executors expect)
+            keys = locs.keys
+            order = idx[np.lexsort((locs.offsets[idx], locs.owners[idx]))]
+            pos_of = np.full(len(units), -1, dtype=np.int64)
+            pos_of[order] = np.arange(len(order))
+            kept = rows[keep]
+            pos = pos_of[inverse[keep]]
+            by_pos = np.argsort(pos, kind="stable")
+            kept, pos = kept[by_pos], pos[by_pos]
+            ndim = meta.ndim
+            table_rows = np.empty((len(kept), 2 + 3 * ndim), dtype=np.int64)
+            table_rows[:, 0] = pos
+            table_rows[:, 1] = kept[:, 0]
+            table_rows[:, 2:] = kept[:, 1 + ndim :]
+            copy_counts += np.bincount(kept[:, 0], minlength=n)
+            table = CopyTable(ndim, table_rows, np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64))
+            bounds = np.searchsorted(pos, np.arange(len(order) + 1)).tolist()
+            coords = units.tolist()
+            offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()
+            for p, k in enumerate(order.tolist()):
+                present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
+
         groups, merged = merge_reads(present, self.limits)
         seen = set()
-        fills = [f for f in fills if not (f[0] in seen or seen.add(f[0]))]
+        fills = [f for f in fills if f[0] not in errors and not (f[0] in seen or seen.add(f[0]))]
         return BatchPlan(
             samples=list(samples),
             shapes=shapes,
@@ -200,16 +344,12 @@ class ChunkPlanner:
             errors=errors,
             metas=metas,
             perms=[None if i in errors else p for i, p in enumerate(perms)],
-            copy_counts=copy_counts,
+            copy_counts=copy_counts.tolist(),
             units_total=total,
             units_unique=unique,
             reads_merged=merged,
             seconds=time.perf_counter() - t0,
         )
-
-
-def _part_len(p) -> int:
-    return p.stop - p.start if isinstance(p, slice) else len(p)
 
 
 def _copy_error(e: SampleError) -> SampleError:
@@ -283,29 +423,27 @@ def sorted_axes(axes: list[AxisSelection]) -> tuple[list[AxisSelection], list[tu
 
 
 def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:
-    """Group units into reads: ranges of one object closer than ``max_gap_bytes`` become one."""
+    """Group units into reads: ranges of one object closer than ``max_gap_bytes`` become one.
+    ``jobs`` come in plan order: the units of one object together, by offset."""
     groups: list[ReadGroup] = []
-    ranged: dict[str, list[UnitJob]] = {}
+    merged = 0
+    gap, most = limits.max_gap_bytes, limits.max_read_bytes
+    current: ReadGroup | None = None
+    end = 0
     for job in jobs:
         if job.nbytes < 0:
             groups.append(ReadGroup(job.meta.store, job.key, 0, -1, [job]))
-        else:
-            ranged.setdefault(job.key, []).append(job)
-    merged = 0
-    for key, items in ranged.items():
-        items.sort(key=lambda j: j.offset)
-        current: ReadGroup | None = None
-        for job in items:
-            end = job.offset + job.nbytes
-            if (
-                current is not None
-                and job.offset - (current.offset + current.length) <= limits.max_gap_bytes
-                and end - current.offset <= limits.max_read_bytes
-            ):
-                current.length = max(current.length, end - current.offset)
-                current.units.append(job)
-                merged += 1
-                continue
-            current = ReadGroup(job.meta.store, key, job.offset, job.nbytes, [job])
-            groups.append(current)
+            current = None
+            continue
+        stop = job.offset + job.nbytes
+        if current is not None and job.key == current.key and job.offset - end <= gap and stop - current.offset <= most:
+            if stop > end:
+                end = stop
+                current.length = end - current.offset
+            current.units.append(job)
+            merged += 1
+            continue
+        current = ReadGroup(job.meta.store, job.key, job.offset, job.nbytes, [job])
+        end = stop
+        groups.append(current)
     return groups, merged

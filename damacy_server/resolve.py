@@ -43,6 +43,8 @@ class UnitLocations:
     """
 
     keys: list[str]
+    owners: np.ndarray  # int64 (n,): each unit's object, an index into ``objects``
+    objects: list[str]  # the objects' keys, in chunk-grid order
     offsets: np.ndarray  # int64 (n,)
     nbytes: np.ndarray  # int64 (n,)
     missing: np.ndarray  # bool (n,)
@@ -91,30 +93,41 @@ class ZarrMetadata:
             raise InvalidArgument(f"units must have shape (n, {layout.ndim}), got {units.shape}", uri=meta.uri)
         n = len(units)
         chunk_coords = layout.chunk_coords(units)
-        key_of: dict[tuple[int, ...], str] = {}
-        keys = []
-        for c in map(tuple, chunk_coords.tolist()):
-            key = key_of.get(c)
-            if key is None:
-                key = key_of[c] = meta.chunk_key(c)
-            keys.append(key)
+        if layout.ndim and n:
+            grid = tuple(-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape))
+            ids = np.ravel_multi_index(tuple(chunk_coords.T), grid)
+            uniq, owners = np.unique(ids, return_inverse=True)
+            chunks = np.stack(np.unravel_index(uniq, grid), axis=1)
+            owners = owners.reshape(-1).astype(np.int64, copy=False)
+        else:
+            chunks = np.zeros((1 if n else 0, layout.ndim), dtype=np.int64)
+            owners = np.zeros(n, dtype=np.int64)
+        chunk_list = [tuple(c) for c in chunks.tolist()]
+        objects = [meta.chunk_key(c) for c in chunk_list]
+        keys = [objects[i] for i in owners.tolist()]
         offsets = np.zeros(n, dtype=np.int64)
         nbytes = np.full(n, -1, dtype=np.int64)
         missing = np.zeros(n, dtype=bool)
         errors: dict[int, SampleError] = {}
-        if not layout.levels:
-            return UnitLocations(keys, offsets, nbytes, missing, errors)
+        if not layout.levels or not n:
+            return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
         for depth, (level, slots) in enumerate(zip(layout.levels, layout.level_slots(units))):
-            containers: dict[tuple[str, int, int], list[int]] = {}
-            for i in np.flatnonzero(~missing).tolist():
-                containers.setdefault((keys[i], int(offsets[i]), int(nbytes[i])), []).append(i)
-            for (key, base, size), members in containers.items():
-                idx = np.asarray(members, dtype=np.int64)
+            # the units of each container (a shard object, or a shard within an outer shard)
+            live = np.flatnonzero(~missing)
+            if not len(live):
+                break
+            o, b, z = owners[live], offsets[live], nbytes[live]
+            order = np.lexsort((z, b, o))
+            o, b, z = o[order], b[order], z[order]
+            starts = np.flatnonzero(np.r_[True, (o[1:] != o[:-1]) | (b[1:] != b[:-1]) | (z[1:] != z[:-1])])
+            bounds = [*starts.tolist(), len(order)]
+            for c, (owner, base, size) in enumerate(zip(o[starts].tolist(), b[starts].tolist(), z[starts].tolist())):
+                idx = live[order[bounds[c] : bounds[c + 1]]]
                 try:
-                    table = self.shard_index(meta, key, base, size, depth, tuple(chunk_coords[members[0]].tolist()))
+                    table = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner])
                 except SampleError as e:
-                    errors.update((i, e) for i in members)
+                    errors.update((i, e) for i in idx.tolist())
                     missing[idx] = True  # nothing more to read for them
                     continue
                 if table is None:
@@ -126,7 +139,7 @@ class ZarrMetadata:
                 full = idx[~empty]
                 offsets[full] = base + entries[~empty, 0].astype(np.int64)
                 nbytes[full] = entries[~empty, 1].astype(np.int64)
-        return UnitLocations(keys, offsets, nbytes, missing, errors)
+        return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
     def shard_index(
         self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...]

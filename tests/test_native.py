@@ -98,7 +98,7 @@ def test_half_and_bfloat_rounding_edges():
         ops = np.array([[0, 0, 0, 0, len(values)]], dtype=np.int64)
         targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
         shape = np.array([len(values)], dtype=np.int64)
-        assert _assemble.run([values.tobytes()], ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"") == []
+        assert _assemble.run(values.tobytes(), _SPAN(values.nbytes), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"") == []
         with np.errstate(over="ignore", invalid="ignore"):
             want = values.astype(ref)
         assert np.array_equal(out.view("u2"), want.view("u2")), name
@@ -229,6 +229,11 @@ def test_truncated_zstd_frame_is_an_error_even_when_only_a_prefix_is_needed(tmp_
     assert isinstance(err, damacy.DecodeError) and "chunk [0, 0, 0]" in str(err)
 
 
+def _SPAN(nbytes: int) -> bytes:
+    """One unit spanning the whole data."""
+    return np.array([[0, nbytes]], dtype=np.int64).tobytes()
+
+
 def test_ops_outside_their_unit_are_refused():
     from damacy_server.native import _assemble
 
@@ -238,9 +243,34 @@ def test_ops_outside_their_unit_are_refused():
     shape = np.array([16], dtype=np.int64)
     for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2])):
         ops = np.array([row], dtype=np.int64)
-        failed = _assemble.run([data.tobytes()], ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())
+        failed = _assemble.run(data.tobytes(), _SPAN(64), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())
         assert failed and "outside its chunk" in failed[0][1]
     assert not out.any()
+    # a target index beyond the targets given is refused too
+    ops = np.array([[0, 1, 0, 0, 8]], dtype=np.int64)
+    failed = _assemble.run(data.tobytes(), _SPAN(64), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, b"")
+    assert failed and "outside its chunk" in failed[0][1] and not out.any()
+
+
+def test_op_tables_out_of_unit_order_and_spans_past_the_data():
+    from damacy_server.native import _assemble
+
+    data = np.arange(16, dtype="f4")
+    out = np.zeros(16, dtype="f4")
+    targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
+    shape = np.array([8], dtype=np.int64)
+    spans = np.array([[0, 32], [32, 32]], dtype=np.int64)
+    ops = np.array([[1, 0, 0, 8, 8], [0, 0, 0, 0, 8]], dtype=np.int64)  # unit 1's op first
+    with pytest.raises(ValueError, match="grouped by unit"):
+        _assemble.run(data.tobytes(), spans.tobytes(), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+    with pytest.raises(ValueError, match="negative span"):
+        _assemble.run(data.tobytes(), np.array([[-4, 8]], dtype=np.int64).tobytes(), ops[1:].tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+    # a span past the end of the data is cut there and reported as a short chunk
+    spans = np.array([[0, 32], [48, 32]], dtype=np.int64)
+    ops = np.array([[0, 0, 0, 0, 8], [1, 0, 0, 8, 8]], dtype=np.int64)
+    failed = _assemble.run(data.tobytes(), spans.tobytes(), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+    assert [k for k, _ in failed] == [1] and "16 bytes, expected 32" in failed[0][1]
+    assert np.array_equal(out[:8], data[:8]) and not out[8:].any()
 
 
 def test_a_rewritten_array_gets_its_own_kernel(tmp_path):

@@ -100,25 +100,31 @@ def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
     return NativeKernel(codec, src, dst, swap, np.asarray(leaf.spec.shape, dtype=np.int64), leaf.spec.nbytes)
 
 
-def run(kernel: NativeKernel, datas: list, units: list, views: list) -> list[tuple[int, str]]:
-    """Decode ``datas`` (the encoded bytes of ``units``) and make every copy of every unit into
-    ``views`` (per sample, the destination array). Returns (unit index, reason) of units
-    that could not be decoded; their copies are not made."""
-    table = optable.build(units, len(kernel.unit_shape))
-    targets = np.empty((len(table.samples), 1 + table.ndim), dtype=np.int64)
-    for t, s in enumerate(table.samples):
-        view = views[s]
-        targets[t, 0] = view.__array_interface__["data"][0]
-        targets[t, 1:] = [st // view.itemsize for st in view.strides]
+def targets(views: list, ndim: int) -> np.ndarray:
+    """Per sample the destination's address and strides (elements), for ops of rank ``ndim``
+    (samples of another rank, or without a view, get a zero row: no op names them)."""
+    out = np.zeros((len(views), 1 + ndim), dtype=np.int64)
+    for s, view in enumerate(views):
+        if view is not None and view.ndim == ndim:
+            out[s, 0] = view.__array_interface__["data"][0]
+            out[s, 1:] = [st // view.itemsize for st in view.strides]
+    return out
+
+
+def run(kernel: NativeKernel, data, spans: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> list[tuple[int, str]]:
+    """Decode the units whose encoded bytes lie at ``spans`` (offset, length per unit) of
+    ``data`` and make every copy of ``table`` into ``targets`` (from :func:`targets`). Returns
+    (unit index, reason) of units that could not be decoded; their copies are not made."""
     return _assemble.run(
-        datas,
-        table.ops.tobytes(),
-        targets.tobytes(),
-        kernel.unit_shape.tobytes(),
+        data,
+        np.ascontiguousarray(spans, dtype=np.int64),
+        np.ascontiguousarray(table.ops, dtype=np.int64),
+        targets,
+        kernel.unit_shape,
         kernel.src,
         kernel.dst,
         int(kernel.swap),
         kernel.codec,
         kernel.decoded_nbytes,
-        table.pool.tobytes(),
+        np.ascontiguousarray(table.pool, dtype=np.int64),
     )

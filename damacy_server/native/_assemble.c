@@ -416,28 +416,29 @@ static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nby
 }
 
 /*
- * run(buffers, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes, pool)
- *   buffers: list of bytes-like (one per unit)
- *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, sample, src_start[ndim], dst_start[ndim], extent[ndim];
+ * run(data, spans, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes, pool)
+ *   data: one bytes-like read holding the units' encoded bytes
+ *   spans: int64 array (n_units, 2): each unit's offset and length in data (a span reaching
+ *          past the end is cut there: a truncated read is reported, not read beyond)
+ *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
  *        a negative src_start -(k + 1) means the sorted index list pool[k : k + extent]
- *   targets: int64 array (n_samples, 1 + ndim): address, strides in elements
+ *   targets: int64 array (n_targets, 1 + ndim): address, strides in elements
  * Returns a list of (unit, message) for units that failed; their copies are not made.
  */
 static PyObject *run(PyObject *self, PyObject *args) {
-    PyObject *buffers;
-    Py_buffer ops_buf, targets_buf, shape_buf, pool_buf;
+    Py_buffer data_buf, spans_buf, ops_buf, targets_buf, shape_buf, pool_buf;
     int src_type, dst_type, swap, codec;
     Py_ssize_t decoded_nbytes;
-    if (!PyArg_ParseTuple(args, "O!y*y*y*iiiiny*", &PyList_Type, &buffers, &ops_buf, &targets_buf, &shape_buf, &src_type,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*iiiiny*", &data_buf, &spans_buf, &ops_buf, &targets_buf, &shape_buf, &src_type,
                           &dst_type, &swap, &codec, &decoded_nbytes, &pool_buf))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n_units = PyList_GET_SIZE(buffers);
-    Py_buffer *views = calloc((size_t)(n_units ? n_units : 1), sizeof(Py_buffer));
+    Py_ssize_t n_units = spans_buf.len / 16;
+    unit_in *views = calloc((size_t)(n_units ? n_units : 1), sizeof(unit_in));
     int *status = calloc((size_t)(n_units ? n_units : 1), sizeof(int));
     size_t *err_codes = calloc((size_t)(n_units ? n_units : 1), sizeof(size_t));
-    Py_ssize_t got = 0;
     int ndim = (int)(shape_buf.len / 8);
+    Py_ssize_t n_targets = 0;
     if (!views || !status || !err_codes) {
         PyErr_NoMemory();
         goto done;
@@ -447,8 +448,32 @@ static PyObject *run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "unsupported cast or rank for the native path");
         goto done;
     }
-    for (got = 0; got < n_units; got++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, got), &views[got], PyBUF_SIMPLE) < 0) goto done;
+    n_targets = targets_buf.len / (Py_ssize_t)(8 * (1 + ndim));
+    {
+        const int64_t *spans = (const int64_t *)spans_buf.buf;
+        for (Py_ssize_t u = 0; u < n_units; u++) {
+            int64_t off = spans[2 * u], len = spans[2 * u + 1];
+            if (off < 0 || len < 0) {
+                PyErr_SetString(PyExc_ValueError, "a negative span");
+                goto done;
+            }
+            if (off > data_buf.len) off = data_buf.len;
+            if (len > data_buf.len - off) len = data_buf.len - off;
+            views[u].src = (const char *)data_buf.buf + off;
+            views[u].src_len = (Py_ssize_t)len;
+        }
+    }
+    {
+        /* ops must be grouped by unit, in unit order, and name only the units given */
+        Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
+        const int64_t *ops = (const int64_t *)ops_buf.buf;
+        for (Py_ssize_t q = 0; q < n_ops; q++) {
+            int64_t u = ops[q * width];
+            if (u < 0 || u >= n_units || (q && u < ops[(q - 1) * width])) {
+                PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
+                goto done;
+            }
+        }
     }
     if (codec == CODEC_ZSTD && zstd_ok < 0) zstd_ok = load_zstd();
     {
@@ -478,7 +503,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         }
         Py_ssize_t op = 0;
         for (Py_ssize_t u = 0; u < n_units; u++) {
-            const char *chunk = (const char *)views[u].buf;
+            const char *chunk = (const char *)views[u].src;
             /* the bytes this unit's copies read: [first, need); every op is checked to stay
              * inside the unit (and its index lists inside the pool) */
             size_t need = 0, first = (size_t)decoded_nbytes;
@@ -521,27 +546,27 @@ static PyObject *run(PyObject *self, PyObject *args) {
             if (status[u] != OK) {
                 /* an op outside its unit: a planning error, reported, nothing copied */
             } else if (codec == CODEC_BLOSC) {
-                const unsigned char *p = (const unsigned char *)views[u].buf;
-                int ts = views[u].len >= 16 ? p[3] : 0;
+                const unsigned char *p = (const unsigned char *)views[u].src;
+                int ts = views[u].src_len >= 16 ? p[3] : 0;
                 if (!blosc_getitem_fn || !blosc_decompress_fn) {
                     status[u] = E_NOZSTD;
                 } else if (!scratch) {
                     status[u] = E_MEMORY;
-                } else if (ts == 0 || !blosc_frame_ok(p, views[u].len, decoded_nbytes, 0, 0)) {
+                } else if (ts == 0 || !blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, 0)) {
                     status[u] = E_BLOSC;
                 } else if (need > first) {
                     int64_t start = (int64_t)first / ts, stop = ((int64_t)need + ts - 1) / ts;
                     int r;
                     if (decoded_nbytes % ts != 0 || stop * ts > decoded_nbytes) {
                         /* items do not tile the chunk: decode it whole */
-                        r = blosc_frame_ok(p, views[u].len, decoded_nbytes, 0, decoded_nbytes)
+                        r = blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, decoded_nbytes)
                                 ? blosc_decompress_fn(p, scratch, (size_t)decoded_nbytes, 1)
                                 : -1;
                         if (r != decoded_nbytes) {
                             status[u] = E_BLOSC;
                             err_codes[u] = (size_t)(r < 0 ? -r : r);
                         }
-                    } else if (!blosc_frame_ok(p, views[u].len, decoded_nbytes, start * ts, stop * ts)) {
+                    } else if (!blosc_frame_ok(p, views[u].src_len, decoded_nbytes, start * ts, stop * ts)) {
                         status[u] = E_BLOSC;
                     } else {
                         r = blosc_getitem_fn(p, (int)start, (int)(stop - start), scratch + start * ts);
@@ -560,7 +585,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 } else if (need > 0) {
                     size_t got = 0;
                     int whole = 0;
-                    size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].buf, (size_t)views[u].len, &got,
+                    size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].src, (size_t)views[u].src_len, &got,
                                            &whole);
                     if (r) {
                         status[u] = E_ZSTD;
@@ -571,14 +596,19 @@ static PyObject *run(PyObject *self, PyObject *args) {
                     }
                     chunk = scratch;
                 }
-            } else if (views[u].len != decoded_nbytes) {
+            } else if (views[u].src_len != decoded_nbytes) {
                 status[u] = E_SIZE;
-                err_codes[u] = (size_t)views[u].len;
+                err_codes[u] = (size_t)views[u].src_len;
             }
             /* ops are grouped by unit, in unit order */
             while (op < n_ops && ops[op * width] == u) {
                 const int64_t *o = ops + op * width;
                 if (status[u] == OK) {
+                    if (o[1] < 0 || o[1] >= n_targets) {
+                        status[u] = E_OPS;
+                        op++;
+                        continue;
+                    }
                     const int64_t *t = targets + o[1] * (1 + ndim);
                     copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
                              o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, swap);
@@ -615,10 +645,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
         Py_DECREF(item);
     }
 done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     free(views);
     free(status);
     free(err_codes);
+    PyBuffer_Release(&data_buf);
+    PyBuffer_Release(&spans_buf);
     PyBuffer_Release(&ops_buf);
     PyBuffer_Release(&targets_buf);
     PyBuffer_Release(&shape_buf);
