@@ -39,6 +39,10 @@ MIN_INFLIGHT_BYTES = 16 << 20
 SLOT_WAIT_S = 30.0
 #: decoded bytes per decode task (small chunks are decoded several per task)
 TASK_BYTES = 1 << 20
+#: direct reads that may miss the page cache in a row before reads go to the I/O threads
+#: only, for the next DIRECT_BACKOFF reads
+DIRECT_MISSES = 32
+DIRECT_BACKOFF = 1024
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,10 @@ class MemoryBudget:
 
 class StageStats:
     """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
-    copied by the native path count under "decode" and again under "native"."""
+    copied by the native path count under "decode" and again under "native"; reads that
+    decode threads made themselves from the page cache under "read" and again under "direct"."""
 
-    STAGES = ("plan", "read", "decode", "assemble", "native")
+    STAGES = ("plan", "read", "direct", "decode", "assemble", "native")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -191,7 +196,8 @@ class _Run:
     """The state of one batch plan being executed."""
 
     __slots__ = (
-        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "order", "dtype", "targets"
+        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "order", "dtype", "targets",
+        "kernels",
     )
 
     def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
@@ -213,6 +219,7 @@ class _Run:
             dtype = None
         self.dtype = dtype
         self.targets: dict[int, np.ndarray] = {}
+        self.kernels: dict[int, Any] = {}  # id(meta) -> native kernel or None, for this run
 
     def fail(self, samples, err: SampleError) -> None:
         with self.lock:
@@ -318,6 +325,10 @@ class CpuExecutor:
             if self.limits.chunk_cache_bytes
             else None
         )
+        # decode threads read page-cached groups themselves (see _read_direct)
+        self._direct = self.native and self.chunk_cache is None and hasattr(self.reader, "direct")
+        self._direct_misses = 0
+        self._direct_skip = 0
 
     # -- memory -------------------------------------------------------------------
     def reserve_slots(self, nbytes: int, what: str) -> None:
@@ -368,6 +379,9 @@ class CpuExecutor:
             need = group.reserve_nbytes
             status = self.budget.reserve(need, stop)
             if status == "ok":
+                if self._direct_ok(run, group):
+                    self._decode.submit(self._read_direct, run, group, need, key=key, priority=run.order)
+                    continue
                 self._io_slots.acquire()
                 self._io.submit(self._read, run, group, need, key=key, priority=run.order)
                 continue
@@ -448,8 +462,67 @@ class CpuExecutor:
             self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
             run.group_done()
 
-    def _read(self, run: _Run, group: ReadGroup, reserved: int) -> None:
-        self._io_slots.release()
+    def _direct_ok(self, run: _Run, group: ReadGroup) -> bool:
+        """Should a decode thread try to read this group itself (from the page cache)?"""
+        if self._direct_skip:
+            self._direct_skip -= 1
+            return False
+        return (
+            self._direct
+            and run.dtype is not None
+            and group.length <= native.RUN_FILE_MAX
+            and self._native_kernel(run, group.units) is not None
+        )
+
+    def _read_direct(self, run: _Run, group: ReadGroup, reserved: int) -> None:
+        """Read, decode and copy a group in one native call when its bytes are in the page
+        cache (no I/O thread, no GIL between the steps); otherwise hand it to the I/O threads."""
+        finished = True
+        try:
+            if run.cancelled() or self._closed:
+                return
+            units = group.units
+            kernel = self._native_kernel(run, units)
+            where = self.reader.direct(group.key)
+            if kernel is None or where is None:
+                finished = False
+                return
+            t0 = time.perf_counter()
+            spans, table, targets = self._task_tables(run, group, units)
+            code, failures, read_ns, nbytes = native.run_file(kernel, where, group.offset, group.length, spans, table, targets)
+            if code != 0:
+                self._direct_missed()
+                finished = False
+                return
+            self._direct_misses = 0
+            seconds = time.perf_counter() - t0
+            encoded, decoded, assembled = self._native_done(kernel, run, units, spans, table, failures, nbytes)
+            read_s = read_ns / 1e9
+            self.stats.add("read", read_s, bytes_out=nbytes)
+            self.stats.add("direct", read_s, bytes_out=nbytes)
+            self.stats.add("native", seconds - read_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
+            self.stats.add_units(len(units), seconds - read_s, encoded, decoded, 0.0, assembled)
+        except Exception as e:
+            run.crash(group.units, e)
+            run.copied(group.units)
+        finally:
+            if finished:
+                self.budget.release(reserved)
+                run.group_done()
+            else:  # the ordinary path reads it, reports errors fully and settles the group
+                self._io.submit(self._read, run, group, reserved, False, key=run.key, priority=run.order)
+
+    def _direct_missed(self) -> None:
+        """After many direct reads in a row found their data out of the page cache (or a file
+        system that cannot tell), stop trying for a while."""
+        self._direct_misses += 1
+        if self._direct_misses >= DIRECT_MISSES:
+            self._direct_misses = 0
+            self._direct_skip = DIRECT_BACKOFF
+
+    def _read(self, run: _Run, group: ReadGroup, reserved: int, slot: bool = True) -> None:
+        if slot:
+            self._io_slots.release()
         handed_over = False
         try:
             if run.cancelled() or self._closed:
@@ -552,7 +625,12 @@ class CpuExecutor:
         meta = units[0].meta
         if any(u.meta is not meta for u in units):
             return None
-        dtype = run.dtype
+        kernel = run.kernels.get(id(meta), False)  # the run holds its metas: ids are stable
+        if kernel is False:
+            kernel = run.kernels[id(meta)] = self._kernel(meta, run.dtype)
+        return kernel
+
+    def _kernel(self, meta, dtype: np.dtype) -> native.NativeKernel | None:
         per_meta = self._kernels.get(meta)  # keyed by the metadata object: a reloaded array gets its own
         if per_meta is None:
             per_meta = self._kernels.setdefault(meta, {})
@@ -562,33 +640,42 @@ class CpuExecutor:
             kernel = per_meta[key] = native.kernel_for(meta, dtype)
         return kernel
 
-    def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
+    def _task_tables(self, run: _Run, group: ReadGroup, units: list[UnitJob]):
+        """Spans (each unit's bytes within the group's read), ops and targets for native code."""
         if group.length < 0:
-            spans = np.array([[0, len(view)]], dtype=np.int64)
+            spans = np.array([[0, 1 << 62]], dtype=np.int64)  # the whole object, however long
         else:
             spans = np.array([(u.offset - group.offset, u.nbytes) for u in units], dtype=np.int64).reshape(len(units), 2)
         table = optable.build(units)
-        ndim = table.ndim
-        targets = run.targets.get(ndim)
+        targets = run.targets.get(table.ndim)
         if targets is None:
-            targets = run.targets.setdefault(ndim, native.targets(run.views, ndim))
+            targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim))
+        return spans, table, targets
+
+    def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
+        spans, table, targets = self._task_tables(run, group, units)
         failures = native.run(kernel, view, spans, table, targets)
+        return self._native_done(kernel, run, units, spans, table, failures, len(view))
+
+    def _native_done(self, kernel, run: _Run, units, spans: np.ndarray, table, failures, data_len: int) -> tuple[int, int, int]:
+        """Fail the samples of units native code could not decode; returns (encoded,
+        decoded, assembled) bytes."""
+        ndim = table.ndim
         itemsize = run.dtype.itemsize
         assembled = int(np.prod(table.ops[:, 2 + 2 * ndim :], axis=1).sum()) * itemsize
-        encoded = sum(min(int(n), max(0, len(view) - int(o))) for o, n in spans.tolist())
+        got = np.minimum(spans[:, 1], np.maximum(0, data_len - spans[:, 0]))
+        encoded = int(got.sum())
         decoded = len(units) * kernel.decoded_nbytes
         for k, reason in failures:
             u = units[k]
-            o, n = spans[k].tolist()
-            got = min(n, max(0, len(view) - o))
-            if u.nbytes >= 0 and got != u.nbytes:
-                reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
+            if u.nbytes >= 0 and int(got[k]) != u.nbytes:
+                reason = f"truncated data: expected {u.nbytes} bytes, the file has {int(got[k])} there"
             elif kernel.codec == native.CODEC_ZSTD and "expected" not in reason:
                 reason = f"zstd: {reason}"
             run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
             rows = table.ops[table.ops[:, 0] == k]
             assembled -= int(np.prod(rows[:, 2 + 2 * ndim :], axis=1).sum()) * itemsize
-            encoded -= got
+            encoded -= int(got[k])
             decoded -= kernel.decoded_nbytes
         run.copied(units)
         return encoded, decoded, assembled

@@ -286,3 +286,124 @@ def test_a_rewritten_array_gets_its_own_kernel(tmp_path):
     write_array(tmp_path / "r", second, chunks=(2, 8))  # same chunk bytes, another chunk shape
     got, _ = _run_one(str(tmp_path / "r"), ((0, 8), (0, 8)), executor)  # a new planner: fresh metadata
     assert np.array_equal(got, second.astype("f4"))
+
+
+# -- reads made by decode threads from the page cache ---------------------------------
+
+
+def _sharded(tmp_path, name="d"):
+    data = random_data((16, 20, 24), "uint16", 11)
+    write_array(tmp_path / name, data, chunks=(8, 10, 12), shards=(16, 20, 24), compressors=[ZstdCodec(level=1)])
+    return str(tmp_path / name), data
+
+
+def _read_all(uri, data, boxes_, executor=None):
+    shape = tuple(b - a for a, b in boxes_[0])
+    pipe = damacy.Pipeline(
+        planner=damacy.ChunkPlanner(),
+        executor=executor or damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2)),
+        output=damacy.BatchSpec(2, shape, "f32"),
+        on_error="fill",
+    )
+    with pipe:
+        pipe.push([damacy.Sample(uri, b) for b in boxes_])
+        for k, batch in enumerate(pipe.batches()):
+            with batch:
+                assert not batch.info.errors
+                for j, b in enumerate(boxes_[2 * k : 2 * k + 2]):
+                    assert np.array_equal(batch.numpy()[j], data[tuple(slice(a, c) for a, c in b)].astype("f4"))
+        return pipe.stats()["stages"]
+
+
+BOXES = [((0, 8), (0, 10), (0, 12)), ((4, 12), (5, 15), (6, 18)), ((8, 16), (10, 20), (12, 24)), ((2, 10), (3, 13), (1, 13))]
+
+
+def test_decode_threads_read_page_cached_groups_themselves(tmp_path):
+    uri, data = _sharded(tmp_path)
+    stages = _read_all(uri, data, BOXES)
+    assert stages["direct"]["count"] > 0 and stages["direct"]["count"] == stages["read"]["count"]
+
+
+def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch):
+    from damacy_server import cpu
+
+    uri, data = _sharded(tmp_path)
+    calls = []
+
+    def not_cached(*args):
+        calls.append(args)
+        return -1, None, 0, 0
+
+    monkeypatch.setattr(native, "run_file", not_cached)
+    monkeypatch.setattr(cpu, "DIRECT_MISSES", 3)
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    stages = _read_all(uri, data, BOXES * 3, executor)
+    assert stages["direct"]["count"] == 0 and stages["read"]["count"] > 3
+    assert len(calls) == 3  # then it stops trying for a while
+    assert executor._direct_skip > 0
+
+
+def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
+    import errno
+    import os
+
+    from damacy_server import optable
+
+    uri, data = _sharded(tmp_path)
+    meta = damacy.open_array(uri)
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, BOXES[0])], (8, 10, 12))
+    (group,) = plan.groups
+    kernel = native.kernel_for(meta, np.dtype("f4"))
+    out = np.zeros((8, 10, 12), dtype="f4")
+    targets = native.targets([out], 3)
+    spans = np.array([(u.offset - group.offset, u.nbytes) for u in group.units], dtype=np.int64)
+    table = optable.build(group.units)
+    flags = os.O_RDONLY | os.O_CLOEXEC
+
+    code, failures, _, nbytes = native.run_file(kernel, (group.key, flags), group.offset, group.length, spans, table, targets)
+    assert code == 0 and failures == [] and nbytes == group.length
+    assert np.array_equal(out, data[:8, :10, :12].astype("f4"))
+    out[...] = 0
+    # a missing file, a range past the end, a symlink where none may be followed: nothing copied
+    code, *_ = native.run_file(kernel, (group.key + ".gone", flags), group.offset, group.length, spans, table, targets)
+    assert code == errno.ENOENT
+    size = os.path.getsize(group.key)
+    code, *_ = native.run_file(kernel, (group.key, flags), size - 4, group.length, spans, table, targets)
+    assert code == -1
+    os.symlink(group.key, tmp_path / "link")
+    code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags | os.O_NOFOLLOW), group.offset, group.length, spans, table, targets)
+    assert code == errno.ELOOP
+    assert not out.any()
+
+
+def test_a_rooted_reader_reads_directly_only_in_folders_it_has_checked(tmp_path):
+    import os
+
+    from damacy_server.store.file import FileReader
+
+    uri, _ = _sharded(tmp_path)
+    reader = FileReader(roots=[str(tmp_path)])
+    shard = str(tmp_path / "d" / "c" / "0" / "0" / "0")
+    assert reader.direct(shard) is None
+    reader.read_range(shard, 0, 16)
+    path, flags = reader.direct(shard)
+    assert path == shard and flags & os.O_NOFOLLOW
+    outside = FileReader(roots=[str(tmp_path / "elsewhere")])
+    with pytest.raises(damacy.InvalidArgument):
+        outside.read_range(shard, 0, 16)
+    assert outside.direct(shard) is None
+
+
+def test_truncated_shard_read_directly_falls_back_and_is_reported(tmp_path):
+    uri, data = _sharded(tmp_path)
+    shard = tmp_path / "d" / "c" / "0" / "0" / "0"
+    raw = shard.read_bytes()
+    meta = damacy.open_array(uri)
+    # cut the file inside the first inner chunk's bytes (the index stays readable at the end)
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, BOXES[0])], (8, 10, 12))
+    unit = plan.groups[0].units[0]
+    index = raw[-(meta.layout.levels[0].index_range()[1]) :]
+    shard.write_bytes(raw[: unit.offset + unit.nbytes // 2] + index)
+    _, errors = _run_one(uri, BOXES[0])
+    (_, err), = errors
+    assert isinstance(err, damacy.DecodeError) and "truncated" in str(err), err

@@ -111,6 +111,38 @@ def targets(views: list, ndim: int) -> np.ndarray:
     return out
 
 
+#: the largest read :func:`run_file` makes (larger reads go through the reader's threads)
+RUN_FILE_MAX = 16 << 20
+
+
+def run_file(
+    kernel: NativeKernel, where: tuple[str, int], offset: int, length: int, spans: np.ndarray, table: optable.OpTable,
+    targets: np.ndarray,
+) -> tuple[int, list[tuple[int, str]] | None, int, int]:
+    """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
+    ``where`` = (path, open flags) first, in the same call, only if the page cache holds
+    them. Returns (code, failures, read_ns, nbytes): code 0 when done, else -1 (not cached,
+    short, or the file system cannot read without waiting) or an errno; then nothing was
+    copied and the caller reads the ordinary way."""
+    path, flags = where
+    return _assemble.run_file(
+        path,
+        flags,
+        offset,
+        length,
+        np.ascontiguousarray(spans, dtype=np.int64),
+        np.ascontiguousarray(table.ops, dtype=np.int64),
+        targets,
+        kernel.unit_shape,
+        kernel.src,
+        kernel.dst,
+        int(kernel.swap),
+        kernel.codec,
+        kernel.decoded_nbytes,
+        np.ascontiguousarray(table.pool, dtype=np.int64),
+    )
+
+
 def run(kernel: NativeKernel, data, spans: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> list[tuple[int, str]]:
     """Decode the units whose encoded bytes lie at ``spans`` (offset, length per unit) of
     ``data`` and make every copy of ``table`` into ``targets`` (from :func:`targets`). Returns

@@ -12,8 +12,15 @@
  * semantics (float to integer, wide integers to bf16/f16 from f64) are left to numpy.
  */
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE /* preadv2 */
 #include <Python.h>
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -415,212 +422,236 @@ static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nby
     return 1;
 }
 
-/*
- * run(data, spans, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes, pool)
- *   data: one bytes-like read holding the units' encoded bytes
- *   spans: int64 array (n_units, 2): each unit's offset and length in data (a span reaching
- *          past the end is cut there: a truncated read is reported, not read beyond)
- *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
- *        a negative src_start -(k + 1) means the sorted index list pool[k : k + extent]
- *   targets: int64 array (n_targets, 1 + ndim): address, strides in elements
- * Returns a list of (unit, message) for units that failed; their copies are not made.
- */
-static PyObject *run(PyObject *self, PyObject *args) {
-    Py_buffer data_buf, spans_buf, ops_buf, targets_buf, shape_buf, pool_buf;
+/* One decode task: the units' encoded bytes, the op table and where the copies go. */
+typedef struct {
+    Py_buffer spans, ops, targets, shape, pool;
     int src_type, dst_type, swap, codec;
     Py_ssize_t decoded_nbytes;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*iiiiny*", &data_buf, &spans_buf, &ops_buf, &targets_buf, &shape_buf, &src_type,
-                          &dst_type, &swap, &codec, &decoded_nbytes, &pool_buf))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n_units = spans_buf.len / 16;
-    unit_in *views = calloc((size_t)(n_units ? n_units : 1), sizeof(unit_in));
-    int *status = calloc((size_t)(n_units ? n_units : 1), sizeof(int));
-    size_t *err_codes = calloc((size_t)(n_units ? n_units : 1), sizeof(size_t));
-    int ndim = (int)(shape_buf.len / 8);
-    Py_ssize_t n_targets = 0;
-    if (!views || !status || !err_codes) {
+    Py_ssize_t n_units, n_ops, n_targets, width;
+    int ndim;
+    unit_in *views;
+    int *status;
+    size_t *err_codes;
+} task_t;
+
+static void task_release(task_t *t) {
+    free(t->views);
+    free(t->status);
+    free(t->err_codes);
+    PyBuffer_Release(&t->spans);
+    PyBuffer_Release(&t->ops);
+    PyBuffer_Release(&t->targets);
+    PyBuffer_Release(&t->shape);
+    PyBuffer_Release(&t->pool);
+}
+
+/* With the GIL: check the task's tables (a Python error and -1 when they are unusable). */
+static int task_prepare(task_t *t) {
+    t->n_units = t->spans.len / 16;
+    t->ndim = (int)(t->shape.len / 8);
+    size_t n = (size_t)(t->n_units ? t->n_units : 1);
+    t->views = calloc(n, sizeof(unit_in));
+    t->status = calloc(n, sizeof(int));
+    t->err_codes = calloc(n, sizeof(size_t));
+    if (!t->views || !t->status || !t->err_codes) {
         PyErr_NoMemory();
-        goto done;
+        return -1;
     }
-    if (src_type < 0 || src_type >= T_COUNT || dst_type < 0 || dst_type >= T_COUNT || !TABLE[src_type][dst_type] ||
-        ndim > MAX_NDIM) {
+    if (t->src_type < 0 || t->src_type >= T_COUNT || t->dst_type < 0 || t->dst_type >= T_COUNT ||
+        !TABLE[t->src_type][t->dst_type] || t->ndim > MAX_NDIM) {
         PyErr_SetString(PyExc_ValueError, "unsupported cast or rank for the native path");
-        goto done;
+        return -1;
     }
-    n_targets = targets_buf.len / (Py_ssize_t)(8 * (1 + ndim));
-    {
-        const int64_t *spans = (const int64_t *)spans_buf.buf;
-        for (Py_ssize_t u = 0; u < n_units; u++) {
-            int64_t off = spans[2 * u], len = spans[2 * u + 1];
-            if (off < 0 || len < 0) {
-                PyErr_SetString(PyExc_ValueError, "a negative span");
-                goto done;
-            }
-            if (off > data_buf.len) off = data_buf.len;
-            if (len > data_buf.len - off) len = data_buf.len - off;
-            views[u].src = (const char *)data_buf.buf + off;
-            views[u].src_len = (Py_ssize_t)len;
+    t->width = 2 + 3 * (Py_ssize_t)t->ndim;
+    t->n_ops = t->ops.len / (Py_ssize_t)(8 * t->width);
+    t->n_targets = t->targets.len / (Py_ssize_t)(8 * (1 + t->ndim));
+    const int64_t *spans = (const int64_t *)t->spans.buf;
+    for (Py_ssize_t u = 0; u < t->n_units; u++) {
+        if (spans[2 * u] < 0 || spans[2 * u + 1] < 0) {
+            PyErr_SetString(PyExc_ValueError, "a negative span");
+            return -1;
         }
     }
-    {
-        /* ops must be grouped by unit, in unit order, and name only the units given */
-        Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
-        const int64_t *ops = (const int64_t *)ops_buf.buf;
-        for (Py_ssize_t q = 0; q < n_ops; q++) {
-            int64_t u = ops[q * width];
-            if (u < 0 || u >= n_units || (q && u < ops[(q - 1) * width])) {
-                PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
-                goto done;
-            }
+    /* ops must be grouped by unit, in unit order, and name only the units given */
+    const int64_t *ops = (const int64_t *)t->ops.buf;
+    for (Py_ssize_t q = 0; q < t->n_ops; q++) {
+        int64_t u = ops[q * t->width];
+        if (u < 0 || u >= t->n_units || (q && u < ops[(q - 1) * t->width])) {
+            PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
+            return -1;
         }
     }
-    if (codec == CODEC_ZSTD && zstd_ok < 0) zstd_ok = load_zstd();
-    {
-        const int64_t *ops = (const int64_t *)ops_buf.buf;
-        const int64_t *targets = (const int64_t *)targets_buf.buf;
-        const int64_t *unit_shape = (const int64_t *)shape_buf.buf;
-        const int64_t *pool = (const int64_t *)pool_buf.buf;
-        const int64_t pool_len = pool_buf.len / 8;
-        Py_ssize_t width = 2 + 3 * (Py_ssize_t)ndim, n_ops = ops_buf.len / (Py_ssize_t)(8 * width);
-        row_fn row = TABLE[src_type][dst_type];
-        gather_fn gather = GATHER[src_type][dst_type];
-        int src_size = ITEMSIZE[src_type], dst_size = ITEMSIZE[dst_type];
-        Py_BEGIN_ALLOW_THREADS;
-        char *scratch = NULL;
-        void *dctx = NULL;
-        if (codec == CODEC_ZSTD && zstd_ok) {
-            scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
-            dctx = thread_dctx();
+    if (t->codec == CODEC_ZSTD && zstd_ok < 0) zstd_ok = load_zstd();
+    return 0;
+}
+
+/* Each unit's bytes in data (a span reaching past the end is cut there). */
+static void task_locate(task_t *t, const char *data, Py_ssize_t data_len) {
+    const int64_t *spans = (const int64_t *)t->spans.buf;
+    for (Py_ssize_t u = 0; u < t->n_units; u++) {
+        int64_t off = spans[2 * u], len = spans[2 * u + 1];
+        if (off > data_len) off = data_len;
+        if (len > data_len - off) len = data_len - off;
+        t->views[u].src = data + off;
+        t->views[u].src_len = (Py_ssize_t)len;
+    }
+}
+
+/* Without the GIL: decode every unit and make its copies. */
+static void task_assemble(task_t *t) {
+    unit_in *views = t->views;
+    int *status = t->status;
+    size_t *err_codes = t->err_codes;
+    const int64_t *ops = (const int64_t *)t->ops.buf;
+    const int64_t *targets = (const int64_t *)t->targets.buf;
+    const int64_t *unit_shape = (const int64_t *)t->shape.buf;
+    const int64_t *pool = (const int64_t *)t->pool.buf;
+    const int64_t pool_len = t->pool.len / 8;
+    const int ndim = t->ndim, codec = t->codec, swap = t->swap;
+    const Py_ssize_t n_units = t->n_units, n_ops = t->n_ops, n_targets = t->n_targets, width = t->width;
+    const Py_ssize_t decoded_nbytes = t->decoded_nbytes;
+    row_fn row = TABLE[t->src_type][t->dst_type];
+    gather_fn gather = GATHER[t->src_type][t->dst_type];
+    int src_size = ITEMSIZE[t->src_type], dst_size = ITEMSIZE[t->dst_type];
+    char *scratch = NULL;
+    void *dctx = NULL;
+    if (codec == CODEC_ZSTD && zstd_ok) {
+        scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
+        dctx = thread_dctx();
+    } else if (codec == CODEC_BLOSC) {
+        scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1) + 16);
+    }
+    int64_t unit_strides[MAX_NDIM];
+    int64_t st = 1;
+    for (int a = ndim - 1; a >= 0; a--) {
+        unit_strides[a] = st;
+        st *= unit_shape[a];
+    }
+    Py_ssize_t op = 0;
+    for (Py_ssize_t u = 0; u < n_units; u++) {
+        const char *chunk = (const char *)views[u].src;
+        /* the bytes this unit's copies read: [first, need); every op is checked to stay
+         * inside the unit (and its index lists inside the pool) */
+        size_t need = 0, first = (size_t)decoded_nbytes;
+        for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
+            const int64_t *o = ops + q * width;
+            int64_t lo = 0, last = 0, empty = 0;
+            for (int a = 0; a < ndim; a++) {
+                int64_t st = o[2 + a], ext = o[2 + 2 * ndim + a], amin, amax;
+                if (ext <= 0) {
+                    empty = 1;
+                    break;
+                }
+                if (st >= 0) {
+                    amin = st;
+                    amax = st + ext - 1;
+                } else {
+                    int64_t off = -st - 1;
+                    if (off + ext > pool_len) {
+                        status[u] = E_OPS;
+                        break;
+                    }
+                    amin = amax = pool[off];
+                    for (int64_t i = 1; i < ext; i++) {
+                        if (pool[off + i] < amin) amin = pool[off + i];
+                        if (pool[off + i] > amax) amax = pool[off + i];
+                    }
+                }
+                if (amin < 0 || amax >= unit_shape[a]) {
+                    status[u] = E_OPS;
+                    break;
+                }
+                lo += amin * unit_strides[a];
+                last += amax * unit_strides[a];
+            }
+            if (empty || status[u] != OK) continue;
+            size_t end = (size_t)(last + 1) * (size_t)src_size, begin = (size_t)lo * (size_t)src_size;
+            if (end > need) need = end;
+            if (begin < first) first = begin;
+        }
+        if (status[u] != OK) {
+            /* an op outside its unit: a planning error, reported, nothing copied */
         } else if (codec == CODEC_BLOSC) {
-            scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1) + 16);
-        }
-        int64_t unit_strides[MAX_NDIM];
-        int64_t st = 1;
-        for (int a = ndim - 1; a >= 0; a--) {
-            unit_strides[a] = st;
-            st *= unit_shape[a];
-        }
-        Py_ssize_t op = 0;
-        for (Py_ssize_t u = 0; u < n_units; u++) {
-            const char *chunk = (const char *)views[u].src;
-            /* the bytes this unit's copies read: [first, need); every op is checked to stay
-             * inside the unit (and its index lists inside the pool) */
-            size_t need = 0, first = (size_t)decoded_nbytes;
-            for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
-                const int64_t *o = ops + q * width;
-                int64_t lo = 0, last = 0, empty = 0;
-                for (int a = 0; a < ndim; a++) {
-                    int64_t st = o[2 + a], ext = o[2 + 2 * ndim + a], amin, amax;
-                    if (ext <= 0) {
-                        empty = 1;
-                        break;
-                    }
-                    if (st >= 0) {
-                        amin = st;
-                        amax = st + ext - 1;
-                    } else {
-                        int64_t off = -st - 1;
-                        if (off + ext > pool_len) {
-                            status[u] = E_OPS;
-                            break;
-                        }
-                        amin = amax = pool[off];
-                        for (int64_t i = 1; i < ext; i++) {
-                            if (pool[off + i] < amin) amin = pool[off + i];
-                            if (pool[off + i] > amax) amax = pool[off + i];
-                        }
-                    }
-                    if (amin < 0 || amax >= unit_shape[a]) {
-                        status[u] = E_OPS;
-                        break;
-                    }
-                    lo += amin * unit_strides[a];
-                    last += amax * unit_strides[a];
-                }
-                if (empty || status[u] != OK) continue;
-                size_t end = (size_t)(last + 1) * (size_t)src_size, begin = (size_t)lo * (size_t)src_size;
-                if (end > need) need = end;
-                if (begin < first) first = begin;
-            }
-            if (status[u] != OK) {
-                /* an op outside its unit: a planning error, reported, nothing copied */
-            } else if (codec == CODEC_BLOSC) {
-                const unsigned char *p = (const unsigned char *)views[u].src;
-                int ts = views[u].src_len >= 16 ? p[3] : 0;
-                if (!blosc_getitem_fn || !blosc_decompress_fn) {
-                    status[u] = E_NOZSTD;
-                } else if (!scratch) {
-                    status[u] = E_MEMORY;
-                } else if (ts == 0 || !blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, 0)) {
-                    status[u] = E_BLOSC;
-                } else if (need > first) {
-                    int64_t start = (int64_t)first / ts, stop = ((int64_t)need + ts - 1) / ts;
-                    int r;
-                    if (decoded_nbytes % ts != 0 || stop * ts > decoded_nbytes) {
-                        /* items do not tile the chunk: decode it whole */
-                        r = blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, decoded_nbytes)
-                                ? blosc_decompress_fn(p, scratch, (size_t)decoded_nbytes, 1)
-                                : -1;
-                        if (r != decoded_nbytes) {
-                            status[u] = E_BLOSC;
-                            err_codes[u] = (size_t)(r < 0 ? -r : r);
-                        }
-                    } else if (!blosc_frame_ok(p, views[u].src_len, decoded_nbytes, start * ts, stop * ts)) {
+            const unsigned char *p = (const unsigned char *)views[u].src;
+            int ts = views[u].src_len >= 16 ? p[3] : 0;
+            if (!blosc_getitem_fn || !blosc_decompress_fn) {
+                status[u] = E_NOZSTD;
+            } else if (!scratch) {
+                status[u] = E_MEMORY;
+            } else if (ts == 0 || !blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, 0)) {
+                status[u] = E_BLOSC;
+            } else if (need > first) {
+                int64_t start = (int64_t)first / ts, stop = ((int64_t)need + ts - 1) / ts;
+                int r;
+                if (decoded_nbytes % ts != 0 || stop * ts > decoded_nbytes) {
+                    /* items do not tile the chunk: decode it whole */
+                    r = blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, decoded_nbytes)
+                            ? blosc_decompress_fn(p, scratch, (size_t)decoded_nbytes, 1)
+                            : -1;
+                    if (r != decoded_nbytes) {
                         status[u] = E_BLOSC;
-                    } else {
-                        r = blosc_getitem_fn(p, (int)start, (int)(stop - start), scratch + start * ts);
-                        if (r != (stop - start) * ts) {
-                            status[u] = E_BLOSC;
-                            err_codes[u] = (size_t)(r < 0 ? -r : r);
-                        }
+                        err_codes[u] = (size_t)(r < 0 ? -r : r);
                     }
-                    chunk = scratch;
-                }
-            } else if (codec == CODEC_ZSTD) {
-                if (!zstd_ok) {
-                    status[u] = E_NOZSTD;
-                } else if (!scratch || !dctx) {
-                    status[u] = E_MEMORY;
-                } else if (need > 0) {
-                    size_t got = 0;
-                    int whole = 0;
-                    size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].src, (size_t)views[u].src_len, &got,
-                                           &whole);
-                    if (r) {
-                        status[u] = E_ZSTD;
-                        err_codes[u] = r;
-                    } else if (got < need || (whole && (Py_ssize_t)got != decoded_nbytes)) {
-                        status[u] = E_SIZE;
-                        err_codes[u] = got;
+                } else if (!blosc_frame_ok(p, views[u].src_len, decoded_nbytes, start * ts, stop * ts)) {
+                    status[u] = E_BLOSC;
+                } else {
+                    r = blosc_getitem_fn(p, (int)start, (int)(stop - start), scratch + start * ts);
+                    if (r != (stop - start) * ts) {
+                        status[u] = E_BLOSC;
+                        err_codes[u] = (size_t)(r < 0 ? -r : r);
                     }
-                    chunk = scratch;
                 }
-            } else if (views[u].src_len != decoded_nbytes) {
-                status[u] = E_SIZE;
-                err_codes[u] = (size_t)views[u].src_len;
+                chunk = scratch;
             }
-            /* ops are grouped by unit, in unit order */
-            while (op < n_ops && ops[op * width] == u) {
-                const int64_t *o = ops + op * width;
-                if (status[u] == OK) {
-                    if (o[1] < 0 || o[1] >= n_targets) {
-                        status[u] = E_OPS;
-                        op++;
-                        continue;
-                    }
-                    const int64_t *t = targets + o[1] * (1 + ndim);
-                    copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, swap);
+        } else if (codec == CODEC_ZSTD) {
+            if (!zstd_ok) {
+                status[u] = E_NOZSTD;
+            } else if (!scratch || !dctx) {
+                status[u] = E_MEMORY;
+            } else if (need > 0) {
+                size_t got = 0;
+                int whole = 0;
+                size_t r = zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].src, (size_t)views[u].src_len, &got,
+                                       &whole);
+                if (r) {
+                    status[u] = E_ZSTD;
+                    err_codes[u] = r;
+                } else if (got < need || (whole && (Py_ssize_t)got != decoded_nbytes)) {
+                    status[u] = E_SIZE;
+                    err_codes[u] = got;
                 }
-                op++;
+                chunk = scratch;
             }
+        } else if (views[u].src_len != decoded_nbytes) {
+            status[u] = E_SIZE;
+            err_codes[u] = (size_t)views[u].src_len;
         }
-        free(scratch);
-        Py_END_ALLOW_THREADS;
+        /* ops are grouped by unit, in unit order */
+        while (op < n_ops && ops[op * width] == u) {
+            const int64_t *o = ops + op * width;
+            if (status[u] == OK) {
+                if (o[1] < 0 || o[1] >= n_targets) {
+                    status[u] = E_OPS;
+                    op++;
+                    continue;
+                }
+                const int64_t *t = targets + o[1] * (1 + ndim);
+                copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
+                         o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, swap);
+            }
+            op++;
+        }
     }
-    result = PyList_New(0);
-    if (!result) goto done;
+    free(scratch);
+}
+
+/* With the GIL: (unit, reason) for each unit that failed. */
+static PyObject *task_failures(task_t *t) {
+    Py_ssize_t n_units = t->n_units, decoded_nbytes = t->decoded_nbytes;
+    int *status = t->status;
+    size_t *err_codes = t->err_codes;
+    PyObject *result = PyList_New(0);
+    if (!result) return NULL;
     for (Py_ssize_t u = 0; u < n_units; u++) {
         if (status[u] == OK) continue;
         PyObject *item;
@@ -640,20 +671,116 @@ static PyObject *run(PyObject *self, PyObject *args) {
         if (!item || PyList_Append(result, item) < 0) {
             Py_XDECREF(item);
             Py_CLEAR(result);
-            goto done;
+            return NULL;
         }
         Py_DECREF(item);
     }
-done:
-    free(views);
-    free(status);
-    free(err_codes);
+    return result;
+}
+
+#define TASK_FORMAT "y*y*y*y*iiiiny*"
+#define TASK_ARGS(t) &(t).spans, &(t).ops, &(t).targets, &(t).shape, &(t).src_type, &(t).dst_type, &(t).swap, \
+                     &(t).codec, &(t).decoded_nbytes, &(t).pool
+
+/*
+ * run(data, spans, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes, pool)
+ *   data: one bytes-like read holding the units' encoded bytes
+ *   spans: int64 array (n_units, 2): each unit's offset and length in data (a span reaching
+ *          past the end is cut there: a truncated read is reported, not read beyond)
+ *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
+ *        a negative src_start -(k + 1) means the sorted index list pool[k : k + extent]
+ *   targets: int64 array (n_targets, 1 + ndim): address, strides in elements
+ * Returns a list of (unit, message) for units that failed; their copies are not made.
+ */
+static PyObject *run(PyObject *self, PyObject *args) {
+    Py_buffer data_buf;
+    task_t t;
+    memset(&t, 0, sizeof t);
+    if (!PyArg_ParseTuple(args, "y*" TASK_FORMAT, &data_buf, TASK_ARGS(t))) return NULL;
+    PyObject *result = NULL;
+    if (task_prepare(&t) == 0) {
+        task_locate(&t, (const char *)data_buf.buf, data_buf.len);
+        Py_BEGIN_ALLOW_THREADS;
+        task_assemble(&t);
+        Py_END_ALLOW_THREADS;
+        result = task_failures(&t);
+    }
+    task_release(&t);
     PyBuffer_Release(&data_buf);
-    PyBuffer_Release(&spans_buf);
-    PyBuffer_Release(&ops_buf);
-    PyBuffer_Release(&targets_buf);
-    PyBuffer_Release(&shape_buf);
-    PyBuffer_Release(&pool_buf);
+    return result;
+}
+
+/*
+ * run_file(path, flags, offset, length, spans, ops, targets, unit_shape, src_type, dst_type, swap,
+ *          codec, decoded_nbytes, pool)
+ * As run, reading bytes [offset, offset + length) of the file at path (length -1: all of it)
+ * first, all without the GIL, but only from the page cache: a read that would wait for the
+ * device (or that the file system cannot promise not to) is not made. Returns
+ * (code, failures, read_ns, nbytes): code 0, the failures as run's and the bytes read; or code -1 (not in the page
+ * cache, a short read, or reads without waiting unsupported) or an errno from open/read,
+ * with nothing copied: the caller reads the ordinary way, which reports errors fully.
+ */
+#define RUN_FILE_MAX (64 << 20)
+
+static PyObject *run_file(PyObject *self, PyObject *args) {
+    PyObject *path_obj;
+    int flags;
+    long long offset, length;
+    task_t t;
+    memset(&t, 0, sizeof t);
+    if (!PyArg_ParseTuple(args, "O&iLL" TASK_FORMAT, PyUnicode_FSConverter, &path_obj, &flags, &offset, &length,
+                          TASK_ARGS(t)))
+        return NULL;
+    PyObject *result = NULL;
+    int code = 0;
+    long long read_ns = 0;
+    if (task_prepare(&t) == 0) {
+        const char *path = PyBytes_AS_STRING(path_obj);
+        Py_BEGIN_ALLOW_THREADS;
+        code = -1;
+#ifdef RWF_NOWAIT
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int fd = open(path, flags);
+        char *buf = NULL;
+        if (fd < 0) {
+            code = errno;
+        } else {
+            if (length < 0) {
+                struct stat st;
+                offset = 0;
+                length = fstat(fd, &st) == 0 ? (long long)st.st_size : -1;
+            }
+            if (offset >= 0 && length >= 0 && length <= RUN_FILE_MAX && (buf = malloc((size_t)length + 1))) {
+                long long got = 0;
+                while (got < length) {
+                    struct iovec iov = {buf + got, (size_t)(length - got)};
+                    ssize_t r = preadv2(fd, &iov, 1, (off_t)(offset + got), RWF_NOWAIT);
+                    if (r <= 0) break; /* EAGAIN (not cached), unsupported, an error or the end */
+                    got += r;
+                }
+                if (got == length) code = 0;
+            }
+            close(fd);
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        read_ns = (long long)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+        if (code == 0) {
+            task_locate(&t, buf, (Py_ssize_t)length);
+            task_assemble(&t);
+        }
+        free(buf);
+#endif
+        Py_END_ALLOW_THREADS;
+        if (code == 0) {
+            PyObject *failures = task_failures(&t);
+            if (failures) result = Py_BuildValue("(iNLL)", 0, failures, read_ns, length);
+        } else {
+            result = Py_BuildValue("(iOLL)", code, Py_None, read_ns, 0LL);
+        }
+    }
+    task_release(&t);
+    Py_DECREF(path_obj);
     return result;
 }
 
@@ -686,6 +813,7 @@ static PyObject *use_blosc(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
+    {"run_file", run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},
     {"supports", supports, METH_VARARGS, "Whether the cast from one dtype code to another is offered."},
     {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},
     {"use_blosc", use_blosc, METH_VARARGS, "Take blosc_getitem from the C-Blosc library at the given path."},

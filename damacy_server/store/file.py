@@ -64,6 +64,15 @@ class FileStore(Store):
             self.check_allowed(key)
             return _open_fd(key, _FLAGS)
 
+    def direct(self, key: str) -> tuple[str, int] | None:
+        """(path, open flags) with which native code may read ``key`` itself, or None when
+        it must go through :meth:`read`/:meth:`read_ranges` (which report every error). A
+        rooted store refuses symlinks there (``O_NOFOLLOW``): those take the ordinary path."""
+        if self.roots is None:
+            return key, _FLAGS
+        ok = self._dirs_ok.get(os.path.dirname(key))
+        return (key, _FLAGS | os.O_NOFOLLOW) if ok else None
+
     def read(self, key: str) -> bytes | None:
         fd = self._open(key)
         if fd is None:
