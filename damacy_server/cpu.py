@@ -488,15 +488,18 @@ class CpuExecutor:
                 finished = False
                 return
             t0 = time.perf_counter()
-            spans, table, targets = self._task_tables(run, group, units)
-            code, failures, read_ns, nbytes = native.run_file(kernel, where, group.offset, group.length, spans, table, targets)
+            table, targets = self._task_tables(run, units)
+            code, failures, read_ns, nbytes, encoded, elements = native.run_file(
+                kernel, where, group.offset, group.length, table, targets
+            )
             if code != 0:
                 self._direct_missed()
                 finished = False
                 return
             self._direct_misses = 0
             seconds = time.perf_counter() - t0
-            encoded, decoded, assembled = self._native_done(kernel, run, units, spans, table, failures, nbytes)
+            offset = max(group.offset, 0)
+            encoded, decoded, assembled = self._native_done(kernel, run, units, table, failures, encoded, elements, offset, nbytes)
             read_s = read_ns / 1e9
             self.stats.add("read", read_s, bytes_out=nbytes)
             self.stats.add("direct", read_s, bytes_out=nbytes)
@@ -640,45 +643,36 @@ class CpuExecutor:
             kernel = per_meta[key] = native.kernel_for(meta, dtype)
         return kernel
 
-    def _task_tables(self, run: _Run, group: ReadGroup, units: list[UnitJob]):
-        """Spans (each unit's bytes within the group's read), ops and targets for native code."""
-        if group.length < 0:
-            spans = np.array([[0, 1 << 62]], dtype=np.int64)  # the whole object, however long
-        else:
-            spans = np.array([(u.offset - group.offset, u.nbytes) for u in units], dtype=np.int64).reshape(len(units), 2)
+    def _task_tables(self, run: _Run, units: list[UnitJob]) -> tuple[optable.OpTable, np.ndarray]:
+        """The ops of ``units`` and the run's targets, for native code."""
         table = optable.build(units)
         targets = run.targets.get(table.ndim)
         if targets is None:
             targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim))
-        return spans, table, targets
+        return table, targets
 
     def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
-        spans, table, targets = self._task_tables(run, group, units)
-        failures = native.run(kernel, view, spans, table, targets)
-        return self._native_done(kernel, run, units, spans, table, failures, len(view))
+        table, targets = self._task_tables(run, units)
+        offset = max(group.offset, 0)
+        failures, encoded, elements = native.run(kernel, view, offset, table, targets)
+        return self._native_done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
-    def _native_done(self, kernel, run: _Run, units, spans: np.ndarray, table, failures, data_len: int) -> tuple[int, int, int]:
+    def _native_done(
+        self, kernel, run: _Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int
+    ) -> tuple[int, int, int]:
         """Fail the samples of units native code could not decode; returns (encoded,
-        decoded, assembled) bytes."""
-        ndim = table.ndim
-        itemsize = run.dtype.itemsize
-        assembled = int(np.prod(table.ops[:, 2 + 2 * ndim :], axis=1).sum()) * itemsize
-        got = np.minimum(spans[:, 1], np.maximum(0, data_len - spans[:, 0]))
-        encoded = int(got.sum())
-        decoded = len(units) * kernel.decoded_nbytes
+        decoded, assembled) bytes of the others."""
         for k, reason in failures:
             u = units[k]
-            if u.nbytes >= 0 and int(got[k]) != u.nbytes:
-                reason = f"truncated data: expected {u.nbytes} bytes, the file has {int(got[k])} there"
+            start, length = table.spans[k].tolist()
+            got = max(0, min(length if length >= 0 else data_len, data_len - (start - offset)))
+            if u.nbytes >= 0 and got != u.nbytes:
+                reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
             elif kernel.codec == native.CODEC_ZSTD and "expected" not in reason:
                 reason = f"zstd: {reason}"
             run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
-            rows = table.ops[table.ops[:, 0] == k]
-            assembled -= int(np.prod(rows[:, 2 + 2 * ndim :], axis=1).sum()) * itemsize
-            encoded -= int(got[k])
-            decoded -= kernel.decoded_nbytes
         run.copied(units)
-        return encoded, decoded, assembled
+        return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize
 
     def close(self) -> None:
         self._closed = True

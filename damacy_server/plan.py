@@ -67,15 +67,17 @@ class CopyTable:
     sample, then per axis the source start (in the unit), the destination start (in the
     sample) and the extent. A negative source start ``-(k + 1)`` stands for the ascending
     index list ``pool[k : k + extent]`` (index queries, assembled in sorted order). Rows are
-    grouped by unit, in unit order; unit ``p`` owns rows ``[bounds[p], bounds[p + 1])``.
+    grouped by unit, in unit order. ``spans[p]`` is where unit ``p``'s bytes are: offset in
+    its object and length (-1: the whole object).
     """
 
-    __slots__ = ("ndim", "rows", "pool")
+    __slots__ = ("ndim", "rows", "pool", "spans")
 
-    def __init__(self, ndim: int, rows: np.ndarray, pool: np.ndarray) -> None:
+    def __init__(self, ndim: int, rows: np.ndarray, pool: np.ndarray, spans: np.ndarray) -> None:
         self.ndim = ndim
         self.rows = rows
         self.pool = pool
+        self.spans = spans
 
     def copies(self, lo: int, hi: int) -> list[tuple[int, SliceCopy | CopyOp]]:
         """Rows ``[lo, hi)`` as (sample, copy) objects, for the numpy path."""
@@ -326,7 +328,9 @@ class ChunkPlanner:
             table_rows[:, 1] = kept[:, 0]
             table_rows[:, 2:] = kept[:, 1 + ndim :]
             copy_counts += np.bincount(kept[:, 0], minlength=n)
-            table = CopyTable(ndim, table_rows, np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64))
+            spans = np.stack([np.where(locs.nbytes[order] < 0, 0, locs.offsets[order]), locs.nbytes[order]], axis=1)
+            pool = np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64)
+            table = CopyTable(ndim, table_rows, pool, np.ascontiguousarray(spans, dtype=np.int64))
             bounds = np.searchsorted(pos, np.arange(len(order) + 1)).tolist()
             coords = units.tolist()
             offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()

@@ -98,7 +98,7 @@ def test_half_and_bfloat_rounding_edges():
         ops = np.array([[0, 0, 0, 0, len(values)]], dtype=np.int64)
         targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
         shape = np.array([len(values)], dtype=np.int64)
-        assert _assemble.run(values.tobytes(), _SPAN(values.nbytes), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"") == []
+        assert _assemble.run(values.tobytes(), 0, _SPAN(values.nbytes), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"")[0] == []
         with np.errstate(over="ignore", invalid="ignore"):
             want = values.astype(ref)
         assert np.array_equal(out.view("u2"), want.view("u2")), name
@@ -243,12 +243,12 @@ def test_ops_outside_their_unit_are_refused():
     shape = np.array([16], dtype=np.int64)
     for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2])):
         ops = np.array([row], dtype=np.int64)
-        failed = _assemble.run(data.tobytes(), _SPAN(64), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())
+        failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())[0]
         assert failed and "outside its chunk" in failed[0][1]
     assert not out.any()
     # a target index beyond the targets given is refused too
     ops = np.array([[0, 1, 0, 0, 8]], dtype=np.int64)
-    failed = _assemble.run(data.tobytes(), _SPAN(64), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, b"")
+    failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, b"")[0]
     assert failed and "outside its chunk" in failed[0][1] and not out.any()
 
 
@@ -262,15 +262,22 @@ def test_op_tables_out_of_unit_order_and_spans_past_the_data():
     spans = np.array([[0, 32], [32, 32]], dtype=np.int64)
     ops = np.array([[1, 0, 0, 8, 8], [0, 0, 0, 0, 8]], dtype=np.int64)  # unit 1's op first
     with pytest.raises(ValueError, match="grouped by unit"):
-        _assemble.run(data.tobytes(), spans.tobytes(), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+        _assemble.run(data.tobytes(), 0, spans.tobytes(), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")[0]
     with pytest.raises(ValueError, match="negative span"):
-        _assemble.run(data.tobytes(), np.array([[-4, 8]], dtype=np.int64).tobytes(), ops[1:].tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+        _assemble.run(data.tobytes(), 0, np.array([[-4, 8]], dtype=np.int64).tobytes(), ops[1:].tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")[0]
     # a span past the end of the data is cut there and reported as a short chunk
     spans = np.array([[0, 32], [48, 32]], dtype=np.int64)
     ops = np.array([[0, 0, 0, 0, 8], [1, 0, 0, 8, 8]], dtype=np.int64)
-    failed = _assemble.run(data.tobytes(), spans.tobytes(), ops.tobytes(), targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+    failed = _assemble.run(data.tobytes(), 0, spans.tobytes(), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")[0]
     assert [k for k, _ in failed] == [1] and "16 bytes, expected 32" in failed[0][1]
     assert np.array_equal(out[:8], data[:8]) and not out[8:].any()
+    # units numbered from a base, spans as offsets in an object whose read starts at 100
+    out[...] = 0
+    spans = np.array([[100, 32], [132, -1]], dtype=np.int64)  # the second: to the end of the data
+    ops = np.array([[5, 0, 0, 8, 8], [6, 0, 0, 0, 8]], dtype=np.int64)
+    failed, encoded, elements = _assemble.run(data.tobytes(), 100, spans.tobytes(), ops.tobytes(), 5, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
+    assert failed == [] and encoded == 64 and elements == 16
+    assert np.array_equal(out, np.concatenate([data[8:], data[:8]]))
 
 
 def test_a_rewritten_array_gets_its_own_kernel(tmp_path):
@@ -332,7 +339,7 @@ def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch
 
     def not_cached(*args):
         calls.append(args)
-        return -1, None, 0, 0
+        return -1, None, 0, 0, 0, 0
 
     monkeypatch.setattr(native, "run_file", not_cached)
     monkeypatch.setattr(cpu, "DIRECT_MISSES", 3)
@@ -356,22 +363,22 @@ def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
     kernel = native.kernel_for(meta, np.dtype("f4"))
     out = np.zeros((8, 10, 12), dtype="f4")
     targets = native.targets([out], 3)
-    spans = np.array([(u.offset - group.offset, u.nbytes) for u in group.units], dtype=np.int64)
     table = optable.build(group.units)
     flags = os.O_RDONLY | os.O_CLOEXEC
 
-    code, failures, _, nbytes = native.run_file(kernel, (group.key, flags), group.offset, group.length, spans, table, targets)
+    code, failures, _, nbytes, encoded, elements = native.run_file(kernel, (group.key, flags), group.offset, group.length, table, targets)
     assert code == 0 and failures == [] and nbytes == group.length
+    assert encoded == sum(u.nbytes for u in group.units) and elements == out.size
     assert np.array_equal(out, data[:8, :10, :12].astype("f4"))
     out[...] = 0
     # a missing file, a range past the end, a symlink where none may be followed: nothing copied
-    code, *_ = native.run_file(kernel, (group.key + ".gone", flags), group.offset, group.length, spans, table, targets)
+    code, *_ = native.run_file(kernel, (group.key + ".gone", flags), group.offset, group.length, table, targets)
     assert code == errno.ENOENT
     size = os.path.getsize(group.key)
-    code, *_ = native.run_file(kernel, (group.key, flags), size - 4, group.length, spans, table, targets)
+    code, *_ = native.run_file(kernel, (group.key, flags), size - 4, group.length, table, targets)
     assert code == -1
     os.symlink(group.key, tmp_path / "link")
-    code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags | os.O_NOFOLLOW), group.offset, group.length, spans, table, targets)
+    code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags | os.O_NOFOLLOW), group.offset, group.length, table, targets)
     assert code == errno.ELOOP
     assert not out.any()
 

@@ -115,48 +115,37 @@ def targets(views: list, ndim: int) -> np.ndarray:
 RUN_FILE_MAX = 16 << 20
 
 
+def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray) -> tuple:
+    return (
+        table.spans,
+        table.ops,
+        table.base,
+        targets,
+        kernel.unit_shape,
+        kernel.src,
+        kernel.dst,
+        int(kernel.swap),
+        kernel.codec,
+        kernel.decoded_nbytes,
+        table.pool,
+    )
+
+
 def run_file(
-    kernel: NativeKernel, where: tuple[str, int], offset: int, length: int, spans: np.ndarray, table: optable.OpTable,
-    targets: np.ndarray,
-) -> tuple[int, list[tuple[int, str]] | None, int, int]:
+    kernel: NativeKernel, where: tuple[str, int], offset: int, length: int, table: optable.OpTable, targets: np.ndarray
+) -> tuple[int, list[tuple[int, str]] | None, int, int, int, int]:
     """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
     ``where`` = (path, open flags) first, in the same call, only if the page cache holds
-    them. Returns (code, failures, read_ns, nbytes): code 0 when done, else -1 (not cached,
-    short, or the file system cannot read without waiting) or an errno; then nothing was
-    copied and the caller reads the ordinary way."""
+    them. Returns (code, failures, read_ns, nbytes, encoded, elements): code 0 when done,
+    else -1 (not cached, short, or the file system cannot read without waiting) or an
+    errno; then nothing was copied and the caller reads the ordinary way."""
     path, flags = where
-    return _assemble.run_file(
-        path,
-        flags,
-        offset,
-        length,
-        np.ascontiguousarray(spans, dtype=np.int64),
-        np.ascontiguousarray(table.ops, dtype=np.int64),
-        targets,
-        kernel.unit_shape,
-        kernel.src,
-        kernel.dst,
-        int(kernel.swap),
-        kernel.codec,
-        kernel.decoded_nbytes,
-        np.ascontiguousarray(table.pool, dtype=np.int64),
-    )
+    return _assemble.run_file(path, flags, offset, length, *_task(kernel, table, targets))
 
 
-def run(kernel: NativeKernel, data, spans: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> list[tuple[int, str]]:
-    """Decode the units whose encoded bytes lie at ``spans`` (offset, length per unit) of
-    ``data`` and make every copy of ``table`` into ``targets`` (from :func:`targets`). Returns
-    (unit index, reason) of units that could not be decoded; their copies are not made."""
-    return _assemble.run(
-        data,
-        np.ascontiguousarray(spans, dtype=np.int64),
-        np.ascontiguousarray(table.ops, dtype=np.int64),
-        targets,
-        kernel.unit_shape,
-        kernel.src,
-        kernel.dst,
-        int(kernel.swap),
-        kernel.codec,
-        kernel.decoded_nbytes,
-        np.ascontiguousarray(table.pool, dtype=np.int64),
-    )
+def run(kernel: NativeKernel, data, offset: int, table: optable.OpTable, targets: np.ndarray) -> tuple[list[tuple[int, str]], int, int]:
+    """Decode the units of ``table`` from ``data`` (bytes read from ``offset`` of their
+    object) and make every copy into ``targets`` (from :func:`targets`). Returns (failures,
+    encoded, elements): (index in the table, reason) of units that could not be decoded
+    (their copies are not made), and the bytes decoded and elements written for the rest."""
+    return _assemble.run(data, offset, *_task(kernel, table, targets))

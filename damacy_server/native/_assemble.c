@@ -425,8 +425,10 @@ static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nby
 /* One decode task: the units' encoded bytes, the op table and where the copies go. */
 typedef struct {
     Py_buffer spans, ops, targets, shape, pool;
+    long long base; /* the unit number of the first span: ops name units base, base + 1, ... */
     int src_type, dst_type, swap, codec;
     Py_ssize_t decoded_nbytes;
+    long long encoded, elements; /* of the units decoded and copied: bytes read, elements written */
     Py_ssize_t n_units, n_ops, n_targets, width;
     int ndim;
     unit_in *views;
@@ -467,7 +469,7 @@ static int task_prepare(task_t *t) {
     t->n_targets = t->targets.len / (Py_ssize_t)(8 * (1 + t->ndim));
     const int64_t *spans = (const int64_t *)t->spans.buf;
     for (Py_ssize_t u = 0; u < t->n_units; u++) {
-        if (spans[2 * u] < 0 || spans[2 * u + 1] < 0) {
+        if (spans[2 * u] < 0 || spans[2 * u + 1] < -1) {
             PyErr_SetString(PyExc_ValueError, "a negative span");
             return -1;
         }
@@ -475,8 +477,8 @@ static int task_prepare(task_t *t) {
     /* ops must be grouped by unit, in unit order, and name only the units given */
     const int64_t *ops = (const int64_t *)t->ops.buf;
     for (Py_ssize_t q = 0; q < t->n_ops; q++) {
-        int64_t u = ops[q * t->width];
-        if (u < 0 || u >= t->n_units || (q && u < ops[(q - 1) * t->width])) {
+        int64_t u = ops[q * t->width] - t->base;
+        if (u < 0 || u >= t->n_units || (q && u < ops[(q - 1) * t->width] - t->base)) {
             PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
             return -1;
         }
@@ -485,13 +487,14 @@ static int task_prepare(task_t *t) {
     return 0;
 }
 
-/* Each unit's bytes in data (a span reaching past the end is cut there). */
-static void task_locate(task_t *t, const char *data, Py_ssize_t data_len) {
+/* Each unit's bytes in data, which starts at data_offset of the object (a span reaching past
+ * the end is cut there, one of length -1 reaches to the end). */
+static void task_locate(task_t *t, const char *data, Py_ssize_t data_len, long long data_offset) {
     const int64_t *spans = (const int64_t *)t->spans.buf;
     for (Py_ssize_t u = 0; u < t->n_units; u++) {
-        int64_t off = spans[2 * u], len = spans[2 * u + 1];
-        if (off > data_len) off = data_len;
-        if (len > data_len - off) len = data_len - off;
+        int64_t off = spans[2 * u] - data_offset, len = spans[2 * u + 1];
+        if (off < 0 || off > data_len) off = data_len; /* outside the read: nothing */
+        if (len < 0 || len > data_len - off) len = data_len - off;
         t->views[u].src = data + off;
         t->views[u].src_len = (Py_ssize_t)len;
     }
@@ -510,6 +513,8 @@ static void task_assemble(task_t *t) {
     const int ndim = t->ndim, codec = t->codec, swap = t->swap;
     const Py_ssize_t n_units = t->n_units, n_ops = t->n_ops, n_targets = t->n_targets, width = t->width;
     const Py_ssize_t decoded_nbytes = t->decoded_nbytes;
+    const int64_t base = t->base;
+    long long encoded = 0, elements = 0;
     row_fn row = TABLE[t->src_type][t->dst_type];
     gather_fn gather = GATHER[t->src_type][t->dst_type];
     int src_size = ITEMSIZE[t->src_type], dst_size = ITEMSIZE[t->dst_type];
@@ -533,7 +538,7 @@ static void task_assemble(task_t *t) {
         /* the bytes this unit's copies read: [first, need); every op is checked to stay
          * inside the unit (and its index lists inside the pool) */
         size_t need = 0, first = (size_t)decoded_nbytes;
-        for (Py_ssize_t q = op; q < n_ops && ops[q * width] == u; q++) {
+        for (Py_ssize_t q = op; q < n_ops && ops[q * width] - base == u; q++) {
             const int64_t *o = ops + q * width;
             int64_t lo = 0, last = 0, empty = 0;
             for (int a = 0; a < ndim; a++) {
@@ -627,7 +632,7 @@ static void task_assemble(task_t *t) {
             err_codes[u] = (size_t)views[u].src_len;
         }
         /* ops are grouped by unit, in unit order */
-        while (op < n_ops && ops[op * width] == u) {
+        while (op < n_ops && ops[op * width] - base == u) {
             const int64_t *o = ops + op * width;
             if (status[u] == OK) {
                 if (o[1] < 0 || o[1] >= n_targets) {
@@ -638,11 +643,17 @@ static void task_assemble(task_t *t) {
                 const int64_t *t = targets + o[1] * (1 + ndim);
                 copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
                          o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, swap);
+                long long n = 1;
+                for (int a = 0; a < ndim; a++) n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
+                elements += n;
             }
             op++;
         }
+        if (status[u] == OK) encoded += views[u].src_len;
     }
     free(scratch);
+    t->encoded = encoded;
+    t->elements = elements;
 }
 
 /* With the GIL: (unit, reason) for each unit that failed. */
@@ -678,32 +689,38 @@ static PyObject *task_failures(task_t *t) {
     return result;
 }
 
-#define TASK_FORMAT "y*y*y*y*iiiiny*"
-#define TASK_ARGS(t) &(t).spans, &(t).ops, &(t).targets, &(t).shape, &(t).src_type, &(t).dst_type, &(t).swap, \
+#define TASK_FORMAT "y*y*Ly*y*iiiiny*"
+#define TASK_ARGS(t) &(t).spans, &(t).ops, &(t).base, &(t).targets, &(t).shape, &(t).src_type, &(t).dst_type, &(t).swap, \
                      &(t).codec, &(t).decoded_nbytes, &(t).pool
 
 /*
- * run(data, spans, ops, targets, unit_shape, src_type, dst_type, swap, codec, decoded_nbytes, pool)
- *   data: one bytes-like read holding the units' encoded bytes
- *   spans: int64 array (n_units, 2): each unit's offset and length in data (a span reaching
- *          past the end is cut there: a truncated read is reported, not read beyond)
+ * run(data, data_offset, spans, ops, base, targets, unit_shape, src_type, dst_type, swap, codec,
+ *     decoded_nbytes, pool)
+ *   data: one bytes-like read of an object, starting at data_offset of it
+ *   spans: int64 array (n_units, 2): each unit's offset in the object and its length (-1: to the
+ *          end of data; a span reaching past the end is cut there: a truncated read is
+ *          reported, not read beyond)
  *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
- *        a negative src_start -(k + 1) means the sorted index list pool[k : k + extent]
+ *        units are numbered from base (the first span); a negative src_start -(k + 1) means
+ *        the sorted index list pool[k : k + extent]
  *   targets: int64 array (n_targets, 1 + ndim): address, strides in elements
- * Returns a list of (unit, message) for units that failed; their copies are not made.
+ * Returns (failures, encoded, elements): (unit, message) for units that failed (their copies
+ * are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
  */
 static PyObject *run(PyObject *self, PyObject *args) {
     Py_buffer data_buf;
+    long long data_offset;
     task_t t;
     memset(&t, 0, sizeof t);
-    if (!PyArg_ParseTuple(args, "y*" TASK_FORMAT, &data_buf, TASK_ARGS(t))) return NULL;
+    if (!PyArg_ParseTuple(args, "y*L" TASK_FORMAT, &data_buf, &data_offset, TASK_ARGS(t))) return NULL;
     PyObject *result = NULL;
     if (task_prepare(&t) == 0) {
-        task_locate(&t, (const char *)data_buf.buf, data_buf.len);
+        task_locate(&t, (const char *)data_buf.buf, data_buf.len, data_offset);
         Py_BEGIN_ALLOW_THREADS;
         task_assemble(&t);
         Py_END_ALLOW_THREADS;
-        result = task_failures(&t);
+        PyObject *failures = task_failures(&t);
+        if (failures) result = Py_BuildValue("(NLL)", failures, t.encoded, t.elements);
     }
     task_release(&t);
     PyBuffer_Release(&data_buf);
@@ -711,12 +728,13 @@ static PyObject *run(PyObject *self, PyObject *args) {
 }
 
 /*
- * run_file(path, flags, offset, length, spans, ops, targets, unit_shape, src_type, dst_type, swap,
- *          codec, decoded_nbytes, pool)
+ * run_file(path, flags, offset, length, spans, ops, base, targets, unit_shape, src_type, dst_type,
+ *          swap, codec, decoded_nbytes, pool)
  * As run, reading bytes [offset, offset + length) of the file at path (length -1: all of it)
  * first, all without the GIL, but only from the page cache: a read that would wait for the
  * device (or that the file system cannot promise not to) is not made. Returns
- * (code, failures, read_ns, nbytes): code 0, the failures as run's and the bytes read; or code -1 (not in the page
+ * (code, failures, read_ns, nbytes, encoded, elements): code 0, the bytes read and the rest as
+ * run's; or code -1 (not in the page
  * cache, a short read, or reads without waiting unsupported) or an errno from open/read,
  * with nothing copied: the caller reads the ordinary way, which reports errors fully.
  */
@@ -766,7 +784,7 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
         clock_gettime(CLOCK_MONOTONIC, &t1);
         read_ns = (long long)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
         if (code == 0) {
-            task_locate(&t, buf, (Py_ssize_t)length);
+            task_locate(&t, buf, (Py_ssize_t)length, offset);
             task_assemble(&t);
         }
         free(buf);
@@ -774,9 +792,9 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS;
         if (code == 0) {
             PyObject *failures = task_failures(&t);
-            if (failures) result = Py_BuildValue("(iNLL)", 0, failures, read_ns, length);
+            if (failures) result = Py_BuildValue("(iNLLLL)", 0, failures, read_ns, length, t.encoded, t.elements);
         } else {
-            result = Py_BuildValue("(iOLL)", code, Py_None, read_ns, 0LL);
+            result = Py_BuildValue("(iOLLLL)", code, Py_None, read_ns, 0LL, 0LL, 0LL);
         }
     }
     task_release(&t);
