@@ -196,7 +196,7 @@ class _Run:
     """The state of one batch plan being executed."""
 
     __slots__ = (
-        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "remaining", "order", "dtype", "targets",
+        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "order", "dtype", "targets",
         "kernels",
     )
 
@@ -210,7 +210,6 @@ class _Run:
         self.lock = threading.Lock()
         self.on_done = on_done
         self.cancelled = cancelled
-        self.remaining = list(plan.copy_counts)  # per sample: copies not yet applied
         # for the native path: the views' common dtype when every view's rows are contiguous
         # (else None), and per rank the views' addresses and strides
         live = [v for v in views if v is not None]
@@ -233,43 +232,6 @@ class _Run:
         err = SampleError(f"internal error: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         self.fail(_samples_of(units), err)
-
-    def copied(self, units: Sequence[UnitJob]) -> None:
-        """The copies of ``units`` are applied or given up; a sample whose index lists were
-        sorted for assembly is put in its caller's order once it is complete."""
-        if not any(self.plan.perms):
-            return
-        done = []
-        with self.lock:
-            for u in units:
-                for s in u.samples:
-                    self.remaining[s] -= 1
-                    if self.remaining[s] == 0 and self.plan.perms[s] and s not in self.errors:
-                        done.append(s)
-        for s in done:
-            self.unsort(s)
-
-    def unsort(self, s: int) -> None:
-        """Reorder sample ``s`` in place along each sorted axis (cycle by cycle, with one
-        hyperplane of scratch memory): position i takes what was assembled at ``inverse[i]``."""
-        view = self.views[s]
-        for axis, inverse in self.plan.perms[s]:
-            planes = np.moveaxis(view, axis, 0)
-            seen = np.zeros(len(inverse), dtype=bool)
-            for start in range(len(inverse)):
-                if seen[start] or inverse[start] == start:
-                    seen[start] = True
-                    continue
-                saved = planes[start].copy()
-                i = start
-                while True:
-                    seen[i] = True
-                    j = int(inverse[i])
-                    if j == start:
-                        planes[i] = saved
-                        break
-                    planes[i] = planes[j]
-                    i = j
 
     def group_done(self) -> None:
         with self.lock:
@@ -364,9 +326,6 @@ class CpuExecutor:
         t0 = time.perf_counter()
         for s, fill in plan.fills:
             views[s][...] = cast_fill(fill, views[s].dtype)
-        for s, perm in enumerate(plan.perms):
-            if perm and plan.copy_counts[s] == 0:  # fill values only: nothing to reorder later
-                run.unsort(s)
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
         groups, cached = self._from_cache(plan.groups)
@@ -394,7 +353,6 @@ class CpuExecutor:
                         path=group.key,
                     ),
                 )
-            run.copied(group.units)
             run.group_done()
         run.group_done()
 
@@ -453,11 +411,9 @@ class CpuExecutor:
                 for u, arr in cached:
                     assembled += self._apply(run, u, arr)
                     done.append(u)
-                    run.copied((u,))
         except Exception as e:
             rest = [u for u, _ in cached if u not in done]
             run.crash(rest, e)
-            run.copied(rest)
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
             run.group_done()
@@ -507,7 +463,6 @@ class CpuExecutor:
             self.stats.add_units(len(units), seconds - read_s, encoded, decoded, 0.0, assembled)
         except Exception as e:
             run.crash(group.units, e)
-            run.copied(group.units)
         finally:
             if finished:
                 self.budget.release(reserved)
@@ -538,7 +493,6 @@ class CpuExecutor:
                     data = self.reader.read_range(group.key, group.offset, group.length)
             except SampleError as e:
                 run.fail(_samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
-                run.copied(group.units)
                 return
             self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
             if data is None:
@@ -546,7 +500,6 @@ class CpuExecutor:
                 for u in group.units:
                     for s, op in u.copies:
                         op.fill(run.views[s], cast_fill(u.meta.fill_value, run.views[s].dtype))
-                run.copied(group.units)
                 return
             # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do
             # not pay a thread handoff each; the group's memory is returned as tasks finish.
@@ -565,7 +518,6 @@ class CpuExecutor:
             handed_over = True
         except Exception as e:
             run.crash(group.units, e)
-            run.copied(group.units)
         finally:
             if not handed_over:
                 self.budget.release(reserved)
@@ -598,14 +550,12 @@ class CpuExecutor:
                     except SampleError as e:
                         run.fail(_samples_of((u,)), e)
                         done.append(u)
-                        run.copied((u,))
                         continue
                     t1 = time.perf_counter()
                     if self.chunk_cache is not None:
                         self.chunk_cache.put((u.meta.root, u.unit), _frozen(arr))
                     assembled += self._apply(run, u, arr)
                     done.append(u)
-                    run.copied((u,))
                     decode_s += t1 - t0
                     assemble_s += time.perf_counter() - t1
                     encoded += len(data)
@@ -613,7 +563,6 @@ class CpuExecutor:
         except Exception as e:
             rest = [u for u in units if u not in done]
             run.crash(rest, e)
-            run.copied(rest)
         finally:
             self.stats.add_units(len(units), decode_s, encoded, decoded, assemble_s, assembled)
             self.budget.release(sum(u.decoded_nbytes for u in units))
@@ -671,7 +620,6 @@ class CpuExecutor:
             elif kernel.codec == native.CODEC_ZSTD and "expected" not in reason:
                 reason = f"zstd: {reason}"
             run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
-        run.copied(units)
         return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize
 
     def close(self) -> None:

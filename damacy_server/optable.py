@@ -3,9 +3,9 @@ them outside Python (the native CPU path now; a GPU assembly kernel later).
 
 Row layout (``2 + 3 * ndim`` columns): unit number (``base`` for the first unit given, then
 counting up), sample (the target index), then per axis the source start (in the unit), the destination start (in the
-target) and the extent. A negative source start ``-(k + 1)`` stands for an ascending index
-list, ``pool[k : k + extent]`` (index queries, which are assembled in sorted order). Rows are
-grouped by unit, in unit order. The planner already holds the copies in this form
+target) and the extent. A negative start ``-(k + 1)``, on either side, stands for the index
+list ``pool[k : k + extent]`` (index queries: which elements of the unit, and where they go
+in the caller's order). Rows are grouped by unit, in unit order. The planner already holds the copies in this form
 (:class:`damacy_server.plan.CopyTable`); :func:`build` takes a task's slice of it, and
 :func:`apply` is the numpy reference an executor must agree with.
 """
@@ -48,8 +48,8 @@ def build(units: Sequence[Any]) -> OpTable:
 
 
 def apply(table: OpTable, decoded: list[np.ndarray], targets: Sequence[np.ndarray]) -> None:
-    """The reference semantics: ``targets[sample][dst box] = decoded[unit - base][src box]``
-    (numpy cast)."""
+    """The reference semantics: ``targets[sample][dst] = decoded[unit - base][src]``, each
+    side the outer product of its ranges and index lists (numpy cast)."""
     n = table.ndim
     with np.errstate(invalid="ignore", over="ignore"):
         for row in table.ops.tolist():
@@ -57,6 +57,9 @@ def apply(table: OpTable, decoded: list[np.ndarray], targets: Sequence[np.ndarra
             src, dst, ext = row[2 : 2 + n], row[2 + n : 2 + 2 * n], row[2 + 2 * n :]
             piece = decoded[unit]
             for axis, (a, e) in enumerate(zip(src, ext)):  # one axis at a time (outer product)
-                idx = np.arange(a, a + e) if a >= 0 else table.pool[-a - 1 : -a - 1 + e]
-                piece = piece.take(idx, axis=axis)
-            targets[t][tuple(slice(d, d + e) for d, e in zip(dst, ext))] = piece
+                piece = piece.take(_indices(table.pool, a, e), axis=axis)
+            targets[t][np.ix_(*(_indices(table.pool, d, e) for d, e in zip(dst, ext)))] = piece
+
+
+def _indices(pool: np.ndarray, start: int, extent: int) -> np.ndarray:
+    return np.arange(start, start + extent) if start >= 0 else pool[-start - 1 : -start - 1 + extent]

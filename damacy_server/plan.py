@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,8 +65,9 @@ class CopyTable:
 
     Row layout (``2 + 3 * ndim`` columns): the unit's position in the plan's unit order, the
     sample, then per axis the source start (in the unit), the destination start (in the
-    sample) and the extent. A negative source start ``-(k + 1)`` stands for the ascending
-    index list ``pool[k : k + extent]`` (index queries, assembled in sorted order). Rows are
+    sample) and the extent. A negative start ``-(k + 1)``, on either side, stands for the
+    index list ``pool[k : k + extent]`` (index queries: the unit's elements an index list
+    selects, and where they go in the caller's order). Rows are
     grouped by unit, in unit order. ``spans[p]`` is where unit ``p``'s bytes are: offset in
     its object and length (-1: the whole object).
     """
@@ -83,14 +84,16 @@ class CopyTable:
         """Rows ``[lo, hi)`` as (sample, copy) objects, for the numpy path."""
         n = self.ndim
         out: list[tuple[int, SliceCopy | CopyOp]] = []
+        pool = self.pool
         for row in self.rows[lo:hi].tolist():
             src, dst, ext = row[2 : 2 + n], row[2 + n : 2 + 2 * n], row[2 + 2 * n :]
-            dst_box = tuple(slice(d, d + e) for d, e in zip(dst, ext))
-            if all(a >= 0 for a in src):
+            if all(a >= 0 for a in src) and all(d >= 0 for d in dst):
+                dst_box = tuple(slice(d, d + e) for d, e in zip(dst, ext))
                 out.append((row[1], SliceCopy(dst_box, tuple(slice(a, a + e) for a, e in zip(src, ext)))))
             else:
-                parts = [slice(a, a + e) if a >= 0 else self.pool[-a - 1 : -a - 1 + e] for a, e in zip(src, ext)]
-                out.append((row[1], CopyOp(dst_box, parts)))
+                src_parts = [slice(a, a + e) if a >= 0 else pool[-a - 1 : -a - 1 + e] for a, e in zip(src, ext)]
+                dst_parts = [slice(d, d + e) if d >= 0 else pool[-d - 1 : -d - 1 + e] for d, e in zip(dst, ext)]
+                out.append((row[1], CopyOp(dst_parts, src_parts)))
         return out
 
 
@@ -165,10 +168,6 @@ class BatchPlan:
     groups: list[ReadGroup]
     errors: dict[int, SampleError]
     metas: list[ArrayMetadata | None]
-    # per sample: (axis, inverse order) to apply at the end, for index queries whose lists
-    # were sorted so that each read unit fills a contiguous block (None: no permutation)
-    perms: list[list[tuple[int, np.ndarray]] | None] = field(default_factory=list)
-    copy_counts: list[int] = field(default_factory=list)  # per sample: copies to apply
     units_total: int = 0  # unit references over all samples
     units_unique: int = 0
     reads_merged: int = 0  # ranges saved by merging
@@ -226,10 +225,9 @@ class _ArrayRows:
             return out
         out = []
         for u, dst, src in axis_parts(sel, size, unit):
-            if not isinstance(dst, slice):  # index lists are sorted before planning
-                raise AssertionError("an index query was planned unsorted")
             start = src.start if isinstance(src, slice) else self.pooled(np.asarray(src, dtype=np.int64))
-            out.append((u, start, dst.start, dst.stop - dst.start))
+            to = dst.start if isinstance(dst, slice) else self.pooled(np.asarray(dst, dtype=np.int64))
+            out.append((u, start, to, _part_len(dst)))
         return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -264,7 +262,6 @@ class ChunkPlanner:
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
         by_array: dict[str, _ArrayRows] = {}
-        perms: list[list[tuple[int, np.ndarray]] | None] = [None] * n
         for i, sample in enumerate(samples):
             try:
                 if isinstance(sample, BadSample):
@@ -272,8 +269,6 @@ class ChunkPlanner:
                 meta = self.metadata.array(sample.uri)
                 metas[i] = meta
                 axes = sample_axes(sample, meta, out_of_bounds)
-                if isinstance(sample, IndexQuery):
-                    axes, perms[i] = sorted_axes(axes)
                 shape = selection_shape(axes)
                 if not same_shape(shape, sample_shape):
                     raise InvalidArgument(f"selects shape {shape}, the batch holds samples of shape {sample_shape}")
@@ -303,7 +298,6 @@ class ChunkPlanner:
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
         present: list[UnitJob] = []
-        copy_counts = np.zeros(n, dtype=np.int64)
         for acc, rows, units, inverse, locs in located:
             meta = acc.meta
             ok = ~np.isin(rows[:, 0], failed) if len(failed) else np.ones(len(rows), dtype=bool)
@@ -327,7 +321,6 @@ class ChunkPlanner:
             table_rows[:, 0] = pos
             table_rows[:, 1] = kept[:, 0]
             table_rows[:, 2:] = kept[:, 1 + ndim :]
-            copy_counts += np.bincount(kept[:, 0], minlength=n)
             spans = np.stack([np.where(locs.nbytes[order] < 0, 0, locs.offsets[order]), locs.nbytes[order]], axis=1)
             pool = np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64)
             table = CopyTable(ndim, table_rows, pool, np.ascontiguousarray(spans, dtype=np.int64))
@@ -347,13 +340,15 @@ class ChunkPlanner:
             groups=groups,
             errors=errors,
             metas=metas,
-            perms=[None if i in errors else p for i, p in enumerate(perms)],
-            copy_counts=copy_counts.tolist(),
             units_total=total,
             units_unique=unique,
             reads_merged=merged,
             seconds=time.perf_counter() - t0,
         )
+
+
+def _part_len(p) -> int:
+    return p.stop - p.start if isinstance(p, slice) else len(p)
 
 
 def _copy_error(e: SampleError) -> SampleError:
@@ -409,21 +404,6 @@ def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[Ax
                 axes.append(AxisIndex(index_array(list(s), size, axis, None)))
         return axes
     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
-
-
-def sorted_axes(axes: list[AxisSelection]) -> tuple[list[AxisSelection], list[tuple[int, np.ndarray]] | None]:
-    """Index lists in ascending order (so each read unit's part is one block of the
-    selection) and, per reordered axis, the order that restores the caller's."""
-    perm = []
-    out = list(axes)
-    for k, a in enumerate(axes):
-        if isinstance(a, AxisIndex) and len(a.indices) > 1 and bool(np.any(np.diff(a.indices) < 0)):
-            order = np.argsort(a.indices, kind="stable")
-            out[k] = AxisIndex(a.indices[order])
-            inverse = np.empty_like(order)
-            inverse[order] = np.arange(len(order))
-            perm.append((k, inverse))
-    return out, perm or None
 
 
 def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:

@@ -241,7 +241,7 @@ def test_ops_outside_their_unit_are_refused():
     out = np.zeros(8, dtype="f4")
     targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
     shape = np.array([16], dtype=np.int64)
-    for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2])):
+    for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2]), ([0, 0, 0, -2, 4], [0, 1, 2])):
         ops = np.array([row], dtype=np.int64)
         failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())[0]
         assert failed and "outside its chunk" in failed[0][1]
@@ -346,7 +346,8 @@ def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch
     executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
     stages = _read_all(uri, data, BOXES * 3, executor)
     assert stages["direct"]["count"] == 0 and stages["read"]["count"] > 3
-    assert len(calls) == 3  # then it stops trying for a while
+    # then it stops trying for a while (groups already handed to decode threads still try)
+    assert 3 <= len(calls) < stages["read"]["count"]
     assert executor._direct_skip > 0
 
 

@@ -220,9 +220,12 @@ static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p
 
 typedef void (*row_fn)(const char *src, char *dst, Py_ssize_t n, int swap);
 typedef void (*gather_fn)(const char *src, const int64_t *index, char *dst, Py_ssize_t n, int swap);
+typedef void (*scatter_fn)(const char *src, int64_t src_start, const int64_t *src_index, char *dst,
+                           const int64_t *dst_index, Py_ssize_t n, int swap);
 
 /* One row: n elements from contiguous src to contiguous dst; the byte-order test is out of
- * the loop so the common case vectorises. GATHER: element i comes from src[index[i]]. */
+ * the loop so the common case vectorises. _g: element i comes from src[index[i]]; _s: element
+ * i goes to dst[dst_index[i]], from src[s0 + i] or src[src_index[i]]. */
 #define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR)                                            \
     static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap) { \
         DT *out = (DT *)d;                                                             \
@@ -244,7 +247,16 @@ typedef void (*gather_fn)(const char *src, const int64_t *index, char *dst, Py_s
             DT v = (DT)(EXPR(LOAD(s + ix[i] * (SRC_SIZE), swap)));                     \
             memcpy(out + i, &v, sizeof(DT));                                           \
         }                                                                              \
+    }                                                                                  \
+    static void __attribute__((unused)) NAME##_s(const char *s, int64_t s0, const int64_t *six, char *d,      \
+                                                 const int64_t *dix, Py_ssize_t n, int swap) {              \
+        DT *out = (DT *)d;                                                             \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            DT v = (DT)(EXPR(LOAD(s + (six ? six[i] : s0 + i) * (SRC_SIZE), swap)));    \
+            memcpy(out + dix[i], &v, sizeof(DT));                                      \
+        }                                                                              \
     }
+
 #define AS_IS(v) (v)
 #define AS_BOOL(v) ((v) != 0)
 #define AS_HALF(v) float_to_half((float)(v))
@@ -281,48 +293,33 @@ ROWS_FOR(f2, load_half, 2)
 ROWS_FOR(f4, load_float, 4)
 ROWS_FOR(f8, load_double, 8)
 
-/* [src][dst]; NULL where numpy's semantics differ or are undefined (left to numpy) */
-#define INT_TABLE(S)                                                                   \
-    {S##_to_b1, S##_to_i1, S##_to_u1, S##_to_i2, S##_to_u2, S##_to_i4, S##_to_u4,      \
-     S##_to_i8, S##_to_u8, S##_to_f2, S##_to_f4, S##_to_f8, S##_to_bf}
-static row_fn TABLE[T_COUNT][T_COUNT] = {
+/* [src][dst]: a row copy, a gather from an index list and a scatter to one; NONE where
+ * numpy's semantics differ or are undefined (left to numpy) */
+typedef struct {
+    row_fn row;
+    gather_fn gather;
+    scatter_fn scatter;
+} conv_t;
+#define K(S, D) {S##_to_##D, S##_to_##D##_g, S##_to_##D##_s}
+#define NONE {NULL, NULL, NULL}
+#define INT_TABLE(S) \
+    {K(S, b1), K(S, i1), K(S, u1), K(S, i2), K(S, u2), K(S, i4), K(S, u4), K(S, i8), K(S, u8), K(S, f2), K(S, f4), K(S, f8), K(S, bf)}
+static conv_t CONV[T_COUNT][T_COUNT] = {
     /* bool: numpy copies a bool's byte to bool and ml_dtypes takes it as a number for bf16 */
-    {NULL, b1_to_i1, b1_to_u1, b1_to_i2, b1_to_u2, b1_to_i4, b1_to_u4, b1_to_i8, b1_to_u8, b1_to_f2, b1_to_f4, b1_to_f8, NULL},
+    {NONE, K(b1, i1), K(b1, u1), K(b1, i2), K(b1, u2), K(b1, i4), K(b1, u4), K(b1, i8), K(b1, u8), K(b1, f2), K(b1, f4), K(b1, f8), NONE},
     INT_TABLE(i1), INT_TABLE(u1), INT_TABLE(i2), INT_TABLE(u2),
     /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
-    {i4_to_b1, i4_to_i1, i4_to_u1, i4_to_i2, i4_to_u2, i4_to_i4, i4_to_u4, i4_to_i8, i4_to_u8, i4_to_f2, i4_to_f4, i4_to_f8, NULL},
-    {u4_to_b1, u4_to_i1, u4_to_u1, u4_to_i2, u4_to_u2, u4_to_i4, u4_to_u4, u4_to_i8, u4_to_u8, u4_to_f2, u4_to_f4, u4_to_f8, NULL},
-    {i8_to_b1, i8_to_i1, i8_to_u1, i8_to_i2, i8_to_u2, i8_to_i4, i8_to_u4, i8_to_i8, i8_to_u8, i8_to_f2, i8_to_f4, i8_to_f8, NULL},
-    {u8_to_b1, u8_to_i1, u8_to_u1, u8_to_i2, u8_to_u2, u8_to_i4, u8_to_u4, u8_to_i8, u8_to_u8, u8_to_f2, u8_to_f4, u8_to_f8, NULL},
+    {K(i4, b1), K(i4, i1), K(i4, u1), K(i4, i2), K(i4, u2), K(i4, i4), K(i4, u4), K(i4, i8), K(i4, u8), K(i4, f2), K(i4, f4), K(i4, f8), NONE},
+    {K(u4, b1), K(u4, i1), K(u4, u1), K(u4, i2), K(u4, u2), K(u4, i4), K(u4, u4), K(u4, i8), K(u4, u8), K(u4, f2), K(u4, f4), K(u4, f8), NONE},
+    {K(i8, b1), K(i8, i1), K(i8, u1), K(i8, i2), K(i8, u2), K(i8, i4), K(i8, u4), K(i8, i8), K(i8, u8), K(i8, f2), K(i8, f4), K(i8, f8), NONE},
+    {K(u8, b1), K(u8, i1), K(u8, u1), K(u8, i2), K(u8, u2), K(u8, i4), K(u8, u4), K(u8, i8), K(u8, u8), K(u8, f2), K(u8, f4), K(u8, f8), NONE},
     /* floats: not to integers (numpy's results there are platform-defined) */
     /* f16 to f64 through f32 would quieten signalling NaNs numpy keeps */
-    {f2_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2, f2_to_f4, NULL, f2_to_bf},
-    {f4_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f4_to_f2, f4_to_f4, f4_to_f8, f4_to_bf},
+    {K(f2, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f2, f2), K(f2, f4), NONE, K(f2, bf)},
     /* f64 to f16/bf16 would round twice through f32 */
-    {f8_to_b1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4, f8_to_f8, NULL},
+    {K(f4, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f4, f2), K(f4, f4), K(f4, f8), K(f4, bf)},
+    {K(f8, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f8, f4), K(f8, f8), NONE},
 };
-
-/* the same conversions, gathering along an index list */
-#define INT_GTABLE(S)                                                                  \
-    {S##_to_b1_g, S##_to_i1_g, S##_to_u1_g, S##_to_i2_g, S##_to_u2_g, S##_to_i4_g, S##_to_u4_g, \
-     S##_to_i8_g, S##_to_u8_g, S##_to_f2_g, S##_to_f4_g, S##_to_f8_g, S##_to_bf_g}
-
-
-static gather_fn GATHER[T_COUNT][T_COUNT] = {
-    {NULL, b1_to_i1_g, b1_to_u1_g, b1_to_i2_g, b1_to_u2_g, b1_to_i4_g, b1_to_u4_g, b1_to_i8_g, b1_to_u8_g, b1_to_f2_g, b1_to_f4_g, b1_to_f8_g, NULL},
-    INT_GTABLE(i1), INT_GTABLE(u1), INT_GTABLE(i2), INT_GTABLE(u2),
-    /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
-    {i4_to_b1_g, i4_to_i1_g, i4_to_u1_g, i4_to_i2_g, i4_to_u2_g, i4_to_i4_g, i4_to_u4_g, i4_to_i8_g, i4_to_u8_g, i4_to_f2_g, i4_to_f4_g, i4_to_f8_g, NULL},
-    {u4_to_b1_g, u4_to_i1_g, u4_to_u1_g, u4_to_i2_g, u4_to_u2_g, u4_to_i4_g, u4_to_u4_g, u4_to_i8_g, u4_to_u8_g, u4_to_f2_g, u4_to_f4_g, u4_to_f8_g, NULL},
-    {i8_to_b1_g, i8_to_i1_g, i8_to_u1_g, i8_to_i2_g, i8_to_u2_g, i8_to_i4_g, i8_to_u4_g, i8_to_i8_g, i8_to_u8_g, i8_to_f2_g, i8_to_f4_g, i8_to_f8_g, NULL},
-    {u8_to_b1_g, u8_to_i1_g, u8_to_u1_g, u8_to_i2_g, u8_to_u2_g, u8_to_i4_g, u8_to_u4_g, u8_to_i8_g, u8_to_u8_g, u8_to_f2_g, u8_to_f4_g, u8_to_f8_g, NULL},
-    /* floats: not to integers (numpy's results there are platform-defined) */
-    {f2_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f2_to_f2_g, f2_to_f4_g, NULL, f2_to_bf_g},
-    {f4_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f4_to_f2_g, f4_to_f4_g, f4_to_f8_g, f4_to_bf_g},
-    /* f64 to f16/bf16 would round twice through f32 */
-    {f8_to_b1_g, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, f8_to_f4_g, f8_to_f8_g, NULL},
-};
-
 
 /* ---- the task ----------------------------------------------------------------------- */
 typedef struct {
@@ -331,17 +328,19 @@ typedef struct {
 } unit_in;
 
 /* Copy one op's box: nested loops over all axes but the last, a row call per row. */
-/* The source coordinate along axis a at position i of a copy: a range (start >= 0) or an
- * index list in the pool (start = -(offset + 1); the list is sorted). */
+/* The coordinate along an axis at position i of a copy, on either side: a range (start >= 0)
+ * or an index list in the pool (start = -(offset + 1)). */
 static inline int64_t src_coord(const int64_t *pool, int64_t start, int64_t i) {
     return start >= 0 ? start + i : pool[-start - 1 + i];
 }
 
-/* Copy one op: nested loops over all axes but the last, a row (or gather) call per row.
- * The destination's last axis is contiguous (slots are C-ordered). */
+/* Copy one op: nested loops over all axes but the last, a row (gather, scatter) call per row.
+ * Along any axis the source and the destination are each a range or an index list; the
+ * destination's last axis is contiguous (slots are C-ordered). */
 static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int src_size, char *dst_base,
                      const int64_t *dst_strides, int dst_size, const int64_t *src_start, const int64_t *dst_start,
-                     const int64_t *extent, const int64_t *pool, row_fn row, gather_fn gather, int swap) {
+                     const int64_t *extent, const int64_t *pool, row_fn row, gather_fn gather, scatter_fn scatter,
+                     int swap) {
     int64_t src_strides[MAX_NDIM];
     int64_t s = 1;
     for (int a = ndim - 1; a >= 0; a--) {
@@ -361,12 +360,17 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
         int64_t so = 0, dof = 0;
         for (int a = 0; a < last; a++) {
             so += src_coord(pool, src_start[a], idx[a]) * src_strides[a];
-            dof += (dst_start[a] + idx[a]) * dst_strides[a];
+            dof += src_coord(pool, dst_start[a], idx[a]) * dst_strides[a];
         }
-        dof += dst_start[last] * dst_strides[last];
-        if (src_start[last] >= 0) {
+        if (dst_start[last] < 0) {
+            const int64_t *six = src_start[last] >= 0 ? NULL : pool - src_start[last] - 1;
+            scatter(chunk + so * src_size, src_start[last], six, dst_base + dof * dst_size, pool - dst_start[last] - 1, n,
+                    swap);
+        } else if (src_start[last] >= 0) {
+            dof += dst_start[last] * dst_strides[last];
             row(chunk + (so + src_start[last]) * src_size, dst_base + dof * dst_size, n, swap);
         } else {
+            dof += dst_start[last] * dst_strides[last];
             gather(chunk + so * src_size, pool - src_start[last] - 1, dst_base + dof * dst_size, n, swap);
         }
         int a = last - 1;
@@ -460,7 +464,7 @@ static int task_prepare(task_t *t) {
         return -1;
     }
     if (t->src_type < 0 || t->src_type >= T_COUNT || t->dst_type < 0 || t->dst_type >= T_COUNT ||
-        !TABLE[t->src_type][t->dst_type] || t->ndim > MAX_NDIM) {
+        !CONV[t->src_type][t->dst_type].row || t->ndim > MAX_NDIM) {
         PyErr_SetString(PyExc_ValueError, "unsupported cast or rank for the native path");
         return -1;
     }
@@ -515,8 +519,9 @@ static void task_assemble(task_t *t) {
     const Py_ssize_t decoded_nbytes = t->decoded_nbytes;
     const int64_t base = t->base;
     long long encoded = 0, elements = 0;
-    row_fn row = TABLE[t->src_type][t->dst_type];
-    gather_fn gather = GATHER[t->src_type][t->dst_type];
+    row_fn row = CONV[t->src_type][t->dst_type].row;
+    gather_fn gather = CONV[t->src_type][t->dst_type].gather;
+    scatter_fn scatter = CONV[t->src_type][t->dst_type].scatter;
     int src_size = ITEMSIZE[t->src_type], dst_size = ITEMSIZE[t->dst_type];
     char *scratch = NULL;
     void *dctx = NULL;
@@ -563,6 +568,11 @@ static void task_assemble(task_t *t) {
                     }
                 }
                 if (amin < 0 || amax >= unit_shape[a]) {
+                    status[u] = E_OPS;
+                    break;
+                }
+                int64_t dst = o[2 + ndim + a];
+                if (dst < 0 && -dst - 1 + ext > pool_len) {
                     status[u] = E_OPS;
                     break;
                 }
@@ -642,7 +652,7 @@ static void task_assemble(task_t *t) {
                 }
                 const int64_t *t = targets + o[1] * (1 + ndim);
                 copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                         o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, swap);
+                         o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, scatter, swap);
                 long long n = 1;
                 for (int a = 0; a < ndim; a++) n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
                 elements += n;
@@ -701,8 +711,8 @@ static PyObject *task_failures(task_t *t) {
  *          end of data; a span reaching past the end is cut there: a truncated read is
  *          reported, not read beyond)
  *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
- *        units are numbered from base (the first span); a negative src_start -(k + 1) means
- *        the sorted index list pool[k : k + extent]
+ *        units are numbered from base (the first span); a negative start -(k + 1), on either
+ *        side, means the index list pool[k : k + extent]
  *   targets: int64 array (n_targets, 1 + ndim): address, strides in elements
  * Returns (failures, encoded, elements): (unit, message) for units that failed (their copies
  * are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
@@ -805,7 +815,7 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
 static PyObject *supports(PyObject *self, PyObject *args) {
     int src_type, dst_type;
     if (!PyArg_ParseTuple(args, "ii", &src_type, &dst_type)) return NULL;
-    int ok = src_type >= 0 && src_type < T_COUNT && dst_type >= 0 && dst_type < T_COUNT && TABLE[src_type][dst_type];
+    int ok = src_type >= 0 && src_type < T_COUNT && dst_type >= 0 && dst_type < T_COUNT && CONV[src_type][dst_type].row;
     return PyBool_FromLong(ok);
 }
 
