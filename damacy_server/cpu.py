@@ -420,7 +420,7 @@ class CpuExecutor:
 
     def _direct_ok(self, run: _Run, group: ReadGroup) -> bool:
         """Should a decode thread try to read this group itself (from the page cache)?"""
-        if self._direct_skip:
+        if self._direct_skip > 0:
             self._direct_skip -= 1
             return False
         return (
@@ -449,7 +449,8 @@ class CpuExecutor:
                 kernel, where, group.offset, group.length, table, targets
             )
             if code != 0:
-                self._direct_missed()
+                if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
+                    self._direct_missed()
                 finished = False
                 return
             self._direct_misses = 0

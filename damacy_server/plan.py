@@ -188,7 +188,7 @@ class _ArrayRows:
         self.pool_len = 0
 
     def pooled(self, indices: np.ndarray) -> int:
-        """Keep an index list; returns its reference (a negative source start)."""
+        """Keep an index list; returns its reference (a negative start)."""
         ref = -(self.pool_len + 1)
         self.pool.append(indices)
         self.pool_len += len(indices)
@@ -291,9 +291,13 @@ class ChunkPlanner:
             locs = self.metadata.locate(acc.meta, units)
             total += len(rows)
             unique += len(units)
-            for k, err in locs.errors.items():
-                for s in np.unique(rows[inverse == k, 0]).tolist():
-                    errors.setdefault(s, _copy_error(err).with_context(sample=samples[s]))
+            if locs.errors:  # each sample takes the error of the first failed unit it reads
+                bad = np.fromiter(locs.errors, dtype=np.int64, count=len(locs.errors))
+                hit = np.flatnonzero(np.isin(inverse, bad))
+                first = np.unique(rows[hit, 0], return_index=True)
+                for s, r in zip(first[0].tolist(), hit[first[1]].tolist()):
+                    if s not in errors:
+                        errors[s] = _copy_error(locs.errors[int(inverse[r])]).with_context(sample=samples[s])
             located.append((acc, rows, units, inverse, locs))
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))

@@ -7,6 +7,7 @@ LRU caches.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,11 +94,14 @@ class ZarrMetadata:
             raise InvalidArgument(f"units must have shape (n, {layout.ndim}), got {units.shape}", uri=meta.uri)
         n = len(units)
         chunk_coords = layout.chunk_coords(units)
-        if layout.ndim and n:
-            grid = tuple(-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape))
+        grid = tuple(-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape))
+        if layout.ndim and n and math.prod(grid) < 1 << 62:
             ids = np.ravel_multi_index(tuple(chunk_coords.T), grid)
             uniq, owners = np.unique(ids, return_inverse=True)
             chunks = np.stack(np.unravel_index(uniq, grid), axis=1)
+            owners = owners.reshape(-1).astype(np.int64, copy=False)
+        elif layout.ndim and n:  # a grid too large for flat ids
+            chunks, owners = np.unique(chunk_coords, axis=0, return_inverse=True)
             owners = owners.reshape(-1).astype(np.int64, copy=False)
         else:
             chunks = np.zeros((1 if n else 0, layout.ndim), dtype=np.int64)

@@ -96,7 +96,7 @@ def test_half_and_bfloat_rounding_edges():
     for name, code, ref in (("f16", 9, np.float16), ("bf16", 12, ml_dtypes.bfloat16)):
         out = np.zeros(len(values), dtype=ref)
         ops = np.array([[0, 0, 0, 0, len(values)]], dtype=np.int64)
-        targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
+        targets = np.array([[out.__array_interface__["data"][0], 1, len(out)]], dtype=np.int64)
         shape = np.array([len(values)], dtype=np.int64)
         assert _assemble.run(values.tobytes(), 0, _SPAN(values.nbytes), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"")[0] == []
         with np.errstate(over="ignore", invalid="ignore"):
@@ -239,17 +239,33 @@ def test_ops_outside_their_unit_are_refused():
 
     data = np.arange(16, dtype="f4")
     out = np.zeros(8, dtype="f4")
-    targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
+    targets = np.array([[out.__array_interface__["data"][0], 1, 8]], dtype=np.int64)
     shape = np.array([16], dtype=np.int64)
     for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2]), ([0, 0, 0, -2, 4], [0, 1, 2])):
         ops = np.array([row], dtype=np.int64)
         failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())[0]
         assert failed and "outside its chunk" in failed[0][1]
     assert not out.any()
-    # a target index beyond the targets given is refused too
-    ops = np.array([[0, 1, 0, 0, 8]], dtype=np.int64)
-    failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, b"")[0]
-    assert failed and "outside its chunk" in failed[0][1] and not out.any()
+    # destinations outside the sample, a target beyond those given or without a view, starts
+    # that would overflow: refused before anything is written
+    no_view = np.array([[0, 1, 8]], dtype=np.int64)
+    for row, pool, tg in (
+        ([0, 1, 0, 0, 8], [], targets),
+        ([0, 0, 0, 4, 8], [], targets),
+        ([0, 0, 0, -1, 2], [3, 8], targets),
+        ([0, 0, 0, -1, 2], [-1, 2], targets),
+        ([0, 0, -(2**63), 0, 2], [1, 2], targets),
+        ([0, 0, 0, -(2**63), 2], [1, 2], targets),
+        ([0, 0, 2**62, 0, 2**62], [], targets),
+        ([0, 0, 0, 0, 8], [], no_view),
+    ):
+        ops = np.array([row], dtype=np.int64)
+        failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, tg.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())[0]
+        assert failed and "outside its chunk or its sample" in failed[0][1], row
+    assert not out.any()
+    # a unit shape that does not match the decoded size is refused outright
+    with pytest.raises(ValueError, match="unit shape"):
+        _assemble.run(data.tobytes(), 0, _SPAN(64), np.array([[0, 0, 0, 0, 8]], dtype=np.int64).tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")
 
 
 def test_op_tables_out_of_unit_order_and_spans_past_the_data():
@@ -257,7 +273,7 @@ def test_op_tables_out_of_unit_order_and_spans_past_the_data():
 
     data = np.arange(16, dtype="f4")
     out = np.zeros(16, dtype="f4")
-    targets = np.array([[out.__array_interface__["data"][0], 1]], dtype=np.int64)
+    targets = np.array([[out.__array_interface__["data"][0], 1, 16]], dtype=np.int64)
     shape = np.array([8], dtype=np.int64)
     spans = np.array([[0, 32], [32, 32]], dtype=np.int64)
     ops = np.array([[1, 0, 0, 8, 8], [0, 0, 0, 0, 8]], dtype=np.int64)  # unit 1's op first
@@ -415,3 +431,92 @@ def test_truncated_shard_read_directly_falls_back_and_is_reported(tmp_path):
     _, errors = _run_one(uri, BOXES[0])
     (_, err), = errors
     assert isinstance(err, damacy.DecodeError) and "truncated" in str(err), err
+
+
+def test_direct_reads_of_whole_objects_and_empty_files(tmp_path):
+    import os
+
+    from damacy_server import optable
+
+    data = random_data((8, 12), "uint16", 5)
+    write_array(tmp_path / "w", data, chunks=(4, 6), compressors=[ZstdCodec(level=1)])
+    uri = str(tmp_path / "w")
+    meta = damacy.open_array(uri)
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, ((0, 4), (0, 6)))], (4, 6))
+    (group,) = plan.groups
+    assert group.length == -1  # an unsharded chunk is read whole
+    kernel = native.kernel_for(meta, np.dtype("f4"))
+    out = np.zeros((4, 6), dtype="f4")
+    targets = native.targets([out], 2)
+    table = optable.build(group.units)
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    code, failures, _, nbytes, _, elements = native.run_file(kernel, (group.key, flags), 0, -1, table, targets)
+    assert code == 0 and failures == [] and nbytes == os.path.getsize(group.key) and elements == 24
+    assert np.array_equal(out, data[:4, :6].astype("f4"))
+    open(group.key, "wb").close()  # now empty: read, and reported as undecodable
+    code, failures, _, nbytes, _, _ = native.run_file(kernel, (group.key, flags), 0, -1, table, targets)
+    assert code == 0 and nbytes == 0 and [k for k, _ in failures] == [0]
+
+
+def test_every_direct_read_outcome_settles_its_memory_once(tmp_path, monkeypatch):
+    uri, data = _sharded(tmp_path)
+    real = native.run_file
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        k = len(calls) % 3
+        if k == 0:
+            raise RuntimeError("boom")
+        if k == 1:
+            return -1, None, 0, 0, 0, 0
+        return real(*args)
+
+    monkeypatch.setattr(native, "run_file", flaky)
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    pipe = damacy.Pipeline(
+        planner=damacy.ChunkPlanner(), executor=executor, output=damacy.BatchSpec(2, (8, 10, 12), "f32"), on_error="fill"
+    )
+    errors, good = [], 0
+    with pipe:
+        pipe.push([damacy.Sample(uri, b) for b in BOXES * 4])
+        for k, batch in enumerate(pipe.batches()):
+            with batch:
+                errors += [e for _, e in batch.info.errors]
+                failed = dict(batch.info.errors)
+                for j, b in enumerate((BOXES * 4)[2 * k : 2 * k + 2]):
+                    if j not in failed:
+                        good += 1
+                        assert np.array_equal(batch.numpy()[j], data[tuple(slice(a, c) for a, c in b)].astype("f4"))
+        assert executor.budget.used == executor.budget.slots  # nothing in flight is left behind
+    assert errors and good and len(calls) > 3
+    assert all("internal error: RuntimeError: boom" in str(e) for e in errors)
+
+
+def test_corrupt_shard_index_values_are_decode_errors(tmp_path):
+    import crc32c
+
+    uri, _ = _sharded(tmp_path)
+    shard = tmp_path / "d" / "c" / "0" / "0" / "0"
+    raw = bytearray(shard.read_bytes())
+    n = 4  # inner chunks in the shard
+    index = raw[-(16 * n + 4) :]
+    entries = np.frombuffer(bytes(index[:-4]), dtype="<u8").copy()
+    entries[1] = 2**63  # the size of inner chunk 0
+    body = entries.tobytes()
+    raw[-(16 * n + 4) :] = body + crc32c.crc32c(body).to_bytes(4, "little")
+    shard.write_bytes(bytes(raw))
+    _, errors = _run_one(uri, BOXES[0])
+    (_, err), = errors
+    assert isinstance(err, damacy.DecodeError) and "shard index" in str(err), err
+
+
+def test_arrays_with_huge_chunk_grids(tmp_path):
+    import zarr
+
+    arr = zarr.create_array(store=str(tmp_path / "h"), shape=(2**40, 2**40), chunks=(4, 4), dtype="uint16", fill_value=7)
+    arr[0:4, 0:4] = np.arange(16, dtype="uint16").reshape(4, 4)
+    want = arr[0:2, 0:3]
+    assert np.array_equal(damacy.read(str(tmp_path / "h"), ((0, 2), (0, 3))), want)
+    got, errors = _run_one(str(tmp_path / "h"), ((0, 2), (0, 3)))
+    assert not errors and np.array_equal(got, want.astype("f4"))

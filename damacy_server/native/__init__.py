@@ -101,18 +101,20 @@ def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
 
 
 def targets(views: list, ndim: int) -> np.ndarray:
-    """Per sample the destination's address and strides (elements), for ops of rank ``ndim``
-    (samples of another rank, or without a view, get a zero row: no op names them)."""
-    out = np.zeros((len(views), 1 + ndim), dtype=np.int64)
+    """Per sample the destination's address, strides (elements) and shape, for ops of rank
+    ``ndim`` (samples of another rank, or without a view, get a zero row, which native code
+    refuses to write to)."""
+    out = np.zeros((len(views), 1 + 2 * ndim), dtype=np.int64)
     for s, view in enumerate(views):
         if view is not None and view.ndim == ndim:
             out[s, 0] = view.__array_interface__["data"][0]
-            out[s, 1:] = [st // view.itemsize for st in view.strides]
+            out[s, 1 : 1 + ndim] = [st // view.itemsize for st in view.strides]
+            out[s, 1 + ndim :] = view.shape
     return out
 
 
 #: the largest read :func:`run_file` makes (larger reads go through the reader's threads)
-RUN_FILE_MAX = 16 << 20
+RUN_FILE_MAX = _assemble.RUN_FILE_MAX if _assemble is not None else 0
 
 
 def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray) -> tuple:
@@ -137,8 +139,9 @@ def run_file(
     """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
     ``where`` = (path, open flags) first, in the same call, only if the page cache holds
     them. Returns (code, failures, read_ns, nbytes, encoded, elements): code 0 when done,
-    else -1 (not cached, short, or the file system cannot read without waiting) or an
-    errno; then nothing was copied and the caller reads the ordinary way."""
+    else -1 (not cached, short, or the file system cannot read without waiting), -2 (larger
+    than RUN_FILE_MAX) or an errno from open; then nothing was copied and the caller reads
+    the ordinary way."""
     path, flags = where
     return _assemble.run_file(path, flags, offset, length, *_task(kernel, table, targets))
 

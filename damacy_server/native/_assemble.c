@@ -470,7 +470,20 @@ static int task_prepare(task_t *t) {
     }
     t->width = 2 + 3 * (Py_ssize_t)t->ndim;
     t->n_ops = t->ops.len / (Py_ssize_t)(8 * t->width);
-    t->n_targets = t->targets.len / (Py_ssize_t)(8 * (1 + t->ndim));
+    t->n_targets = t->targets.len / (Py_ssize_t)(8 * (1 + 2 * t->ndim));
+    /* the unit's elements must be what the decoded bytes hold */
+    const int64_t *unit_shape = (const int64_t *)t->shape.buf;
+    int64_t elements = 1;
+    for (int a = 0; a < t->ndim; a++) {
+        if (unit_shape[a] < 0 || __builtin_mul_overflow(elements, unit_shape[a], &elements)) elements = -1;
+        if (elements < 0) break;
+    }
+    int64_t unit_bytes;
+    if (elements < 0 || __builtin_mul_overflow(elements, (int64_t)ITEMSIZE[t->src_type], &unit_bytes) ||
+        unit_bytes != t->decoded_nbytes) {
+        PyErr_SetString(PyExc_ValueError, "the unit shape does not match the decoded size");
+        return -1;
+    }
     const int64_t *spans = (const int64_t *)t->spans.buf;
     for (Py_ssize_t u = 0; u < t->n_units; u++) {
         if (spans[2 * u] < 0 || spans[2 * u + 1] < -1) {
@@ -502,6 +515,31 @@ static void task_locate(task_t *t, const char *data, Py_ssize_t data_len, long l
         t->views[u].src = data + off;
         t->views[u].src_len = (Py_ssize_t)len;
     }
+}
+
+/* Does one side of an op along one axis stay inside [0, size)? A range start >= 0, or an
+ * index list -(k + 1) of pool[k : k + ext] whose values do. Sets the lowest and highest
+ * position used when asked. Written so that no sum can overflow. */
+static int span_ok(int64_t start, int64_t ext, int64_t size, const int64_t *pool, int64_t pool_len, int64_t *lo,
+                   int64_t *hi) {
+    int64_t amin, amax;
+    if (start >= 0) {
+        if (ext > size || start > size - ext) return 0;
+        amin = start;
+        amax = start + ext - 1;
+    } else {
+        if (start == INT64_MIN || ext > pool_len || -(start + 1) > pool_len - ext) return 0;
+        const int64_t *list = pool + (-(start + 1));
+        amin = amax = list[0];
+        for (int64_t i = 1; i < ext; i++) {
+            if (list[i] < amin) amin = list[i];
+            if (list[i] > amax) amax = list[i];
+        }
+        if (amin < 0 || amax >= size) return 0;
+    }
+    if (lo) *lo = amin;
+    if (hi) *hi = amax;
+    return 1;
 }
 
 /* Without the GIL: decode every unit and make its copies. */
@@ -546,33 +584,22 @@ static void task_assemble(task_t *t) {
         for (Py_ssize_t q = op; q < n_ops && ops[q * width] - base == u; q++) {
             const int64_t *o = ops + q * width;
             int64_t lo = 0, last = 0, empty = 0;
+            /* the target: a sample with a view, whose shape bounds the destination side */
+            const int64_t *tg = (o[1] >= 0 && o[1] < n_targets) ? targets + o[1] * (1 + 2 * ndim) : NULL;
+            if (!tg || tg[0] == 0) {
+                status[u] = E_OPS;
+                break;
+            }
             for (int a = 0; a < ndim; a++) {
-                int64_t st = o[2 + a], ext = o[2 + 2 * ndim + a], amin, amax;
+                int64_t st = o[2 + a], dst = o[2 + ndim + a], ext = o[2 + 2 * ndim + a], amin, amax;
                 if (ext <= 0) {
                     empty = 1;
                     break;
                 }
-                if (st >= 0) {
-                    amin = st;
-                    amax = st + ext - 1;
-                } else {
-                    int64_t off = -st - 1;
-                    if (off + ext > pool_len) {
-                        status[u] = E_OPS;
-                        break;
-                    }
-                    amin = amax = pool[off];
-                    for (int64_t i = 1; i < ext; i++) {
-                        if (pool[off + i] < amin) amin = pool[off + i];
-                        if (pool[off + i] > amax) amax = pool[off + i];
-                    }
-                }
-                if (amin < 0 || amax >= unit_shape[a]) {
-                    status[u] = E_OPS;
-                    break;
-                }
-                int64_t dst = o[2 + ndim + a];
-                if (dst < 0 && -dst - 1 + ext > pool_len) {
+                /* source: a range inside the unit, or an index list inside the pool whose
+                 * values lie inside the unit */
+                if (!span_ok(st, ext, unit_shape[a], pool, pool_len, &amin, &amax) ||
+                    !span_ok(dst, ext, tg[1 + ndim + a], pool, pool_len, NULL, NULL)) {
                     status[u] = E_OPS;
                     break;
                 }
@@ -645,12 +672,7 @@ static void task_assemble(task_t *t) {
         while (op < n_ops && ops[op * width] - base == u) {
             const int64_t *o = ops + op * width;
             if (status[u] == OK) {
-                if (o[1] < 0 || o[1] >= n_targets) {
-                    status[u] = E_OPS;
-                    op++;
-                    continue;
-                }
-                const int64_t *t = targets + o[1] * (1 + ndim);
+                const int64_t *t = targets + o[1] * (1 + 2 * ndim); /* checked above */
                 copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
                          o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, scatter, swap);
                 long long n = 1;
@@ -684,7 +706,7 @@ static PyObject *task_failures(task_t *t) {
         else if (status[u] == E_BLOSC)
             item = Py_BuildValue("(ns)", u, "blosc: corrupt or truncated frame");
         else if (status[u] == E_OPS)
-            item = Py_BuildValue("(ns)", u, "a copy reaches outside its chunk (planning error)");
+            item = Py_BuildValue("(ns)", u, "a copy reaches outside its chunk or its sample (planning error)");
         else if (status[u] == E_MEMORY)
             item = Py_BuildValue("(ns)", u, "out of memory for the decode buffer");
         else
@@ -713,7 +735,8 @@ static PyObject *task_failures(task_t *t) {
  *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
  *        units are numbered from base (the first span); a negative start -(k + 1), on either
  *        side, means the index list pool[k : k + extent]
- *   targets: int64 array (n_targets, 1 + ndim): address, strides in elements
+ *   targets: int64 array (n_targets, 1 + 2 * ndim): address (0: no target), strides in
+ *        elements, shape; every destination is checked against the shape
  * Returns (failures, encoded, elements): (unit, message) for units that failed (their copies
  * are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
  */
@@ -724,7 +747,9 @@ static PyObject *run(PyObject *self, PyObject *args) {
     memset(&t, 0, sizeof t);
     if (!PyArg_ParseTuple(args, "y*L" TASK_FORMAT, &data_buf, &data_offset, TASK_ARGS(t))) return NULL;
     PyObject *result = NULL;
-    if (task_prepare(&t) == 0) {
+    if (data_offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "a negative data offset");
+    } else if (task_prepare(&t) == 0) {
         task_locate(&t, (const char *)data_buf.buf, data_buf.len, data_offset);
         Py_BEGIN_ALLOW_THREADS;
         task_assemble(&t);
@@ -744,11 +769,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
  * first, all without the GIL, but only from the page cache: a read that would wait for the
  * device (or that the file system cannot promise not to) is not made. Returns
  * (code, failures, read_ns, nbytes, encoded, elements): code 0, the bytes read and the rest as
- * run's; or code -1 (not in the page
- * cache, a short read, or reads without waiting unsupported) or an errno from open/read,
+ * run's; or code -1 (not in the page cache, a short or failed read, or reads without
+ * waiting unsupported), -2 (larger than RUN_FILE_MAX) or an errno from open,
  * with nothing copied: the caller reads the ordinary way, which reports errors fully.
  */
-#define RUN_FILE_MAX (64 << 20)
+#define RUN_FILE_MAX (16 << 20) /* the largest read run_file makes (module constant RUN_FILE_MAX) */
 
 static PyObject *run_file(PyObject *self, PyObject *args) {
     PyObject *path_obj;
@@ -769,7 +794,7 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
 #ifdef RWF_NOWAIT
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        int fd = open(path, flags);
+        int fd = open(path, flags | O_NONBLOCK); /* a FIFO must not block a decode thread */
         char *buf = NULL;
         if (fd < 0) {
             code = errno;
@@ -779,6 +804,7 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
                 offset = 0;
                 length = fstat(fd, &st) == 0 ? (long long)st.st_size : -1;
             }
+            if (length > RUN_FILE_MAX) code = -2;
             if (offset >= 0 && length >= 0 && length <= RUN_FILE_MAX && (buf = malloc((size_t)length + 1))) {
                 long long got = 0;
                 while (got < length) {
@@ -850,4 +876,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_assemble", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__assemble(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__assemble(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "RUN_FILE_MAX", RUN_FILE_MAX) < 0) Py_CLEAR(m);
+    return m;
+}

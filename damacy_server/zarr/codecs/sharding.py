@@ -89,6 +89,10 @@ class ShardingCodec(ArrayBytesCodec):
         half_empty = (offsets == EMPTY) != (sizes == EMPTY)
         if half_empty.any():
             raise CorruptData("corrupt shard index: an entry has only one of offset/nbytes set to empty")
+        used = offsets != EMPTY
+        limit = np.uint64(1 << 62)  # no object is that large; sums of larger values overflow
+        if used.any() and (bool((offsets[used] >= limit).any()) or bool((sizes[used] >= limit).any())):
+            raise CorruptData("corrupt shard index: an entry's offset or size is impossibly large")
         return table
 
     def decode(self, data: Buffer, spec: ChunkSpec) -> np.ndarray:
