@@ -469,7 +469,8 @@ class CpuExecutor:
                 self.budget.release(reserved)
                 run.group_done()
             else:  # the ordinary path reads it, reports errors fully and settles the group
-                self._io.submit(self._read, run, group, reserved, False, key=run.key, priority=run.order)
+                self._io_slots.acquire()
+                self._io.submit(self._read, run, group, reserved, key=run.key, priority=run.order)
 
     def _direct_missed(self) -> None:
         """After many direct reads in a row found their data out of the page cache (or a file
@@ -479,9 +480,8 @@ class CpuExecutor:
             self._direct_misses = 0
             self._direct_skip = DIRECT_BACKOFF
 
-    def _read(self, run: _Run, group: ReadGroup, reserved: int, slot: bool = True) -> None:
-        if slot:
-            self._io_slots.release()
+    def _read(self, run: _Run, group: ReadGroup, reserved: int) -> None:
+        self._io_slots.release()
         handed_over = False
         try:
             if run.cancelled() or self._closed:
@@ -576,7 +576,7 @@ class CpuExecutor:
         if not self.native or self.chunk_cache is not None or run.dtype is None:
             return None
         meta = units[0].meta
-        if any(u.meta is not meta for u in units):
+        if units[-1].meta is not meta:  # a task's units are one object's, so one array's
             return None
         kernel = run.kernels.get(id(meta), False)  # the run holds its metas: ids are stable
         if kernel is False:

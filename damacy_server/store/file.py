@@ -170,7 +170,9 @@ class FileMetadataReader(FileStore):
 
 class FileReader(FileStore):
     """The store used for chunk data: ``workers`` threads issue positional reads (the GIL is
-    released while they wait) with at most ``max_inflight_reads`` queued at once."""
+    released while they wait) with at most ``max_inflight_reads`` queued at once. Reads whose
+    bytes the page cache holds are made by the decode threads themselves (see :meth:`direct`)
+    and do not count."""
 
     def __init__(self, workers: int = 8, max_inflight_reads: int = 4096, roots: list[str] | None = None) -> None:
         super().__init__(roots)
