@@ -6,6 +6,7 @@ Shared by the embedded pipeline and the daemon client, so both behave alike.
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,12 +14,14 @@ from damacy_client.batch import Batch
 from damacy_protocol.errors import PipelineDrained
 
 
-class PipelineAPI:
-    def pop(self, timeout: float | None = None) -> Batch:  # pragma: no cover - each pipeline has one
-        raise NotImplementedError
+class PipelineAPI(ABC):
+    @abstractmethod
+    def pop(self, timeout: float | None = None) -> Batch:
+        """The next batch, in push order."""
 
-    def close(self) -> None:  # pragma: no cover - each pipeline has one
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None:
+        """Stop; never hangs."""
 
     def batches(self, n: int | None = None) -> Iterator[Batch]:
         """Yield ``n`` batches (all, when ``n`` is None), stopping early when drained."""

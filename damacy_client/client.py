@@ -31,6 +31,7 @@ from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.endpoint import default_endpoint
 from damacy_protocol.errors import DaemonUnavailable, DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.waker import Waker
 
 log = logging.getLogger("damacy")
 
@@ -70,9 +71,7 @@ class Connection:
         self._calls: dict[int, _Call] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -136,26 +135,17 @@ class Connection:
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the I/O thread, holding no lock (safe to call from ``__del__``)."""
         self._deferred.put(fn)
-        self._wake()
+        self._waker.wake()
 
     def _send(self, payload: bytes) -> None:
         self._outbox.put(payload)
-        self._wake()
-
-    def _wake(self) -> None:
-        fd = self._wake_w
-        if fd < 0:  # closed: the number may belong to another file by now
-            return
-        try:
-            os.write(fd, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._waker.wake()
 
     # -- the I/O thread ---------------------------------------------------------------
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         last_ping = time.monotonic()
         try:
             while not self._closed:
@@ -164,12 +154,8 @@ class Connection:
                 if self._sock in events:
                     self._receive_all()
                     self._last_recv = now
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except (BlockingIOError, OSError):
-                        pass
+                if self._waker.fd in events:
+                    self._waker.drain()
                 while True:
                     try:
                         fn = self._deferred.get_nowait()
@@ -257,13 +243,7 @@ class Connection:
     def _teardown(self) -> None:
         self._sock.close(0)
         self._ctx.term()
-        fds = (self._wake_r, self._wake_w)
-        self._wake_r = self._wake_w = -1
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._waker.close()
 
 
 def to_wire(seq: int, sample: Any) -> m.WireSample:

@@ -37,6 +37,7 @@ from damacy_protocol.errors import (
     SampleError,
 )
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.endpoint import bind_socket, cleanup_endpoint
 from damacy_server.pipeline import Pipeline
@@ -428,9 +429,7 @@ class Daemon:
         self._sessions_lock = threading.Lock()
         self._starting: set[bytes] = set()  # identities whose session is being set up
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
         self._stop = threading.Event()
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -445,25 +444,16 @@ class Daemon:
     def post(self, identity: bytes, payload: bytes) -> None:
         """Queue a message for a client (from any thread)."""
         self._outbox.put((identity, payload))
-        self._wake()
-
-    def _wake(self) -> None:
-        fd = self._wake_w
-        if fd < 0:  # stopped: the number may belong to another file by now
-            return
-        try:
-            os.write(fd, b"x")
-        except (BlockingIOError, OSError):
-            pass  # already being woken, or stopping
+        self._waker.wake()
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake()
+        self._waker.wake()
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         next_check = time.monotonic() + 0.5
         log.info("damacyd serving %s (pid %d)", self.endpoint, os.getpid())
         try:
@@ -471,12 +461,8 @@ class Daemon:
                 events = dict(poller.poll(250))
                 if self.socket in events:
                     self._receive_all()
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
+                if self._waker.fd in events:
+                    self._waker.drain()
                 self._flush()
                 now = time.monotonic()
                 if now >= next_check:
@@ -582,13 +568,7 @@ class Daemon:
         self.socket.close(0)
         self.ctx.term()
         cleanup_endpoint(self.options)
-        fds = (self._wake_r, self._wake_w)
-        self._wake_r = self._wake_w = -1
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._waker.close()
         log.info("damacyd stopped")
 
     # -- services -------------------------------------------------------------------
