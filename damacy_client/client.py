@@ -44,7 +44,7 @@ PUSH_CHUNK = 256  # samples per push message at most
 class _Call:
     """A request waiting for its reply (or replies, for warm)."""
 
-    __slots__ = ("event", "reply", "error", "on_progress", "epoch")
+    __slots__ = ("event", "reply", "error", "on_progress", "epoch", "session")
 
     def __init__(self, on_progress: Callable[[Any], None] | None = None) -> None:
         self.event = threading.Event()
@@ -52,6 +52,7 @@ class _Call:
         self.error: BaseException | None = None
         self.on_progress = on_progress
         self.epoch = 0
+        self.session = ""  # for a ping: the session the client held when it was sent
 
     def wait(self, timeout: float | None, what: str) -> Any:
         if not self.event.wait(timeout):
@@ -82,6 +83,7 @@ class Connection:
             self._sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         self.dead: DaemonUnavailable | None = None
+        self._session = ""  # set by the I/O thread when the welcome arrives
         self._closed = False
         self._last_recv = time.monotonic()
         try:
@@ -180,7 +182,8 @@ class Connection:
                         with self._lock:
                             ping = m.Ping(id=self._proto.new_id())
                             payload = self._proto.send(ping)
-                            self._calls[ping.id] = _Call()
+                            self._calls[ping.id] = pinged = _Call()
+                            pinged.session = self._session
                         self._sock.send(payload, zmq.NOBLOCK)
                     except (zmq.ZMQError, ProtocolError):
                         pass
@@ -202,6 +205,8 @@ class Connection:
                     call = self._calls.get(msg.reply_to)
                     if call is not None and not isinstance(msg, (m.WarmProgress, m.Consumed)):
                         del self._calls[msg.reply_to]
+                    if isinstance(msg, m.Welcome):
+                        self._session = msg.session
             except ProtocolError as e:
                 log.warning("damacy: %s", e)
                 if "not pending" not in str(e):
@@ -213,10 +218,23 @@ class Connection:
                 if call.on_progress is not None:
                     call.on_progress(msg)
                 continue
-            if isinstance(msg, m.Failed) and msg.error.kind == "ProtocolError" and "unknown session" in msg.error.reason:
+            if self._session_lost(msg, call):
                 self._die(f"damacyd at {self.endpoint} restarted and lost this session; start a new Pipeline")
-            call.reply = msg
+                call.error = self.dead
+            else:
+                call.reply = msg
             call.event.set()
+
+    def _session_lost(self, msg: Any, call: _Call) -> bool:
+        """Does this reply show that the daemon no longer holds our session (it restarted)?"""
+        if isinstance(msg, m.Pong):  # pings sent once the session was known name it back
+            return bool(call.session) and msg.session != call.session
+        return (
+            bool(self._session)
+            and isinstance(msg, m.Failed)
+            and msg.error.kind == "ProtocolError"
+            and "unknown session" in msg.error.reason
+        )
 
     def _die(self, why: str) -> None:
         with self._lock:

@@ -115,6 +115,8 @@ class ClientConnection:
             msg = m.decode_daemon(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProtocolError(f"malformed message from the daemon: {e}") from None
+        except RecursionError:
+            raise ProtocolError("malformed message from the daemon: nested too deeply") from None
         kind = self.pending.get(msg.reply_to)
         if kind is None:
             raise ProtocolError(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
@@ -150,6 +152,8 @@ class ServerConnection:
             msg = m.decode_client(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProtocolError(f"malformed message: {e}") from None
+        except RecursionError:
+            raise ProtocolError("malformed message: nested too deeply") from None
         if isinstance(msg, m.Hello):
             if self.state is not State.NEW:
                 raise ProtocolError("hello twice in one session")

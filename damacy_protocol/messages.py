@@ -7,12 +7,16 @@ them fails to decode with an error naming the field.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+
+#: a request id: the client numbers its requests from 1; a reply names the one it answers
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
@@ -63,7 +67,7 @@ class SlotInfo(msgspec.Struct):
 
 
 class Hello(_Msg, tag="hello"):
-    id: int
+    id: RequestId
     version: int
     pid: int
     rank: int | None
@@ -73,17 +77,17 @@ class Hello(_Msg, tag="hello"):
 class Attached(_Msg, tag="attached"):
     """The client has mapped every slot segment (the daemon may unlink their names)."""
 
-    id: int
+    id: RequestId
 
 
 class Push(_Msg, tag="push"):
-    id: int
+    id: RequestId
     samples: list[WireSample]
     final: bool = False  # the client's input is exhausted (until it pushes again)
 
 
 class Pop(_Msg, tag="pop"):
-    id: int
+    id: RequestId
     timeout_s: float | None = None
     # pushes the client had sent before this pop (they arrive before it), and whether its
     # input was exhausted then: the daemon calls the stream drained only when the last push
@@ -93,34 +97,34 @@ class Pop(_Msg, tag="pop"):
 
 
 class Release(_Msg, tag="release"):
-    id: int
+    id: RequestId
     batch_id: int
 
 
 class Stats(_Msg, tag="stats"):
-    id: int
+    id: RequestId
 
 
 class Warm(_Msg, tag="warm"):
-    id: int
+    id: RequestId
     uris: list[str]
     shard_indexes: bool = False
     chunks: bool = False
 
 
 class Ping(_Msg, tag="ping"):
-    id: int
+    id: RequestId
 
 
 class Bye(_Msg, tag="bye"):
-    id: int
+    id: RequestId
 
 
 # -- daemon to client -------------------------------------------------------------------
 
 
 class Welcome(_Msg, tag="welcome"):
-    reply_to: int
+    reply_to: RequestId
     version: int
     session: str
     slots: list[SlotInfo]
@@ -129,12 +133,12 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Ack(_Msg, tag="ack"):
-    reply_to: int
+    reply_to: RequestId
     credits: int
 
 
 class BatchReady(_Msg, tag="batch"):
-    reply_to: int
+    reply_to: RequestId
     batch_id: int
     slot: int
     count: int
@@ -149,31 +153,31 @@ class Consumed(_Msg, tag="consumed"):
     """Progress of a pending pop: samples the daemon dropped (``on_error="skip"``), so the
     client may push as many new ones (the pop stays pending)."""
 
-    reply_to: int
+    reply_to: RequestId
     seqs: list[int]
 
 
 class Failed(_Msg, tag="failed"):
-    reply_to: int
+    reply_to: RequestId
     error: WireError
     credits: int = 0
     consumed: list[int] = []  # samples used up by the failed batch (on_error="raise")
 
 
 class StatsReply(_Msg, tag="stats_reply"):
-    reply_to: int
+    reply_to: RequestId
     stats: dict[str, Any]
 
 
 class WarmProgress(_Msg, tag="warm_progress"):
-    reply_to: int
+    reply_to: RequestId
     done: int
     total: int
     item: str
 
 
 class WarmDone(_Msg, tag="warm_done"):
-    reply_to: int
+    reply_to: RequestId
     arrays: int
     shard_indexes: int
     chunks: int
@@ -181,12 +185,16 @@ class WarmDone(_Msg, tag="warm_done"):
 
 
 class Pong(_Msg, tag="pong"):
-    reply_to: int
+    """``session``: the session the daemon holds for the pinging client ("" for none): a
+    client that holds another one knows the daemon restarted and its session is gone."""
+
+    reply_to: RequestId
+    session: str
     credits: int = 0
 
 
 class Goodbye(_Msg, tag="goodbye"):
-    reply_to: int
+    reply_to: RequestId
 
 
 ClientMessage = Union[Hello, Attached, Push, Pop, Release, Stats, Warm, Ping, Bye]
@@ -208,3 +216,18 @@ def decode_client(data: bytes) -> ClientMessage:
 
 def decode_daemon(data: bytes) -> DaemonMessage:
     return _daemon_decoder.decode(data)
+
+
+class _RequestOnly(msgspec.Struct, forbid_unknown_fields=False):
+    id: RequestId
+
+
+_id_decoder = msgspec.msgpack.Decoder(_RequestOnly)
+
+
+def request_id(data: bytes) -> int | None:
+    """The id of a request that did not decode as a whole, when it has a valid one."""
+    try:
+        return _id_decoder.decode(data).id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None

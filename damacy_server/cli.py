@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import pwd
 import re
 import signal
 import sys
@@ -38,6 +40,20 @@ class Size(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+def _ids(values, lookup, what: str) -> list[int]:
+    """User or group names or numbers → numeric ids."""
+    out = []
+    for v in values:
+        if str(v).isdigit():
+            out.append(int(v))
+            continue
+        try:
+            out.append(lookup(v))
+        except KeyError:
+            raise click.BadParameter(f"no {what} named {v!r}", param_hint=f"--allow-{what[0]}id") from None
+    return out
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (default: $DAMACY_ENDPOINT, else an ipc socket under $XDG_RUNTIME_DIR or /tmp).")
 @click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(exists=True, file_okay=False), help="A directory whose arrays may be served (repeatable). Without one, nothing is served.")
@@ -46,11 +62,15 @@ class Size(click.ParamType):
 @click.option("--io-workers", type=click.IntRange(1), default=max(4, os.cpu_count() or 1), show_default=True)
 @click.option("--decode-workers", type=click.IntRange(1), default=os.cpu_count() or 1, show_default=True)
 @click.option("--socket-mode", default="600", show_default=True, help="Octal mode of the ipc socket file.")
-@click.option("--socket-group", default=None, help="Group to own the ipc socket file (with --socket-mode 660 lets a group connect).")
+@click.option("--socket-group", default=None, help="Group to own the ipc socket file and the slots' shared memory (with --socket-mode 660 lets a group connect).")
+@click.option("--allow-uid", "allow_uids", multiple=True, help="Accept sessions only from this user (name or uid; repeatable; with --allow-gid, either suffices). The daemon's own user is always accepted. ipc endpoints only.")
+@click.option("--allow-gid", "allow_gids", multiple=True, help="Accept sessions only from members of this group (name or gid; repeatable).")
+@click.option("--max-slots-per-session", type=click.IntRange(1), default=64, show_default=True, help="Most batch slots (Config.prepared_batches) one session may have; each is a shared-memory mapping and a file descriptor.")
+@click.option("--max-message-size", type=Size(), default="64M", show_default=True, help="Largest request accepted; a larger one drops its connection.")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def main(endpoint, allow_roots, memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, curve_secret_key, heartbeat_timeout, log_level):
+def main(endpoint, allow_roots, memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
     """Serve Zarr batches to every training process on this node."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s damacyd[%(process)d] %(levelname)s %(message)s")
     from damacy_server.service import Daemon, DaemonOptions
@@ -74,6 +94,10 @@ def main(endpoint, allow_roots, memory, chunk_cache, io_workers, decode_workers,
         socket_group=socket_group,
         curve_secret_key=secret,
         heartbeat_timeout_s=heartbeat_timeout,
+        max_slots_per_session=max_slots_per_session,
+        max_message_bytes=max_message_size,
+        allow_uids=_ids(allow_uids, lambda n: pwd.getpwnam(n).pw_uid, "uid"),
+        allow_gids=_ids(allow_gids, lambda n: grp.getgrnam(n).gr_gid, "gid"),
     )
     try:
         daemon = Daemon(options)

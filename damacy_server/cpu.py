@@ -440,7 +440,7 @@ class CpuExecutor:
             units = group.units
             kernel = self._native_kernel(run, units)
             where = self.reader.direct(group.key)
-            if kernel is None or where is None:
+            if kernel is None:
                 finished = False
                 return
             t0 = time.perf_counter()

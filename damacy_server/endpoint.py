@@ -2,8 +2,12 @@
 
 The default endpoint is an ``ipc://`` socket under the user's runtime directory
 (``$XDG_RUNTIME_DIR``, else /tmp), overridden by ``DAMACY_ENDPOINT``. The ipc socket file is
-owner-only unless ``--socket-mode``/``--socket-group`` widen it. A TCP endpoint binds only to
-loopback unless CURVE keys are given.
+owner-only unless ``--socket-mode``/``--socket-group`` widen it (the slots' shared-memory
+segments follow). A TCP endpoint binds only to loopback unless CURVE keys are given.
+
+On an ipc socket the kernel tells who connects (``SO_PEERCRED``; ZeroMQ hands it over as
+the message property ``Peer-Address``, ``uid:gid:pid``): the daemon logs it per session and
+``--allow-uid``/``--allow-gid`` restrict sessions to those users and groups.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import grp
 import ipaddress
 import os
+import re
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -19,6 +25,56 @@ import zmq
 from damacy_protocol.errors import InvalidArgument
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+_PEER = re.compile(r"(?:^|:)(\d+):(\d+):(\d+)$")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A connecting process as the kernel reports it."""
+
+    pid: int
+    uid: int
+    gids: tuple[int, ...]  # its group first, then the supplementary groups /proc shows
+
+    def __str__(self) -> str:
+        return f"peer pid {self.pid} uid {self.uid} gid {self.gids[0]}"
+
+
+def peer_of(frame: Any, endpoint: str) -> Peer | None:
+    """The credentials of the process that sent ``frame`` over an ipc socket, or None."""
+    if frame is None or not endpoint.startswith("ipc://"):
+        return None
+    try:
+        address = frame.get("Peer-Address")
+    except Exception:  # noqa: BLE001 - a ZeroMQ without the property
+        return None
+    match = _PEER.search(address or "")
+    if not match:
+        return None
+    uid, gid, pid = (int(v) for v in match.groups())
+    return Peer(pid, uid, (gid, *_supplementary_groups(pid, uid, gid)))
+
+
+def _supplementary_groups(pid: int, uid: int, gid: int) -> list[int]:
+    """The process's other groups, when /proc shows the same process (same uid)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        if int(fields["Uid"].split()[1]) != uid:  # effective uid: another process took the pid
+            return []
+        return [g for g in (int(v) for v in fields.get("Groups", "").split()) if g != gid]
+    except (OSError, KeyError, ValueError, IndexError):
+        return []
+
+
+def socket_gid(options: Any) -> int | None:
+    """The group that owns the socket (and the slot segments), when one is set."""
+    if not options.socket_group:
+        return None
+    try:
+        return grp.getgrnam(options.socket_group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"--socket-group {options.socket_group!r}: no such group") from None
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -54,6 +110,9 @@ def bind_socket(socket: zmq.Socket, options: Any) -> None:
     """Bind the daemon's ROUTER socket per ``options`` (endpoint, socket mode/group, CURVE)."""
     endpoint = options.endpoint
     check_endpoint(endpoint, options.curve_secret_key is not None)
+    if (getattr(options, "allow_uids", None) or getattr(options, "allow_gids", None)) and not endpoint.startswith("ipc://"):
+        raise InvalidArgument("--allow-uid/--allow-gid need an ipc:// endpoint (TCP does not say who connects)")
+
     if options.curve_secret_key is not None:
         socket.setsockopt(zmq.CURVE_SERVER, 1)
         socket.setsockopt(zmq.CURVE_SECRETKEY, options.curve_secret_key)
@@ -75,7 +134,7 @@ def bind_socket(socket: zmq.Socket, options: Any) -> None:
     finally:
         os.umask(old)
     if options.socket_group:
-        os.chown(path, -1, grp.getgrnam(options.socket_group).gr_gid)
+        os.chown(path, -1, socket_gid(options))
     os.chmod(path, options.socket_mode)
 
 

@@ -84,7 +84,9 @@ class Pipeline(PipelineAPI):
     an executor may be shared by several pipelines (the daemon's sessions do): each pipeline
     reserves its own slots in the executor's memory budget and its tasks take turns with the
     others'. ``slot_factory(index, nbytes)`` supplies the slots' memory (shared memory in
-    the daemon); by default they are ordinary host memory.
+    the daemon); by default they are ordinary host memory. Slots from a factory stay
+    reserved in the executor's budget after :meth:`close` until their owner, who knows when
+    their memory is really gone, calls ``executor.release_slots(pipeline.slot_bytes)``.
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class Pipeline(PipelineAPI):
         self._dedup = 0
         self._merged = 0
         self._slot_factory = slot_factory
+        self._external_slots = slot_factory is not None
         self._on_skip = on_skip
         self._allocate_slots()
         self._switch = _SwitchInterval.lower(config.switch_interval_s)
@@ -209,6 +212,8 @@ class Pipeline(PipelineAPI):
 
     def _slot_freed(self, slot: Slot) -> None:
         with self._cond:
+            if self._closed:
+                return  # a batch released after close: its slot is not used again
             if slot not in self._free:  # a slot is free once, however its users let go
                 self._free.append(slot)
             self._cond.notify_all()
@@ -382,8 +387,11 @@ class Pipeline(PipelineAPI):
         pending.holes = []
         dropped = [(pending.samples[p], pending.errors[p]) for p in sorted(holes) if p in pending.errors]
         pending.skipped.extend(dropped)
-        if self._on_skip is not None:
-            self._on_skip(dropped)
+        with self._cond:
+            self._outstanding -= len(holes)  # the failed samples leave (before the owner hears of it)
+        on_skip = self._on_skip
+        if on_skip is not None:
+            on_skip(dropped)
         keep = [p for p in range(len(pending.samples)) if p not in holes]
         view = self._slot_view(pending.slot, pending.dtype or np.dtype("float32"))
         for new, old in enumerate(keep):
@@ -392,8 +400,6 @@ class Pipeline(PipelineAPI):
         pending.samples = [pending.samples[p] for p in keep]
         pending.metas = [pending.metas[p] for p in keep] + [None] * len(holes)
         pending.errors = {}
-        with self._cond:
-            self._outstanding -= len(holes)  # the failed samples leave
         samples, source_error = self._pull(len(holes))
         with self._cond:
             self._outstanding += len(samples)
@@ -514,6 +520,11 @@ class Pipeline(PipelineAPI):
         """Closed, or stopped by a failure of its own."""
         return self._closed or self._failure is not None
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the budget reserved for this pipeline's slots."""
+        return self._slot_bytes
+
     def outstanding(self) -> int:
         """Samples pulled from the input and not yet popped (at most ``lookahead_samples``)."""
         with self._cond:
@@ -533,8 +544,18 @@ class Pipeline(PipelineAPI):
             feeder.join(5.0)
         if self._owns:
             self.executor.close()
-        self.executor.release_slots(self._slot_bytes)
-        self._slot_bytes = 0
+        # no references from here to the slots or to the owner's callbacks: nothing keeps
+        # the slots' memory alive but the batches the caller still holds (and tasks in flight)
+        with self._cond:
+            self._slots.clear()
+            self._free.clear()
+            self._patches.clear()
+            self._ready.clear()
+        self._slot_factory = None
+        self._on_skip = None
+        if not self._external_slots:  # slots from slot_factory: their owner returns the bytes
+            self.executor.release_slots(self._slot_bytes)
+            self._slot_bytes = 0
         if self._switch:
             _SwitchInterval.restore()
             self._switch = False

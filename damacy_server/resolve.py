@@ -29,7 +29,7 @@ class MetadataCache:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"MetadataCache.{name} must be an integer >= 0, got {value!r}")
         self.arrays: LRUCache[ArrayMetadata] = LRUCache(array_entries)
-        self.shard_indexes: LRUCache[np.ndarray] = LRUCache(shard_index_entries)
+        self.shard_indexes: LRUCache[tuple[np.ndarray, int]] = LRUCache(shard_index_entries)  # (table, shard bytes)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {"arrays": self.arrays.stats(), "shard_indexes": self.shard_indexes.stats()}
@@ -129,45 +129,62 @@ class ZarrMetadata:
             for c, (owner, base, size) in enumerate(zip(o[starts].tolist(), b[starts].tolist(), z[starts].tolist())):
                 idx = live[order[bounds[c] : bounds[c + 1]]]
                 try:
-                    table = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner])
+                    found = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner])
                 except SampleError as e:
                     errors.update((i, e) for i in idx.tolist())
                     missing[idx] = True  # nothing more to read for them
                     continue
-                if table is None:
+                if found is None:
                     missing[idx] = True
                     continue
+                table, container = found
                 entries = table[slots[idx]]
                 empty = entries[:, 0] == EMPTY
                 missing[idx[empty]] = True
-                full = idx[~empty]
-                offsets[full] = base + entries[~empty, 0].astype(np.int64)
-                nbytes[full] = entries[~empty, 1].astype(np.int64)
+                # an entry that reaches past the end of its shard is corrupt (entries are
+                # below 2**62, so the sum cannot overflow)
+                past = ~empty & (entries[:, 0] + entries[:, 1] > np.uint64(container))
+                for i, (off, n) in zip(idx[past].tolist(), entries[past].tolist()):
+                    errors[i] = DecodeError(
+                        f"shard index: the inner chunk at bytes [{off}, {off + n}) ends past the shard's {container} bytes",
+                        uri=meta.uri,
+                        path=objects[owner],
+                        chunk=tuple(units[i].tolist()),
+                    )
+                missing[idx[past]] = True
+                full = idx[~empty & ~past]
+                ok = ~empty & ~past
+                offsets[full] = base + entries[ok, 0].astype(np.int64)
+                nbytes[full] = entries[ok, 1].astype(np.int64)
         return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
     def shard_index(
         self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...]
-    ) -> np.ndarray | None:
+    ) -> tuple[np.ndarray, int] | None:
         """The index table of the shard at ``key`` bytes [base, base+size) (size -1: the whole
-        object), or ``None`` when the shard object does not exist."""
+        object) and the shard's size in bytes, or ``None`` when the shard object does not
+        exist."""
         cache_key = (key, base, depth)
-        table = self.cache.shard_indexes.get(cache_key)
-        if table is not None:
-            return table
+        found = self.cache.shard_indexes.get(cache_key)
+        if found is not None:
+            return found
         level = meta.layout.levels[depth]
         start, length = level.index_range()
         try:
             if size >= 0:
                 if size < length:
                     raise CorruptData(f"truncated shard: {size} bytes cannot hold its {length}-byte index")
-                start = base + (start if start >= 0 else size - length)
-            data = meta.store.read_range(key, start, length)
+                data = meta.store.read_range(key, base + (start if start >= 0 else size - length), length)
+                container = size
+            else:
+                got = meta.store.read_range_sized(key, start, length)
+                data, container = (None, 0) if got is None else got
             if data is None:
                 return None
-            table = level.parse_index(data)
+            found = (level.parse_index(data), container)
         except CorruptData as e:
             raise DecodeError(f"shard index: {e}", uri=meta.uri, path=key, chunk=chunk) from e
         except SampleError as e:
             raise e.with_context(uri=meta.uri)
-        self.cache.shard_indexes.put(cache_key, table)
-        return table
+        self.cache.shard_indexes.put(cache_key, found)
+        return found

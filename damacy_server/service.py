@@ -12,10 +12,12 @@ outbox and a wake-up pipe. Each session has a pop thread (a pop may wait for its
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
 import queue
+import resource
 import threading
 import time
 import uuid
@@ -30,6 +32,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection, State, error_to_wire
 from damacy_protocol.errors import (
+    BudgetExceeded,
     DamacyError,
     InvalidArgument,
     PipelineDrained,
@@ -39,7 +42,7 @@ from damacy_protocol.errors import (
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_protocol.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
-from damacy_server.endpoint import bind_socket, cleanup_endpoint
+from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
 from damacy_server.pipeline import Pipeline
 from damacy_server.plan import BadSample, ChunkPlanner, PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
@@ -49,6 +52,13 @@ from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.warm import warm
 
 log = logging.getLogger("damacyd")
+
+#: messages read from the socket per loop turn before replies are flushed: a client flooding
+#: the daemon delays another client's answer by at most this many messages (ZeroMQ takes
+#: turns between clients with messages waiting)
+MESSAGES_PER_TURN = 32
+#: file descriptors kept free for sockets, files being read and new sessions' handshakes
+FD_RESERVE = 64
 
 
 @dataclass
@@ -65,6 +75,10 @@ class DaemonOptions:
     socket_group: str | None = None
     curve_secret_key: bytes | None = None
     heartbeat_timeout_s: float = 5.0
+    max_slots_per_session: int = 64
+    max_message_bytes: int = 64 << 20
+    allow_uids: list[int] = field(default_factory=list)
+    allow_gids: list[int] = field(default_factory=list)
 
 
 class SampleFeed:
@@ -113,10 +127,11 @@ class SampleFeed:
 class Session:
     """One client: its pipeline, its slots, the batches it holds."""
 
-    def __init__(self, daemon: Daemon, identity: bytes, conn: ServerConnection, hello: m.Hello) -> None:
+    def __init__(self, daemon: Daemon, identity: bytes, conn: ServerConnection, hello: m.Hello, peer: Peer | None = None) -> None:
         self.daemon = daemon
         self.identity = identity
         self.conn = conn
+        self.peer = peer
         self.pid = hello.pid
         self.rank = hello.rank
         self.sid = uuid.uuid4().hex[:12]
@@ -137,6 +152,13 @@ class Session:
             if config.get("device") is not None:
                 raise InvalidArgument(f"Config.device={config['device']}: this damacyd serves host memory only")
             self.config = Config.from_dict(config)
+            limit = daemon.options.max_slots_per_session
+            if self.config.prepared_batches > limit:
+                raise InvalidArgument(
+                    f"Config.prepared_batches={self.config.prepared_batches}: this damacyd gives a session at most "
+                    f"{limit} slots (--max-slots-per-session)"
+                )
+            daemon.check_descriptors(self.config.prepared_batches)
             try:
                 self.pipeline = Pipeline(
                     self.config,
@@ -146,8 +168,8 @@ class Session:
                     on_skip=self._on_skip,
                 )
             except BaseException:
-                for seg in self.segments:
-                    seg.close()
+                daemon.retire(self.segments, budget=False)  # the pipeline returned its reservation
+                self.segments = []
                 raise
         self._pushed = threading.Condition()  # notified on every push
         self._pushes = 0  # pushes received
@@ -172,7 +194,8 @@ class Session:
             self._dropped = []
 
     def _new_slot(self, index: int, nbytes: int) -> np.ndarray:
-        seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes)
+        options = self.daemon.options
+        seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes, options.socket_mode, self.daemon.segment_gid)
         self.segments.append(seg)
         return seg.array
 
@@ -228,14 +251,24 @@ class Session:
         elif isinstance(msg, m.Warm):
             self.daemon.start_warm(self, msg)
         elif isinstance(msg, m.Ping):
-            self.reply(m.Pong(reply_to=msg.id, credits=self.credits()))
+            self.reply(m.Pong(reply_to=msg.id, credits=self.credits(), session=self.sid))
         elif isinstance(msg, m.Bye):
             self.reply(m.Goodbye(reply_to=msg.id))
             self.daemon.end_session(self, "said bye")
         else:  # pragma: no cover - the connection lets nothing else through
-            self.fail(getattr(msg, "id", -1), ProtocolError(f"unexpected {type(msg).__name__}"))
+            self.fail(getattr(msg, "id", 0), ProtocolError(f"unexpected {type(msg).__name__}"))
 
     def _push(self, msg: m.Push) -> None:
+        credits = self.credits()
+        if len(msg.samples) > credits:  # the client pushes only what it holds credits for
+            self.fail(
+                msg.id,
+                ProtocolError(
+                    f"a push of {len(msg.samples)} samples exceeds the {credits} credits this session holds "
+                    f"(lookahead_samples={self.config.lookahead_samples})"
+                ),
+            )
+            return
         samples = []
         for w in msg.samples:
             sample = self.daemon.to_sample(w)
@@ -367,14 +400,16 @@ class Session:
         if self.feed is not None:
             self.feed.close()
         self._pops.put(None)
-        for batch in lent:
-            batch.release()
+        while lent:
+            lent.pop().release()
         if self.pipeline is not None:
             self.pipeline.close()
         self._popper.join(2.0)
-        for seg in self.segments:
-            seg.close()
         self.seqs.clear()
+        # unmapped now, or as soon as the last task writing into them lets go; their bytes
+        # stay in the budget until then
+        segments, self.segments = self.segments, []
+        self.daemon.retire(segments, budget=self.pipeline is not None)
 
     def describe(self) -> dict[str, Any]:
         if self.config is None:
@@ -427,6 +462,12 @@ class Daemon:
         )
         self.sessions: dict[bytes, Session] = {}
         self._sessions_lock = threading.Lock()
+        self.segment_gid = socket_gid(options)
+        # segments of ended sessions still mapped (a task in flight holds a view): (segment,
+        # bytes to return to the budget once unmapped, when it was first tried)
+        self._retiring: list[tuple[Segment, int, float]] = []
+        self._retiring_lock = threading.Lock()
+        self._raise_descriptor_limit()
         self._starting: set[bytes] = set()  # identities whose session is being set up
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
@@ -436,6 +477,8 @@ class Daemon:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.SNDHWM, 100_000)  # replies are never dropped for a busy client
+        # a larger message drops its connection before it is buffered
+        self.socket.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
         bind_socket(self.socket, options)
         self.endpoint = options.endpoint
         self.malformed = 0
@@ -468,22 +511,24 @@ class Daemon:
                 if now >= next_check:
                     next_check = now + 0.5
                     self._check_liveness(now)
+                    self._retry_retiring(now)
         finally:
             self.shutdown()
 
     def _receive_all(self) -> None:
-        while True:
+        """Handle the messages waiting, at most :data:`MESSAGES_PER_TURN` (the loop flushes
+        replies and comes back for the rest)."""
+        for _ in range(MESSAGES_PER_TURN):
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 self.malformed += 1
                 log.warning("dropped a message of %d frames", len(frames))
                 continue
-            identity, data = frames
             try:
-                self._handle(identity, data)
+                self._handle(frames[0].bytes, frames[1].bytes, frames[1])
             except Exception:  # one bad request never takes the daemon down
                 log.exception("error handling a request")
 
@@ -498,7 +543,7 @@ class Daemon:
             except zmq.ZMQError as e:  # the peer is gone (or its queue is full)
                 log.debug("dropped a reply to a gone client: %s", e)
 
-    def _handle(self, identity: bytes, data: bytes) -> None:
+    def _handle(self, identity: bytes, data: bytes, frame: zmq.Frame | None = None) -> None:
         with self._sessions_lock:
             session = self.sessions.get(identity)
         conn = session.conn if session is not None else ServerConnection()
@@ -507,29 +552,47 @@ class Daemon:
         except ProtocolError as e:
             self.malformed += 1
             log.warning("protocol error from a client: %s", e)
-            self.post(identity, m.encode(m.Failed(reply_to=_request_id(data), error=error_to_wire(e))))
+            self.post(identity, m.encode(m.Failed(reply_to=m.request_id(data) or 0, error=error_to_wire(e))))
             if conn.state is State.FAILED and session is not None:
                 self.end_session(session, "protocol version mismatch")
             return
         if session is None and isinstance(msg, m.Ping):
-            self.post(identity, m.encode(m.Pong(reply_to=msg.id)))
+            self.post(identity, m.encode(m.Pong(reply_to=msg.id, session="")))  # no session here
             return
         if session is None:
             assert isinstance(msg, m.Hello)
+            peer = peer_of(frame, self.endpoint)
+            refused = self._refuse(peer)
+            if refused:
+                log.warning("refused a client (pid %d, %s): %s", msg.pid, peer or "credentials unknown", refused)
+                conn.state = State.FAILED
+                self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(DamacyError(refused)))))
+                return
             with self._sessions_lock:
                 if identity in self._starting:
                     self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(ProtocolError("hello twice")))))
                     return
                 self._starting.add(identity)
             # slots are allocated and touched off the loop thread, which keeps answering
-            threading.Thread(target=self._start_session, args=(identity, conn, msg), name="damacyd-start", daemon=True).start()
+            threading.Thread(target=self._start_session, args=(identity, conn, msg, peer), name="damacyd-start", daemon=True).start()
             return
         session.handle(msg)
 
-    def _start_session(self, identity: bytes, conn: ServerConnection, msg: m.Hello) -> None:
+    def _refuse(self, peer: Peer | None) -> str | None:
+        """Why a client may not open a session (``--allow-uid``/``--allow-gid``), or None."""
+        o = self.options
+        if not (o.allow_uids or o.allow_gids):
+            return None
+        if peer is None:
+            return "permission denied: this damacyd accepts listed users only, and cannot tell who this client is"
+        if peer.uid == os.geteuid() or peer.uid in o.allow_uids or any(g in o.allow_gids for g in peer.gids):
+            return None
+        return f"permission denied: uid {peer.uid} (groups {', '.join(map(str, peer.gids))}) may not use this damacyd"
+
+    def _start_session(self, identity: bytes, conn: ServerConnection, msg: m.Hello, peer: Peer | None = None) -> None:
         try:
             try:
-                session = Session(self, identity, conn, msg)
+                session = Session(self, identity, conn, msg, peer)
             except Exception as e:  # a bad config, no memory left, no room in /dev/shm...
                 log.warning("refused a session of pid %d: %s", msg.pid, e)
                 err = e if isinstance(e, DamacyError) else DamacyError(f"cannot start a session: {type(e).__name__}: {e}")
@@ -537,7 +600,7 @@ class Daemon:
                 return
             with self._sessions_lock:
                 self.sessions[identity] = session
-            log.info("session %s: pid %s rank %s", session.sid, msg.pid, msg.rank)
+            log.info("session %s: pid %s rank %s, %s", session.sid, msg.pid, msg.rank, peer or "peer credentials unknown")
             self.post(identity, conn.welcome(session.welcome(msg.id)))
         finally:
             with self._sessions_lock:
@@ -558,12 +621,74 @@ class Daemon:
         log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why)
         threading.Thread(target=session.close, name=f"damacyd-close-{session.sid}", daemon=True).start()
 
+    # -- slot memory and descriptors ---------------------------------------------------
+    def retire(self, segments: list[Segment], budget: bool) -> None:
+        """Unmap the segments of an ended session, returning their bytes to the budget
+        (``budget``) as each goes; one still in use is retried by the loop."""
+        now = time.monotonic()
+        for seg in segments:
+            if seg.close():
+                if budget:
+                    self.executor.release_slots(seg.nbytes)
+            else:
+                with self._retiring_lock:
+                    self._retiring.append((seg, seg.nbytes if budget else 0, now))
+
+    def _retry_retiring(self, now: float) -> None:
+        with self._retiring_lock:
+            waiting, self._retiring = self._retiring, []
+        if not waiting:
+            return
+        if any(now - since > 2.0 for _, _, since in waiting):
+            gc.collect()  # a view kept only by a reference cycle
+        for seg, nbytes, since in waiting:
+            if seg.close():
+                if nbytes:
+                    self.executor.release_slots(nbytes)
+                continue
+            if since <= now - 30.0 < since + 0.5:
+                log.warning("segment %s (%d bytes) of an ended session is still in use after 30 s", seg.name, seg.nbytes)
+            with self._retiring_lock:
+                self._retiring.append((seg, nbytes, since))
+
+    def retiring_bytes(self) -> int:
+        with self._retiring_lock:
+            return sum(seg.nbytes for seg, _, _ in self._retiring)
+
+    @staticmethod
+    def _raise_descriptor_limit() -> None:
+        """Every slot mapping keeps a file descriptor: take the hard limit."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except (ValueError, OSError):
+                pass
+
+    def check_descriptors(self, slots: int) -> None:
+        """Refuse a session whose slot mappings would leave too few file descriptors."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return
+        try:
+            open_now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+        if open_now + slots + FD_RESERVE > soft:
+            raise BudgetExceeded(
+                f"damacyd has {open_now} of its {soft} file descriptors open; a session of {slots} slots needs "
+                f"{slots} more and {FD_RESERVE} stay free (raise `ulimit -n` for damacyd, or end other sessions)"
+            )
+
     def shutdown(self) -> None:
         with self._sessions_lock:
             sessions = list(self.sessions.values())
             self.sessions.clear()
         for session in sessions:
             session.close()
+        self._retry_retiring(time.monotonic() + 3.0)
         self.executor.close()
         self.socket.close(0)
         self.ctx.term()
@@ -589,7 +714,9 @@ class Daemon:
                 ]
                 return IndexQuery(w.uri, tuple(axes))
             raise InvalidArgument("a sample needs a box or an index selection", uri=w.uri)
-        except SampleError as e:
+        except (SampleError, ValueError, TypeError, OverflowError) as e:
+            if not isinstance(e, SampleError):
+                e = InvalidArgument(f"{type(e).__name__}: {e}")
             box = "" if w.box is None else ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b in w.box)
             what = f"Sample({w.uri!r}, [{box}])" if w.box is not None else f"IndexQuery({w.uri!r}, ...)"
             return BadSample(w.uri, e.with_context(uri=w.uri), what)
@@ -604,7 +731,11 @@ class Daemon:
                     last[0] = now
                     session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
 
-            result = warm(self, msg.uris, msg.shard_indexes, msg.chunks, progress)
+            try:
+                result = warm(self, msg.uris, msg.shard_indexes, msg.chunks, progress)
+            except Exception as e:  # noqa: BLE001 - the client waits for WarmDone whatever happens
+                log.exception("warming failed")
+                result = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": [DamacyError(f"warming failed: {type(e).__name__}: {e}")]}
             session.reply(
                 m.WarmDone(
                     reply_to=msg.id,
@@ -636,21 +767,10 @@ class Daemon:
                 "in_use_bytes": ex.budget.used,
                 "peak_bytes": ex.budget.peak,
                 "chunk_cache_bytes": ex.chunk_cache.nbytes if ex.chunk_cache is not None else 0,
+                "retiring_slot_bytes": self.retiring_bytes(),
             },
             "sessions": [s.describe() for s in self._session_list()],
         }
         if session is not None:
             out["session"] = session.describe()
         return out
-
-
-def _request_id(data: bytes) -> int:
-    """The id of a request that failed to decode, when it can be found (else -1)."""
-    try:
-        import msgspec
-
-        raw = msgspec.msgpack.decode(data)
-        value = raw.get("id") if isinstance(raw, dict) else None
-        return value if isinstance(value, int) else -1
-    except Exception:  # noqa: BLE001 - not even msgpack
-        return -1

@@ -22,14 +22,21 @@ _NAME = re.compile(r"^damacy-(\d+)-[0-9a-f]+-\d+$")
 
 
 class Segment:
-    """A segment this process created and maps."""
+    """A segment this process created and maps.
 
-    def __init__(self, name: str, nbytes: int) -> None:
+    ``mode`` (read/write bits only) and ``gid`` follow the daemon's socket: whoever may
+    connect may map the slots it is given (names are unguessable and unlinked once mapped).
+    """
+
+    def __init__(self, name: str, nbytes: int, mode: int = 0o600, gid: int | None = None) -> None:
         self.name = name
         self.nbytes = nbytes
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode & 0o666)  # not narrowed by the umask
             try:  # claim the pages now: a full /dev/shm is an error here, not a SIGBUS later
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
@@ -55,13 +62,22 @@ class Segment:
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unlink and unmap now; False while a view of the memory is still alive (a task in
+        flight, say): then nothing is unmapped and the owner calls again later."""
         self.unlink()
         self.array = None  # type: ignore[assignment]
+        if self._map.closed:
+            return True
         try:
-            self._map.close()
+            self._map.close()  # also closes the descriptor the mapping keeps
         except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with it
+            return False
+        return True
+
+    @property
+    def mapped(self) -> bool:
+        return not self._map.closed
 
 
 def remove_stale(log=None) -> list[str]:

@@ -29,7 +29,7 @@ def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progre
             metas.append(daemon.metadata.array(uri))
             out["arrays"] += 1
         except SampleError as e:
-            out["errors"].append(e)
+            out["errors"].append(e.with_context(uri=uri))
     cache = daemon.executor.chunk_cache
     if chunks and cache is None:
         out["errors"].append(DamacyError("--chunks needs a chunk cache (start damacyd with --chunk-cache BYTES)"))

@@ -79,6 +79,8 @@ class WorkerPool:
                 fn(*args)
             except BaseException:  # a task must report its own errors; never kill the worker
                 log.exception("damacy: unhandled error in %s task", self.name)
+            # an idle worker keeps nothing of its last task alive (a slot's memory, say)
+            item = fn = args = None
 
     def pending(self) -> int:
         with self._cond:

@@ -145,8 +145,13 @@ def test_killed_clients_are_reclaimed(tmp_path, data):
             timeout=20,
             what="dead sessions to be reclaimed",
         )
-        s = stats(proc.endpoint)
-        assert s["memory"]["in_use_bytes"] == base, s["memory"]
+        # the slots are unmapped and their bytes returned once no task writes into them
+        wait_for(
+            lambda: stats(proc.endpoint)["memory"]["in_use_bytes"] == base,
+            timeout=20,
+            what="the dead sessions' memory to return to the budget",
+        )
+        assert stats(proc.endpoint)["memory"]["retiring_slot_bytes"] == 0
         assert shm_segments(proc.pid) == []
         # and it still serves
         cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=30)

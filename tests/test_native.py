@@ -383,39 +383,52 @@ def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
     table = optable.build(group.units)
     flags = os.O_RDONLY | os.O_CLOEXEC
 
-    code, failures, _, nbytes, encoded, elements = native.run_file(kernel, (group.key, flags), group.offset, group.length, table, targets)
+    code, failures, _, nbytes, encoded, elements = native.run_file(kernel, (group.key, flags, None), group.offset, group.length, table, targets)
     assert code == 0 and failures == [] and nbytes == group.length
     assert encoded == sum(u.nbytes for u in group.units) and elements == out.size
     assert np.array_equal(out, data[:8, :10, :12].astype("f4"))
     out[...] = 0
-    # a missing file, a range past the end, a symlink where none may be followed: nothing copied
-    code, *_ = native.run_file(kernel, (group.key + ".gone", flags), group.offset, group.length, table, targets)
+    # a missing file, a range past the end, a symlink where none may be followed, a FIFO,
+    # a file outside the roots: nothing copied
+    code, *_ = native.run_file(kernel, (group.key + ".gone", flags, None), group.offset, group.length, table, targets)
     assert code == errno.ENOENT
     size = os.path.getsize(group.key)
-    code, *_ = native.run_file(kernel, (group.key, flags), size - 4, group.length, table, targets)
+    code, *_ = native.run_file(kernel, (group.key, flags, None), size - 4, group.length, table, targets)
     assert code == -1
     os.symlink(group.key, tmp_path / "link")
-    code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags | os.O_NOFOLLOW), group.offset, group.length, table, targets)
+    code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags | os.O_NOFOLLOW, None), group.offset, group.length, table, targets)
     assert code == errno.ELOOP
+    os.mkfifo(tmp_path / "fifo")
+    for roots in (None, os.fsencode(tmp_path)):
+        code, *_ = native.run_file(kernel, (str(tmp_path / "fifo"), flags, roots), 0, 16, table, targets)
+        assert code == -1
+    elsewhere = os.fsencode(tmp_path / "elsewhere") + b"\0" + os.fsencode(tmp_path / "d" / "c" / "1")
+    code, *_ = native.run_file(kernel, (group.key, flags, elsewhere), group.offset, group.length, table, targets)
+    assert code == -3
     assert not out.any()
+    # inside a root, through a link, and with the root given with a trailing slash
+    for roots in (os.fsencode(tmp_path), b"/nowhere\0" + os.fsencode(tmp_path) + b"/"):
+        code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags, roots), group.offset, group.length, table, targets)
+        assert code == 0 and np.array_equal(out, data[:8, :10, :12].astype("f4"))
+        out[...] = 0
+    # a root that is a prefix of the folder's name but not its parent
+    code, *_ = native.run_file(kernel, (group.key, flags, os.fsencode(str(tmp_path)[:-1])), group.offset, group.length, table, targets)
+    assert code == -3
 
 
-def test_a_rooted_reader_reads_directly_only_in_folders_it_has_checked(tmp_path):
+def test_a_rooted_reader_hands_native_code_its_roots(tmp_path):
     import os
 
     from damacy_server.store.file import FileReader
 
     uri, _ = _sharded(tmp_path)
-    reader = FileReader(roots=[str(tmp_path)])
     shard = str(tmp_path / "d" / "c" / "0" / "0" / "0")
-    assert reader.direct(shard) is None
-    reader.read_range(shard, 0, 16)
-    path, flags = reader.direct(shard)
-    assert path == shard and flags & os.O_NOFOLLOW
+    path, flags, roots = FileReader(roots=[str(tmp_path), "/nowhere/"]).direct(shard)
+    assert path == shard and flags & os.O_NONBLOCK and roots == os.fsencode(tmp_path) + b"\0/nowhere"
+    assert FileReader().direct(shard)[2] is None
     outside = FileReader(roots=[str(tmp_path / "elsewhere")])
     with pytest.raises(damacy.InvalidArgument):
         outside.read_range(shard, 0, 16)
-    assert outside.direct(shard) is None
 
 
 def test_truncated_shard_read_directly_falls_back_and_is_reported(tmp_path):
@@ -450,11 +463,11 @@ def test_direct_reads_of_whole_objects_and_empty_files(tmp_path):
     targets = native.targets([out], 2)
     table = optable.build(group.units)
     flags = os.O_RDONLY | os.O_CLOEXEC
-    code, failures, _, nbytes, _, elements = native.run_file(kernel, (group.key, flags), 0, -1, table, targets)
+    code, failures, _, nbytes, _, elements = native.run_file(kernel, (group.key, flags, None), 0, -1, table, targets)
     assert code == 0 and failures == [] and nbytes == os.path.getsize(group.key) and elements == 24
     assert np.array_equal(out, data[:4, :6].astype("f4"))
     open(group.key, "wb").close()  # now empty: read, and reported as undecodable
-    code, failures, _, nbytes, _, _ = native.run_file(kernel, (group.key, flags), 0, -1, table, targets)
+    code, failures, _, nbytes, _, _ = native.run_file(kernel, (group.key, flags, None), 0, -1, table, targets)
     assert code == 0 and nbytes == 0 and [k for k, _ in failures] == [0]
 
 

@@ -34,6 +34,11 @@ class CountingStore(FileStore):
             self.ranges.extend((key, o, n) for o, n in ranges)
         return super().read_ranges(key, ranges)
 
+    def read_range_sized(self, key, offset, length):
+        with self._lock:
+            self.ranges.append((key, offset, length))
+        return super().read_range_sized(key, offset, length)
+
 
 def test_shards_are_read_by_range_and_indexes_once(tmp_path):
     data = random_data((16, 16), "uint16", seed=1)

@@ -134,16 +134,22 @@ def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray) -> 
 
 
 def run_file(
-    kernel: NativeKernel, where: tuple[str, int], offset: int, length: int, table: optable.OpTable, targets: np.ndarray
+    kernel: NativeKernel,
+    where: tuple[str, int, bytes | None],
+    offset: int,
+    length: int,
+    table: optable.OpTable,
+    targets: np.ndarray,
 ) -> tuple[int, list[tuple[int, str]] | None, int, int, int, int]:
     """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
-    ``where`` = (path, open flags) first, in the same call, only if the page cache holds
-    them. Returns (code, failures, read_ns, nbytes, encoded, elements): code 0 when done,
-    else -1 (not cached, short, or the file system cannot read without waiting), -2 (larger
-    than RUN_FILE_MAX) or an errno from open; then nothing was copied and the caller reads
-    the ordinary way."""
-    path, flags = where
-    return _assemble.run_file(path, flags, offset, length, *_task(kernel, table, targets))
+    ``where`` = (path, open flags, roots) from :meth:`FileStore.direct` first, in the same
+    call, only if the page cache holds them, opened by the same rule as ``FileStore.open``.
+    Returns (code, failures, read_ns, nbytes, encoded, elements): code 0 when done, else -1
+    (not cached, short, not a regular file, or the file system cannot read without
+    waiting), -2 (larger than RUN_FILE_MAX), -3 (outside the roots) or an errno from open;
+    then nothing was copied and the caller reads the ordinary way."""
+    path, flags, roots = where
+    return _assemble.run_file(path, flags, roots, offset, length, *_task(kernel, table, targets))
 
 
 def run(kernel: NativeKernel, data, offset: int, table: optable.OpTable, targets: np.ndarray) -> tuple[list[tuple[int, str]], int, int]:

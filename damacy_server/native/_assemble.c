@@ -763,26 +763,79 @@ static PyObject *run(PyObject *self, PyObject *args) {
 }
 
 /*
- * run_file(path, flags, offset, length, spans, ops, base, targets, unit_shape, src_type, dst_type,
- *          swap, codec, decoded_nbytes, pool)
+ * run_file(path, flags, roots, offset, length, spans, ops, base, targets, unit_shape, src_type,
+ *          dst_type, swap, codec, decoded_nbytes, pool)
  * As run, reading bytes [offset, offset + length) of the file at path (length -1: all of it)
  * first, all without the GIL, but only from the page cache: a read that would wait for the
- * device (or that the file system cannot promise not to) is not made. Returns
+ * device (or that the file system cannot promise not to) is not made. roots (None, or the
+ * allowed folders NUL-separated) applies FileStore.open's rule: the path is opened with
+ * O_PATH, the descriptor's real location (/proc/self/fd) must lie inside a root and be a
+ * regular file, and the file is then opened through that descriptor. Returns
  * (code, failures, read_ns, nbytes, encoded, elements): code 0, the bytes read and the rest as
- * run's; or code -1 (not in the page cache, a short or failed read, or reads without
- * waiting unsupported), -2 (larger than RUN_FILE_MAX) or an errno from open,
- * with nothing copied: the caller reads the ordinary way, which reports errors fully.
+ * run's; or code -1 (not in the page cache, a short or failed read, reads without waiting
+ * unsupported, or not a regular file), -2 (larger than RUN_FILE_MAX), -3 (outside the roots)
+ * or an errno from open, with nothing copied: the caller reads the ordinary way, which
+ * reports errors fully.
  */
+/* Is the resolved path real[0:n] one of the NUL-separated roots, or below one? */
+static int within_roots(const char *real, size_t n, const char *roots, size_t roots_len) {
+    const char *r = roots, *end = roots + roots_len;
+    while (r < end) {
+        size_t len = strnlen(r, (size_t)(end - r));
+        size_t cmp = len;
+        while (cmp > 1 && r[cmp - 1] == '/') cmp--; /* "/data/" matches like "/data" */
+        if (n >= cmp && memcmp(real, r, cmp) == 0 &&
+            (n == cmp || real[cmp] == '/' || (cmp == 1 && r[0] == '/')))
+            return 1;
+        r += len + 1;
+    }
+    return 0;
+}
+
+/* Open path for reading as FileStore.open does: returns a descriptor, or -1 with *code set. */
+static int open_checked(const char *path, int flags, const char *roots, size_t roots_len, int *code) {
+    struct stat st;
+    if (!roots) {
+        int fd = open(path, flags | O_NONBLOCK | O_CLOEXEC); /* a FIFO must not block a decode thread */
+        if (fd < 0) { *code = errno; return -1; }
+        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); *code = -1; return -1; }
+        return fd;
+    }
+#ifndef O_PATH
+    *code = -3; /* no O_PATH here: the Python path checks such reads */
+    return -1;
+#else
+    int handle = open(path, O_PATH | O_CLOEXEC);
+    if (handle < 0) { *code = errno; return -1; }
+    char proc[64], real[4097];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", handle);
+    ssize_t n = readlink(proc, real, sizeof real - 1);
+    int fd = -1;
+    if (n <= 0 || n >= (ssize_t)sizeof real - 1 || !within_roots(real, (size_t)n, roots, roots_len)) {
+        *code = -3;
+    } else if (fstat(handle, &st) != 0 || !S_ISREG(st.st_mode)) {
+        *code = -1;
+    } else {
+        fd = open(proc, flags | O_NONBLOCK | O_CLOEXEC); /* the checked file itself, not the path again */
+        if (fd < 0) *code = errno;
+    }
+    close(handle);
+    return fd;
+#endif
+}
+
 #define RUN_FILE_MAX (16 << 20) /* the largest read run_file makes (module constant RUN_FILE_MAX) */
 
 static PyObject *run_file(PyObject *self, PyObject *args) {
     PyObject *path_obj;
     int flags;
+    const char *roots = NULL;
+    Py_ssize_t roots_len = 0;
     long long offset, length;
     task_t t;
     memset(&t, 0, sizeof t);
-    if (!PyArg_ParseTuple(args, "O&iLL" TASK_FORMAT, PyUnicode_FSConverter, &path_obj, &flags, &offset, &length,
-                          TASK_ARGS(t)))
+    if (!PyArg_ParseTuple(args, "O&iz#LL" TASK_FORMAT, PyUnicode_FSConverter, &path_obj, &flags, &roots, &roots_len,
+                          &offset, &length, TASK_ARGS(t)))
         return NULL;
     PyObject *result = NULL;
     int code = 0;
@@ -794,11 +847,10 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
 #ifdef RWF_NOWAIT
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        int fd = open(path, flags | O_NONBLOCK); /* a FIFO must not block a decode thread */
         char *buf = NULL;
-        if (fd < 0) {
-            code = errno;
-        } else {
+        int fd = open_checked(path, flags, roots, (size_t)roots_len, &code);
+        if (fd >= 0) {
+            code = -1;
             if (length < 0) {
                 struct stat st;
                 offset = 0;

@@ -24,6 +24,8 @@ def resolve_uri(uri: str) -> tuple[Store, str]:
     text = os.fspath(uri)
     if not text:
         raise InvalidArgument("the uri is empty")
+    if "\0" in text:
+        raise InvalidArgument("the uri contains a NUL byte", uri=text.replace("\0", "\\0"))
     parsed = urlparse(text)
     scheme = parsed.scheme.lower()
     if scheme == "file":

@@ -31,6 +31,13 @@ class Store(ABC):
         got = self.read_ranges(key, [(offset, length)])
         return None if got is None else got[0]
 
+    def read_range_sized(self, key: str, offset: int, length: int) -> tuple[bytes, int] | None:
+        """One byte range and the object's size, or ``None`` when the object does not exist
+        (backends that can do both in one request override this)."""
+        size = self.size(key)
+        data = None if size is None else self.read_range(key, offset, length)
+        return None if data is None else (data, size)
+
     @abstractmethod
     def size(self, key: str) -> int | None:
         """The object's size in bytes, or ``None`` when it does not exist."""

@@ -2,79 +2,120 @@
 
 ``os.pread`` releases the GIL, so many threads read at once; a range read never reads more
 of a file than asked, which matters for shards of hundreds of megabytes.
+
+Every open is checked on the descriptor it returns, never on a path checked earlier: a
+rooted store (the daemon's) opens the path with ``O_PATH`` (which opens nothing and cannot
+block), asks the kernel where that descriptor really is (``/proc/self/fd``), refuses it
+unless it lies inside a root and is a regular file, and only then opens it for reading
+through the descriptor itself. Symlinks anywhere in the path are followed by the kernel,
+so links that stay inside the roots work, and swapping a checked folder for a link to
+elsewhere between two reads (or during one) reads nothing from elsewhere. Nothing about a
+path is cached across opens. Every store opens non-blocking and refuses anything that is
+not a regular file (a FIFO named like a chunk must not hang a reader thread).
 """
 
 from __future__ import annotations
 
-import errno
 import os
+import stat
 from collections.abc import Sequence
 
 from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server.store.base import ByteRange, Store
 
 _MISSING = (FileNotFoundError, NotADirectoryError)
-_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_O_PATH = getattr(os, "O_PATH", 0)
+_PROC_FD = "/proc/self/fd"
+
+
+def within(real: str, roots: Sequence[str]) -> bool:
+    """Is the resolved path ``real`` one of ``roots`` or below one of them?"""
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
 class FileStore(Store):
     """Reads files by absolute path.
 
-    With ``roots`` set, only files inside those directories are read, after resolving
-    symlinks and ``..`` (a daemon reads files on behalf of its clients).
+    With ``roots`` set, only regular files whose real location (symlinks and ``..``
+    resolved by the kernel at open time) lies inside those directories are read: a daemon
+    reads files on behalf of its clients.
     """
 
     def __init__(self, roots: list[str] | None = None) -> None:
         self.roots = None if roots is None else [os.path.realpath(r) for r in roots]
-        self._dirs_ok: dict[str, bool] = {}
+        # what native code needs to apply the same rule itself: the roots, NUL-separated
+        self._roots_blob = None if self.roots is None else b"\0".join(os.fsencode(r) for r in self.roots)
 
     def check_allowed(self, path: str) -> None:
-        """Refuse ``path`` unless it lies inside one of the roots (symlinks resolved)."""
+        """Refuse ``path`` early, by name, unless it lies inside one of the roots (symlinks
+        resolved now). A courtesy for a clear error at push time: the check that protects
+        the roots is the one every open makes on its descriptor."""
         if self.roots is None:
             return
-        real = os.path.realpath(path)
-        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self.roots):
-            if not self.roots:
-                raise InvalidArgument("this damacyd serves no paths (start it with --allow-root DIR)", path=path)
-            raise InvalidArgument(f"{path} is outside the daemon's allowed roots ({', '.join(self.roots)})", path=path)
+        _check_name(path)
+        if not within(os.path.realpath(path), self.roots):
+            raise self._outside(path)
 
-    def _open(self, key: str) -> int | None:
-        if self.roots is not None:
-            return self._open_rooted(key)
-        return _open_fd(key, _FLAGS)
+    def _outside(self, path: str) -> InvalidArgument:
+        if not self.roots:
+            return InvalidArgument("this damacyd serves no paths (start it with --allow-root DIR)", path=path)
+        return InvalidArgument(f"{path} is outside the daemon's allowed roots ({', '.join(self.roots)})", path=path)
 
-    def _open_rooted(self, key: str) -> int | None:
-        folder = os.path.dirname(key)
-        ok = self._dirs_ok.get(folder)
-        if ok is None:
-            try:
-                self.check_allowed(folder)
-                ok = True
-            except InvalidArgument:
-                ok = False
-            if len(self._dirs_ok) > 65536:
-                self._dirs_ok.clear()
-            self._dirs_ok[folder] = ok
-        if not ok:
-            self.check_allowed(folder)  # raises, naming the path
-        try:
-            return _open_fd(key, _FLAGS | os.O_NOFOLLOW, symlink_ok=False)
-        except _Symlink:
-            # the file itself is a symlink: follow it only into an allowed root
-            self.check_allowed(key)
-            return _open_fd(key, _FLAGS)
-
-    def direct(self, key: str) -> tuple[str, int] | None:
-        """(path, open flags) with which native code may read ``key`` itself, or None when
-        it must go through :meth:`read`/:meth:`read_ranges` (which report every error). A
-        rooted store refuses symlinks there (``O_NOFOLLOW``): those take the ordinary path."""
+    def open(self, key: str) -> int | None:
+        """A descriptor open for reading a regular file, ``None`` when there is no such
+        file, :class:`InvalidArgument` outside the roots, :class:`StorageError` otherwise."""
+        _check_name(key)
         if self.roots is None:
-            return key, _FLAGS
-        ok = self._dirs_ok.get(os.path.dirname(key))
-        return (key, _FLAGS | os.O_NOFOLLOW) if ok else None
+            fd = _open_fd(key, _FLAGS)
+            if fd is not None:
+                _check_regular(fd, key)
+            return fd
+        if not _O_PATH:
+            return self._open_rooted_portable(key)
+        handle = _open_fd(key, _O_PATH | os.O_CLOEXEC)
+        if handle is None:
+            return None
+        try:
+            proc = f"{_PROC_FD}/{handle}"
+            try:
+                real = os.readlink(proc)
+            except OSError as e:
+                raise StorageError(f"cannot tell where the file is ({proc}: {e.strerror})", path=key) from e
+            if not within(real, self.roots):
+                raise self._outside(key)
+            _check_regular(handle, key)
+            # the same file, opened through the checked descriptor (no second path walk)
+            return _open_fd(proc, _FLAGS, name=key)
+        finally:
+            os.close(handle)
+
+    def _open_rooted_portable(self, key: str) -> int | None:
+        """Where there is no ``O_PATH``: open, then check that the resolved path names the
+        very file opened (same device and inode) and lies inside a root."""
+        fd = _open_fd(key, _FLAGS)
+        if fd is None:
+            return None
+        try:
+            _check_regular(fd, key)
+            real = os.path.realpath(key)
+            st, there = os.fstat(fd), _stat_or_none(real)
+            if there is None or (st.st_dev, st.st_ino) != (there.st_dev, there.st_ino) or not within(real, self.roots):
+                raise self._outside(key)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def direct(self, key: str) -> tuple[str, int, bytes | None]:
+        """(path, open flags, roots) with which native code reads ``key`` itself, applying
+        the same rule as :meth:`open` (roots: NUL-separated, or None for an unrooted store).
+        Whatever it refuses or cannot do goes through :meth:`read`/:meth:`read_ranges`,
+        which report every error."""
+        return key, _FLAGS, self._roots_blob
 
     def read(self, key: str) -> bytes | None:
-        fd = self._open(key)
+        fd = self.open(key)
         if fd is None:
             return None
         try:
@@ -86,59 +127,84 @@ class FileStore(Store):
             os.close(fd)
 
     def read_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes] | None:
-        fd = self._open(key)
+        fd = self.open(key)
         if fd is None:
             return None
         try:
-            size = None
-            out = []
-            for offset, length in ranges:
-                if offset < 0:
-                    if size is None:
-                        size = os.fstat(fd).st_size
-                    length = -offset
-                    offset = max(0, size + offset)
-                out.append(_pread_exact(fd, length, offset))
-            return out
+            size = os.fstat(fd).st_size
+            return [_pread_within(fd, size, offset, length) for offset, length in ranges]
+        except OSError as e:
+            raise StorageError(f"read failed: {e.strerror or e}", path=key) from e
+        finally:
+            os.close(fd)
+
+    def read_range_sized(self, key: str, offset: int, length: int) -> tuple[bytes, int] | None:
+        fd = self.open(key)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            return _pread_within(fd, size, offset, length), size
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror or e}", path=key) from e
         finally:
             os.close(fd)
 
     def size(self, key: str) -> int | None:
-        if self.roots is not None:
-            self.check_allowed(key)
-        try:
-            st = os.stat(key)
-        except _MISSING:
+        fd = self.open(key)
+        if fd is None:
             return None
-        except OSError as e:
-            raise StorageError(f"cannot stat: {e.strerror or e}", path=key) from e
-        return st.st_size
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, key: str) -> bool:
-        if self.roots is not None:
-            self.check_allowed(key)
-        return os.path.isfile(key)
+        try:
+            return self.size(key) is not None
+        except StorageError:
+            return False  # something that is not a regular file (a folder, a FIFO)
 
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
 
 
-class _Symlink(Exception):
-    pass
+def _check_name(key: str) -> None:
+    if "\0" in key:
+        raise InvalidArgument(f"the path {key!r} contains a NUL byte", path=key.replace("\0", "\\0"))
 
 
-def _open_fd(key: str, flags: int, symlink_ok: bool = True) -> int | None:
+def _check_regular(fd: int, key: str) -> None:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise StorageError(f"cannot read {what}", path=key)
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _open_fd(key: str, flags: int, name: str | None = None) -> int | None:
     """An open file descriptor, ``None`` for a missing file, :class:`StorageError` otherwise."""
     try:
         return os.open(key, flags)
     except _MISSING:
         return None
     except OSError as e:
-        if not symlink_ok and e.errno == errno.ELOOP:
-            raise _Symlink from None
-        raise StorageError(f"cannot open: {e.strerror or e}", path=key) from e
+        raise StorageError(f"cannot open: {e.strerror or e}", path=name or key) from e
+
+
+def _pread_within(fd: int, size: int, offset: int, length: int) -> bytes:
+    """Bytes [offset, offset + length) of a file of ``size`` bytes (a negative offset: the
+    last ``-offset`` bytes), short at the end: never asks for more than the file holds (a
+    corrupt shard index may name 2**61 bytes)."""
+    if offset < 0:
+        length, offset = -offset, max(0, size + offset)
+    return _pread_exact(fd, max(0, min(length, size - offset)), offset)
 
 
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:

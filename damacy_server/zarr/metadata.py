@@ -63,6 +63,10 @@ def decode_json(data: bytes, uri: str, what: str = "zarr.json") -> dict[str, Any
         raise MetadataError(f"{what} is not UTF-8 text: {e}", uri=uri) from e
     except json.JSONDecodeError as e:
         raise MetadataError(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", uri=uri) from e
+    except RecursionError:
+        raise MetadataError(f"{what} is nested too deeply to parse", uri=uri) from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise MetadataError(f"{what} is not valid JSON: {e}", uri=uri) from e
     if not isinstance(doc, dict):
         raise MetadataError(f"{what} must hold a JSON object, found {type(doc).__name__}", uri=uri)
     return doc
@@ -107,6 +111,8 @@ def parse_array_metadata(doc: dict[str, Any], *, uri: str, store: Store, root: s
     fill_value = parse_fill_value(doc["fill_value"], dtype, uri)
     encoding = parse_chunk_key_encoding(doc["chunk_key_encoding"], uri)
     transformers = doc.get("storage_transformers") or []
+    if not isinstance(transformers, list):
+        raise MetadataError(f"storage_transformers must be a list, got {type(transformers).__name__}", uri=uri)
     if transformers:
         names = [t.get("name") if isinstance(t, dict) else t for t in transformers]
         raise UnsupportedError(f"storage transformers {names} are not supported", uri=uri)
@@ -152,9 +158,13 @@ def _parse_chunk_grid(grid: Any, ndim: int, uri: str) -> tuple[int, ...]:
     return chunks
 
 
+#: no extent of an array or a chunk reaches this (offsets and products stay within int64)
+_MAX_EXTENT = 1 << 62
+
+
 def _int_tuple(value: Any, what: str, uri: str, minimum: int) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+        isinstance(v, int) and not isinstance(v, bool) and minimum <= v < _MAX_EXTENT for v in value
     ):
-        raise MetadataError(f"{what} must be a list of integers >= {minimum}, got {value!r}", uri=uri)
+        raise MetadataError(f"{what} must be a list of integers from {minimum} to 2**62 - 1, got {value!r}", uri=uri)
     return tuple(value)
