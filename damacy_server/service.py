@@ -482,6 +482,7 @@ class Daemon:
         bind_socket(self.socket, options)
         self.endpoint = options.endpoint
         self.malformed = 0
+        self.received = 0  # messages read from the socket
 
     # -- plumbing -----------------------------------------------------------------
     def post(self, identity: bytes, payload: bytes) -> None:
@@ -523,6 +524,7 @@ class Daemon:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.received += 1
             if len(frames) != 2:
                 self.malformed += 1
                 log.warning("dropped a message of %d frames", len(frames))
@@ -756,6 +758,7 @@ class Daemon:
                 "endpoint": self.endpoint,
                 "uptime_s": time.time() - self.started,
                 "allow_roots": self.roots,
+                "messages": self.received,
                 "malformed_messages": self.malformed,
             },
             "stages": ex.stats.snapshot(),
