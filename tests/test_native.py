@@ -372,6 +372,7 @@ def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
     import os
 
     from damacy_server import optable
+    from damacy_server.store import FileStore
 
     uri, data = _sharded(tmp_path)
     meta = damacy.open_array(uri)
@@ -399,20 +400,31 @@ def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
     code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags | os.O_NOFOLLOW, None), group.offset, group.length, table, targets)
     assert code == errno.ELOOP
     os.mkfifo(tmp_path / "fifo")
-    for roots in (None, os.fsencode(tmp_path)):
+    store = FileStore(roots=[str(tmp_path)])
+    for roots in (None, store._roots_blob, b"-1:" + os.fsencode(tmp_path)):
         code, *_ = native.run_file(kernel, (str(tmp_path / "fifo"), flags, roots), 0, 16, table, targets)
         assert code == -1
-    elsewhere = os.fsencode(tmp_path / "elsewhere") + b"\0" + os.fsencode(tmp_path / "d" / "c" / "1")
-    code, *_ = native.run_file(kernel, (group.key, flags, elsewhere), group.offset, group.length, table, targets)
+    elsewhere = FileStore(roots=[str(tmp_path / "elsewhere"), str(tmp_path / "d" / "c" / "1")])
+    code, *_ = native.run_file(kernel, (group.key, flags, elsewhere._roots_blob), group.offset, group.length, table, targets)
     assert code == -3
     assert not out.any()
-    # inside a root, through a link, and with the root given with a trailing slash
-    for roots in (os.fsencode(tmp_path), b"/nowhere\0" + os.fsencode(tmp_path) + b"/"):
-        code, *_ = native.run_file(kernel, (str(tmp_path / "link"), flags, roots), group.offset, group.length, table, targets)
-        assert code == 0 and np.array_equal(out, data[:8, :10, :12].astype("f4"))
+    # inside a root: by openat2 from the root's descriptor, through an absolute link (decided
+    # by the descriptor's location), by location alone (no root descriptor), with a trailing
+    # slash, and with another root listed first
+    os.symlink("0/0/0", tmp_path / "d" / "c" / "rel")
+    cases = [
+        (group.key, store._roots_blob),
+        (str(tmp_path / "d" / "c" / "rel"), store._roots_blob),
+        (str(tmp_path / "link"), store._roots_blob),
+        (group.key, b"-1:" + os.fsencode(tmp_path) + b"/"),
+        (group.key, b"-1:/nowhere\0" + store._roots_blob),
+    ]
+    for path, roots in cases:
+        code, *_ = native.run_file(kernel, (path, flags, roots), group.offset, group.length, table, targets)
+        assert code == 0 and np.array_equal(out, data[:8, :10, :12].astype("f4")), (path, roots)
         out[...] = 0
     # a root that is a prefix of the folder's name but not its parent
-    code, *_ = native.run_file(kernel, (group.key, flags, os.fsencode(str(tmp_path)[:-1])), group.offset, group.length, table, targets)
+    code, *_ = native.run_file(kernel, (group.key, flags, b"-1:" + os.fsencode(str(tmp_path)[:-1])), group.offset, group.length, table, targets)
     assert code == -3
 
 
@@ -423,8 +435,11 @@ def test_a_rooted_reader_hands_native_code_its_roots(tmp_path):
 
     uri, _ = _sharded(tmp_path)
     shard = str(tmp_path / "d" / "c" / "0" / "0" / "0")
-    path, flags, roots = FileReader(roots=[str(tmp_path), "/nowhere/"]).direct(shard)
-    assert path == shard and flags & os.O_NONBLOCK and roots == os.fsencode(tmp_path) + b"\0/nowhere"
+    reader = FileReader(roots=[str(tmp_path), "/nowhere/"])
+    path, flags, roots = reader.direct(shard)
+    fd = reader._root_fds[0]
+    assert fd >= 0 and reader._root_fds[1] == -1  # a root that does not exist has no descriptor
+    assert path == shard and flags & os.O_NONBLOCK and roots == b"%d:%s\0-1:/nowhere" % (fd, os.fsencode(tmp_path))
     assert FileReader().direct(shard)[2] is None
     outside = FileReader(roots=[str(tmp_path / "elsewhere")])
     with pytest.raises(damacy.InvalidArgument):

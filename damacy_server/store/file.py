@@ -3,25 +3,36 @@
 ``os.pread`` releases the GIL, so many threads read at once; a range read never reads more
 of a file than asked, which matters for shards of hundreds of megabytes.
 
-Every open is checked on the descriptor it returns, never on a path checked earlier: a
-rooted store (the daemon's) opens the path with ``O_PATH`` (which opens nothing and cannot
-block), asks the kernel where that descriptor really is (``/proc/self/fd``), refuses it
-unless it lies inside a root and is a regular file, and only then opens it for reading
-through the descriptor itself. Symlinks anywhere in the path are followed by the kernel,
-so links that stay inside the roots work, and swapping a checked folder for a link to
-elsewhere between two reads (or during one) reads nothing from elsewhere. Nothing about a
-path is cached across opens. Every store opens non-blocking and refuses anything that is
-not a regular file (a FIFO named like a chunk must not hang a reader thread).
+Every open is checked on the file it opens, never on a path checked earlier. A rooted
+store (the daemon's) keeps a descriptor of each root and opens a file below one with
+``openat2(root, rest, RESOLVE_BENEATH)``: the kernel refuses any escape (``..``, a symlink
+out) in the same call. What that cannot decide (an absolute symlink, which may well stay
+inside, or a kernel without ``openat2``) is decided on the descriptor: the path is opened
+with ``O_PATH`` (which opens nothing and cannot block), the kernel's location of that
+descriptor (``/proc/self/fd``) must lie inside a root and be a regular file, and only then
+is it opened for reading through the descriptor itself. So links that stay inside the
+roots work, and swapping a checked folder for a link to elsewhere between two reads (or
+during one) reads nothing from elsewhere. Nothing about a path is cached across opens.
+Every store opens non-blocking and refuses anything that is not a regular file (a FIFO
+named like a chunk must not hang a reader thread). The rule lives in C
+(``native.open_checked``, also used by the decode threads' direct reads), with the same
+rule in Python where the extension is not built.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Sequence
 
 from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server.store.base import ByteRange, Store
+
+try:
+    from damacy_server.native import _assemble as _native
+except ImportError:  # built without a C compiler
+    _native = None
 
 _MISSING = (FileNotFoundError, NotADirectoryError)
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -44,8 +55,22 @@ class FileStore(Store):
 
     def __init__(self, roots: list[str] | None = None) -> None:
         self.roots = None if roots is None else [os.path.realpath(r) for r in roots]
-        # what native code needs to apply the same rule itself: the roots, NUL-separated
-        self._roots_blob = None if self.roots is None else b"\0".join(os.fsencode(r) for r in self.roots)
+        self._root_fds: list[int] = []
+        # the roots as native code takes them: "FD:PATH" each, NUL-separated (FD -1: none)
+        self._roots_blob = None
+        if self.roots is not None:
+            for r in self.roots:
+                try:
+                    self._root_fds.append(os.open(r, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if _O_PATH else -1)
+                except OSError:
+                    self._root_fds.append(-1)  # checked by the descriptor's location alone
+            self._roots_blob = b"\0".join(b"%d:%s" % (fd, os.fsencode(r)) for fd, r in zip(self._root_fds, self.roots))
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_root_fds", ()):
+            if fd >= 0:
+                os.close(fd)
+        self._root_fds = []
 
     def check_allowed(self, path: str) -> None:
         """Refuse ``path`` early, by name, unless it lies inside one of the roots (symlinks
@@ -62,10 +87,32 @@ class FileStore(Store):
             return InvalidArgument("this damacyd serves no paths (start it with --allow-root DIR)", path=path)
         return InvalidArgument(f"{path} is outside the daemon's allowed roots ({', '.join(self.roots)})", path=path)
 
-    def open(self, key: str) -> int | None:
-        """A descriptor open for reading a regular file, ``None`` when there is no such
-        file, :class:`InvalidArgument` outside the roots, :class:`StorageError` otherwise."""
+    def open(self, key: str) -> tuple[int, int] | None:
+        """(descriptor open for reading, size) of a regular file, ``None`` when there is no
+        such file, :class:`InvalidArgument` outside the roots, :class:`StorageError` otherwise."""
         _check_name(key)
+        if _native is not None:
+            fd, code, size = _native.open_checked(key, _FLAGS, self._roots_blob)
+            if fd >= 0:
+                return fd, size
+            if code in (errno.ENOENT, errno.ENOTDIR):
+                return None
+            if code == -3:
+                raise self._outside(key)
+            if code == -1:
+                raise StorageError(f"cannot read {_what(_stat_or_none(key))}", path=key)
+            raise StorageError(f"cannot open: {os.strerror(code)}", path=key)
+        fd = self._open_python(key)
+        if fd is None:
+            return None
+        try:
+            return fd, os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_python(self, key: str) -> int | None:
+        """:meth:`open`'s rule without the native extension (the /proc check always)."""
         if self.roots is None:
             fd = _open_fd(key, _FLAGS)
             if fd is not None:
@@ -115,11 +162,11 @@ class FileStore(Store):
         return key, _FLAGS, self._roots_blob
 
     def read(self, key: str) -> bytes | None:
-        fd = self.open(key)
-        if fd is None:
+        opened = self.open(key)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             return _pread_exact(fd, size, 0)
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror or e}", path=key) from e
@@ -127,11 +174,11 @@ class FileStore(Store):
             os.close(fd)
 
     def read_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes] | None:
-        fd = self.open(key)
-        if fd is None:
+        opened = self.open(key)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             return [_pread_within(fd, size, offset, length) for offset, length in ranges]
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror or e}", path=key) from e
@@ -139,11 +186,11 @@ class FileStore(Store):
             os.close(fd)
 
     def read_range_sized(self, key: str, offset: int, length: int) -> tuple[bytes, int] | None:
-        fd = self.open(key)
-        if fd is None:
+        opened = self.open(key)
+        if opened is None:
             return None
+        fd, size = opened
         try:
-            size = os.fstat(fd).st_size
             return _pread_within(fd, size, offset, length), size
         except OSError as e:
             raise StorageError(f"read failed: {e.strerror or e}", path=key) from e
@@ -151,13 +198,11 @@ class FileStore(Store):
             os.close(fd)
 
     def size(self, key: str) -> int | None:
-        fd = self.open(key)
-        if fd is None:
+        opened = self.open(key)
+        if opened is None:
             return None
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        os.close(opened[0])
+        return opened[1]
 
     def exists(self, key: str) -> bool:
         try:
@@ -175,10 +220,17 @@ def _check_name(key: str) -> None:
 
 
 def _check_regular(fd: int, key: str) -> None:
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise StorageError(f"cannot read {what}", path=key)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(f"cannot read {_what(st)}", path=key)
+
+
+def _what(st: os.stat_result | None) -> str:
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    if st is not None and stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    return "something that is not a regular file"
 
 
 def _stat_or_none(path: str) -> os.stat_result | None:
