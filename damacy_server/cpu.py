@@ -80,6 +80,7 @@ class MemoryBudget:
         self.slots = 0
         self.used = 0  # slots + in flight
         self.peak = 0
+        self.waiting = 0  # slot admissions waiting for chunk data in flight to drain
         self._cond = threading.Condition()
 
     @property
@@ -97,14 +98,18 @@ class MemoryBudget:
                     + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
                 )
             deadline = time.monotonic() + SLOT_WAIT_S
-            while self.used + nbytes > self.total:  # chunk data in flight must drain first
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BudgetExceeded(
-                        f"{what} need {nbytes} bytes and max_memory_bytes={self.total} stayed full of chunk data in "
-                        f"flight for {SLOT_WAIT_S:.0f} s"
-                    )
-                self._cond.wait(min(left, 0.1))
+            self.waiting += 1
+            try:
+                while self.used + nbytes > self.total:  # chunk data in flight must drain first
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BudgetExceeded(
+                            f"{what} need {nbytes} bytes and max_memory_bytes={self.total} stayed full of chunk data in "
+                            f"flight for {SLOT_WAIT_S:.0f} s"
+                        )
+                    self._cond.wait(min(left, 0.1))
+            finally:
+                self.waiting -= 1
             self.slots += nbytes
             self._take(nbytes)
 

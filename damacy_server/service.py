@@ -136,7 +136,10 @@ class Session:
         self.rank = hello.rank
         self.sid = uuid.uuid4().hex[:12]
         self.last_seen = time.monotonic()
-        self.pid_visible = pid_alive(hello.pid)
+        # the process watched for liveness: as the kernel names it when it can (right across
+        # pid namespaces), else as the client says
+        self.watch_pid = peer.pid if peer is not None else hello.pid
+        self.pid_visible = pid_alive(self.watch_pid)
         self.segments: list[Segment] = []
         self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
         self.lent: dict[int, Batch] = {}
@@ -384,7 +387,7 @@ class Session:
 
     # -- liveness ---------------------------------------------------------------------
     def dead(self, now: float, timeout: float) -> str | None:
-        if self.pid_visible and not pid_alive(self.pid):
+        if self.pid_visible and not pid_alive(self.watch_pid):
             return f"client process {self.pid} is gone"
         if now - self.last_seen > timeout:
             return f"no message from the client for {now - self.last_seen:.1f} s"

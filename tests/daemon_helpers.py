@@ -39,7 +39,6 @@ class DaemonProcess:
             if time.monotonic() - t0 > 30:
                 self.proc.kill()
                 raise RuntimeError(f"damacyd did not answer within 30 s:\n{self.log_path.read_text()}")
-        self.startup_s = time.monotonic() - t0
 
     @property
     def pid(self) -> int:

@@ -78,7 +78,8 @@ def test_conformance_corpus(conformance_dir):
             failures.append(f"{store}: values differ (got {got.dtype}{got.shape}, expected {expected.dtype}{expected.shape})")
     print(f"\nconformance: {len(matched)} match, {len(refused)} refused clearly, {len(failures)} fail, of {len(manifest)}")
     assert not failures, "\n".join(failures)
-    assert len(matched) + len(refused) == len(manifest)
+    must_read = [s for s, e in manifest.items() if _expected_refusal(e) is None]
+    assert len(manifest) >= 200 and sorted(matched) == sorted(must_read)
 
 
 def test_ngff_image_resolves_to_level_zero(conformance_dir):

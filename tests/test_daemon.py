@@ -206,7 +206,6 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path, data):
     assert np.from_dlpack(held).shape == (2, *BOX)  # the client's mapping outlives the daemon
     held.release()
     pipe.close()
-    assert proc.startup_s < 5, f"damacyd took {proc.startup_s:.2f} s to answer"
 
 
 # -- security and bad input --------------------------------------------------------------
@@ -285,15 +284,19 @@ def test_tcp_off_loopback_needs_curve(tmp_path):
     assert out.returncode == 2 and "CURVE" in out.stderr
 
 
-def test_tcp_with_curve_keys(tmp_path, data):
+def test_tcp_with_curve_keys(tmp_path, data, monkeypatch):
+    import socket
+
     public, secret = zmq.curve_keypair()
     key = tmp_path / "server.key"
     key.write_bytes(secret)
-    port = 47000 + os.getpid() % 1000
+    with socket.socket() as s:  # a port free now (the daemon binds it next)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     args = [*damacyd_command(), "--endpoint", f"tcp://0.0.0.0:{port}", "--allow-root", str(data), "--curve-secret-key", str(key)]
     daemon_proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        os.environ["DAMACY_CURVE_SERVER_KEY"] = public.decode()
+        monkeypatch.setenv("DAMACY_CURVE_SERVER_KEY", public.decode())
         cfg = damacy.Config(samples_per_batch=1, sample_shape=BOX, pop_timeout_s=30)
         pipe = wait_for(lambda: _try_connect(cfg, f"tcp://127.0.0.1:{port}"), what="the CURVE daemon")
         with pipe:
@@ -301,7 +304,6 @@ def test_tcp_with_curve_keys(tmp_path, data):
             with pipe.pop() as b:
                 assert len(b) == 1
     finally:
-        os.environ.pop("DAMACY_CURVE_SERVER_KEY", None)
         daemon_proc.send_signal(signal.SIGTERM)
         daemon_proc.wait(15)
 

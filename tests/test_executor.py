@@ -78,8 +78,10 @@ def test_slots_wait_for_chunk_data_in_flight():
 
     t = threading.Thread(target=admit)
     t.start()
-    time.sleep(0.2)
-    assert not done.is_set()  # it fits the budget, but only once the reads are done
+    deadline = time.monotonic() + 30
+    while budget.waiting == 0 and time.monotonic() < deadline:  # until it waits for room
+        time.sleep(0.01)
+    assert budget.waiting == 1 and not done.is_set()  # it fits the budget, but only once the reads are done
     budget.release(MIN_INFLIGHT_BYTES + 500)
     assert done.wait(5)
     assert budget.reserve(MIN_INFLIGHT_BYTES + 1, lambda: False) == "too big"  # beside the slots it never fits

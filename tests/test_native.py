@@ -23,7 +23,6 @@ def boxes(n, seed):
 
 
 def run(uri, out, use_native, aabbs):
-    cfg = damacy.Config(samples_per_batch=3, sample_shape=BOX, dtype=out, pop_timeout_s=30, lookahead_samples=3, prepared_batches=1)
     executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native))
     pipe = damacy.Pipeline(
         planner=damacy.ChunkPlanner(),
@@ -31,7 +30,6 @@ def run(uri, out, use_native, aabbs):
         output=damacy.BatchSpec(3, BOX, out),
         queues=damacy.QueueLimits(lookahead_samples=3, prepared_batches=1),
     )
-    del cfg
     got = []
     with pipe:
         pipe.push([damacy.Sample(uri, a) for a in aabbs])

@@ -168,8 +168,10 @@ def test_seed_style_composition(store):
                 sizes.append(len(b))
         assert sizes == [2, 2, 1]
         stats = pipe.stats()
-    for stage in ("plan", "read", "decode", "assemble"):
-        assert stats["stages"][stage]["count"] > 0 and stats["stages"][stage]["seconds"] >= 0
+    for stage in ("plan", "read", "decode"):
+        assert stats["stages"][stage]["count"] > 0 and stats["stages"][stage]["seconds"] > 0
+    # the native loop decodes and assembles in one pass, timed under "native" and "decode"
+    assert stats["stages"]["assemble"]["count"] > 0 and stats["stages"]["assemble"]["bytes_out"] > 0
     assert stats["stages"]["decode"]["bytes_out"] > 0
     assert stats["cache"]["shard_indexes"]["misses"] > 0 and stats["cache"]["arrays"]["hits"] > 0
     assert stats["chunks_deduplicated"] > 0 and stats["reads_merged"] > 0
@@ -201,9 +203,12 @@ def test_infinite_generator_is_pulled_lazily(store, make):
         p.push(endless(uri, pulled))
         for batch in p.batches(5):
             batch.release()
-        time.sleep(0.3)  # let the feeder run ahead as far as it may
         delivered = 5 * 4
-        assert delivered <= pulled[0] <= delivered + cfg.lookahead_samples + 1
+        # the feeder runs ahead as far as it may, and no further
+        deadline = time.monotonic() + 30
+        while pulled[0] < delivered + cfg.lookahead_samples and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert delivered + cfg.lookahead_samples <= pulled[0] <= delivered + cfg.lookahead_samples + 1
 
 
 def test_close_with_an_infinite_generator_does_not_hang(store, make):

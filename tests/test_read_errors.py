@@ -212,11 +212,11 @@ def test_unsupported_scheme():
 def test_errors_survive_pickling(tmp_path):
     import pickle
 
-    try:
+    with pytest.raises(damacy.NotFound) as info:
         damacy.read(tmp_path / "nope")
-    except damacy.NotFound as e:
-        back = pickle.loads(pickle.dumps(e))
-        assert type(back) is damacy.NotFound and str(back) == str(e) and back.uri == e.uri
+    e = info.value
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is damacy.NotFound and str(back) == str(e) and back.uri == e.uri
     doc = json.dumps({"kind": "DecodeError", "reason": "x", "chunk": [1, 2]})
     from damacy_protocol.errors import from_wire
 
