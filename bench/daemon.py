@@ -21,7 +21,7 @@ import numpy as np
 
 from bench import runners
 from bench.data import ensure
-from damacy_client.probe import ping
+from damacy_runtime.probe import ping
 
 CLIENT = r"""
 import json, sys, time

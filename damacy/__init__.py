@@ -3,6 +3,7 @@
 The one import users write; everything public is re-exported here.
 """
 
+from damacy_protocol.config import Config
 from damacy_protocol.errors import (
     BudgetExceeded,
     DaemonUnavailable,
@@ -18,17 +19,44 @@ from damacy_protocol.errors import (
     StorageError,
     UnsupportedError,
 )
-from damacy_client.batch import Batch, BatchInfo
-from damacy_protocol.config import Config
 from damacy_protocol.samples import IndexQuery, Sample
-from damacy_server.cpu import CpuExecutor, CpuLimits
-from damacy_client.client import RemotePipeline
-from damacy_server.pipeline import Pipeline as EmbeddedPipeline
-from damacy_server.pipeline import QueueLimits
-from damacy_server.plan import BatchSpec, ChunkPlanner, PlanLimits
-from damacy_server.read import open_array, read
-from damacy_server.resolve import MetadataCache, ZarrMetadata
-from damacy_server.store.file import FileMetadataReader, FileReader
+from damacy_runtime.batch import Batch, BatchInfo
+
+#: the rest of the API, imported on first use: a daemon client never loads the engine (nor
+#: its codec libraries), and an embedded pipeline never loads the client's transport
+_LAZY = {
+    "RemotePipeline": "damacy_client.client",
+    "EmbeddedPipeline": ("damacy_server.pipeline", "Pipeline"),
+    "QueueLimits": "damacy_server.pipeline",
+    "CpuExecutor": "damacy_server.cpu",
+    "CpuLimits": "damacy_server.cpu",
+    "BatchSpec": "damacy_server.plan",
+    "ChunkPlanner": "damacy_server.plan",
+    "PlanLimits": "damacy_server.plan",
+    "open_array": "damacy_server.read",
+    "read": "damacy_server.read",
+    "MetadataCache": "damacy_server.resolve",
+    "ZarrMetadata": "damacy_server.resolve",
+    "FileMetadataReader": "damacy_server.store.file",
+    "FileReader": "damacy_server.store.file",
+}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'damacy' has no attribute {name!r}")
+    import importlib
+
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 
@@ -48,7 +76,11 @@ def Pipeline(config: Config | None = None, *, endpoint: str | None = None, **par
     if endpoint is not None:
         if parts:
             raise InvalidArgument(f"a daemon pipeline takes a Config only, not {sorted(parts)}")
+        from damacy_client.client import RemotePipeline
+
         return RemotePipeline(config, endpoint)
+    from damacy_server.pipeline import Pipeline as EmbeddedPipeline
+
     return EmbeddedPipeline(config, **parts)
 
 __all__ = [

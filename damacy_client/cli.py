@@ -38,7 +38,7 @@ def main():
 def ping(endpoint, timeout):
     """Check that damacyd answers."""
     from damacy_protocol.endpoint import default_endpoint
-    from damacy_client.probe import ping as probe
+    from damacy_runtime.probe import ping as probe
 
     endpoint = endpoint or default_endpoint()
     t0 = time.perf_counter()

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from damacy_client.api import PipelineAPI
-from damacy_client.batch import Batch, BatchInfo, Slot
+from damacy_runtime.api import PipelineAPI
+from damacy_runtime.batch import Batch, BatchInfo, Slot
 from damacy_client.shm import map_segment
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
@@ -31,7 +31,7 @@ from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.endpoint import default_endpoint
 from damacy_protocol.errors import DaemonUnavailable, DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.samples import IndexQuery, Sample
-from damacy_protocol.waker import Waker
+from damacy_runtime.waker import Waker
 
 log = logging.getLogger("damacy")
 

@@ -123,7 +123,7 @@ def bind_socket(socket: zmq.Socket, options: Any) -> None:
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, mode=0o700, exist_ok=True)
     if os.path.exists(path):
-        from damacy_client.probe import ping
+        from damacy_runtime.probe import ping
 
         if ping(endpoint, timeout_s=0.5):
             raise InvalidArgument(f"another damacyd is serving {endpoint}")

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from damacy_client.api import PipelineAPI
-from damacy_client.batch import Batch, BatchInfo, Slot
+from damacy_runtime.api import PipelineAPI
+from damacy_runtime.batch import Batch, BatchInfo, Slot
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, SampleError

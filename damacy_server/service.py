@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from damacy_client.batch import Batch
+from damacy_runtime.batch import Batch
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection, State, error_to_wire
@@ -40,7 +40,7 @@ from damacy_protocol.errors import (
     SampleError,
 )
 from damacy_protocol.samples import IndexQuery, Sample
-from damacy_protocol.waker import Waker
+from damacy_runtime.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
 from damacy_server.pipeline import Pipeline

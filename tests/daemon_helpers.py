@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from damacy_client.probe import ping
+from damacy_runtime.probe import ping
 
 
 def damacyd_command() -> list[str]:

@@ -333,3 +333,19 @@ def test_cli_ping_warm_stats(cached_daemon, data):
     assert out.returncode == 1 and "outside" in out.stderr
     out = subprocess.run(["damacy", "ping", "--endpoint", "ipc:///nonexistent.sock", "--timeout", "0.5"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "no damacyd" in out.stderr
+
+
+def test_a_daemon_client_loads_no_engine_and_no_codec(daemon, data):
+    code = f"""
+import sys, numpy as np, damacy
+cfg = damacy.Config(samples_per_batch=1, sample_shape={BOX!r}, dtype="u16", pop_timeout_s=60)
+with damacy.Pipeline(cfg, endpoint={daemon.endpoint!r}) as pipe:
+    pipe.push([damacy.Sample({str(data / "vol.zarr")!r}, np.s_[0:8, 0:12, 0:10])])
+    with pipe.pop() as b:
+        assert b.info.errors == () and np.from_dlpack(b).shape == (1, *{BOX!r})
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("damacy_server", "numcodecs", "zstandard", "zarr"))
+print(loaded)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from damacy_client.batch import Batch
+from damacy_runtime.batch import Batch
 from damacy_protocol.errors import PipelineDrained
 
 
