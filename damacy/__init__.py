@@ -5,6 +5,7 @@ The one import users write; everything public is re-exported here.
 
 from damacy_protocol.config import Config
 from damacy_protocol.errors import (
+    BatchFailed,
     BudgetExceeded,
     DaemonUnavailable,
     DamacyError,
@@ -100,6 +101,7 @@ __all__ = [
     "RemotePipeline",
     "EmbeddedPipeline",
     "Sample",
+    "BatchFailed",
     "BudgetExceeded",
     "DaemonUnavailable",
     "DamacyError",

@@ -15,6 +15,7 @@ import msgspec
 
 from damacy_protocol import messages as m
 from damacy_protocol.errors import (
+    BatchFailed,
     BudgetExceeded,
     DaemonUnavailable,
     DamacyError,
@@ -26,6 +27,7 @@ from damacy_protocol.errors import (
 
 _NON_SAMPLE: dict[str, type[BaseException]] = {
     "PipelineDrained": PipelineDrained,
+    "BatchFailed": BatchFailed,
     "BudgetExceeded": BudgetExceeded,
     "DaemonUnavailable": DaemonUnavailable,
     "ProtocolError": ProtocolError,

@@ -21,8 +21,13 @@ class SampleError(DamacyError):
 
     Attributes: ``uri`` (the array), ``sample`` (repr of the sample, when one is involved),
     ``path`` (the file or object that failed), ``chunk`` (chunk coordinates) and ``reason``
-    (the cause, without the context).
+    (the cause, without the context). On the error a pop raises for a failed batch
+    (``on_error="raise"``): ``batch_errors``, every (sample, error) of that batch, and
+    ``batch_samples``, every sample it consumed (good ones included).
     """
+
+    batch_errors: tuple[tuple[Any, SampleError], ...] = ()
+    batch_samples: tuple[Any, ...] = ()
 
     def __init__(
         self,
@@ -92,6 +97,15 @@ class DecodeError(SampleError):
 
 class StorageError(SampleError):
     """The storage failed to deliver bytes that exist (permission, I/O error)."""
+
+
+class BatchFailed(DamacyError):
+    """A batch failed for a reason that is no sample's fault (a bug: the cause is chained);
+    ``batch_samples`` lists the samples it consumed. The stream goes on."""
+
+    def __init__(self, reason: str, batch_samples: tuple[Any, ...] = ()) -> None:
+        super().__init__(reason)
+        self.batch_samples = batch_samples
 
 
 class PipelineDrained(DamacyError):

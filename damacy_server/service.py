@@ -1,41 +1,36 @@
 """damacyd: one daemon per node serving every training rank over ZeroMQ.
 
 The daemon owns what ranks share: the metadata and shard-index caches, the decoded-chunk
-cache, the I/O and decode pools and the memory budget. Each client connection is a
-:class:`Session` with its own pipeline (queue, lookahead, error policy) and its own batch
-slots in POSIX shared memory; batches are handed over as (slot, batch id) and read in the
-client without a copy.
+cache, the I/O, decode and planning pools and the memory budget. Each client connection is
+a :class:`~damacy_server.session.Session` driving a batch engine of its own (its queue,
+lookahead, error policy and batch slots in POSIX shared memory); batches are handed over as
+(slot, batch id) and read in the client without a copy.
 
-Threads: one loop thread owns the ROUTER socket; other threads hand it replies through an
-outbox and a wake-up pipe. Each session has a pop thread (a pop may wait for its batch).
+Threads: one loop thread owns the ROUTER socket and every session's state; the engines'
+worker threads tell it that a session has news (:meth:`Daemon.wake`) and hand it replies
+through an outbox, both with a wake-up pipe. Sessions have no threads of their own.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import queue
 import resource
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
-from damacy_runtime.batch import Batch
 from damacy_protocol import messages as m
-from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection, State, error_to_wire
 from damacy_protocol.errors import (
     BudgetExceeded,
     DamacyError,
     InvalidArgument,
-    PipelineDrained,
     ProtocolError,
     SampleError,
 )
@@ -43,13 +38,14 @@ from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
-from damacy_server.pipeline import Pipeline
 from damacy_server.plan import BadSample, ChunkPlanner, PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
-from damacy_server.shm import Segment, pid_alive, remove_stale
+from damacy_server.session import Session
+from damacy_server.shm import Segment, remove_stale
 from damacy_server.store import resolve_uri
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.warm import warm
+from damacy_server.workers import WorkerPool
 
 log = logging.getLogger("damacyd")
 
@@ -81,364 +77,6 @@ class DaemonOptions:
     allow_gids: list[int] = field(default_factory=list)
 
 
-class SampleFeed:
-    """The samples a client pushed, as an iterator the session's pipeline pulls from; it ends
-    when the client says its input is exhausted (``final``) or the session closes."""
-
-    def __init__(self) -> None:
-        self._items: list[Any] = []
-        self._head = 0
-        self._cond = threading.Condition()
-        self.final = False
-        self.closed = False
-
-    def put(self, samples: list[Any], final: bool) -> None:
-        with self._cond:
-            self._items.extend(samples)
-            self.final = self.final or final
-            self._cond.notify_all()
-
-    def queued(self) -> int:
-        with self._cond:
-            return len(self._items) - self._head
-
-    def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
-
-    def __iter__(self) -> SampleFeed:
-        return self
-
-    def __next__(self) -> Any:
-        with self._cond:
-            while self._head >= len(self._items):
-                if self.final or self.closed:
-                    raise StopIteration
-                self._cond.wait(0.5)
-            item = self._items[self._head]
-            self._head += 1
-            if self._head > 4096 and self._head * 2 > len(self._items):
-                del self._items[: self._head]
-                self._head = 0
-            return item
-
-
-class Session:
-    """One client: its pipeline, its slots, the batches it holds."""
-
-    def __init__(self, daemon: Daemon, identity: bytes, conn: ServerConnection, hello: m.Hello, peer: Peer | None = None) -> None:
-        self.daemon = daemon
-        self.identity = identity
-        self.conn = conn
-        self.peer = peer
-        self.pid = hello.pid
-        self.rank = hello.rank
-        self.sid = uuid.uuid4().hex[:12]
-        self.last_seen = time.monotonic()
-        # the process watched for liveness: as the kernel names it when it can (right across
-        # pid namespaces), else as the client says
-        self.watch_pid = peer.pid if peer is not None else hello.pid
-        self.pid_visible = pid_alive(self.watch_pid)
-        self.segments: list[Segment] = []
-        self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
-        self.lent: dict[int, Batch] = {}
-        self.feed: SampleFeed | None = None
-        self.closed = False
-        self._lock = threading.Lock()
-        self.delivered_batches = 0
-        self.delivered_samples = 0
-        config = dict(hello.config)
-        self.config: Config | None = None
-        self.pipeline: Pipeline | None = None  # a control session (the CLI) has none
-        if config:
-            if config.get("device") is not None:
-                raise InvalidArgument(f"Config.device={config['device']}: this damacyd serves host memory only")
-            self.config = Config.from_dict(config)
-            limit = daemon.options.max_slots_per_session
-            if self.config.prepared_batches > limit:
-                raise InvalidArgument(
-                    f"Config.prepared_batches={self.config.prepared_batches}: this damacyd gives a session at most "
-                    f"{limit} slots (--max-slots-per-session)"
-                )
-            daemon.check_descriptors(self.config.prepared_batches)
-            try:
-                self.pipeline = Pipeline(
-                    self.config,
-                    planner=daemon.planner,
-                    executor=daemon.executor,
-                    slot_factory=self._new_slot,
-                    on_skip=self._on_skip,
-                )
-            except BaseException:
-                daemon.retire(self.segments, budget=False)  # the pipeline returned its reservation
-                self.segments = []
-                raise
-        self._pushed = threading.Condition()  # notified on every push
-        self._pushes = 0  # pushes received
-        self._final_at = -1  # the number of the last push that said the input was final
-        self._pop_id: int | None = None  # the pop being answered now
-        self._dropped: list[int] = []  # skipped samples not yet reported to the client
-        self._pops: queue.SimpleQueue = queue.SimpleQueue()
-        self._pops_queued = 0  # pops handed to the pop thread and not yet answered
-        self._popper = threading.Thread(target=self._pop_loop, name=f"damacyd-pop-{self.sid}", daemon=True)
-        self._popper.start()
-
-    def _on_skip(self, dropped: list[tuple[Any, SampleError]]) -> None:
-        """Skipped samples free credits at once (their batch may wait for replacements)."""
-        with self._lock:
-            self._dropped.extend(self.seqs.get(id(s), -1) for s, _ in dropped)
-            self._report_dropped()
-
-    def _report_dropped(self) -> None:
-        """Called with the lock held: tell the waiting pop which samples were dropped."""
-        if self._dropped and self._pop_id is not None:
-            self.reply(m.Consumed(reply_to=self._pop_id, seqs=self._dropped))
-            self._dropped = []
-
-    def _new_slot(self, index: int, nbytes: int) -> np.ndarray:
-        options = self.daemon.options
-        seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes, options.socket_mode, self.daemon.segment_gid)
-        self.segments.append(seg)
-        return seg.array
-
-    def welcome(self, reply_to: int) -> m.Welcome:
-        if self.pipeline is None:
-            return m.Welcome(reply_to=reply_to, version=m.PROTOCOL_VERSION, session=self.sid, slots=[], dtype="", credits=0)
-        dtype = "" if self.config.dtype == "native" else self.pipeline._dtype.name
-        return m.Welcome(
-            reply_to=reply_to,
-            version=m.PROTOCOL_VERSION,
-            session=self.sid,
-            slots=[m.SlotInfo(seg.name, seg.nbytes) for seg in self.segments],
-            dtype=dtype,
-            credits=self.config.lookahead_samples,
-        )
-
-    def credits(self) -> int:
-        if self.pipeline is None:
-            return 0
-        queued = self.feed.queued() if self.feed is not None else 0
-        return max(0, self.config.lookahead_samples - queued - self.pipeline.outstanding())
-
-    # -- requests -------------------------------------------------------------------
-    def handle(self, msg: Any) -> None:
-        self.last_seen = time.monotonic()
-        if isinstance(msg, m.Attached):
-            for seg in self.segments:
-                seg.unlink()  # the client has mapped them; nothing is left in /dev/shm
-            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
-        elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.pipeline is None:
-            self.fail(msg.id, InvalidArgument("this session was opened without a Config: it has no pipeline"))
-        elif isinstance(msg, m.Push):
-            self._push(msg)
-        elif isinstance(msg, m.Pop):
-            with self._lock:
-                inline = self._pops_queued == 0 and self.pipeline.ready()
-                if not inline:
-                    self._pops_queued += 1
-            if inline:  # the batch is ready: answer now, without a thread handoff
-                self._answer_pop(msg)
-            else:
-                self._pops.put(msg)
-        elif isinstance(msg, m.Release):
-            with self._lock:
-                batch = self.lent.pop(msg.batch_id, None)
-            if batch is None:
-                self.fail(msg.id, InvalidArgument(f"batch {msg.batch_id} is not held by this session"))
-                return
-            batch.release()
-            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
-        elif isinstance(msg, m.Stats):
-            self.reply(m.StatsReply(reply_to=msg.id, stats=self.daemon.stats(session=self)))
-        elif isinstance(msg, m.Warm):
-            self.daemon.start_warm(self, msg)
-        elif isinstance(msg, m.Ping):
-            self.reply(m.Pong(reply_to=msg.id, credits=self.credits(), session=self.sid))
-        elif isinstance(msg, m.Bye):
-            self.reply(m.Goodbye(reply_to=msg.id))
-            self.daemon.end_session(self, "said bye")
-        else:  # pragma: no cover - the connection lets nothing else through
-            self.fail(getattr(msg, "id", 0), ProtocolError(f"unexpected {type(msg).__name__}"))
-
-    def _push(self, msg: m.Push) -> None:
-        credits = self.credits()
-        if len(msg.samples) > credits:  # the client pushes only what it holds credits for
-            self.fail(
-                msg.id,
-                ProtocolError(
-                    f"a push of {len(msg.samples)} samples exceeds the {credits} credits this session holds "
-                    f"(lookahead_samples={self.config.lookahead_samples})"
-                ),
-            )
-            return
-        samples = []
-        for w in msg.samples:
-            sample = self.daemon.to_sample(w)
-            self.seqs[id(sample)] = w.seq
-            samples.append(sample)
-        if self.feed is None or (self.feed.final and msg.samples):
-            self.feed = SampleFeed()
-            self.feed.put(samples, msg.final)
-            self.pipeline.push(self.feed)
-        else:
-            self.feed.put(samples, msg.final)
-        with self._pushed:
-            self._pushes += 1
-            if msg.final:
-                self._final_at = self._pushes
-            self._pushed.notify_all()
-        self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
-
-    def _input_final(self) -> bool:
-        """Has the client said that everything it will push (for now) is pushed?"""
-        return self.feed is not None and self.feed.final
-
-    def _pop_loop(self) -> None:
-        while True:
-            msg = self._pops.get()
-            if msg is None or self.closed:
-                return
-            try:
-                self._answer_pop(msg)
-            finally:
-                with self._lock:
-                    self._pops_queued -= 1
-
-    def _answer_pop(self, msg: m.Pop) -> None:
-        """Wait for the next batch (or its error) and reply to ``msg``. A pop without a
-        timeout waits until its batch is assembled or the session ends (the client keeps
-        its own timeouts)."""
-        deadline = None if msg.timeout_s is None else time.monotonic() + msg.timeout_s
-        with self._lock:
-            self._pop_id = msg.id
-            self._report_dropped()
-        batch = None
-        reply = None
-        while batch is None and reply is None and not self.closed:
-            left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
-            with self._pushed:  # what the client had said before this attempt
-                input_final, final_at = self._input_final(), self._final_at
-            try:
-                batch = self.pipeline.pop(timeout=left)
-            except PipelineDrained as e:
-                if self.closed:
-                    break
-                if self.pipeline.closed:
-                    reply = self._failed(msg.id, DamacyError(f"this session's pipeline stopped: {e}"))
-                # drained, if the client's input was final when it sent this pop, or a push
-                # sent after the pop said so
-                elif input_final and (msg.final or final_at > msg.pushes):
-                    reply = self._failed(msg.id, e)
-                # the client's samples may still be on their way (its pushes and pops
-                # travel separately): wait for them instead of calling the stream over
-                elif left <= 0:
-                    n = self.pipeline.counters()["batches"]
-                    reply = self._failed(
-                        msg.id,
-                        TimeoutError(f"no batch {n} within {msg.timeout_s}s: waiting for the pushed iterable to yield samples"),
-                    )
-                else:
-                    with self._pushed:
-                        self._pushed.wait(min(0.2, left))
-            except BaseException as e:  # a bad sample (on_error="raise"), a timeout, a failed batch
-                reply = self._failed(msg.id, e, seq=self._seq(_first_failed(e)) if isinstance(e, SampleError) else None)
-        with self._lock:
-            self._pop_id = None  # no progress after the answer
-            if batch is not None:
-                if self.closed:
-                    batch.release()
-                    return
-                info = batch.info
-                self.lent[info.batch_id] = batch
-                self.delivered_batches += 1
-                self.delivered_samples += len(info.samples)
-        if batch is not None:
-            errors = [error_to_wire(err, seq=self.seqs.get(id(info.samples[i]))) for i, err in info.errors]
-            skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in info.skipped]  # seqs reported before
-            reply = m.BatchReady(
-                reply_to=msg.id,
-                batch_id=info.batch_id,
-                slot=batch.slot_index,
-                count=len(info.samples),
-                dtype=batch.numpy_dtype.name,
-                seqs=[self._seq(s) for s in info.samples],
-                errors=errors,
-                skipped=skipped,
-                credits=self.credits(),
-            )
-        if reply is not None:
-            self.reply(reply)
-
-    def _failed(self, reply_to: int, err: BaseException, seq: int | None = None) -> m.Failed:
-        """A failure reply; the samples a failed batch used up are reported as consumed."""
-        consumed = [self._seq(s) for s in getattr(err, "batch_samples", ())]
-        return m.Failed(reply_to=reply_to, error=error_to_wire(err, seq=seq), credits=self.credits(), consumed=consumed)
-
-    def _seq(self, sample: Any) -> int:
-        return self.seqs.pop(id(sample), -1)
-
-    def reply(self, msg: Any) -> None:
-        self.daemon.post(self.identity, self.conn.reply(msg))
-
-    def fail(self, reply_to: int, err: BaseException) -> None:
-        self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err), credits=self.credits() if not self.closed else 0))
-
-
-    # -- liveness ---------------------------------------------------------------------
-    def dead(self, now: float, timeout: float) -> str | None:
-        if self.pid_visible and not pid_alive(self.watch_pid):
-            return f"client process {self.pid} is gone"
-        if now - self.last_seen > timeout:
-            return f"no message from the client for {now - self.last_seen:.1f} s"
-        return None
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            lent = list(self.lent.values())
-            self.lent.clear()
-        if self.feed is not None:
-            self.feed.close()
-        self._pops.put(None)
-        while lent:
-            lent.pop().release()
-        if self.pipeline is not None:
-            self.pipeline.close()
-        self._popper.join(2.0)
-        self.seqs.clear()
-        # unmapped now, or as soon as the last task writing into them lets go; their bytes
-        # stay in the budget until then
-        segments, self.segments = self.segments, []
-        self.daemon.retire(segments, budget=self.pipeline is not None)
-
-    def describe(self) -> dict[str, Any]:
-        if self.config is None:
-            return {"session": self.sid, "pid": self.pid, "rank": self.rank, "control": True}
-        counters = self.pipeline.counters()
-        return {
-            "session": self.sid,
-            "pid": self.pid,
-            "rank": self.rank,
-            "batches": self.delivered_batches,
-            "samples": self.delivered_samples,
-            "sample_errors": counters["sample_errors"],
-            "samples_pulled": counters["samples_pulled"],
-            "held_batches": len(self.lent),
-            "slot_bytes": sum(s.nbytes for s in self.segments),
-            "samples_per_batch": self.config.samples_per_batch,
-            "sample_shape": list(self.config.sample_shape),
-            "dtype": self.config.dtype,
-        }
-
-
-def _first_failed(err: SampleError) -> Any:
-    pairs = getattr(err, "batch_errors", None)
-    return pairs[0][0] if pairs else None
-
-
 class Daemon:
     """The damacyd process: sockets, sessions, the shared engine."""
 
@@ -455,6 +93,9 @@ class Daemon:
             MetadataCache(options.array_cache_entries, options.shard_index_cache_entries),
         )
         self.planner = ChunkPlanner(self.metadata, PlanLimits())
+        # planning (and the metadata reads it may need) runs here, off the loop thread;
+        # sessions take turns
+        self.plan_pool = WorkerPool(2, "damacyd-plan")
         self.executor = CpuExecutor(
             FileReader(workers=options.io_workers, roots=roots),
             CpuLimits(
@@ -467,11 +108,13 @@ class Daemon:
         self._sessions_lock = threading.Lock()
         self.segment_gid = socket_gid(options)
         # segments of ended sessions still mapped (a task in flight holds a view): (segment,
-        # bytes to return to the budget once unmapped, when it was first tried)
-        self._retiring: list[tuple[Segment, int, float]] = []
+        # what returns its bytes to the budget once unmapped, when it was first tried)
+        self._retiring: list[tuple[Segment, Any, float]] = []
         self._retiring_lock = threading.Lock()
         self._raise_descriptor_limit()
         self._starting: set[bytes] = set()  # identities whose session is being set up
+        self._news: set[Session] = set()  # sessions whose engine changed, to pump
+        self._news_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._stop = threading.Event()
@@ -493,6 +136,22 @@ class Daemon:
         self._outbox.put((identity, payload))
         self._waker.wake()
 
+    def wake(self, session: Session) -> None:
+        """A session's engine has news (from any thread): the loop pumps it."""
+        with self._news_lock:
+            self._news.add(session)
+        self._waker.wake()
+
+    def _pump(self) -> None:
+        with self._news_lock:
+            news, self._news = self._news, set()
+        for session in news:
+            try:
+                session.pump()
+            except Exception:  # a bug in one session never takes the daemon down
+                log.exception("session %s failed", session.sid)
+                self.end_session(session, "internal error")
+
     def stop(self) -> None:
         self._stop.set()
         self._waker.wake()
@@ -510,6 +169,7 @@ class Daemon:
                     self._receive_all()
                 if self._waker.fd in events:
                     self._waker.drain()
+                self._pump()
                 self._flush()
                 now = time.monotonic()
                 if now >= next_check:
@@ -624,20 +284,19 @@ class Daemon:
             if self.sessions.get(session.identity) is session:
                 del self.sessions[session.identity]
         log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why)
-        threading.Thread(target=session.close, name=f"damacyd-close-{session.sid}", daemon=True).start()
+        session.close()
 
     # -- slot memory and descriptors ---------------------------------------------------
-    def retire(self, segments: list[Segment], budget: bool) -> None:
-        """Unmap the segments of an ended session, returning their bytes to the budget
-        (``budget``) as each goes; one still in use is retried by the loop."""
+    def retire(self, segments: list[Segment], release) -> None:
+        """Unmap the segments of an ended session, calling ``release(nbytes)`` as each goes;
+        one still in use is retried by the loop."""
         now = time.monotonic()
         for seg in segments:
             if seg.close():
-                if budget:
-                    self.executor.release_slots(seg.nbytes)
+                release(seg.nbytes)
             else:
                 with self._retiring_lock:
-                    self._retiring.append((seg, seg.nbytes if budget else 0, now))
+                    self._retiring.append((seg, release, now))
 
     def _retry_retiring(self, now: float) -> None:
         with self._retiring_lock:
@@ -646,15 +305,14 @@ class Daemon:
             return
         if any(now - since > 2.0 for _, _, since in waiting):
             gc.collect()  # a view kept only by a reference cycle
-        for seg, nbytes, since in waiting:
+        for seg, release, since in waiting:
             if seg.close():
-                if nbytes:
-                    self.executor.release_slots(nbytes)
+                release(seg.nbytes)
                 continue
             if since <= now - 30.0 < since + 0.5:
                 log.warning("segment %s (%d bytes) of an ended session is still in use after 30 s", seg.name, seg.nbytes)
             with self._retiring_lock:
-                self._retiring.append((seg, nbytes, since))
+                self._retiring.append((seg, release, since))
 
     def retiring_bytes(self) -> int:
         with self._retiring_lock:
@@ -694,6 +352,7 @@ class Daemon:
         for session in sessions:
             session.close()
         self._retry_retiring(time.monotonic() + 3.0)
+        self.plan_pool.close()
         self.executor.close()
         self.socket.close(0)
         self.ctx.term()

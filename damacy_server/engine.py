@@ -1,0 +1,426 @@
+"""The batch engine: samples in, assembled batches out, in batch order.
+
+One engine per pipeline (embedded) or per daemon session. It owns the batch slots, plans
+each batch, hands the plan to the executor, applies the error policy (raise, fill, skip)
+and delivers finished batches by batch id. It pulls no iterables and knows no sockets: a
+front end starts batches with the samples it has (:meth:`BatchEngine.start`), supplies
+replacements for skipped samples when asked (:meth:`take_patch` / :meth:`refill`) and takes
+deliveries in order (:meth:`next_delivery`). ``on_change`` tells the front end, from
+whatever thread made the change, that a delivery is ready, a slot is free or a patch waits.
+Planning runs in the caller's thread, or on a shared ``plan_pool`` (the daemon's, so its
+loop thread never plans).
+
+Behind two small interfaces: the executor (:class:`damacy_server.cpu.CpuExecutor` today)
+and the slot memory (:class:`SlotMemory`: host memory here, shared memory in the daemon).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import BatchFailed, InvalidArgument, SampleError
+from damacy_runtime.batch import Slot
+from damacy_server.decode import cast_fill
+
+log = logging.getLogger("damacy")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What the engine assembles: ``samples_per_batch`` samples of ``sample_shape`` as
+    ``dtype`` (None: each batch in the dtype of its first readable array)."""
+
+    samples_per_batch: int
+    sample_shape: tuple[int, ...]
+    dtype: np.dtype | None
+    on_error: str = "raise"
+    out_of_bounds: str = "pad"
+
+    @property
+    def slot_bytes(self) -> int:
+        # "native" slots are raw bytes sized for the widest supported type (8 bytes)
+        itemsize = 8 if self.dtype is None else self.dtype.itemsize
+        return int(np.prod((self.samples_per_batch, *self.sample_shape), dtype=np.int64)) * itemsize
+
+
+class SlotMemory(ABC):
+    """Where an engine's slots live. ``allocate`` returns ``nbytes`` of writable memory;
+    ``close(release)`` gives it up and calls ``release(nbytes)`` for each byte range once
+    its memory is really gone (at once, or later when something still maps it)."""
+
+    @abstractmethod
+    def allocate(self, index: int, nbytes: int) -> np.ndarray: ...
+
+    @abstractmethod
+    def close(self, release: Callable[[int], None]) -> None: ...
+
+
+class HostSlots(SlotMemory):
+    """Ordinary process memory (numpy asks for transparent huge pages, so first touches are
+    cheap and happen in the workers, in parallel)."""
+
+    def __init__(self) -> None:
+        self._nbytes = 0
+
+    def allocate(self, index: int, nbytes: int) -> np.ndarray:
+        self._nbytes += nbytes
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    def close(self, release: Callable[[int], None]) -> None:
+        release(self._nbytes)
+        self._nbytes = 0
+
+
+@dataclass(eq=False)
+class Delivery:
+    """A finished batch (or the error its pop raises), in batch-id order."""
+
+    batch_id: int
+    slot: Slot | None
+    samples: list[Any]
+    errors: list[tuple[int, SampleError]]
+    error: BaseException | None = None
+    dtype: np.dtype | None = None
+    skipped: list[tuple[Any, SampleError]] = dataclasses.field(default_factory=list)
+
+
+class Patch:
+    """A batch whose failed samples were dropped (``on_error="skip"``): it wants ``needed``
+    samples in their place (the front end gives what it has, possibly none)."""
+
+    def __init__(self, pending: _Pending, dropped: list[tuple[Any, SampleError]]) -> None:
+        self.pending = pending
+        self.dropped = dropped
+        self.needed = len(dropped)
+
+
+class _Pending:
+    """A batch being assembled (possibly in several rounds when samples are skipped)."""
+
+    def __init__(self, batch_id: int, slot: Slot, samples: list[Any]) -> None:
+        self.batch_id = batch_id
+        self.slot = slot
+        self.samples = samples  # by slot position
+        self.metas: list[Any] = [None] * len(samples)
+        self.errors: dict[int, SampleError] = {}  # slot position -> error
+        self.holes: list[int] = []  # positions whose sample failed, to refill (on_error="skip")
+        self.skipped: list[tuple[Any, SampleError]] = []
+        self.dtype: np.dtype | None = None
+
+
+_SKIPPED = object()  # the delivery of a batch whose samples were all skipped: passed over
+
+
+class BatchEngine:
+    def __init__(
+        self,
+        spec: OutputSpec,
+        planner: Any,
+        executor: Any,
+        slots: int,
+        memory: SlotMemory | None = None,
+        *,
+        on_change: Callable[[], None] | None = None,
+        plan_pool: Any = None,
+        what: str = "",
+    ) -> None:
+        if spec.on_error not in ("raise", "fill", "skip"):
+            raise InvalidArgument(f"on_error must be 'raise', 'fill' or 'skip', got {spec.on_error!r}")
+        self.spec = spec
+        self.planner = planner
+        self.executor = executor
+        self.memory = memory if memory is not None else HostSlots()
+        self.cond = threading.Condition()  # front ends wait on it for deliveries and slots
+        self._on_change = on_change
+        self._plan_pool = plan_pool  # a WorkerPool to plan on; None: in the caller's thread
+        self._batch_shape = (spec.samples_per_batch, *spec.sample_shape)
+        self._slots: list[Slot] = []
+        self._free: deque[Slot] = deque()
+        self._ready: dict[int, Delivery] = {}
+        self._patches: deque[_Pending] = deque()
+        self._next_id = 0  # the next batch id to start
+        self._next_out = 0  # the next batch id to deliver
+        self.closed = False
+        self.sample_errors = 0
+        self.deduplicated = 0
+        self.merged = 0
+        self.slot_bytes = spec.slot_bytes * slots
+        executor.reserve_slots(self.slot_bytes, what or f"{slots} batch slots of {spec.samples_per_batch} x {spec.sample_shape}")
+        try:
+            for i in range(slots):
+                raw = self.memory.allocate(i, spec.slot_bytes)
+                arr = raw.view(spec.dtype).reshape(self._batch_shape) if spec.dtype is not None else raw
+                slot = Slot(arr, self._slot_freed, index=i)
+                self._slots.append(slot)
+                self._free.append(slot)
+        except BaseException:
+            allocated = spec.slot_bytes * len(self._slots)
+            self._slots.clear()
+            self._free.clear()
+            executor.release_slots(self.slot_bytes - allocated)  # what was never allocated
+            self.memory.close(executor.release_slots)
+            raise
+
+    # -- slots --------------------------------------------------------------------------
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    def free_slots(self) -> int:
+        with self.cond:
+            return len(self._free)
+
+    def held_slots(self) -> int:
+        """Slots held by batches handed out (or arrays exported from them)."""
+        with self.cond:
+            return sum(1 for s in self._slots if s.users > 0 and s not in self._free)
+
+    def _slot_freed(self, slot: Slot) -> None:
+        with self.cond:
+            if self.closed:
+                return  # released after close: never used again
+            if slot not in self._free:  # a slot is free once, however its users let go
+                self._free.append(slot)
+            self.cond.notify_all()
+        self._changed()
+
+    def slot_view(self, slot: Slot, dtype: np.dtype) -> np.ndarray:
+        """The slot as (samples, *sample_shape) of ``dtype``."""
+        if self.spec.dtype is not None:
+            return slot.array
+        n = int(np.prod(self._batch_shape, dtype=np.int64)) * dtype.itemsize
+        return slot.array[:n].view(dtype).reshape(self._batch_shape)
+
+    def _changed(self) -> None:
+        callback = self._on_change
+        if callback is not None:
+            callback()
+
+    # -- starting batches ---------------------------------------------------------------
+    def start(self, samples: list[Any]) -> int:
+        """Assemble ``samples`` (at most ``samples_per_batch``) into a free slot; returns the
+        batch id. The caller checked :meth:`free_slots`."""
+        with self.cond:
+            if self.closed:
+                raise InvalidArgument("the engine is closed")
+            slot = self._free.popleft()
+            batch_id = self._next_id
+            self._next_id += 1
+        slot.acquire()  # held while the batch is assembled and waits to be delivered
+        pending = _Pending(batch_id, slot, list(samples))
+        self._run(pending, list(range(len(pending.samples))))
+        return batch_id
+
+    def start_error(self, error: BaseException) -> int:
+        """Take the next batch id for ``error``: the pop after the batches before it raises it."""
+        with self.cond:
+            batch_id = self._next_id
+            self._next_id += 1
+            self._ready[batch_id] = Delivery(batch_id, None, [], [], error=error)
+            self.cond.notify_all()
+        self._changed()
+        return batch_id
+
+    def _run(self, pending: _Pending, positions: list[int]) -> None:
+        if self._plan_pool is not None:  # engines take turns on the pool, earlier batches first
+            self._plan_pool.submit(self._run_now, pending, positions, key=id(self), priority=pending.batch_id)
+        else:
+            self._run_now(pending, positions)
+
+    def _run_now(self, pending: _Pending, positions: list[int]) -> None:
+        if self.closed:
+            pending.slot.release()
+            return
+        try:
+            self._plan_and_execute(pending, positions)
+        except Exception as e:  # a bug, not a bad sample: this batch's pop raises it, the stream goes on
+            log.exception("damacy: batch %d failed", pending.batch_id)
+            failed = BatchFailed(f"batch {pending.batch_id} failed: {type(e).__name__}: {e}", tuple(pending.samples))
+            failed.__cause__ = e
+            pending.slot.release()
+            self._deliver(Delivery(pending.batch_id, None, pending.samples, [], error=failed))
+
+    def _plan_and_execute(self, pending: _Pending, positions: list[int]) -> None:
+        spec = self.spec
+        samples = [pending.samples[p] for p in positions]
+        plan = self.planner.plan(samples, spec.sample_shape, spec.out_of_bounds)
+        self.executor.stats.add("plan", plan.seconds, count=len(samples))
+        with self.cond:
+            self.deduplicated += plan.units_total - plan.units_unique
+            self.merged += plan.reads_merged
+        dtype = self._batch_dtype(pending, plan)
+        view = self.slot_view(pending.slot, dtype)
+        targets = [view[p : p + 1].reshape(spec.sample_shape) for p in positions]
+        for i, p in enumerate(positions):
+            pending.metas[p] = plan.metas[i]
+
+        def done(errors: dict[int, SampleError]) -> None:
+            self._executed(pending, positions, plan, {**plan.errors, **errors}, targets)
+
+        self.executor.execute(plan, targets, done, lambda: self.closed, key=id(self))
+
+    def _batch_dtype(self, pending: _Pending, plan: Any) -> np.dtype:
+        if pending.dtype is None:
+            if self.spec.dtype is not None:
+                pending.dtype = self.spec.dtype
+            else:  # "native": the dtype of the batch's first readable array
+                first = next((m for m in plan.metas if m is not None), None)
+                pending.dtype = first.dtype if first is not None else np.dtype("float32")
+        return pending.dtype
+
+    def _executed(self, pending: _Pending, positions: list[int], plan: Any, errors: dict[int, SampleError], targets: list) -> None:
+        """Called once per round when the executor is done with it."""
+        if self.closed:
+            pending.slot.release()
+            return
+        policy = self.spec.on_error
+        for i, err in errors.items():
+            pos = positions[i]
+            pending.errors[pos] = err
+            if policy == "fill":
+                meta = plan.metas[i]
+                targets[i][...] = cast_fill(meta.fill_value if meta is not None else 0, targets[i].dtype)
+            elif policy == "skip":
+                pending.holes.append(pos)
+        if policy == "skip" and pending.holes:
+            with self.cond:
+                self._patches.append(pending)
+                self.cond.notify_all()
+            self._changed()
+            return
+        self._finish(pending)
+
+    # -- on_error="skip" -----------------------------------------------------------------
+    def patches_waiting(self) -> bool:
+        with self.cond:
+            return bool(self._patches)
+
+    def take_patch(self) -> Patch | None:
+        """The next batch whose failed samples are dropped, compacted in its slot (the good
+        samples move up, keeping their order), waiting for replacements."""
+        with self.cond:
+            if not self._patches:
+                return None
+            pending = self._patches.popleft()
+        holes = set(pending.holes)
+        pending.holes = []
+        dropped = [(pending.samples[p], pending.errors[p]) for p in sorted(holes) if p in pending.errors]
+        pending.skipped.extend(dropped)
+        keep = [p for p in range(len(pending.samples)) if p not in holes]
+        view = self.slot_view(pending.slot, pending.dtype or np.dtype("float32"))
+        for new, old in enumerate(keep):
+            if new != old:
+                view[new] = view[old]
+        pending.samples = [pending.samples[p] for p in keep]
+        pending.metas = [pending.metas[p] for p in keep]
+        pending.errors = {}
+        return Patch(pending, dropped)
+
+    def refill(self, patch: Patch, samples: list[Any]) -> None:
+        """Put ``samples`` (at most ``patch.needed``) where the dropped ones were; with none,
+        the batch is delivered short."""
+        pending = patch.pending
+        positions = list(range(len(pending.samples), len(pending.samples) + len(samples)))
+        pending.samples.extend(samples)
+        pending.metas.extend([None] * len(samples))
+        if positions:
+            self._run(pending, positions)
+        else:
+            self._finish(pending)
+
+    # -- delivering ---------------------------------------------------------------------
+    def _finish(self, pending: _Pending) -> None:
+        errors = sorted(pending.errors.items())
+        if self.spec.on_error == "raise" and errors:
+            first = errors[0][1]
+            # every failure of the batch, and every sample it consumed (good ones included)
+            first.batch_errors = tuple((pending.samples[p], e) for p, e in errors)
+            first.batch_samples = tuple(pending.samples)
+            delivery = Delivery(pending.batch_id, None, pending.samples, errors, error=first)
+            pending.slot.release()
+        elif not pending.samples:  # every sample was skipped and the input ran out
+            delivery = Delivery(pending.batch_id, None, [], [], error=_SKIPPED)  # type: ignore[arg-type]
+            pending.slot.release()
+        else:
+            delivery = Delivery(
+                pending.batch_id, pending.slot, pending.samples, errors, dtype=pending.dtype, skipped=pending.skipped
+            )
+        with self.cond:
+            self.sample_errors += len(errors)
+        self._deliver(delivery)
+
+    def _deliver(self, delivery: Delivery) -> None:
+        with self.cond:
+            if self.closed:
+                if delivery.slot is not None:
+                    delivery.slot.release()
+                return
+            self._ready[delivery.batch_id] = delivery
+            self.cond.notify_all()
+        self._changed()
+
+    def next_delivery(self) -> Delivery | None:
+        """The next delivery in batch order if it is ready (batches whose samples were all
+        skipped are passed over), else None. The delivery's slot stays held by the engine
+        until the caller releases it (see :meth:`hand_over`)."""
+        with self.cond:
+            while True:
+                delivery = self._ready.pop(self._next_out, None)
+                if delivery is None:
+                    return None
+                self._next_out += 1
+                self.cond.notify_all()
+                if delivery.error is not _SKIPPED:
+                    return delivery
+
+    def ready(self) -> bool:
+        """Would :meth:`next_delivery` return one now?"""
+        with self.cond:
+            batch_id = self._next_out
+            while True:
+                delivery = self._ready.get(batch_id)
+                if delivery is None:
+                    return False
+                if delivery.error is not _SKIPPED:
+                    return True
+                batch_id += 1
+
+    def idle(self) -> bool:
+        """Everything started has been delivered and nothing waits for a refill."""
+        with self.cond:
+            return not self._patches and self._next_out >= self._next_id
+
+    @property
+    def delivered_ids(self) -> int:
+        """How many batch ids were delivered (the next delivery's id)."""
+        return self._next_out
+
+    @property
+    def started_ids(self) -> int:
+        return self._next_id
+
+    # -- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel the work in flight, drop every reference to the slots, and give their
+        memory back (the slot memory returns the bytes to the budget once really gone).
+        Batches already handed out stay valid while their holders keep them."""
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self._ready.clear()
+            self._patches.clear()
+            self._slots.clear()
+            self._free.clear()
+            self.cond.notify_all()
+        self._on_change = None
+        self.memory.close(self.executor.release_slots)

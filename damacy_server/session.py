@@ -1,0 +1,331 @@
+"""A daemon session: one client's Push/Pop/Release messages driving a batch engine.
+
+No thread of its own and no inner pipeline: the daemon's loop thread hands the session
+each message (:meth:`Session.handle`) and calls :meth:`Session.pump` whenever the session's
+engine reports a change (a batch assembled, a slot freed, a skipped sample to replace).
+Samples arrive numbered by the client (``seq``); they wait in the session's queue until a
+slot is free, and the client may have at most ``lookahead_samples`` of them in the session
+at once (its credits). Pops wait in order for their batch; slots are lent to the client
+until it releases them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from damacy_protocol import messages as m
+from damacy_protocol.config import Config
+from damacy_protocol.connection import ServerConnection, error_to_wire
+from damacy_protocol.dtypes import numpy_dtype
+from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
+from damacy_runtime.batch import Slot
+from damacy_server.engine import BatchEngine, Delivery, OutputSpec, Patch, SlotMemory
+from damacy_server.shm import Segment, pid_alive
+
+if TYPE_CHECKING:
+    from damacy_server.endpoint import Peer
+    from damacy_server.service import Daemon
+
+log = logging.getLogger("damacyd")
+
+
+class ShmSlots(SlotMemory):
+    """A session's slots: POSIX shared-memory segments its client maps (mode and group as
+    the socket's). Closing unmaps them now, or as soon as the last task writing into them
+    lets go; their bytes stay in the budget until then."""
+
+    def __init__(self, daemon: Daemon, sid: str) -> None:
+        self.daemon = daemon
+        self.sid = sid
+        self.segments: list[Segment] = []
+
+    def allocate(self, index: int, nbytes: int) -> np.ndarray:
+        options = self.daemon.options
+        seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes, options.socket_mode, self.daemon.segment_gid)
+        try:
+            seg.array.fill(0)  # map every page now (shared memory is not backed by huge pages)
+        except BaseException:
+            seg.close()
+            raise
+        self.segments.append(seg)
+        return seg.array
+
+    def close(self, release) -> None:
+        segments, self.segments = self.segments, []
+        self.daemon.retire(segments, release)
+
+
+class Session:
+    """One client: its engine and slots, the samples it pushed, the pops it waits on."""
+
+    def __init__(self, daemon: Daemon, identity: bytes, conn: ServerConnection, hello: m.Hello, peer: Peer | None = None) -> None:
+        self.daemon = daemon
+        self.identity = identity
+        self.conn = conn
+        self.peer = peer
+        self.pid = hello.pid
+        self.rank = hello.rank
+        self.sid = uuid.uuid4().hex[:12]
+        self.last_seen = time.monotonic()
+        # the process watched for liveness: as the kernel names it when it can (right across
+        # pid namespaces), else as the client says
+        self.watch_pid = peer.pid if peer is not None else hello.pid
+        self.pid_visible = pid_alive(self.watch_pid)
+        self.slots = ShmSlots(daemon, self.sid)
+        self.closed = False
+        self.queue: deque[Any] = deque()  # samples pushed and not yet in the engine
+        self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
+        self.in_engine = 0  # samples in the engine, not yet delivered or dropped
+        self.pops: deque[m.Pop] = deque()  # waiting for their batch, in order
+        self.lent: dict[int, Slot] = {}  # batch id -> the slot the client holds
+        self.dropped: list[int] = []  # skipped samples not yet reported to the client
+        self.discarded: list[int] = []  # samples of a short last batch under drop_last
+        self.patch: Patch | None = None  # a batch waiting for replacements of skipped samples
+        self.pushes = 0  # pushes received
+        self.final = False  # the last push said the client's input is exhausted (for now)
+        self.final_at = -1  # the number of that push
+        self.pushed = 0
+        self.delivered_batches = 0
+        self.delivered_samples = 0
+        self.config: Config | None = None
+        self.engine: BatchEngine | None = None  # a control session (the CLI) has none
+        config = dict(hello.config)
+        if config:
+            if config.get("device") is not None:
+                raise InvalidArgument(f"Config.device={config['device']}: this damacyd serves host memory only")
+            self.config = cfg = Config.from_dict(config)
+            limit = daemon.options.max_slots_per_session
+            if cfg.prepared_batches > limit:
+                raise InvalidArgument(
+                    f"Config.prepared_batches={cfg.prepared_batches}: this damacyd gives a session at most "
+                    f"{limit} slots (--max-slots-per-session)"
+                )
+            daemon.check_descriptors(cfg.prepared_batches)
+            dtype = numpy_dtype(cfg.dtype, "float32") if cfg.dtype != "native" else None
+            spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
+            self.engine = BatchEngine(
+                spec,
+                daemon.planner,
+                daemon.executor,
+                cfg.prepared_batches,
+                self.slots,
+                on_change=lambda: daemon.wake(self),
+                plan_pool=daemon.plan_pool,
+                what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
+            )
+
+    def welcome(self, reply_to: int) -> m.Welcome:
+        engine = self.engine
+        if engine is None:
+            return m.Welcome(reply_to=reply_to, version=m.PROTOCOL_VERSION, session=self.sid, slots=[], dtype="", credits=0)
+        return m.Welcome(
+            reply_to=reply_to,
+            version=m.PROTOCOL_VERSION,
+            session=self.sid,
+            slots=[m.SlotInfo(seg.name, seg.nbytes) for seg in self.slots.segments],
+            dtype="" if engine.spec.dtype is None else engine.spec.dtype.name,
+            credits=self.config.lookahead_samples,
+        )
+
+    def credits(self) -> int:
+        if self.engine is None or self.closed:
+            return 0
+        return max(0, self.config.lookahead_samples - len(self.queue) - self.in_engine)
+
+    # -- requests (on the loop thread) ----------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        self.last_seen = time.monotonic()
+        if isinstance(msg, m.Attached):
+            for seg in self.slots.segments:
+                seg.unlink()  # the client has mapped them; nothing is left in /dev/shm
+            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+        elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.engine is None:
+            self.fail(msg.id, InvalidArgument("this session was opened without a Config: it has no pipeline"))
+        elif isinstance(msg, m.Push):
+            self._push(msg)
+        elif isinstance(msg, m.Pop):
+            self.pops.append(msg)
+            self.pump()
+        elif isinstance(msg, m.Release):
+            slot = self.lent.pop(msg.batch_id, None)
+            if slot is None:
+                self.fail(msg.id, InvalidArgument(f"batch {msg.batch_id} is not held by this session"))
+                return
+            slot.release()  # the engine hears of it, and the loop pumps this session
+            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+        elif isinstance(msg, m.Stats):
+            self.reply(m.StatsReply(reply_to=msg.id, stats=self.daemon.stats(session=self)))
+        elif isinstance(msg, m.Warm):
+            self.daemon.start_warm(self, msg)
+        elif isinstance(msg, m.Ping):
+            self.reply(m.Pong(reply_to=msg.id, credits=self.credits(), session=self.sid))
+        elif isinstance(msg, m.Bye):
+            self.reply(m.Goodbye(reply_to=msg.id))
+            self.daemon.end_session(self, "said bye")
+        else:  # pragma: no cover - the connection lets nothing else through
+            self.fail(getattr(msg, "id", 0), ProtocolError(f"unexpected {type(msg).__name__}"))
+
+    def _push(self, msg: m.Push) -> None:
+        credits = self.credits()
+        if len(msg.samples) > credits:  # the client pushes only what it holds credits for
+            self.fail(
+                msg.id,
+                ProtocolError(
+                    f"a push of {len(msg.samples)} samples exceeds the {credits} credits this session holds "
+                    f"(lookahead_samples={self.config.lookahead_samples})"
+                ),
+            )
+            return
+        for w in msg.samples:
+            sample = self.daemon.to_sample(w)
+            self.seqs[id(sample)] = w.seq
+            self.queue.append(sample)
+        self.pushed += len(msg.samples)
+        self.pushes += 1
+        self.final = msg.final
+        if msg.final:
+            self.final_at = self.pushes
+        self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+        self.pump()
+
+    # -- the engine's side (on the loop thread) -------------------------------------------
+    def pump(self) -> None:
+        """Start what can start, refill what waits, answer the pops whose batch is ready."""
+        engine = self.engine
+        if engine is None or self.closed:
+            return
+        self._refill(engine)
+        cfg = self.config
+        while self.queue and engine.free_slots() and (len(self.queue) >= cfg.samples_per_batch or self.final):
+            n = min(cfg.samples_per_batch, len(self.queue))
+            samples = [self.queue.popleft() for _ in range(n)]
+            if n < cfg.samples_per_batch and cfg.drop_last:  # the short last batch is dropped
+                self.discarded.extend(self._seq(s) for s in samples)
+                continue
+            self.in_engine += n
+            engine.start(samples)
+        while self.pops:
+            pop = self.pops[0]
+            if self.dropped:  # skipped samples free credits at once (their batch may wait for replacements)
+                self.reply(m.Consumed(reply_to=pop.id, seqs=self.dropped))
+                self.dropped = []
+            delivery = engine.next_delivery()
+            if delivery is not None:
+                self.pops.popleft()
+                self.in_engine -= len(delivery.samples)
+                self.reply(self._delivered(pop, delivery))
+            elif self._drained(pop):
+                self.pops.popleft()
+                consumed, self.discarded = self.discarded, []
+                n = engine.delivered_ids
+                err = PipelineDrained(f"all {n} batches were delivered and the input is exhausted")
+                self.reply(m.Failed(reply_to=pop.id, error=error_to_wire(err), credits=self.credits(), consumed=consumed))
+            else:
+                return
+
+    def _refill(self, engine: BatchEngine) -> None:
+        """on_error="skip": the next pushed samples take the dropped ones' places (waiting for
+        the client to push them, unless its input is exhausted)."""
+        while True:
+            if self.patch is None:
+                self.patch = engine.take_patch()
+                if self.patch is None:
+                    return
+                self.in_engine -= len(self.patch.dropped)
+                self.dropped.extend(self.seqs.get(id(s), -1) for s, _ in self.patch.dropped)
+            need = self.patch.needed
+            if len(self.queue) < need and not self.final:
+                return
+            samples = [self.queue.popleft() for _ in range(min(need, len(self.queue)))]
+            self.in_engine += len(samples)
+            patch, self.patch = self.patch, None
+            engine.refill(patch, samples)
+
+    def _drained(self, pop: m.Pop) -> bool:
+        """Nothing left to deliver: the client's input was exhausted when it sent this pop (or
+        a push sent after the pop said so), and everything pushed was delivered."""
+        input_final = self.final and (pop.final or self.final_at > pop.pushes)
+        return input_final and not self.queue and self.patch is None and self.engine.idle()
+
+    def _delivered(self, pop: m.Pop, d: Delivery) -> Any:
+        """The reply to ``pop`` for delivery ``d``: a batch, or why its batch failed."""
+        if d.error is not None:
+            err = d.error
+            first = err.batch_errors[0][0] if isinstance(err, SampleError) and err.batch_errors else None
+            seq = self._seq(first) if first is not None else None
+            consumed = [self._seq(s) for s in err.batch_samples] if isinstance(err, (SampleError, BatchFailed)) else []
+            return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), credits=self.credits(), consumed=consumed)
+        self.lent[d.batch_id] = d.slot  # the engine's hold passes to the client until it releases
+        self.delivered_batches += 1
+        self.delivered_samples += len(d.samples)
+        errors = [error_to_wire(err, seq=self.seqs.get(id(d.samples[i]))) for i, err in d.errors]
+        skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in d.skipped]  # seqs reported before
+        return m.BatchReady(
+            reply_to=pop.id,
+            batch_id=d.batch_id,
+            slot=d.slot.index,
+            count=len(d.samples),
+            dtype=d.dtype.name,
+            seqs=[self._seq(s) for s in d.samples],
+            errors=errors,
+            skipped=skipped,
+            credits=self.credits(),
+        )
+
+    def _seq(self, sample: Any) -> int:
+        return self.seqs.pop(id(sample), -1)
+
+    def reply(self, msg: Any) -> None:
+        self.daemon.post(self.identity, self.conn.reply(msg))
+
+    def fail(self, reply_to: int, err: BaseException) -> None:
+        self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err), credits=self.credits()))
+
+    # -- liveness and end ---------------------------------------------------------------
+    def dead(self, now: float, timeout: float) -> str | None:
+        if self.pid_visible and not pid_alive(self.watch_pid):
+            return f"client process {self.pid} is gone"
+        if now - self.last_seen > timeout:
+            return f"no message from the client for {now - self.last_seen:.1f} s"
+        return None
+
+    def close(self) -> None:
+        """Cancel the work in flight and give the slots back (the memory returns to the
+        budget once no task writes into it). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        lent, self.lent = self.lent, {}
+        for slot in lent.values():
+            slot.release()
+        if self.engine is not None:
+            self.engine.close()
+        self.queue.clear()
+        self.pops.clear()
+        self.seqs.clear()
+        self.patch = None
+
+    def describe(self) -> dict[str, Any]:
+        if self.config is None:
+            return {"session": self.sid, "pid": self.pid, "rank": self.rank, "control": True}
+        return {
+            "session": self.sid,
+            "pid": self.pid,
+            "rank": self.rank,
+            "batches": self.delivered_batches,
+            "samples": self.delivered_samples,
+            "sample_errors": self.engine.sample_errors,
+            "samples_pulled": self.pushed,
+            "held_batches": len(self.lent),
+            "slot_bytes": self.engine.slot_bytes,
+            "samples_per_batch": self.config.samples_per_batch,
+            "sample_shape": list(self.config.sample_shape),
+            "dtype": self.config.dtype,
+        }
