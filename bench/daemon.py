@@ -1,13 +1,15 @@
 """Daemon mode: damacyd serving 1 and 2 client processes, against the embedded engine.
 
-Reports the aggregate throughput of the clients and the cost of a pop when its batch is
-already prepared (the daemon's per-batch overhead: a round trip and a shared-memory view).
+Reports, over interleaved repeats, the aggregate throughput of the clients and the CPU
+they and the daemon use per sample, and the cost of a pop when its batch is already
+prepared (the daemon's per-batch overhead: a round trip and a shared-memory view).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -24,7 +26,7 @@ from bench.data import ensure
 from damacy_runtime.probe import ping
 
 CLIENT = r"""
-import json, sys, time
+import json, resource, sys, time
 sys.path.insert(0, {root!r})
 from bench.scenarios import SCENARIOS
 from bench import runners
@@ -32,12 +34,15 @@ import damacy
 scn = SCENARIOS[{scenario!r}]
 samples = scn.samples({uris!r}, {batches}, seed={seed})
 cfg = runners.damacy_config(scn)
-t0 = time.time()
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+t0, c0 = time.time(), cpu()
 with damacy.Pipeline(cfg, endpoint={endpoint!r}) as pipe:
     pipe.push(samples)
     for batch in pipe.batches():
         batch.release()
-print(json.dumps({{"start": t0, "end": time.time(), "samples": len(samples)}}))
+print(json.dumps({{"start": t0, "end": time.time(), "cpu": cpu() - c0, "samples": len(samples)}}))
 """
 
 
@@ -76,7 +81,21 @@ def measure_pop(cfg, uri: str, endpoint: str | None, rounds: int = 10, step_s: f
     return statistics.median(times)
 
 
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients: list[int]) -> dict:
+    """Interleaved repeats (embedded, daemon with 1 client, with 2, ...; again): median
+    samples/s and CPU ms per sample (daemon and clients together) of each."""
     from bench.scenarios import SCENARIOS
 
     import damacy
@@ -87,6 +106,9 @@ def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients:
     folder = Path(tempfile.mkdtemp(prefix="damacy-bench-"))
     proc, endpoint = start_daemon(data, folder)
     out: dict = {"scenario": scenario_name, "batches_per_client": batches, "repeats": repeats}
+    modes = ["embedded"] + [f"daemon_{k}" for k in clients]
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    cpu_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     try:
         cfg = damacy.Config(samples_per_batch=8, sample_shape=(8, 8, 8), dtype="f32", prepared_batches=8, lookahead_samples=64, pop_timeout_s=60)
         out["pop_ready_ms"] = {
@@ -95,14 +117,13 @@ def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients:
         }
         out["pop_ready_ms"]["overhead"] = out["pop_ready_ms"]["daemon"] - out["pop_ready_ms"]["embedded"]
         n = batches * scn.samples_per_batch
-        emb = []
-        for rep in range(repeats):
-            emb.append(n / runners.run_damacy(scn, scn.samples(uris, batches, seed=rep))["seconds"])
-        out["embedded_samples_per_s"] = statistics.median(emb)
         root = str(Path(__file__).resolve().parents[1])
-        for k in clients:
-            rates = []
-            for rep in range(repeats):
+        for rep in range(repeats):
+            c0 = _self_cpu()
+            rates["embedded"].append(n / runners.run_damacy(scn, scn.samples(uris, batches, seed=rep))["seconds"])
+            cpu_ms["embedded"].append(1e3 * (_self_cpu() - c0) / n)
+            for k in clients:
+                d0 = _proc_cpu(proc.pid)
                 procs = [
                     subprocess.Popen(
                         [sys.executable, "-c", CLIENT.format(root=root, scenario=scenario_name, uris=uris, batches=batches, seed=100 * rep + c, endpoint=endpoint)],
@@ -112,21 +133,31 @@ def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients:
                     for c in range(k)
                 ]
                 results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+                daemon_cpu = _proc_cpu(proc.pid) - d0
                 wall = max(r["end"] for r in results) - min(r["start"] for r in results)
-                rates.append(sum(r["samples"] for r in results) / wall)
-            out[f"daemon_{k}_clients_samples_per_s"] = statistics.median(rates)
+                total = sum(r["samples"] for r in results)
+                rates[f"daemon_{k}"].append(total / wall)
+                cpu_ms[f"daemon_{k}"].append(1e3 * (daemon_cpu + sum(r["cpu"] for r in results)) / total)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         shutil.rmtree(folder, ignore_errors=True)
-    print(f"\n== daemon mode, {scenario_name}: {batches} batches of {scn.samples_per_batch} per client, {repeats} repeats")
+    for mode in modes:
+        out[f"{mode}_samples_per_s"] = statistics.median(rates[mode])
+        out[f"{mode}_cpu_ms_per_sample"] = statistics.median(cpu_ms[mode])
+        out[f"{mode}_runs"] = {"samples_per_s": rates[mode], "cpu_ms_per_sample": cpu_ms[mode]}
+    print(f"\n== daemon mode, {scenario_name}: {batches} batches of {scn.samples_per_batch} per client, {repeats} interleaved repeats")
     p = out["pop_ready_ms"]
     print(
         f"pop + release of a prepared batch (5 ms step between pops): embedded {p['embedded']:.3f} ms, "
         f"daemon {p['daemon']:.3f} ms (overhead {p['overhead']:.3f} ms per batch)"
     )
-    print(f"embedded           {out['embedded_samples_per_s']:8.1f} samples/s")
+    base, base_cpu = out["embedded_samples_per_s"], out["embedded_cpu_ms_per_sample"]
+    print(f"embedded              {base:8.1f} samples/s   {base_cpu:6.2f} ms CPU/sample")
     for k in clients:
-        rate = out[f"daemon_{k}_clients_samples_per_s"]
-        print(f"daemon, {k} client(s) {rate:8.1f} samples/s in all ({rate / out['embedded_samples_per_s']:.2f}x embedded)")
+        rate, cpu = out[f"daemon_{k}_samples_per_s"], out[f"daemon_{k}_cpu_ms_per_sample"]
+        print(
+            f"daemon, {k} client(s)   {rate:8.1f} samples/s   {cpu:6.2f} ms CPU/sample (daemon and clients)"
+            f"   {rate / base:.2f}x embedded, CPU {cpu / base_cpu:.2f}x"
+        )
     return out

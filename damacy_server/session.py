@@ -48,12 +48,9 @@ class ShmSlots(SlotMemory):
 
     def allocate(self, index: int, nbytes: int) -> np.ndarray:
         options = self.daemon.options
+        # claimed (and zeroed) by the file system at creation; its pages are mapped into this
+        # process as the decode threads first write them, in parallel, as in embedded mode
         seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes, options.socket_mode, self.daemon.segment_gid)
-        try:
-            seg.array.fill(0)  # map every page now (shared memory is not backed by huge pages)
-        except BaseException:
-            seg.close()
-            raise
         self.segments.append(seg)
         return seg.array
 
