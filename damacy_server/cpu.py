@@ -379,11 +379,11 @@ class CpuExecutor:
                 out.append(g)
             elif rest:
                 if g.length < 0:
-                    out.append(ReadGroup(g.store, g.key, g.offset, g.length, rest))
+                    out.append(ReadGroup(g.key, g.offset, g.length, rest))
                 else:
                     start = min(u.offset for u in rest)
                     end = max(u.offset + u.nbytes for u in rest)
-                    out.append(ReadGroup(g.store, g.key, start, end - start, rest))
+                    out.append(ReadGroup(g.key, start, end - start, rest))
         return out, cached
 
     def _fit(self, groups: list[ReadGroup]) -> list[ReadGroup]:
@@ -392,7 +392,7 @@ class CpuExecutor:
         out = []
         for g in groups:
             if g.reserve_nbytes > capacity and len(g.units) > 1:
-                out.extend(ReadGroup(g.store, g.key, u.offset, u.nbytes, [u]) for u in g.units)
+                out.extend(ReadGroup(g.key, u.offset, u.nbytes, [u]) for u in g.units)
             else:
                 out.append(g)
         return out

@@ -3,8 +3,8 @@
 For one batch the planner finds every read unit the samples touch (a unit shared by several
 samples is read and decoded once), looks up where each one's bytes are (shard indexes, read
 once and cached), merges nearby byte ranges of one object into one read, and lists for each
-unit the copies (unit region → sample region) that assemble the batch. The same plan feeds
-the CPU and the GPU executors.
+unit the copies (unit region → sample region) that assemble the batch. The plan is what an
+executor consumes (the CPU executor today; a GPU executor takes the same plan).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from damacy_server.selection import (
     selection_shape,
     slice_selection,
 )
-from damacy_server.store import Store
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -144,9 +143,9 @@ class UnitJob:
 
 @dataclass(eq=False)
 class ReadGroup:
-    """One read: a byte range (or the whole) of one object, holding one or more units."""
+    """One read: a byte range (or the whole) of one object, holding one or more units (the
+    executor's reader reads it)."""
 
-    store: Store
     key: str
     offset: int
     length: int  # -1: the whole object
@@ -420,7 +419,7 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
     end = 0
     for job in jobs:
         if job.nbytes < 0:
-            groups.append(ReadGroup(job.meta.store, job.key, 0, -1, [job]))
+            groups.append(ReadGroup(job.key, 0, -1, [job]))
             current = None
             continue
         stop = job.offset + job.nbytes
@@ -431,7 +430,7 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
             current.units.append(job)
             merged += 1
             continue
-        current = ReadGroup(job.meta.store, job.key, job.offset, job.nbytes, [job])
+        current = ReadGroup(job.key, job.offset, job.nbytes, [job])
         end = stop
         groups.append(current)
     return groups, merged

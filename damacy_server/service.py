@@ -89,7 +89,7 @@ class Daemon:
         if not roots:
             log.warning("no --allow-root given: every sample will be refused until damacyd serves a directory")
         self.metadata = ZarrMetadata(
-            FileMetadataReader(concurrency=64, roots=roots),
+            FileMetadataReader(roots=roots),
             MetadataCache(options.array_cache_entries, options.shard_index_cache_entries),
         )
         self.planner = ChunkPlanner(self.metadata, PlanLimits())

@@ -82,10 +82,6 @@ class WorkerPool:
             # an idle worker keeps nothing of its last task alive (a slot's memory, say)
             item = fn = args = None
 
-    def pending(self) -> int:
-        with self._cond:
-            return sum(len(q) for q in self._queues.values())
-
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking tasks; queued tasks are dropped (their owners are cancelled first)."""
         with self._cond:

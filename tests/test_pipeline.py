@@ -147,7 +147,7 @@ def test_seed_style_composition(store):
     pipe = damacy.Pipeline(
         planner=damacy.ChunkPlanner(
             metadata=damacy.ZarrMetadata(
-                reader=damacy.FileMetadataReader(concurrency=8),
+                reader=damacy.FileMetadataReader(),
                 cache=damacy.MetadataCache(array_entries=16, shard_index_entries=64),
             ),
             limits=damacy.PlanLimits(),

@@ -276,14 +276,10 @@ def _pread_exact(fd: int, length: int, offset: int) -> bytes:
 
 
 class FileMetadataReader(FileStore):
-    """The store used for ``zarr.json`` files and shard indexes; ``concurrency`` bounds how
-    many of those reads run at once while planning."""
+    """The store used for ``zarr.json`` files and shard indexes (read while planning)."""
 
-    def __init__(self, concurrency: int = 64, roots: list[str] | None = None) -> None:
+    def __init__(self, roots: list[str] | None = None) -> None:
         super().__init__(roots)
-        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-            raise InvalidArgument(f"FileMetadataReader.concurrency must be an integer >= 1, got {concurrency!r}")
-        self.concurrency = concurrency
 
 
 class FileReader(FileStore):

@@ -66,9 +66,3 @@ class ChunkLayout:
             else:
                 out.append(np.ravel_multi_index(tuple(local.T), level.chunks_per_shard).astype(np.int64))
         return out
-
-    def unit_region(self, unit: tuple[int, ...]) -> tuple[slice, ...]:
-        """The part of the array a read unit covers (cut at the array's end)."""
-        return tuple(
-            slice(g * u, min((g + 1) * u, s)) for g, u, s in zip(unit, self.unit_shape, self.shape)
-        )

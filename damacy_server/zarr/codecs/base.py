@@ -38,6 +38,9 @@ class ChunkSpec:
 class Codec:
     name: ClassVar[str]
     kind: ClassVar[str]  # "a2a", "a2b" or "b2b"
+    #: its configuration holds codec chains of its own: ``from_config`` then takes the chain
+    #: builder as a fourth argument (so no codec module imports the chain module)
+    nested: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any], spec: ChunkSpec, uri: str) -> Codec:

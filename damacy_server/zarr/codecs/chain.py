@@ -93,7 +93,7 @@ def build_chain(codecs: Any, spec: ChunkSpec, uri: str) -> CodecChain:
         if cls is None:
             known = ", ".join(sorted(registry()))
             raise UnsupportedError(f"codec {name!r} is not supported (supported: {known})", uri=uri)
-        codec = cls.from_config(config, current, uri)
+        codec = cls.from_config(config, current, uri, build_chain) if cls.nested else cls.from_config(config, current, uri)
         if codec.kind == "a2a":
             if a2b is not None:
                 raise MetadataError(f"codec {name!r} (array to array) comes after the array-to-bytes codec", uri=uri)

@@ -7,6 +7,7 @@ happens when other codecs wrap the shard and it must be read whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,10 @@ class ShardingCodec(ArrayBytesCodec):
         self.index_location: str = index_location
         self.index_nbytes: int = index_nbytes
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any], spec: ChunkSpec, uri: str) -> ShardingCodec:
-        from damacy_server.zarr.codecs.chain import build_chain
+    nested = True
 
+    @classmethod
+    def from_config(cls, config: dict[str, Any], spec: ChunkSpec, uri: str, build_chain: Callable[..., Any]) -> ShardingCodec:  # type: ignore[override]
         inner_shape = config.get("chunk_shape")
         if (
             not isinstance(inner_shape, list)
