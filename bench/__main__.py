@@ -63,11 +63,38 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("--repeats", type=int, default=3)
     dm.add_argument("--clients", default="1,2")
     dm.add_argument("--json", default=None)
+    rk = sub.add_parser("ranks", help="K ranks re-reading their own samples for E epochs: damacyd vs per-rank readers, same cache memory")
+    rk.add_argument("scenario", nargs="?", default="node", choices=sorted(SCENARIOS))
+    rk.add_argument("--data", default="bench-data")
+    rk.add_argument("--ranks", type=int, default=2)
+    rk.add_argument("--epochs", type=int, default=3)
+    rk.add_argument("--cache", default="256M", help="cache memory on the node, for every reader")
+    rk.add_argument("--data-size", default=None, help="decoded bytes the samples touch (default: twice --cache)")
+    rk.add_argument("--repeats", type=int, default=5)
+    rk.add_argument("--readers", default="damacyd,embedded,tensorstore-cache,tensorstore")
+    rk.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
         for s in SCENARIOS.values():
             print(f"{s.name:14} {s.description}")
+        return 0
+
+    if args.cmd == "ranks":
+        from bench import ranks
+        from damacy_server.cli import parse_size
+
+        cache = parse_size(args.cache)
+        size = parse_size(args.data_size) if args.data_size else 2 * cache
+        readers = [r.strip() for r in args.readers.split(",") if r.strip()]
+        unknown = sorted(set(readers) - set(ranks.READERS))
+        if unknown:
+            raise SystemExit(f"unknown readers {unknown}; choose from {', '.join(ranks.READERS)}")
+        res = ranks.main(args.scenario, args.data, args.ranks, args.epochs, cache, size, args.repeats, readers)
+        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("ranks-%Y%m%d-%H%M%S.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(f"\nresults: {out}")
         return 0
 
     if args.cmd == "daemon":
@@ -80,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nresults: {out}")
         return 0
 
-    names = sorted(SCENARIOS) if "all" in args.scenarios else args.scenarios
+    names = sorted(n for n in SCENARIOS if n != "node") if "all" in args.scenarios else args.scenarios  # node: for ranks
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
     results = {"machine": {"cpus": runners.CPUS, "python": sys.version.split()[0], "platform": platform.platform()}, "scenarios": {}}
     for name in names:

@@ -46,11 +46,11 @@ print(json.dumps({{"start": t0, "end": time.time(), "cpu": cpu() - c0, "samples"
 """
 
 
-def start_daemon(data: Path, folder: Path) -> tuple[subprocess.Popen, str]:
+def start_daemon(data: Path, folder: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{folder}/bench.sock"
     exe = shutil.which("damacyd", path=os.path.dirname(sys.executable)) or "damacyd"
     proc = subprocess.Popen(
-        [exe, "--endpoint", endpoint, "--allow-root", str(data), "--memory", "4G", "--decode-workers", str(runners.CPUS), "--log-level", "warning"],
+        [exe, "--endpoint", endpoint, "--allow-root", str(data), "--memory", "4G", "--decode-workers", str(runners.CPUS), "--log-level", "warning", *extra],
     )
     t0 = time.monotonic()
     while not ping(endpoint, 0.2):

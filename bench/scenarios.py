@@ -13,6 +13,8 @@ import damacy
 DEFAULT = Dataset("default", 4, (256, 512, 512), (128, 256, 256), (32, 64, 64), "zstd")
 BLOSC = Dataset("blosc", 4, (256, 512, 512), (128, 256, 256), (32, 64, 64), "blosc")
 SMALL = Dataset("small-chunks", 4, (256, 512, 512), (128, 256, 256), (16, 32, 32), "zstd")
+# as default, twice the volumes (1 GiB decoded): room for a working set of half of it
+NODE = Dataset("node", 8, (256, 512, 512), (128, 256, 256), (32, 64, 64), "zstd")
 
 
 @dataclass(frozen=True)
@@ -55,5 +57,6 @@ SCENARIOS = {
         Scenario("blosc", BLOSC, "box", description="as default with blosc(zstd, bitshuffle)"),
         Scenario("small-chunks", SMALL, "box", description="as default with inner chunks 16x32x32"),
         Scenario("index", DEFAULT, "index", description="IndexQuery: 64 z-slices x 128 scattered y x 128 scattered x"),
+        Scenario("node", NODE, "box", description="as default on 8 volumes (1 GiB decoded), for bench ranks"),
     ]
 }

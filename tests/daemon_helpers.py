@@ -66,3 +66,14 @@ def shm_segments(pid: int | None = None) -> list[str]:
     if pid is not None:
         names = [n for n in names if n.startswith(f"damacy-{pid}-")]
     return names
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    """Poll ``predicate`` until it returns something true (returned), or fail naming ``what``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess, damacyd_command, shm_segments
+from daemon_helpers import DaemonProcess, damacyd_command, shm_segments, wait_for
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
@@ -50,15 +50,6 @@ def stats(endpoint) -> dict:
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
-
-def wait_for(predicate, timeout=15.0, what="condition"):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- client processes (spawned, as torchrun starts ranks) ------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess, shm_segments
+from daemon_helpers import DaemonProcess, shm_segments, wait_for
 from zarr.codecs import BytesCodec, ShardingCodec
 
 import damacy
@@ -37,15 +37,6 @@ BOX = (8, 12, 10)
 CHUNKS = (8, 12, 10)
 FIRST = np.s_[0:8, 0:12, 0:10]  # exactly chunk c/0/0/0
 
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def control(endpoint: str) -> Connection:
