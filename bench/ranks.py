@@ -17,14 +17,12 @@ together) and chunk-cache hit rates where the reader reports them, and the ratio
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -218,7 +216,7 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
 
 
 def _daemon_cache(endpoint: str) -> tuple[int, int]:
-    from damacy_client.client import Connection
+    from damacy_client.transport import Connection
     from damacy_protocol import messages as m
 
     conn = Connection(endpoint)

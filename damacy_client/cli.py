@@ -16,7 +16,7 @@ ENDPOINT = click.option("--endpoint", default=None, help="The daemon's endpoint 
 
 
 def _connect(endpoint):
-    from damacy_client.client import Connection
+    from damacy_client.transport import Connection
 
     try:
         conn = Connection(endpoint, connect_timeout_s=5.0)

@@ -29,7 +29,7 @@ from daemon_helpers import DaemonProcess, shm_segments, wait_for
 from zarr.codecs import BytesCodec, ShardingCodec
 
 import damacy
-from damacy_client.client import Connection
+from damacy_client.transport import Connection
 from damacy_protocol import messages as m
 
 SHAPE = (32, 48, 40)
