@@ -20,7 +20,7 @@ import zmq
 from damacy_protocol import messages as m
 from damacy_protocol.connection import ClientConnection, error_from_wire
 from damacy_protocol.endpoint import default_endpoint
-from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError
+from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError, UnexpectedReply
 from damacy_runtime.waker import Waker
 
 log = logging.getLogger("damacy")
@@ -196,10 +196,12 @@ class Connection:
                         del self._calls[msg.reply_to]
                     if isinstance(msg, m.Welcome):
                         self._session = msg.session
+            except UnexpectedReply as e:  # a late answer to a call given up on
+                log.debug("damacy: %s", e)
+                continue
             except ProtocolError as e:
                 log.warning("damacy: %s", e)
-                if "not pending" not in str(e):
-                    self._die(f"damacyd broke the protocol: {e}")
+                self._die(f"damacyd broke the protocol: {e}")
                 continue
             if call is None:
                 continue
@@ -218,12 +220,7 @@ class Connection:
         """Does this reply show that the daemon no longer holds our session (it restarted)?"""
         if isinstance(msg, m.Pong):  # pings sent once the session was known name it back
             return bool(call.session) and msg.session != call.session
-        return (
-            bool(self._session)
-            and isinstance(msg, m.Failed)
-            and msg.error.kind == "ProtocolError"
-            and "unknown session" in msg.error.reason
-        )
+        return bool(self._session) and isinstance(msg, m.Failed) and msg.error.kind == "UnknownSession"
 
     def _die(self, why: str) -> None:
         with self._lock:

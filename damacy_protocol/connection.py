@@ -22,6 +22,8 @@ from damacy_protocol.errors import (
     PipelineDrained,
     ProtocolError,
     SampleError,
+    UnexpectedReply,
+    UnknownSession,
     from_wire,
 )
 
@@ -31,6 +33,7 @@ _NON_SAMPLE: dict[str, type[BaseException]] = {
     "BudgetExceeded": BudgetExceeded,
     "DaemonUnavailable": DaemonUnavailable,
     "ProtocolError": ProtocolError,
+    "UnknownSession": UnknownSession,
     "DamacyError": DamacyError,
     "TimeoutError": TimeoutError,
 }
@@ -121,7 +124,7 @@ class ClientConnection:
             raise ProtocolError("malformed message from the daemon: nested too deeply") from None
         kind = self.pending.get(msg.reply_to)
         if kind is None:
-            raise ProtocolError(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
+            raise UnexpectedReply(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
         if not isinstance(msg, (m.WarmProgress, m.Consumed)):  # progress comes before the answer
             del self.pending[msg.reply_to]
         if kind is m.Hello:
@@ -171,7 +174,7 @@ class ServerConnection:
         if isinstance(msg, m.Ping) and self.state in (State.NEW, State.CLOSED, State.FAILED):
             return msg  # a liveness probe needs no session
         if self.state is State.NEW:
-            raise ProtocolError(f"{type(msg).__name__.lower()} before hello (unknown session: start a new Pipeline)")
+            raise UnknownSession(f"{type(msg).__name__.lower()} before hello (unknown session: start a new Pipeline)")
         if self.state in (State.CLOSED, State.FAILED):
             raise ProtocolError(f"{type(msg).__name__.lower()} after the session ended")
         if isinstance(msg, m.Attached):

@@ -124,6 +124,14 @@ class ProtocolError(DamacyError):
     """A message broke the wire contract (malformed, unknown, or from another protocol version)."""
 
 
+class UnknownSession(ProtocolError):
+    """The daemon holds no session for this client (it restarted, or the client never said hello)."""
+
+
+class UnexpectedReply(ProtocolError):
+    """A reply to no pending request (late, after a timeout the client already gave up on)."""
+
+
 _SAMPLE_ERRORS: dict[str, type[SampleError]] = {
     cls.__name__: cls
     for cls in (

@@ -245,15 +245,15 @@ def test_malformed_messages_get_an_error_and_the_daemon_goes_on(daemon):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.endpoint)
     try:
-        for payload, words in [
-            (b"not msgpack at all \xc1", "malformed"),
-            (m.encode(m.Hello(id=3, version=m.PROTOCOL_VERSION + 7, pid=1, rank=None, config={})), "protocol version"),
-            (m.encode(m.Pop(id=4)), "before hello"),
+        for payload, kind, words in [
+            (b"not msgpack at all \xc1", "ProtocolError", "malformed"),
+            (m.encode(m.Hello(id=3, version=m.PROTOCOL_VERSION + 7, pid=1, rank=None, config={})), "ProtocolError", "protocol version"),
+            (m.encode(m.Pop(id=4)), "UnknownSession", "before hello"),
         ]:
             sock.send(payload)
             assert sock.poll(5000), "no reply"
             reply = m.decode_daemon(sock.recv())
-            assert isinstance(reply, m.Failed) and reply.error.kind == "ProtocolError" and words in reply.error.reason, reply
+            assert isinstance(reply, m.Failed) and reply.error.kind == kind and words in reply.error.reason, reply
         sock.send_multipart([b"", b"three", b"frames"])  # not even our framing
     finally:
         sock.close(0)

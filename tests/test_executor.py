@@ -11,7 +11,7 @@ from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
-from damacy_server.cpu import MIN_INFLIGHT_BYTES, MemoryBudget
+from damacy_server.budget import MIN_INFLIGHT_BYTES, MemoryBudget, Reservation
 from damacy_server.selection import SliceCopy
 
 
@@ -69,7 +69,7 @@ def test_an_unexpected_error_fails_its_samples_only(volume, monkeypatch):
 
 def test_slots_wait_for_chunk_data_in_flight():
     budget = MemoryBudget(MIN_INFLIGHT_BYTES + 1000)
-    assert budget.reserve(MIN_INFLIGHT_BYTES + 500, lambda: False) == "ok"  # in flight now
+    assert budget.reserve(MIN_INFLIGHT_BYTES + 500, lambda: False) is Reservation.TAKEN  # in flight now
     done = threading.Event()
 
     def admit():
@@ -84,6 +84,6 @@ def test_slots_wait_for_chunk_data_in_flight():
     assert budget.waiting == 1 and not done.is_set()  # it fits the budget, but only once the reads are done
     budget.release(MIN_INFLIGHT_BYTES + 500)
     assert done.wait(5)
-    assert budget.reserve(MIN_INFLIGHT_BYTES + 1, lambda: False) == "too big"  # beside the slots it never fits
+    assert budget.reserve(MIN_INFLIGHT_BYTES + 1, lambda: False) is Reservation.TOO_BIG  # beside the slots it never fits
     with pytest.raises(damacy.BudgetExceeded, match="set max_memory_bytes >="):
         budget.admit_slots(10, "more slots")

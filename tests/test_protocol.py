@@ -7,7 +7,7 @@ import pytest
 
 from damacy_protocol import messages as m
 from damacy_protocol.connection import ClientConnection, ServerConnection, State, error_from_wire, error_to_wire
-from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError
+from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError, UnexpectedReply, UnknownSession
 
 
 def handshake():
@@ -36,7 +36,7 @@ def test_requests_before_the_handshake_are_refused():
     client, server = ClientConnection(), ServerConnection()
     with pytest.raises(ProtocolError, match="before the session is ready"):
         client.send(m.Pop(id=client.new_id()))
-    with pytest.raises(ProtocolError, match="before hello"):
+    with pytest.raises(UnknownSession, match="before hello"):
         server.receive(m.encode(m.Pop(id=1)))
     assert isinstance(server.receive(m.encode(m.Ping(id=7))), m.Ping)  # a probe needs no session
     server.receive(client.hello(1, None, {}))
@@ -80,7 +80,7 @@ def test_malformed_messages_name_what_is_wrong(payload, words):
 
 def test_replies_must_answer_a_pending_request():
     client, server = handshake()
-    with pytest.raises(ProtocolError, match="not pending"):
+    with pytest.raises(UnexpectedReply, match="not pending"):
         client.receive(m.encode(m.Ack(reply_to=999, credits=0)))
     pop = m.Pop(id=client.new_id(), timeout_s=1.0)
     client.send(pop)

@@ -1,0 +1,139 @@
+"""The memory budget and the stage statistics an executor keeps.
+
+:class:`MemoryBudget`: a fixed total shared by batch slots (reserved for an engine's life)
+and chunk data in flight (reserved per read). :class:`StageStats`: seconds, counts and bytes
+per stage, summed over worker threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+from damacy_protocol.errors import BudgetExceeded
+
+#: the least memory for chunk data in flight that a budget must leave beside the slots
+MIN_INFLIGHT_BYTES = 16 << 20
+#: how long a new pipeline waits for chunk data in flight to make room for its slots
+SLOT_WAIT_S = 30.0
+
+
+class Reservation(enum.Enum):
+    """How a wait for room in flight ended."""
+
+    TAKEN = "taken"
+    CANCELLED = "cancelled"  # the work was cancelled while it waited
+    TOO_BIG = "too big"  # more than the budget leaves beside the slots, ever
+
+
+class MemoryBudget:
+    """A fixed total shared by batch slots (held for a pipeline's life) and chunk data in
+    flight (held for a read). ``reserve`` waits for room, but never for more than the slots
+    leave: a read that can never fit is refused instead of waiting forever."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.slots = 0
+        self.used = 0  # slots + in flight
+        self.peak = 0
+        self.waiting = 0  # slot admissions waiting for chunk data in flight to drain
+        self._cond = threading.Condition()
+
+    @property
+    def capacity(self) -> int:
+        """Bytes that chunk data in flight may use at most (the total beside the slots)."""
+        return self.total - self.slots
+
+    def admit_slots(self, nbytes: int, what: str) -> None:
+        with self._cond:
+            need = self.slots + nbytes + MIN_INFLIGHT_BYTES
+            if need > self.total:
+                raise BudgetExceeded(
+                    f"max_memory_bytes={self.total} is too small: {what} need {nbytes} bytes"
+                    + (f" (beside {self.slots} held by other slots)" if self.slots else "")
+                    + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
+                )
+            deadline = time.monotonic() + SLOT_WAIT_S
+            self.waiting += 1
+            try:
+                while self.used + nbytes > self.total:  # chunk data in flight must drain first
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BudgetExceeded(
+                            f"{what} need {nbytes} bytes and max_memory_bytes={self.total} stayed full of chunk data in "
+                            f"flight for {SLOT_WAIT_S:.0f} s"
+                        )
+                    self._cond.wait(min(left, 0.1))
+            finally:
+                self.waiting -= 1
+            self.slots += nbytes
+            self._take(nbytes)
+
+    def release_slots(self, nbytes: int) -> None:
+        with self._cond:
+            self.slots -= nbytes
+            self.used -= nbytes
+            self._cond.notify_all()
+
+    def reserve(self, nbytes: int, cancelled: Callable[[], bool]) -> Reservation:
+        """Wait for ``nbytes`` of room in flight: TAKEN, CANCELLED, or TOO_BIG (more than
+        the slots leave, now or after waiting)."""
+        with self._cond:
+            while True:
+                if nbytes > self.capacity:
+                    return Reservation.TOO_BIG
+                if self.used + nbytes <= self.total:
+                    self._take(nbytes)
+                    return Reservation.TAKEN
+                if cancelled():
+                    return Reservation.CANCELLED
+                self._cond.wait(0.05)
+
+    def _take(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def release(self, nbytes: int) -> None:
+        if nbytes:
+            with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
+
+
+class StageStats:
+    """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
+    copied by the native path count under "decode" and again under "native"; reads that
+    decode threads made themselves from the page cache under "read" and again under "direct"."""
+
+    STAGES = ("plan", "read", "direct", "decode", "assemble", "native")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.data = {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0} for s in self.STAGES}
+
+    def add(self, stage: str, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        with self._lock:
+            d = self.data[stage]
+            d["seconds"] += seconds
+            d["count"] += count
+            d["bytes_in"] += bytes_in
+            d["bytes_out"] += bytes_out
+
+    def add_units(self, n: int, decode_s: float, encoded: int, decoded: int, assemble_s: float, assembled: int) -> None:
+        """Decode and assembly of ``n`` units, under one lock."""
+        with self._lock:
+            d, a = self.data["decode"], self.data["assemble"]
+            d["seconds"] += decode_s
+            d["count"] += n
+            d["bytes_in"] += encoded
+            d["bytes_out"] += decoded
+            a["seconds"] += assemble_s
+            a["count"] += n
+            a["bytes_in"] += decoded
+            a["bytes_out"] += assembled
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {s: dict(d) for s, d in self.data.items()}
