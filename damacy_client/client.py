@@ -187,7 +187,7 @@ class RemotePipeline(PipelineAPI):
             epoch = self._push_epoch
             pushes = self._pushes_sent
         call = self._conn.request(
-            lambda i: m.Pop(id=i, timeout_s=None, pushes=pushes, final=final), on_progress=self._consumed
+            lambda i: m.Pop(id=i, pushes=pushes, final=final), on_progress=self._consumed
         )
         call.epoch = epoch  # type: ignore[attr-defined]
         return call

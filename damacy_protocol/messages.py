@@ -87,8 +87,10 @@ class Push(_Msg, tag="push"):
 
 
 class Pop(_Msg, tag="pop"):
+    """Answered when the next batch is ready or the stream is drained (the client keeps its
+    own timeouts and reuses a late answer for its next pop)."""
+
     id: RequestId
-    timeout_s: float | None = None
     # pushes the client had sent before this pop (they arrive before it), and whether its
     # input was exhausted then: the daemon calls the stream drained only when the last push
     # that said so is known
@@ -128,7 +130,6 @@ class Welcome(_Msg, tag="welcome"):
     version: int
     session: str
     slots: list[SlotInfo]
-    dtype: str  # numpy dtype name of the slots' elements ("" when it is set per batch)
     credits: int
 
 

@@ -121,13 +121,12 @@ class Session:
     def welcome(self, reply_to: int) -> m.Welcome:
         engine = self.engine
         if engine is None:
-            return m.Welcome(reply_to=reply_to, version=m.PROTOCOL_VERSION, session=self.sid, slots=[], dtype="", credits=0)
+            return m.Welcome(reply_to=reply_to, version=m.PROTOCOL_VERSION, session=self.sid, slots=[], credits=0)
         return m.Welcome(
             reply_to=reply_to,
             version=m.PROTOCOL_VERSION,
             session=self.sid,
             slots=[m.SlotInfo(seg.name, seg.nbytes) for seg in self.slots.segments],
-            dtype="" if engine.spec.dtype is None else engine.spec.dtype.name,
             credits=self.config.lookahead_samples,
         )
 

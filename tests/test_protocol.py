@@ -14,7 +14,7 @@ def handshake():
     client, server = ClientConnection(), ServerConnection()
     hello = server.receive(client.hello(pid=123, rank=0, config={"samples_per_batch": 2}))
     assert isinstance(hello, m.Hello) and hello.version == m.PROTOCOL_VERSION and hello.pid == 123
-    data = server.welcome(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION, session="s", slots=[m.SlotInfo("damacy-1-a-0", 64)], dtype="float32", credits=4))
+    data = server.welcome(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION, session="s", slots=[m.SlotInfo("damacy-1-a-0", 64)], credits=4))
     welcome = client.receive(data)
     assert isinstance(welcome, m.Welcome) and client.state is State.WELCOMED
     attached = m.Attached(id=client.new_id())
@@ -54,7 +54,7 @@ def test_version_mismatch_is_a_clear_error_on_both_sides(side):
         assert server.state is State.FAILED
     else:
         hello = server.receive(client.hello(1, None, {}))
-        data = m.encode(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION + 1, session="s", slots=[], dtype="", credits=0))
+        data = m.encode(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION + 1, session="s", slots=[], credits=0))
         with pytest.raises(ProtocolError, match=f"daemon speaks protocol version {m.PROTOCOL_VERSION + 1}"):
             client.receive(data)
         assert client.state is State.FAILED
@@ -82,7 +82,7 @@ def test_replies_must_answer_a_pending_request():
     client, server = handshake()
     with pytest.raises(UnexpectedReply, match="not pending"):
         client.receive(m.encode(m.Ack(reply_to=999, credits=0)))
-    pop = m.Pop(id=client.new_id(), timeout_s=1.0)
+    pop = m.Pop(id=client.new_id())
     client.send(pop)
     progress = client.receive(m.encode(m.Consumed(reply_to=pop.id, seqs=[3])))
     assert isinstance(progress, m.Consumed) and pop.id in client.pending  # progress keeps it pending
