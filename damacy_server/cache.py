@@ -1,4 +1,12 @@
-"""A thread-safe LRU cache bounded by entries (or by bytes), with hit and miss counters."""
+"""A thread-safe LRU cache bounded by entries (or by bytes), with hit and miss counters.
+
+With ``admit_by_frequency`` a full cache admits a value only if its key was asked for
+clearly more often (recently) than the key it would evict (TinyLFU's admission rule). Training re-reads
+the same data each epoch in a new order; plain LRU over data larger than the cache then
+evicts most entries before their next use, while this keeps a stable part of the data and
+hits it every epoch. Counts are halved every ``10 x`` entries lookups, so a new working set
+displaces an old one.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,11 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
+
+#: how many more lookups a key needs than the entry it would evict: keys read at the same
+#: rate (every epoch once) differ by one whenever the newcomer's turn in an epoch comes
+#: before the incumbent's, and swapping them would only churn
+ADMIT_MARGIN = 1
 
 
 class LRUCache(Generic[V]):
@@ -21,6 +34,7 @@ class LRUCache(Generic[V]):
         *,
         max_bytes: int | None = None,
         sizeof: Callable[[V], int] | None = None,
+        admit_by_frequency: bool = False,
     ) -> None:
         if max_entries is None and max_bytes is None:
             raise ValueError("an LRUCache needs max_entries or max_bytes")
@@ -35,9 +49,14 @@ class LRUCache(Generic[V]):
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.rejections = 0
+        self._freq: dict[Hashable, int] | None = {} if admit_by_frequency else None
+        self._lookups = 0
 
     def get(self, key: Hashable) -> V | None:
         with self._lock:
+            if self._freq is not None:
+                self._count(key)
             item = self._data.get(key)
             if item is None:
                 self.misses += 1
@@ -46,14 +65,43 @@ class LRUCache(Generic[V]):
             self.hits += 1
             return item[0]
 
-    def put(self, key: Hashable, value: V) -> None:
+    def _count(self, key: Hashable) -> None:
+        freq = self._freq
+        freq[key] = freq.get(key, 0) + 1
+        self._lookups += 1
+        if self._lookups >= 10 * max(len(self._data), 64):  # age: recent counts weigh most
+            self._lookups = 0
+            self._freq = {k: n >> 1 for k, n in freq.items() if n > 1}
+
+    def _full(self, extra: int, entries: int) -> bool:
+        return (self.max_entries is not None and entries > self.max_entries) or (
+            self.max_bytes is not None and self._bytes + extra > self.max_bytes
+        )
+
+    def would_admit(self, key: Hashable, size: int) -> bool:
+        """Whether :meth:`put` would keep a value of ``size`` under ``key`` now (so a caller
+        can skip preparing a value that would be turned away)."""
+        if self.max_entries == 0 or (self.max_bytes is not None and size > self.max_bytes):
+            return False
+        with self._lock:
+            if self._freq is None or key in self._data or not self._data or not self._full(size, len(self._data) + 1):
+                return True
+            return self._freq.get(key, 0) > self._freq.get(next(iter(self._data)), 0) + ADMIT_MARGIN
+
+    def put(self, key: Hashable, value: V) -> bool:
+        """Keep ``value``; False when it was not admitted (or the cache is off)."""
         size = self._sizeof(value) if self._sizeof is not None else 0
         if self.max_entries == 0 or (self.max_bytes is not None and size > self.max_bytes):
-            return
+            return False
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
+            elif self._freq is not None and self._data and self._full(size, len(self._data) + 1):
+                victim = next(iter(self._data))
+                if self._freq.get(key, 0) <= self._freq.get(victim, 0) + ADMIT_MARGIN:
+                    self.rejections += 1
+                    return False
             self._data[key] = (value, size)
             self._bytes += size
             while (self.max_entries is not None and len(self._data) > self.max_entries) or (
@@ -62,6 +110,7 @@ class LRUCache(Generic[V]):
                 _, (_, gone) = self._data.popitem(last=False)
                 self._bytes -= gone
                 self.evictions += 1
+        return True
 
     def clear(self) -> None:
         with self._lock:
@@ -83,4 +132,5 @@ class LRUCache(Generic[V]):
                 "hits": self.hits,
                 "misses": self.misses,
                 "evictions": self.evictions,
+                "rejections": self.rejections,
             }

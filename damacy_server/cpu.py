@@ -174,12 +174,12 @@ class CpuExecutor:
         self.native = native.available() and self.limits.native
         self._kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.chunk_cache: LRUCache[np.ndarray] | None = (
-            LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes)
+            LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes, admit_by_frequency=True)
             if self.limits.chunk_cache_bytes
             else None
         )
         # decode threads read page-cached groups themselves (see _read_direct)
-        self._direct = self.native and self.chunk_cache is None and hasattr(self.reader, "direct")
+        self._direct = self.native and hasattr(self.reader, "direct")
         self._direct_misses = 0
         self._direct_skip = 0
 
@@ -292,19 +292,37 @@ class CpuExecutor:
         return assembled
 
     def _copy_cached(self, run: _Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
+        """Copy units found in the chunk cache: those of one plan table in one native call
+        where the native path applies, the rest with numpy."""
         t0 = time.perf_counter()
         assembled = 0
-        done: list[UnitJob] = []
+        done: set[int] = set()  # ids of units whose copies are made
         try:
             if run.cancelled() or self._closed:
                 return
+            by_table: dict[int, list[tuple[UnitJob, np.ndarray]]] = {}
+            for item in cached:
+                by_table.setdefault(id(item[0].table), []).append(item)
             with np.errstate(invalid="ignore", over="ignore"):
-                for u, arr in cached:
-                    assembled += self._apply(run, u, arr)
-                    done.append(u)
+                for items in by_table.values():
+                    units = [u for u, _ in items]
+                    kernel = self._native_kernel(run, units)
+                    sources = None
+                    if kernel is not None:
+                        sources = np.array([native.decoded_source(kernel, a) for _, a in items], dtype=np.int64)
+                    if sources is not None and sources.all():
+                        table, targets = self._task_tables(run, units)
+                        failures, _, elements = native.run_decoded(kernel, sources, table, targets)
+                        for k, reason in failures:  # only a planning error can fail a copy here
+                            run.fail(_samples_of((units[k],)), DecodeError(reason, uri=units[k].meta.uri, path=units[k].key, chunk=units[k].unit))
+                        assembled += elements * run.dtype.itemsize
+                        done.update(id(u) for u in units)
+                        continue
+                    for u, arr in items:
+                        assembled += self._apply(run, u, arr)
+                        done.add(id(u))
         except Exception as e:
-            rest = [u for u, _ in cached if u not in done]
-            run.crash(rest, e)
+            run.crash([u for u, _ in cached if id(u) not in done], e)
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
             run.group_done()
@@ -336,8 +354,9 @@ class CpuExecutor:
                 return
             t0 = time.perf_counter()
             table, targets = self._task_tables(run, units)
+            kept, keep = self._keep(kernel, units)
             code, failures, read_ns, nbytes, encoded, elements = native.run_file(
-                kernel, where, group.offset, group.length, table, targets
+                kernel, where, group.offset, group.length, table, targets, keep
             )
             if code != 0:
                 if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
@@ -348,6 +367,7 @@ class CpuExecutor:
             seconds = time.perf_counter() - t0
             offset = max(group.offset, 0)
             encoded, decoded, assembled = self._native_done(kernel, run, units, table, failures, encoded, elements, offset, nbytes)
+            self._cache_kept(units, kept, failures)
             read_s = read_ns / 1e9
             self.stats.add("read", read_s, bytes_out=nbytes)
             self.stats.add("direct", read_s, bytes_out=nbytes)
@@ -464,7 +484,7 @@ class CpuExecutor:
 
     def _native_kernel(self, run: _Run, units: list[UnitJob]) -> native.NativeKernel | None:
         """The native kernel for this task, when it applies (one array, plain views)."""
-        if not self.native or self.chunk_cache is not None or run.dtype is None:
+        if not self.native or run.dtype is None:
             return None
         meta = units[0].meta
         if units[-1].meta is not meta:  # a task's units are one object's, so one array's
@@ -495,8 +515,36 @@ class CpuExecutor:
     def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
         table, targets = self._task_tables(run, units)
         offset = max(group.offset, 0)
-        failures, encoded, elements = native.run(kernel, view, offset, table, targets)
+        kept, keep = self._keep(kernel, units)
+        failures, encoded, elements = native.run(kernel, view, offset, table, targets, keep)
+        self._cache_kept(units, kept, failures)
         return self._native_done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
+
+    def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
+        """With a chunk cache, a buffer for each unit the cache would admit, which native
+        code decodes the unit into whole (the others are decoded only as far as the copies
+        need)."""
+        cache = self.chunk_cache
+        if cache is None:
+            return None, None
+        wanted = [cache.would_admit((u.meta.root, u.unit), kernel.decoded_nbytes) for u in units]
+        if not any(wanted):
+            return None, None
+        arrays, addresses = native.keep_buffers(kernel, sum(wanted))
+        it = iter(arrays)
+        kept = [next(it) if w else None for w in wanted]
+        keep = np.zeros(len(units), dtype=np.int64)
+        keep[np.flatnonzero(wanted)] = addresses
+        return kept, keep
+
+    def _cache_kept(self, units: list[UnitJob], kept: list[np.ndarray | None] | None, failures) -> None:
+        if kept is None:
+            return
+        bad = {k for k, _ in failures}
+        for k, (u, arr) in enumerate(zip(units, kept)):
+            if arr is not None and k not in bad:
+                arr.flags.writeable = False
+                self.chunk_cache.put((u.meta.root, u.unit), arr)
 
     def _native_done(
         self, kernel, run: _Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int

@@ -22,8 +22,9 @@ def boxes(n, seed):
     return [tuple((int(a), int(a) + b) for a, b in zip(rng.integers(-3, 8, size=3), BOX)) for _ in range(n)]
 
 
-def run(uri, out, use_native, aabbs):
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native))
+def run(uri, out, use_native, aabbs, cache_bytes=0, executor=None):
+    limits = damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native, chunk_cache_bytes=cache_bytes)
+    executor = executor or damacy.CpuExecutor(limits=limits)
     pipe = damacy.Pipeline(
         planner=damacy.ChunkPlanner(),
         executor=executor,
@@ -63,6 +64,58 @@ def test_native_equals_numpy(tmp_path, src, codec):
         meta = damacy.open_array(tmp_path / "a")
         expect_native = native.kernel_for(meta, want.dtype) is not None
         assert (native_units > 0) == expect_native, (src, out, codec)
+
+
+@pytest.mark.parametrize("codec", ["raw-big", "zstd-little", "zstd-big", "bitshuffle-big"])
+@pytest.mark.parametrize("src", ["uint16", "float32", "int8"])
+def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monkeypatch):
+    """With a chunk cache, misses are decoded whole by native code into the cache entry (which
+    equals zarr-python's chunk) and hits are copied natively; results equal numpy's."""
+    endian = codec.split("-")[1]
+    itemsize = np.dtype(src).itemsize
+    compressors = {
+        "zstd": [ZstdCodec(level=1)],
+        "bitshuffle": [BloscCodec(cname="zstd", shuffle="bitshuffle", typesize=itemsize, blocksize=128)],
+    }.get(codec.split("-")[0], [])
+    data = random_data(SHAPE, src, seed=3)
+    oracle = write_array(tmp_path / "a", data, chunks=(4, 4, 5), serializer=BytesCodec(endian=endian if itemsize > 1 else None), compressors=compressors)
+    aabbs = boxes(6, seed=11) * 2  # the second round finds every chunk in the cache
+    calls = []
+    real = native.run_decoded
+    monkeypatch.setattr(native, "run_decoded", lambda *a: calls.append(len(a[1])) or real(*a))
+    for out in ("f32", "native", "bf16"):
+        want, _ = run(str(tmp_path / "a"), out, False, aabbs)
+        executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, chunk_cache_bytes=1 << 20))
+        calls.clear()
+        got, native_units = run(str(tmp_path / "a"), out, True, aabbs, executor=executor)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (src, out, codec)
+        cache = executor.chunk_cache
+        assert native_units > 0 and sum(calls) > 0 and cache.stats()["hits"] >= sum(calls)
+        meta = damacy.open_array(tmp_path / "a")
+        for (root, unit), (arr, _) in list(cache._data.items()):
+            assert root == meta.root and not arr.flags.writeable
+            box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(unit, (4, 4, 5), SHAPE))
+            inside = arr[tuple(slice(0, b.stop - b.start) for b in box)]
+            assert np.array_equal(inside.astype(src).view(np.uint8), np.ascontiguousarray(oracle[box]).view(np.uint8)), unit
+
+
+def test_a_corrupt_chunk_is_never_cached(tmp_path):
+    data = np.arange(8 * 10 * 12, dtype="u2").reshape(8, 10, 12)
+    write_array(tmp_path / "z", data, chunks=(4, 10, 12), compressors=[ZstdCodec(level=3)])
+    chunk = tmp_path / "z" / "c" / "1" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2 :] = bytes(len(raw) - len(raw) // 2)
+    chunk.write_bytes(bytes(raw))
+    uri = str(tmp_path / "z")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 10, 12), on_error="fill", pop_timeout_s=30, chunk_cache_bytes=1 << 20)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, np.s_[0:4, :, :]), damacy.Sample(uri, np.s_[4:8, :, :])] * 2)
+        for b in p.batches():
+            with b:
+                (i, err), = b.info.errors  # the second time too: nothing of the bad chunk was kept
+                assert i == 1 and isinstance(err, damacy.DecodeError) and "chunk [1, 0, 0]" in str(err)
+                assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
+        assert [unit for _, unit in p.executor.chunk_cache._data] == [(0, 0, 0)]
 
 
 def test_native_reports_corrupt_and_truncated_chunks(tmp_path):

@@ -70,7 +70,7 @@ def test_lru_bounds_and_counters():
     assert c.get("a") == 1
     c.put("c", 3)  # evicts b, the least recently used
     assert c.get("b") is None and c.get("a") == 1 and c.get("c") == 3
-    assert c.stats() == {"entries": 2, "bytes": 0, "hits": 3, "misses": 1, "evictions": 1}
+    assert c.stats() == {"entries": 2, "bytes": 0, "hits": 3, "misses": 1, "evictions": 1, "rejections": 0}
 
     b = LRUCache(max_bytes=10, sizeof=len)
     b.put("x", b"123456")
@@ -82,6 +82,41 @@ def test_lru_bounds_and_counters():
     off = LRUCache(0)
     off.put("a", 1)
     assert off.get("a") is None and len(off) == 0
+
+
+def _epochs(cache, keys: int, epochs: int, seed: int = 0) -> int:
+    """Re-read ``keys`` keys in a new order each epoch, as training does; returns the hits."""
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        for k in rng.permutation(keys).tolist():
+            if cache.get(k) is None:
+                cache.put(k, k)
+    return cache.hits
+
+
+def test_frequency_admission_keeps_part_of_the_data_across_epochs():
+    # 100 entries for 200 keys, 5 epochs: LRU evicts most entries before their next use; the
+    # admission rule keeps a stable half, hit about once every two reads after the first epoch
+    lru = _epochs(LRUCache(100), 200, 5)
+    tiny = _epochs(LRUCache(100, admit_by_frequency=True), 200, 5)
+    assert tiny >= 0.4 * 4 * 200 and tiny > 2 * lru
+    # a key asked for clearly more often than the entry it would evict displaces it; so does
+    # a new working set
+    c = LRUCache(4, admit_by_frequency=True)
+    for k in "abcd":
+        c.get(k)
+        assert c.put(k, k)
+    c.get("e")
+    assert not c.would_admit("e", 0) and not c.put("e", "e") and c.stats()["rejections"] == 1
+    c.get("e")
+    assert not c.would_admit("e", 0)  # once more than "a" is not enough
+    c.get("e")
+    assert c.would_admit("e", 0) and c.put("e", "e") and c.get("a") is None and c.get("e") == "e"
+    for _ in range(8):  # "e" was read 4 times: "z" needs 6 reads to displace it
+        for k in "wxyz":
+            if c.get(k) is None:
+                c.put(k, k)
+    assert set(c._data) == set("wxyz")
 
 
 def test_file_store_ranges(tmp_path):

@@ -71,6 +71,7 @@ class NativeKernel:
     swap: bool
     unit_shape: np.ndarray  # int64
     decoded_nbytes: int
+    stored: np.dtype  # of a decoded unit (a chunk cache entry)
 
 
 def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
@@ -97,7 +98,7 @@ def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
         return None
     native_order = "<" if sys.byteorder == "little" else ">"
     swap = stored.itemsize > 1 and stored.byteorder not in ("=", "|", native_order)
-    return NativeKernel(codec, src, dst, swap, np.asarray(leaf.spec.shape, dtype=np.int64), leaf.spec.nbytes)
+    return NativeKernel(codec, src, dst, swap, np.asarray(leaf.spec.shape, dtype=np.int64), leaf.spec.nbytes, stored)
 
 
 def targets(views: list, ndim: int) -> np.ndarray:
@@ -117,7 +118,10 @@ def targets(views: list, ndim: int) -> np.ndarray:
 RUN_FILE_MAX = _assemble.RUN_FILE_MAX if _assemble is not None else 0
 
 
-def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray) -> tuple:
+_NO_KEEP = np.zeros(0, dtype=np.int64)
+
+
+def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray, keep: np.ndarray | None = None) -> tuple:
     return (
         table.spans,
         table.ops,
@@ -130,6 +134,7 @@ def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray) -> 
         kernel.codec,
         kernel.decoded_nbytes,
         table.pool,
+        _NO_KEEP if keep is None else keep,
     )
 
 
@@ -140,6 +145,7 @@ def run_file(
     length: int,
     table: optable.OpTable,
     targets: np.ndarray,
+    keep: np.ndarray | None = None,
 ) -> tuple[int, list[tuple[int, str]] | None, int, int, int, int]:
     """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
     ``where`` = (path, open flags, roots) from :meth:`FileStore.direct` first, in the same
@@ -149,12 +155,40 @@ def run_file(
     waiting), -2 (larger than RUN_FILE_MAX), -3 (outside the roots) or an errno from open;
     then nothing was copied and the caller reads the ordinary way."""
     path, flags, roots = where
-    return _assemble.run_file(path, flags, roots, offset, length, *_task(kernel, table, targets))
+    return _assemble.run_file(path, flags, roots, offset, length, *_task(kernel, table, targets, keep))
 
 
-def run(kernel: NativeKernel, data, offset: int, table: optable.OpTable, targets: np.ndarray) -> tuple[list[tuple[int, str]], int, int]:
+def run(
+    kernel: NativeKernel, data, offset: int, table: optable.OpTable, targets: np.ndarray, keep: np.ndarray | None = None
+) -> tuple[list[tuple[int, str]], int, int]:
     """Decode the units of ``table`` from ``data`` (bytes read from ``offset`` of their
     object) and make every copy into ``targets`` (from :func:`targets`). Returns (failures,
     encoded, elements): (index in the table, reason) of units that could not be decoded
-    (their copies are not made), and the bytes decoded and elements written for the rest."""
-    return _assemble.run(data, offset, *_task(kernel, table, targets))
+    (their copies are not made), and the bytes decoded and elements written for the rest.
+
+    ``keep`` (from :func:`keep_buffers`), when given, names per unit a buffer the unit is
+    decoded into whole (for the chunk cache); the copies are then made from it."""
+    return _assemble.run(data, offset, *_task(kernel, table, targets, keep))
+
+
+def keep_buffers(kernel: NativeKernel, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """``count`` fresh arrays of one decoded unit (the stored dtype, unit shape) and their
+    addresses, the ``keep`` argument of :func:`run` and :func:`run_file`."""
+    arrays = [np.empty(tuple(kernel.unit_shape.tolist()), dtype=kernel.stored) for _ in range(count)]
+    return arrays, np.array([a.__array_interface__["data"][0] for a in arrays], dtype=np.int64)
+
+
+def decoded_source(kernel: NativeKernel, arr: np.ndarray) -> int:
+    """The address of ``arr`` when native code can copy from it as a decoded unit of
+    ``kernel`` (C order, the stored dtype, the unit's shape), else 0."""
+    if arr.dtype != kernel.stored or not arr.flags.c_contiguous or arr.nbytes != kernel.decoded_nbytes:
+        return 0
+    if arr.shape != tuple(kernel.unit_shape.tolist()):
+        return 0
+    return arr.__array_interface__["data"][0]
+
+
+def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> tuple[list[tuple[int, str]], int, int]:
+    """As :func:`run` for units already decoded: ``sources`` holds each unit's address (from
+    :func:`decoded_source`; the caller keeps the arrays alive through the call)."""
+    return _assemble.run_decoded(sources, *_task(kernel, table, targets))

@@ -429,7 +429,7 @@ static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nby
 
 /* One decode task: the units' encoded bytes, the op table and where the copies go. */
 typedef struct {
-    Py_buffer spans, ops, targets, shape, pool;
+    Py_buffer spans, ops, targets, shape, pool, keep;
     long long base; /* the unit number of the first span: ops name units base, base + 1, ... */
     int src_type, dst_type, swap, codec;
     Py_ssize_t decoded_nbytes;
@@ -450,6 +450,7 @@ static void task_release(task_t *t) {
     PyBuffer_Release(&t->targets);
     PyBuffer_Release(&t->shape);
     PyBuffer_Release(&t->pool);
+    PyBuffer_Release(&t->keep);
 }
 
 /* With the GIL: check the task's tables (a Python error and -1 when they are unusable). */
@@ -500,6 +501,10 @@ static int task_prepare(task_t *t) {
             PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
             return -1;
         }
+    }
+    if (t->keep.len != 0 && t->keep.len != t->n_units * 8) {
+        PyErr_SetString(PyExc_ValueError, "keep needs one address (or 0) per unit");
+        return -1;
     }
     if (t->codec == CODEC_ZSTD && zstd_ok < 0) zstd_ok = load_zstd();
     return 0;
@@ -557,6 +562,7 @@ static void task_assemble(task_t *t) {
     const Py_ssize_t n_units = t->n_units, n_ops = t->n_ops, n_targets = t->n_targets, width = t->width;
     const Py_ssize_t decoded_nbytes = t->decoded_nbytes;
     const int64_t base = t->base;
+    const int64_t *keep = t->keep.len ? (const int64_t *)t->keep.buf : NULL;
     long long encoded = 0, elements = 0;
     row_fn row = CONV[t->src_type][t->dst_type].row;
     gather_fn gather = CONV[t->src_type][t->dst_type].gather;
@@ -612,8 +618,50 @@ static void task_assemble(task_t *t) {
             if (end > need) need = end;
             if (begin < first) first = begin;
         }
+        /* a unit to keep (a chunk cache entry) is decoded whole into its buffer, and its
+         * copies read from there */
+        char *kept = keep ? (char *)(intptr_t)keep[u] : NULL;
+        if (kept) {
+            first = 0;
+            need = (size_t)decoded_nbytes;
+        }
         if (status[u] != OK) {
             /* an op outside its unit: a planning error, reported, nothing copied */
+        } else if (kept && codec == CODEC_BLOSC) {
+            const unsigned char *p = (const unsigned char *)views[u].src;
+            int r = -1;
+            if (!blosc_getitem_fn || !blosc_decompress_fn) {
+                status[u] = E_NOZSTD;
+            } else if (views[u].src_len < 16 || !blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, decoded_nbytes) ||
+                       (r = blosc_decompress_fn(p, kept, (size_t)decoded_nbytes, 1)) != decoded_nbytes) {
+                status[u] = E_BLOSC;
+                err_codes[u] = (size_t)(r < 0 ? -r : r);
+            }
+            chunk = kept;
+        } else if (kept && codec == CODEC_ZSTD) {
+            if (!zstd_ok) {
+                status[u] = E_NOZSTD;
+            } else if (!dctx) {
+                status[u] = E_MEMORY;
+            } else {
+                size_t r = zstd_decompress(dctx, kept, (size_t)decoded_nbytes, views[u].src, (size_t)views[u].src_len);
+                if (zstd_iserror(r)) {
+                    status[u] = E_ZSTD;
+                    err_codes[u] = r;
+                } else if ((Py_ssize_t)r != decoded_nbytes) {
+                    status[u] = E_SIZE;
+                    err_codes[u] = r;
+                }
+            }
+            chunk = kept;
+        } else if (kept) {
+            if (views[u].src_len != decoded_nbytes) {
+                status[u] = E_SIZE;
+                err_codes[u] = (size_t)views[u].src_len;
+            } else {
+                memcpy(kept, views[u].src, (size_t)decoded_nbytes);
+            }
+            chunk = kept;
         } else if (codec == CODEC_BLOSC) {
             const unsigned char *p = (const unsigned char *)views[u].src;
             int ts = views[u].src_len >= 16 ? p[3] : 0;
@@ -722,9 +770,9 @@ static PyObject *task_failures(task_t *t) {
     return result;
 }
 
-#define TASK_FORMAT "y*y*Ly*y*iiiiny*"
+#define TASK_FORMAT "y*y*Ly*y*iiiiny*|y*"
 #define TASK_ARGS(t) &(t).spans, &(t).ops, &(t).base, &(t).targets, &(t).shape, &(t).src_type, &(t).dst_type, &(t).swap, \
-                     &(t).codec, &(t).decoded_nbytes, &(t).pool
+                     &(t).codec, &(t).decoded_nbytes, &(t).pool, &(t).keep
 
 /*
  * run(data, data_offset, spans, ops, base, targets, unit_shape, src_type, dst_type, swap, codec,
@@ -738,6 +786,9 @@ static PyObject *task_failures(task_t *t) {
  *        side, means the index list pool[k : k + extent]
  *   targets: int64 array (n_targets, 1 + 2 * ndim): address (0: no target), strides in
  *        elements, shape; every destination is checked against the shape
+ *   keep: empty, or int64 array (n_units): per unit 0, or the address of decoded_nbytes
+ *        bytes the unit is decoded into whole (a chunk cache entry; valid only when the
+ *        unit is not among the failures)
  * Returns (failures, encoded, elements): (unit, message) for units that failed (their copies
  * are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
  */
@@ -760,6 +811,39 @@ static PyObject *run(PyObject *self, PyObject *args) {
     }
     task_release(&t);
     PyBuffer_Release(&data_buf);
+    return result;
+}
+
+/*
+ * run_decoded(sources, <the task arguments of run>): as run, for units already decoded (chunk
+ * cache entries): sources is an int64 array (n_units) of the addresses of each unit's
+ * decoded_nbytes bytes in the stored dtype; spans are not read and codec is ignored.
+ */
+static PyObject *run_decoded(PyObject *self, PyObject *args) {
+    Py_buffer sources;
+    task_t t;
+    memset(&t, 0, sizeof t);
+    if (!PyArg_ParseTuple(args, "y*" TASK_FORMAT, &sources, TASK_ARGS(t))) return NULL;
+    PyObject *result = NULL;
+    t.codec = CODEC_RAW;
+    if (task_prepare(&t) == 0) {
+        if (sources.len != t.n_units * 8 || t.keep.len) {
+            PyErr_SetString(PyExc_ValueError, "run_decoded needs one source address per unit and nothing to keep");
+        } else {
+            const int64_t *src = (const int64_t *)sources.buf;
+            for (Py_ssize_t u = 0; u < t.n_units; u++) {
+                t.views[u].src = (const char *)(intptr_t)src[u];
+                t.views[u].src_len = src[u] ? t.decoded_nbytes : 0;
+            }
+            Py_BEGIN_ALLOW_THREADS;
+            task_assemble(&t);
+            Py_END_ALLOW_THREADS;
+            PyObject *failures = task_failures(&t);
+            if (failures) result = Py_BuildValue("(NLL)", failures, t.encoded, t.elements);
+        }
+    }
+    task_release(&t);
+    PyBuffer_Release(&sources);
     return result;
 }
 
@@ -987,6 +1071,7 @@ static PyObject *use_blosc(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
+    {"run_decoded", run_decoded, METH_VARARGS, "Copy the boxes of units already decoded into the targets, without the GIL."},
     {"run_file", run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},
     {"supports", supports, METH_VARARGS, "Whether the cast from one dtype code to another is offered."},
     {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},
