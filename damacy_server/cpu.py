@@ -313,8 +313,9 @@ class CpuExecutor:
                     if sources is not None and sources.all():
                         table, targets = self._task_tables(run, units)
                         failures, _, elements = native.run_decoded(kernel, sources, table, targets)
-                        for k, reason in failures:  # only a planning error can fail a copy here
-                            run.fail(_samples_of((units[k],)), DecodeError(reason, uri=units[k].meta.uri, path=units[k].key, chunk=units[k].unit))
+                        for f in failures:  # only a planning error can fail a copy here
+                            u = units[f.unit]
+                            run.fail(_samples_of((u,)), DecodeError(f.describe(kernel.decoded_nbytes), uri=u.meta.uri, path=u.key, chunk=u.unit))
                         assembled += elements * run.dtype.itemsize
                         done.update(id(u) for u in units)
                         continue
@@ -540,7 +541,7 @@ class CpuExecutor:
     def _cache_kept(self, units: list[UnitJob], kept: list[np.ndarray | None] | None, failures) -> None:
         if kept is None:
             return
-        bad = {k for k, _ in failures}
+        bad = {f.unit for f in failures}
         for k, (u, arr) in enumerate(zip(units, kept)):
             if arr is not None and k not in bad:
                 arr.flags.writeable = False
@@ -551,14 +552,14 @@ class CpuExecutor:
     ) -> tuple[int, int, int]:
         """Fail the samples of units native code could not decode; returns (encoded,
         decoded, assembled) bytes of the others."""
-        for k, reason in failures:
-            u = units[k]
-            start, length = table.spans[k].tolist()
+        for f in failures:
+            u = units[f.unit]
+            start, length = table.spans[f.unit].tolist()
             got = max(0, min(length if length >= 0 else data_len, data_len - (start - offset)))
-            if u.nbytes >= 0 and got != u.nbytes:
+            if u.nbytes >= 0 and got != u.nbytes:  # the read came short: the file was cut off
                 reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
-            elif kernel.codec == native.CODEC_ZSTD and "expected" not in reason:
-                reason = f"zstd: {reason}"
+            else:
+                reason = f.describe(kernel.decoded_nbytes)
             run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
         return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize
 

@@ -295,7 +295,7 @@ def test_ops_outside_their_unit_are_refused():
     for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2]), ([0, 0, 0, -2, 4], [0, 1, 2])):
         ops = np.array([row], dtype=np.int64)
         failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())[0]
-        assert failed and "outside its chunk" in failed[0][1]
+        assert failed and failed[0][1] == native.Status.OPS
     assert not out.any()
     # destinations outside the sample, a target beyond those given or without a view, starts
     # that would overflow: refused before anything is written
@@ -312,7 +312,7 @@ def test_ops_outside_their_unit_are_refused():
     ):
         ops = np.array([row], dtype=np.int64)
         failed = _assemble.run(data.tobytes(), 0, _SPAN(64), ops.tobytes(), 0, tg.tobytes(), shape.tobytes(), 10, 10, 0, 0, 64, np.asarray(pool, dtype=np.int64).tobytes())[0]
-        assert failed and "outside its chunk or its sample" in failed[0][1], row
+        assert failed and failed[0][1] == native.Status.OPS, row
     assert not out.any()
     # a unit shape that does not match the decoded size is refused outright
     with pytest.raises(ValueError, match="unit shape"):
@@ -336,7 +336,8 @@ def test_op_tables_out_of_unit_order_and_spans_past_the_data():
     spans = np.array([[0, 32], [48, 32]], dtype=np.int64)
     ops = np.array([[0, 0, 0, 0, 8], [1, 0, 0, 8, 8]], dtype=np.int64)
     failed = _assemble.run(data.tobytes(), 0, spans.tobytes(), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, 10, 0, 0, 32, b"")[0]
-    assert [k for k, _ in failed] == [1] and "16 bytes, expected 32" in failed[0][1]
+    assert failed == [(1, native.Status.SIZE, 16)]
+    assert native.Failure(*failed[0]).describe(32) == "decoded chunk has 16 bytes, expected 32"
     assert np.array_equal(out[:8], data[:8]) and not out[8:].any()
     # units numbered from a base, spans as offsets in an object whose read starts at 100
     out[...] = 0
@@ -534,7 +535,7 @@ def test_direct_reads_of_whole_objects_and_empty_files(tmp_path):
     assert np.array_equal(out, data[:4, :6].astype("f4"))
     open(group.key, "wb").close()  # now empty: read, and reported as undecodable
     code, failures, _, nbytes, _, _ = native.run_file(kernel, (group.key, flags, None), 0, -1, table, targets)
-    assert code == 0 and nbytes == 0 and [k for k, _ in failures] == [0]
+    assert code == 0 and nbytes == 0 and [f.unit for f in failures] == [0] and failures[0].status is native.Status.SIZE
 
 
 def test_every_direct_read_outcome_settles_its_memory_once(tmp_path, monkeypatch):

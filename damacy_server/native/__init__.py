@@ -10,8 +10,10 @@ else goes through the Python path; results are identical (the tests compare both
 
 from __future__ import annotations
 
+import enum
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +41,43 @@ _CODES = {
 }
 CODEC_RAW, CODEC_ZSTD, CODEC_BLOSC = 0, 1, 2
 MAX_NDIM = 8
+
+
+class Status(enum.IntEnum):
+    """Why native code could not decode a unit (the status codes of _assemble.c)."""
+
+    ZSTD = 1  # libzstd refused the frame (detail: its error name)
+    SIZE = 2  # the unit decoded to the wrong size (detail: the bytes it gave)
+    NO_CODEC = 3  # the codec library could not be loaded
+    BLOSC = 4  # a corrupt or truncated blosc frame (detail: blosc's return code)
+    OPS = 5  # a copy reaches outside its unit or its sample (a planning error)
+    MEMORY = 6  # no memory for the decode buffer
+
+
+class Failure(NamedTuple):
+    """A unit native code could not decode: its index in the task, why, and the detail."""
+
+    unit: int
+    status: Status
+    detail: str | int | None
+
+    def describe(self, decoded_nbytes: int) -> str:
+        status, detail = Status(self.status), self.detail
+        if status is Status.ZSTD:
+            return f"zstd: {detail}"
+        if status is Status.SIZE:
+            return f"decoded chunk has {detail} bytes, expected {decoded_nbytes}"
+        if status is Status.BLOSC:
+            return "blosc: corrupt or truncated frame"
+        if status is Status.OPS:
+            return "a copy reaches outside its chunk or its sample (planning error)"
+        if status is Status.MEMORY:
+            return "out of memory for the decode buffer"
+        return "the codec library is not available"
+
+
+def _failures(raw: list[tuple[int, int, str | int | None]]) -> list[Failure]:
+    return [Failure(u, Status(code), detail) for u, code, detail in raw]
 
 
 def available() -> bool:
@@ -146,7 +185,7 @@ def run_file(
     table: optable.OpTable,
     targets: np.ndarray,
     keep: np.ndarray | None = None,
-) -> tuple[int, list[tuple[int, str]] | None, int, int, int, int]:
+) -> tuple[int, list[Failure] | None, int, int, int, int]:
     """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
     ``where`` = (path, open flags, roots) from :meth:`FileStore.direct` first, in the same
     call, only if the page cache holds them, opened by the same rule as ``FileStore.open``.
@@ -155,20 +194,22 @@ def run_file(
     waiting), -2 (larger than RUN_FILE_MAX), -3 (outside the roots) or an errno from open;
     then nothing was copied and the caller reads the ordinary way."""
     path, flags, roots = where
-    return _assemble.run_file(path, flags, roots, offset, length, *_task(kernel, table, targets, keep))
+    code, failures, read_ns, nbytes, encoded, elements = _assemble.run_file(path, flags, roots, offset, length, *_task(kernel, table, targets, keep))
+    return code, None if failures is None else _failures(failures), read_ns, nbytes, encoded, elements
 
 
 def run(
     kernel: NativeKernel, data, offset: int, table: optable.OpTable, targets: np.ndarray, keep: np.ndarray | None = None
-) -> tuple[list[tuple[int, str]], int, int]:
+) -> tuple[list[Failure], int, int]:
     """Decode the units of ``table`` from ``data`` (bytes read from ``offset`` of their
     object) and make every copy into ``targets`` (from :func:`targets`). Returns (failures,
-    encoded, elements): (index in the table, reason) of units that could not be decoded
-    (their copies are not made), and the bytes decoded and elements written for the rest.
+    encoded, elements): the units that could not be decoded (their copies are not made),
+    and the bytes decoded and elements written for the rest.
 
     ``keep`` (from :func:`keep_buffers`), when given, names per unit a buffer the unit is
     decoded into whole (for the chunk cache); the copies are then made from it."""
-    return _assemble.run(data, offset, *_task(kernel, table, targets, keep))
+    failures, encoded, elements = _assemble.run(data, offset, *_task(kernel, table, targets, keep))
+    return _failures(failures), encoded, elements
 
 
 def keep_buffers(kernel: NativeKernel, count: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -188,7 +229,8 @@ def decoded_source(kernel: NativeKernel, arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> tuple[list[tuple[int, str]], int, int]:
+def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> tuple[list[Failure], int, int]:
     """As :func:`run` for units already decoded: ``sources`` holds each unit's address (from
     :func:`decoded_source`; the caller keeps the arrays alive through the call)."""
-    return _assemble.run_decoded(sources, *_task(kernel, table, targets))
+    failures, encoded, elements = _assemble.run_decoded(sources, *_task(kernel, table, targets))
+    return _failures(failures), encoded, elements

@@ -737,9 +737,11 @@ static void task_assemble(task_t *t) {
     t->elements = elements;
 }
 
-/* With the GIL: (unit, reason) for each unit that failed. */
+/* With the GIL: (unit, status, detail) for each unit that failed; detail is the zstd error
+ * name (E_ZSTD), the bytes decoded (E_SIZE), blosc's return code (E_BLOSC) or None. The
+ * caller words the message (native/__init__.py, describe). */
 static PyObject *task_failures(task_t *t) {
-    Py_ssize_t n_units = t->n_units, decoded_nbytes = t->decoded_nbytes;
+    Py_ssize_t n_units = t->n_units;
     int *status = t->status;
     size_t *err_codes = t->err_codes;
     PyObject *result = PyList_New(0);
@@ -748,18 +750,11 @@ static PyObject *task_failures(task_t *t) {
         if (status[u] == OK) continue;
         PyObject *item;
         if (status[u] == E_ZSTD)
-            item = Py_BuildValue("(ns)", u, zstd_errname(err_codes[u]));
-        else if (status[u] == E_SIZE)
-            item = Py_BuildValue("(nN)", u, PyUnicode_FromFormat("decoded chunk has %zd bytes, expected %zd",
-                                                                 (Py_ssize_t)err_codes[u], decoded_nbytes));
-        else if (status[u] == E_BLOSC)
-            item = Py_BuildValue("(ns)", u, "blosc: corrupt or truncated frame");
-        else if (status[u] == E_OPS)
-            item = Py_BuildValue("(ns)", u, "a copy reaches outside its chunk or its sample (planning error)");
-        else if (status[u] == E_MEMORY)
-            item = Py_BuildValue("(ns)", u, "out of memory for the decode buffer");
+            item = Py_BuildValue("(nis)", u, status[u], zstd_errname(err_codes[u]));
+        else if (status[u] == E_SIZE || status[u] == E_BLOSC)
+            item = Py_BuildValue("(nin)", u, status[u], (Py_ssize_t)err_codes[u]);
         else
-            item = Py_BuildValue("(ns)", u, "the codec library is not available");
+            item = Py_BuildValue("(niO)", u, status[u], Py_None);
         if (!item || PyList_Append(result, item) < 0) {
             Py_XDECREF(item);
             Py_CLEAR(result);
@@ -789,8 +784,8 @@ static PyObject *task_failures(task_t *t) {
  *   keep: empty, or int64 array (n_units): per unit 0, or the address of decoded_nbytes
  *        bytes the unit is decoded into whole (a chunk cache entry; valid only when the
  *        unit is not among the failures)
- * Returns (failures, encoded, elements): (unit, message) for units that failed (their copies
- * are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
+ * Returns (failures, encoded, elements): (unit, status, detail) for units that failed (their
+ * copies are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
  */
 static PyObject *run(PyObject *self, PyObject *args) {
     Py_buffer data_buf;
