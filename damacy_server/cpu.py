@@ -7,6 +7,10 @@ Memory for chunk data in flight is reserved before each read and returned as its
 assembled, so slots plus chunk data never exceed ``max_memory_bytes``. Whatever goes wrong
 in a task — a corrupt chunk or an unexpected exception — fails the samples concerned and
 nothing else: every read reports back, every reservation is returned.
+
+Where the native path applies (:mod:`damacy_server.native_tasks`), a decode task is one C
+call; groups whose bytes are in the page cache are read by that call too, on a decode thread
+(see ``_read_direct``). The rest goes through numpy.
 """
 
 from __future__ import annotations
@@ -16,19 +20,20 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import DecodeError, InvalidArgument, SampleError
-from damacy_server import native, optable
+from damacy_protocol.errors import InvalidArgument, SampleError
+from damacy_server import native
+from damacy_server.budget import MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
-from damacy_server.budget import MemoryBudget, Reservation, StageStats
+from damacy_server.native_tasks import NativeTasks
 from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
+from damacy_server.run import GroupState, Run, samples_of
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 
@@ -67,74 +72,6 @@ class CpuLimits:
             raise InvalidArgument(f"CpuLimits.chunk_cache_bytes must be an integer >= 0, got {v!r}")
 
 
-class _GroupState:
-    """Counts the decode tasks of one read still running."""
-
-    __slots__ = ("remaining", "encoded_reserved", "lock")
-
-    def __init__(self, tasks: int, encoded_reserved: int) -> None:
-        self.remaining = tasks
-        self.encoded_reserved = encoded_reserved
-        self.lock = threading.Lock()
-
-    def task_done(self) -> bool:
-        with self.lock:
-            self.remaining -= 1
-            return self.remaining == 0
-
-
-class _Run:
-    """The state of one batch plan being executed."""
-
-    __slots__ = (
-        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "order", "dtype", "targets",
-        "kernels",
-    )
-
-    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
-        self.key = key
-        self.order = order  # runs are served oldest first within a pipeline
-        self.plan = plan
-        self.views = views
-        self.errors: dict[int, SampleError] = {}
-        self.pending = 0  # reads (and the cached-units task) not yet reported
-        self.lock = threading.Lock()
-        self.on_done = on_done
-        self.cancelled = cancelled
-        # for the native path: the views' common dtype when every view's rows are contiguous
-        # (else None), and per rank the views' addresses and strides
-        live = [v for v in views if v is not None]
-        dtype = live[0].dtype if live else None
-        if any(v.dtype != dtype or (v.ndim and v.strides[-1] != v.itemsize) for v in live):
-            dtype = None
-        self.dtype = dtype
-        self.targets: dict[int, np.ndarray] = {}
-        self.kernels: dict[int, Any] = {}  # id(meta) -> native kernel or None, for this run
-
-    def fail(self, samples, err: SampleError) -> None:
-        with self.lock:
-            for s in samples:
-                if s not in self.errors:
-                    self.errors[s] = _for_sample(err, self.plan.samples[s])
-
-    def crash(self, units: Sequence[UnitJob], exc: BaseException) -> None:
-        """An unexpected exception: the samples of ``units`` fail with it, the others go on."""
-        log.exception("damacy: unexpected error assembling a batch", exc_info=exc)
-        err = SampleError(f"internal error: {type(exc).__name__}: {exc}")
-        err.__cause__ = exc
-        self.fail(_samples_of(units), err)
-
-    def group_done(self) -> None:
-        with self.lock:
-            self.pending -= 1
-            last = self.pending == 0
-        if last:
-            try:
-                self.on_done(self.errors)
-            except Exception:  # the pipeline's own bookkeeping failed; it must not stop the pool
-                log.exception("damacy: error delivering a batch")
-
-
 def _frozen(arr: np.ndarray) -> np.ndarray:
     """A read-only array holding only its own bytes (a view into a larger read is copied)."""
     base = arr.base
@@ -146,16 +83,6 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
         out = arr.copy()
     out.flags.writeable = False
     return out
-
-
-def _for_sample(err: SampleError, sample: Any) -> SampleError:
-    e = type(err)(err.reason, uri=err.uri, path=err.path, chunk=err.chunk)
-    e.__cause__ = err.__cause__
-    return e.with_context(uri=getattr(sample, "uri", None), sample=sample)
-
-
-def _samples_of(units: Sequence[UnitJob]) -> set[int]:
-    return {s for u in units for s in u.samples}
 
 
 class CpuExecutor:
@@ -171,15 +98,14 @@ class CpuExecutor:
         self._io_slots = threading.BoundedSemaphore(self.reader.max_inflight_reads)
         self._closed = False
         self._runs = itertools.count()
-        self.native = native.available() and self.limits.native
-        self._kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.chunk_cache: LRUCache[np.ndarray] | None = (
             LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes, admit_by_frequency=True)
             if self.limits.chunk_cache_bytes
             else None
         )
+        self.native = NativeTasks(self.chunk_cache) if native.available() and self.limits.native else None
         # decode threads read page-cached groups themselves (see _read_direct)
-        self._direct = self.native and hasattr(self.reader, "direct")
+        self._direct = self.native is not None and hasattr(self.reader, "direct")
         self._direct_misses = 0
         self._direct_skip = 0
 
@@ -213,7 +139,7 @@ class CpuExecutor:
         turns.
         """
         views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
-        run = _Run(plan, views, on_done, cancelled, key, next(self._runs))
+        run = Run(plan, views, on_done, cancelled, key, next(self._runs))
         t0 = time.perf_counter()
         for s, fill in plan.fills:
             views[s][...] = cast_fill(fill, views[s].dtype)
@@ -237,7 +163,7 @@ class CpuExecutor:
                 continue
             if status is Reservation.TOO_BIG:
                 run.fail(
-                    _samples_of(group.units),
+                    samples_of(group.units),
                     SampleError(
                         f"reading {group.key} needs {need} bytes in flight, the memory budget leaves "
                         f"{self.budget.capacity} beside the batch slots; raise max_memory_bytes",
@@ -283,7 +209,7 @@ class CpuExecutor:
                 out.append(g)
         return out
 
-    def _apply(self, run: _Run, u: UnitJob, arr: np.ndarray) -> int:
+    def _apply(self, run: Run, u: UnitJob, arr: np.ndarray) -> int:
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
         assembled = 0
         for s, op in u.copies:
@@ -291,7 +217,7 @@ class CpuExecutor:
             assembled += op.apply(target, arr) * target.itemsize
         return assembled
 
-    def _copy_cached(self, run: _Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
+    def _copy_cached(self, run: Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
         """Copy units found in the chunk cache: those of one plan table in one native call
         where the native path applies, the rest with numpy."""
         t0 = time.perf_counter()
@@ -305,30 +231,18 @@ class CpuExecutor:
                 by_table.setdefault(id(item[0].table), []).append(item)
             with np.errstate(invalid="ignore", over="ignore"):
                 for items in by_table.values():
-                    units = [u for u, _ in items]
-                    kernel = self._native_kernel(run, units)
-                    sources = None
-                    if kernel is not None:
-                        sources = np.array([native.decoded_source(kernel, a) for _, a in items], dtype=np.int64)
-                    if sources is not None and sources.all():
-                        table, targets = self._task_tables(run, units)
-                        failures, _, elements = native.run_decoded(kernel, sources, table, targets)
-                        for f in failures:  # only a planning error can fail a copy here
-                            u = units[f.unit]
-                            run.fail(_samples_of((u,)), DecodeError(f.describe(kernel.decoded_nbytes), uri=u.meta.uri, path=u.key, chunk=u.unit))
-                        assembled += elements * run.dtype.itemsize
-                        done.update(id(u) for u in units)
-                        continue
-                    for u, arr in items:
-                        assembled += self._apply(run, u, arr)
-                        done.add(id(u))
+                    written = self.native.copy_decoded(run, items) if self.native is not None else None
+                    if written is None:
+                        written = sum(self._apply(run, u, arr) for u, arr in items)
+                    assembled += written
+                    done.update(id(u) for u, _ in items)
         except Exception as e:
             run.crash([u for u, _ in cached if id(u) not in done], e)
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
             run.group_done()
 
-    def _direct_ok(self, run: _Run, group: ReadGroup) -> bool:
+    def _direct_ok(self, run: Run, group: ReadGroup) -> bool:
         """Should a decode thread try to read this group itself (from the page cache)?"""
         if self._direct_skip > 0:
             self._direct_skip -= 1
@@ -337,10 +251,10 @@ class CpuExecutor:
             self._direct
             and run.dtype is not None
             and group.length <= native.RUN_FILE_MAX
-            and self._native_kernel(run, group.units) is not None
+            and self.native.kernel(run, group.units) is not None
         )
 
-    def _read_direct(self, run: _Run, group: ReadGroup, reserved: int) -> None:
+    def _read_direct(self, run: Run, group: ReadGroup, reserved: int) -> None:
         """Read, decode and copy a group in one native call when its bytes are in the page
         cache (no I/O thread, no GIL between the steps); otherwise hand it to the I/O threads."""
         finished = True
@@ -348,17 +262,13 @@ class CpuExecutor:
             if run.cancelled() or self._closed:
                 return
             units = group.units
-            kernel = self._native_kernel(run, units)
+            kernel = self.native.kernel(run, units)
             where = self.reader.direct(group.key)
             if kernel is None:
                 finished = False
                 return
             t0 = time.perf_counter()
-            table, targets = self._task_tables(run, units)
-            kept, keep = self._keep(kernel, units)
-            code, failures, read_ns, nbytes, encoded, elements = native.run_file(
-                kernel, where, group.offset, group.length, table, targets, keep
-            )
+            code, read_ns, nbytes, (encoded, decoded, assembled) = self.native.read_file(kernel, run, group, where)
             if code != 0:
                 if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
                     self._direct_missed()
@@ -366,9 +276,6 @@ class CpuExecutor:
                 return
             self._direct_misses = 0
             seconds = time.perf_counter() - t0
-            offset = max(group.offset, 0)
-            encoded, decoded, assembled = self._native_done(kernel, run, units, table, failures, encoded, elements, offset, nbytes)
-            self._cache_kept(units, kept, failures)
             read_s = read_ns / 1e9
             self.stats.add("read", read_s, bytes_out=nbytes)
             self.stats.add("direct", read_s, bytes_out=nbytes)
@@ -392,7 +299,7 @@ class CpuExecutor:
             self._direct_misses = 0
             self._direct_skip = DIRECT_BACKOFF
 
-    def _read(self, run: _Run, group: ReadGroup, reserved: int) -> None:
+    def _read(self, run: Run, group: ReadGroup, reserved: int) -> None:
         self._io_slots.release()
         handed_over = False
         try:
@@ -405,7 +312,7 @@ class CpuExecutor:
                 else:
                     data = self.reader.read_range(group.key, group.offset, group.length)
             except SampleError as e:
-                run.fail(_samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
+                run.fail(samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
                 return
             self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
             if data is None:
@@ -424,7 +331,7 @@ class CpuExecutor:
                     size = 0
                 tasks[-1].append(u)
                 size += u.decoded_nbytes
-            state = _GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
+            state = GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
             view = memoryview(data)
             for units in tasks:
                 self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key, priority=run.order)
@@ -436,17 +343,17 @@ class CpuExecutor:
                 self.budget.release(reserved)
                 run.group_done()
 
-    def _decode_units(self, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview, state: _GroupState) -> None:
+    def _decode_units(self, run: Run, group: ReadGroup, units: list[UnitJob], view: memoryview, state: GroupState) -> None:
         decode_s = assemble_s = 0.0
         encoded = decoded = assembled = 0
         done: list[UnitJob] = []  # units whose copies are made or given up
         try:
             if run.cancelled() or self._closed:
                 return
-            kernel = self._native_kernel(run, units)
+            kernel = self.native.kernel(run, units) if self.native is not None else None
             if kernel is not None:
                 t0 = time.perf_counter()
-                encoded, decoded, assembled = self._native(kernel, run, group, units, view)
+                encoded, decoded, assembled = self.native.decode(kernel, run, group, units, view)
                 done = units
                 decode_s = time.perf_counter() - t0  # decode and copies, in one call
                 self.stats.add("native", decode_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
@@ -461,7 +368,7 @@ class CpuExecutor:
                         check_length(u.meta, data, u.nbytes, u.unit, u.key)
                         arr = decode_unit(u.meta, data, u.unit, u.key)
                     except SampleError as e:
-                        run.fail(_samples_of((u,)), e)
+                        run.fail(samples_of((u,)), e)
                         done.append(u)
                         continue
                     t1 = time.perf_counter()
@@ -482,86 +389,6 @@ class CpuExecutor:
             if state.task_done():
                 self.budget.release(state.encoded_reserved)
                 run.group_done()
-
-    def _native_kernel(self, run: _Run, units: list[UnitJob]) -> native.NativeKernel | None:
-        """The native kernel for this task, when it applies (one array, plain views)."""
-        if not self.native or run.dtype is None:
-            return None
-        meta = units[0].meta
-        if units[-1].meta is not meta:  # a task's units are one object's, so one array's
-            return None
-        kernel = run.kernels.get(id(meta), False)  # the run holds its metas: ids are stable
-        if kernel is False:
-            kernel = run.kernels[id(meta)] = self._kernel(meta, run.dtype)
-        return kernel
-
-    def _kernel(self, meta, dtype: np.dtype) -> native.NativeKernel | None:
-        per_meta = self._kernels.get(meta)  # keyed by the metadata object: a reloaded array gets its own
-        if per_meta is None:
-            per_meta = self._kernels.setdefault(meta, {})
-        key = (dtype.str, dtype.name)
-        kernel = per_meta.get(key, False)
-        if kernel is False:
-            kernel = per_meta[key] = native.kernel_for(meta, dtype)
-        return kernel
-
-    def _task_tables(self, run: _Run, units: list[UnitJob]) -> tuple[optable.OpTable, np.ndarray]:
-        """The ops of ``units`` and the run's targets, for native code."""
-        table = optable.build(units)
-        targets = run.targets.get(table.ndim)
-        if targets is None:
-            targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim))
-        return table, targets
-
-    def _native(self, kernel, run: _Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
-        table, targets = self._task_tables(run, units)
-        offset = max(group.offset, 0)
-        kept, keep = self._keep(kernel, units)
-        failures, encoded, elements = native.run(kernel, view, offset, table, targets, keep)
-        self._cache_kept(units, kept, failures)
-        return self._native_done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
-
-    def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
-        """With a chunk cache, a buffer for each unit the cache would admit, which native
-        code decodes the unit into whole (the others are decoded only as far as the copies
-        need)."""
-        cache = self.chunk_cache
-        if cache is None:
-            return None, None
-        wanted = [cache.would_admit((u.meta.root, u.unit), kernel.decoded_nbytes) for u in units]
-        if not any(wanted):
-            return None, None
-        arrays, addresses = native.keep_buffers(kernel, sum(wanted))
-        it = iter(arrays)
-        kept = [next(it) if w else None for w in wanted]
-        keep = np.zeros(len(units), dtype=np.int64)
-        keep[np.flatnonzero(wanted)] = addresses
-        return kept, keep
-
-    def _cache_kept(self, units: list[UnitJob], kept: list[np.ndarray | None] | None, failures) -> None:
-        if kept is None:
-            return
-        bad = {f.unit for f in failures}
-        for k, (u, arr) in enumerate(zip(units, kept)):
-            if arr is not None and k not in bad:
-                arr.flags.writeable = False
-                self.chunk_cache.put((u.meta.root, u.unit), arr)
-
-    def _native_done(
-        self, kernel, run: _Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int
-    ) -> tuple[int, int, int]:
-        """Fail the samples of units native code could not decode; returns (encoded,
-        decoded, assembled) bytes of the others."""
-        for f in failures:
-            u = units[f.unit]
-            start, length = table.spans[f.unit].tolist()
-            got = max(0, min(length if length >= 0 else data_len, data_len - (start - offset)))
-            if u.nbytes >= 0 and got != u.nbytes:  # the read came short: the file was cut off
-                reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
-            else:
-                reason = f.describe(kernel.decoded_nbytes)
-            run.fail(_samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
-        return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize
 
     def close(self) -> None:
         self._closed = True

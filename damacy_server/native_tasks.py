@@ -1,0 +1,142 @@
+"""Decode tasks through the native path: a task's units decoded and copied in one C call.
+
+:class:`NativeTasks` serves one executor: it picks the kernel for a task (per array and
+output dtype), builds the op table, decodes from bytes in memory, from the page cache
+(``read_file``) or from chunk cache entries (``copy_decoded``), fills the chunk cache with
+the units it would admit (decoded whole, straight into the entry), and turns the units that
+failed into errors of their samples.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import DecodeError
+from damacy_server import native, optable
+from damacy_server.cache import LRUCache
+from damacy_server.plan import ReadGroup, UnitJob
+from damacy_server.run import Run, samples_of
+
+
+class NativeTasks:
+    def __init__(self, chunk_cache: LRUCache[np.ndarray] | None) -> None:
+        self.chunk_cache = chunk_cache
+        self._kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def kernel(self, run: Run, units: list[UnitJob]) -> native.NativeKernel | None:
+        """The native kernel for this task, when it applies (one array, plain views)."""
+        if run.dtype is None:
+            return None
+        meta = units[0].meta
+        if units[-1].meta is not meta:  # a task's units are one object's, so one array's
+            return None
+        kernel = run.kernels.get(id(meta), False)  # the run holds its metas: ids are stable
+        if kernel is False:
+            kernel = run.kernels[id(meta)] = self._kernel(meta, run.dtype)
+        return kernel
+
+    def _kernel(self, meta, dtype: np.dtype) -> native.NativeKernel | None:
+        per_meta = self._kernels.get(meta)  # keyed by the metadata object: a reloaded array gets its own
+        if per_meta is None:
+            per_meta = self._kernels.setdefault(meta, {})
+        key = (dtype.str, dtype.name)
+        kernel = per_meta.get(key, False)
+        if kernel is False:
+            kernel = per_meta[key] = native.kernel_for(meta, dtype)
+        return kernel
+
+    # -- the three sources --------------------------------------------------------------
+    def decode(self, kernel, run: Run, group: ReadGroup, units: list[UnitJob], view: memoryview) -> tuple[int, int, int]:
+        """Decode and copy ``units`` from ``view`` (the bytes of ``group``); returns
+        (encoded, decoded, assembled) bytes of the units that did not fail."""
+        table, targets = self._tables(run, units)
+        offset = max(group.offset, 0)
+        kept, keep = self._keep(kernel, units)
+        failures, encoded, elements = native.run(kernel, view, offset, table, targets, keep)
+        self._cache_kept(units, kept, failures)
+        return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
+
+    def read_file(self, kernel, run: Run, group: ReadGroup, where) -> tuple[int, int, int, tuple[int, int, int]]:
+        """As :meth:`decode`, reading the group from the page cache in the same call (see
+        :func:`native.run_file`). Returns (code, read_ns, nbytes, (encoded, decoded,
+        assembled)); a non-zero code means nothing was done."""
+        units = group.units
+        table, targets = self._tables(run, units)
+        kept, keep = self._keep(kernel, units)
+        code, failures, read_ns, nbytes, encoded, elements = native.run_file(
+            kernel, where, group.offset, group.length, table, targets, keep
+        )
+        if code != 0:
+            return code, read_ns, 0, (0, 0, 0)
+        self._cache_kept(units, kept, failures)
+        offset = max(group.offset, 0)
+        return 0, read_ns, nbytes, self._done(kernel, run, units, table, failures, encoded, elements, offset, nbytes)
+
+    def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
+        """Copy units of one plan table from their decoded arrays (chunk cache entries) in one
+        call; returns the bytes written, or None when the native path does not apply."""
+        units = [u for u, _ in items]
+        kernel = self.kernel(run, units)
+        if kernel is None:
+            return None
+        sources = np.array([native.decoded_source(kernel, a) for _, a in items], dtype=np.int64)
+        if not sources.all():
+            return None
+        table, targets = self._tables(run, units)
+        failures, _, elements = native.run_decoded(kernel, sources, table, targets)
+        for f in failures:  # only a planning error can fail a copy here
+            u = units[f.unit]
+            run.fail(samples_of((u,)), DecodeError(f.describe(kernel.decoded_nbytes), uri=u.meta.uri, path=u.key, chunk=u.unit))
+        return elements * run.dtype.itemsize
+
+    # -- helpers ------------------------------------------------------------------------
+    def _tables(self, run: Run, units: list[UnitJob]) -> tuple[optable.OpTable, np.ndarray]:
+        """The ops of ``units`` and the run's targets, for native code."""
+        table = optable.build(units)
+        targets = run.targets.get(table.ndim)
+        if targets is None:
+            targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim))
+        return table, targets
+
+    def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
+        """With a chunk cache, a buffer for each unit the cache would admit, which native
+        code decodes the unit into whole (the others are decoded only as far as the copies
+        need)."""
+        cache = self.chunk_cache
+        if cache is None:
+            return None, None
+        wanted = [cache.would_admit((u.meta.root, u.unit), kernel.decoded_nbytes) for u in units]
+        if not any(wanted):
+            return None, None
+        arrays, addresses = native.keep_buffers(kernel, sum(wanted))
+        it = iter(arrays)
+        kept = [next(it) if w else None for w in wanted]
+        keep = np.zeros(len(units), dtype=np.int64)
+        keep[np.flatnonzero(wanted)] = addresses
+        return kept, keep
+
+    def _cache_kept(self, units: list[UnitJob], kept: list[np.ndarray | None] | None, failures: Any) -> None:
+        if kept is None:
+            return
+        bad = {f.unit for f in failures}
+        for k, (u, arr) in enumerate(zip(units, kept)):
+            if arr is not None and k not in bad:
+                arr.flags.writeable = False
+                self.chunk_cache.put((u.meta.root, u.unit), arr)
+
+    def _done(self, kernel, run: Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int) -> tuple[int, int, int]:
+        """Fail the samples of units native code could not decode; returns (encoded,
+        decoded, assembled) bytes of the others."""
+        for f in failures:
+            u = units[f.unit]
+            start, length = table.spans[f.unit].tolist()
+            got = max(0, min(length if length >= 0 else data_len, data_len - (start - offset)))
+            if u.nbytes >= 0 and got != u.nbytes:  # the read came short: the file was cut off
+                reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
+            else:
+                reason = f.describe(kernel.decoded_nbytes)
+            run.fail(samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
+        return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize

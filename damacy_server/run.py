@@ -1,0 +1,93 @@
+"""The state of one batch plan while an executor runs it: views, errors, what is pending."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import SampleError
+from damacy_server.plan import BatchPlan, UnitJob
+
+log = logging.getLogger("damacy")
+
+
+class GroupState:
+    """Counts the decode tasks of one read still running."""
+
+    __slots__ = ("remaining", "encoded_reserved", "lock")
+
+    def __init__(self, tasks: int, encoded_reserved: int) -> None:
+        self.remaining = tasks
+        self.encoded_reserved = encoded_reserved
+        self.lock = threading.Lock()
+
+    def task_done(self) -> bool:
+        with self.lock:
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+class Run:
+    """One batch plan being executed into its views (one per sample, None: nothing to write)."""
+
+    __slots__ = (
+        "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "order", "dtype", "targets",
+        "kernels",
+    )
+
+    def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
+        self.key = key
+        self.order = order  # runs are served oldest first within a pipeline
+        self.plan = plan
+        self.views = views
+        self.errors: dict[int, SampleError] = {}
+        self.pending = 0  # reads (and the cached-units task) not yet reported
+        self.lock = threading.Lock()
+        self.on_done = on_done
+        self.cancelled = cancelled
+        # for the native path: the views' common dtype when every view's rows are contiguous
+        # (else None), and per rank the views' addresses and strides
+        live = [v for v in views if v is not None]
+        dtype = live[0].dtype if live else None
+        if any(v.dtype != dtype or (v.ndim and v.strides[-1] != v.itemsize) for v in live):
+            dtype = None
+        self.dtype = dtype
+        self.targets: dict[int, np.ndarray] = {}
+        self.kernels: dict[int, Any] = {}  # id(meta) -> native kernel or None, for this run
+
+    def fail(self, samples, err: SampleError) -> None:
+        with self.lock:
+            for s in samples:
+                if s not in self.errors:
+                    self.errors[s] = for_sample(err, self.plan.samples[s])
+
+    def crash(self, units: Sequence[UnitJob], exc: BaseException) -> None:
+        """An unexpected exception: the samples of ``units`` fail with it, the others go on."""
+        log.exception("damacy: unexpected error assembling a batch", exc_info=exc)
+        err = SampleError(f"internal error: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        self.fail(samples_of(units), err)
+
+    def group_done(self) -> None:
+        with self.lock:
+            self.pending -= 1
+            last = self.pending == 0
+        if last:
+            try:
+                self.on_done(self.errors)
+            except Exception:  # the pipeline's own bookkeeping failed; it must not stop the pool
+                log.exception("damacy: error delivering a batch")
+
+
+def for_sample(err: SampleError, sample: Any) -> SampleError:
+    e = type(err)(err.reason, uri=err.uri, path=err.path, chunk=err.chunk)
+    e.__cause__ = err.__cause__
+    return e.with_context(uri=getattr(sample, "uri", None), sample=sample)
+
+
+def samples_of(units: Sequence[UnitJob]) -> set[int]:
+    return {s for u in units for s in u.samples}
