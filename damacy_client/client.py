@@ -2,7 +2,8 @@
 
 Three threads at most: the caller's, the transport's I/O thread (:mod:`damacy_client.transport`)
 and a feeder that pulls the pushed iterables lazily, pushing only as many samples as the
-session holds credits for (``lookahead_samples`` ahead of what the daemon has delivered).
+session holds credits for (``lookahead_samples`` ahead of what the daemon has delivered;
+the connection's state machine counts them).
 Batches are views of the daemon's shared-memory slots, mapped once per session.
 """
 
@@ -61,7 +62,7 @@ class RemotePipeline(PipelineAPI):
         self.config = config
         if rank is None and os.environ.get("RANK", "").isdigit():
             rank = int(os.environ["RANK"])
-        self._conn = Connection(endpoint, rank=rank, config=config.to_dict(), connect_timeout_s=connect_timeout_s)
+        self._conn = Connection(endpoint, rank=rank, config=config, connect_timeout_s=connect_timeout_s)
         self.endpoint = self._conn.endpoint
         welcome = self._conn.welcome
         try:
@@ -75,7 +76,6 @@ class RemotePipeline(PipelineAPI):
         self._samples: dict[int, Any] = {}  # seq -> sample, for samples not yet delivered
         self._skipped: dict[int, Any] = {}  # seq -> sample dropped by the daemon, until reported
         self._seq = itertools.count()
-        self._outstanding = 0
         self._pushed = False
         self._final_sent = True
         # exceptions of the pushed iterables, each raised once the samples pulled before it
@@ -111,12 +111,12 @@ class RemotePipeline(PipelineAPI):
         while True:
             with self._cond:
                 while not self._closed and not (
-                    (self._sources and self._outstanding < self.config.lookahead_samples) or (not self._sources and not self._final_sent)
+                    (self._sources and self._conn.credits > 0) or (not self._sources and not self._final_sent)
                 ):
                     self._cond.wait(0.5)
                 if self._closed:
                     return
-                room = self.config.lookahead_samples - self._outstanding
+                room = self._conn.credits
             batch: list[m.WireSample] = []
             while len(batch) < min(room, PUSH_CHUNK):
                 with self._cond:
@@ -156,7 +156,6 @@ class RemotePipeline(PipelineAPI):
                         return
                     self._pushes_sent += 1
                     self._push_calls.append(call)
-                    self._outstanding += len(batch)
                     if batch:
                         self._last_seq = batch[-1].seq
                     if final:
@@ -223,7 +222,6 @@ class RemotePipeline(PipelineAPI):
         if isinstance(reply, m.Failed):
             err = error_from_wire(reply.error)
             with self._cond:
-                self._outstanding -= len(reply.consumed)
                 consumed = [self._samples.pop(seq, None) for seq in reply.consumed]
                 self._cond.notify_all()
             if isinstance(err, PipelineDrained):
@@ -244,7 +242,7 @@ class RemotePipeline(PipelineAPI):
         what = f"no batch {self._next_batch} within {timeout}s"
         with self._cond:
             held = self._held
-            if self._sources and self._outstanding == 0:
+            if self._sources and self._conn.outstanding == 0:
                 return f"{what}: waiting for the pushed iterable to yield samples"
         if held >= self.config.prepared_batches:
             return (
@@ -258,7 +256,6 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             for seq in msg.seqs:
                 self._skipped[seq] = self._samples.pop(seq, None)
-            self._outstanding -= len(msg.seqs)
             self._cond.notify_all()
 
     def _due_source_error(self, drained: bool = False) -> BaseException | None:
@@ -280,7 +277,6 @@ class RemotePipeline(PipelineAPI):
             self._next_batch = r.batch_id + 1
             samples = tuple(self._samples.pop(seq, None) for seq in r.seqs)
             skipped = tuple((self._skipped.pop(w.seq, None), error_from_wire(w)) for w in r.skipped)
-            self._outstanding -= len(r.seqs)
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
         info = BatchInfo(

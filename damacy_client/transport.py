@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from damacy_protocol import messages as m
+from damacy_protocol.config import Config
 from damacy_protocol.connection import ClientConnection, error_from_wire
 from damacy_protocol.endpoint import default_endpoint
 from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError, UnexpectedReply
@@ -54,7 +55,7 @@ class Call:
 class Connection:
     """A session with damacyd: socket, I/O thread, heartbeats, request/reply matching."""
 
-    def __init__(self, endpoint: str | None = None, *, rank: int | None = None, config: dict[str, Any] | None = None, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: str | None = None, *, rank: int | None = None, config: Config | None = None, connect_timeout_s: float = 10.0) -> None:
         self.endpoint = endpoint or default_endpoint()
         self._proto = ClientConnection()
         self._lock = threading.Lock()
@@ -84,7 +85,7 @@ class Connection:
         self._thread.start()
         call = Call()
         with self._lock:
-            payload = self._proto.hello(os.getpid(), rank, config or {})
+            payload = self._proto.hello(os.getpid(), rank, config)
             self._calls[self._proto.hello_id] = call
         self._send(payload)
         try:
@@ -101,6 +102,19 @@ class Connection:
             self.close()
             raise
         self.welcome: m.Welcome = welcome
+
+    # -- flow control ---------------------------------------------------------------
+    @property
+    def credits(self) -> int:
+        """Samples a push may carry now (see damacy_protocol.connection)."""
+        with self._lock:
+            return self._proto.credits
+
+    @property
+    def outstanding(self) -> int:
+        """Samples pushed and not yet delivered, dropped or used up."""
+        with self._lock:
+            return self._proto.outstanding
 
     # -- requests -------------------------------------------------------------------
     def request(self, make: Callable[[int], Any], on_progress: Callable[[Any], None] | None = None) -> Call:

@@ -2,8 +2,15 @@
 
 :class:`ClientConnection` and :class:`ServerConnection` turn messages into bytes and bytes
 into messages, and check that each side keeps the contract: the version handshake comes
-first, every reply answers an outstanding request, nothing follows ``bye``. Transport
-(ZeroMQ) and threads live elsewhere; these classes are tested on their own.
+first, every reply answers an outstanding request, nothing follows ``bye``, and the client
+pushes only samples it holds credits for. Transport (ZeroMQ) and threads live elsewhere;
+these classes are tested on their own.
+
+Credits: the daemon grants ``Welcome.credits`` (the session's ``lookahead_samples``); a push
+of n samples spends n; a sample's credit returns when a reply names it as gone from the
+session: delivered (``BatchReady.seqs``), dropped (``Consumed.seqs``) or used up by a
+failed batch (``Failed.consumed``). Both sides count the same messages, so the client knows
+exactly what the daemon will accept, and the daemon refuses a push beyond it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 import msgspec
 
 from damacy_protocol import messages as m
+from damacy_protocol.config import Config
 from damacy_protocol.errors import (
     BatchFailed,
     BudgetExceeded,
@@ -72,10 +80,38 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
-class ClientConnection:
+class _Credits:
+    """The samples a session may hold, counted the same way on both sides."""
+
+    def __init__(self) -> None:
+        self.granted = 0
+        self.outstanding = 0  # pushed and not yet named gone by a reply
+
+    @property
+    def credits(self) -> int:
+        return self.granted - self.outstanding
+
+    def spend(self, push: m.Push) -> None:
+        n = len(push.samples)
+        if n > self.credits:
+            raise ProtocolError(
+                f"a push of {n} samples exceeds the {self.credits} credits this session holds "
+                f"(lookahead_samples={self.granted}; {self.outstanding} pushed samples are still in the session)"
+            )
+        self.outstanding += n
+
+    def returned(self, msg: Any) -> None:
+        if isinstance(msg, (m.BatchReady, m.Consumed)):
+            self.outstanding -= len(msg.seqs)
+        elif isinstance(msg, m.Failed):
+            self.outstanding -= len(msg.consumed)
+
+
+class ClientConnection(_Credits):
     """The client's side of one session."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.state = State.NEW
         self._next_id = 1
         self.pending: dict[int, type] = {}  # request id -> request type
@@ -90,7 +126,7 @@ class ClientConnection:
         self._next_id += 1
         return i
 
-    def hello(self, pid: int, rank: int | None, config: dict[str, Any]) -> bytes:
+    def hello(self, pid: int, rank: int | None, config: Config | None) -> bytes:
         if self.state is not State.NEW:
             raise ProtocolError(f"hello in state {self.state.value}")
         self.state = State.HELLO_SENT
@@ -110,7 +146,9 @@ class ClientConnection:
                 raise ProtocolError(f"ping in state {self.state.value}")
         elif self.state is not State.READY:
             raise ProtocolError(f"{type(msg).__name__.lower()} before the session is ready (state {self.state.value})")
-        if isinstance(msg, m.Bye):
+        if isinstance(msg, m.Push):
+            self.spend(msg)
+        elif isinstance(msg, m.Bye):
             self.state = State.CLOSED
         return self._send(msg)
 
@@ -127,6 +165,7 @@ class ClientConnection:
             raise UnexpectedReply(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
         if not isinstance(msg, (m.WarmProgress, m.Consumed)):  # progress comes before the answer
             del self.pending[msg.reply_to]
+        self.returned(msg)
         if kind is m.Hello:
             if isinstance(msg, m.Welcome):
                 if msg.version != m.PROTOCOL_VERSION:
@@ -135,6 +174,7 @@ class ClientConnection:
                         f"the daemon speaks protocol version {msg.version}, this client {m.PROTOCOL_VERSION}"
                     )
                 self.welcome = msg
+                self.granted = msg.credits
                 self.state = State.WELCOMED
             elif isinstance(msg, m.Failed):
                 self.state = State.FAILED
@@ -143,10 +183,18 @@ class ClientConnection:
         return msg
 
 
-class ServerConnection:
+def _other_version(version: int) -> str:
+    return (
+        f"the client speaks protocol version {version}, this daemon {m.PROTOCOL_VERSION}; "
+        "install the same damacy version on both sides"
+    )
+
+
+class ServerConnection(_Credits):
     """The daemon's side of one session (one client identity)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.state = State.NEW
         self.hello: m.Hello | None = None
 
@@ -156,6 +204,10 @@ class ServerConnection:
         try:
             msg = m.decode_client(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            version = m.hello_version(data)
+            if version is not None and version != m.PROTOCOL_VERSION:  # another version's hello
+                self.state = State.FAILED
+                raise ProtocolError(_other_version(version)) from None
             raise ProtocolError(f"malformed message: {e}") from None
         except RecursionError:
             raise ProtocolError("malformed message: nested too deeply") from None
@@ -164,10 +216,7 @@ class ServerConnection:
                 raise ProtocolError("hello twice in one session")
             if msg.version != m.PROTOCOL_VERSION:
                 self.state = State.FAILED
-                raise ProtocolError(
-                    f"the client speaks protocol version {msg.version}, this daemon {m.PROTOCOL_VERSION}; "
-                    "install the same damacy version on both sides"
-                )
+                raise ProtocolError(_other_version(msg.version))
             self.hello = msg
             self.state = State.HELLO_SENT
             return msg
@@ -185,13 +234,17 @@ class ServerConnection:
             raise ProtocolError(f"{type(msg).__name__.lower()} before the slots were attached")
         elif isinstance(msg, m.Bye):
             self.state = State.CLOSED
+        if isinstance(msg, m.Push):
+            self.spend(msg)  # refused whole when it asks for more than the credits left
         return msg
 
     def welcome(self, msg: m.Welcome) -> bytes:
         if self.state is not State.HELLO_SENT:
             raise ProtocolError(f"welcome in state {self.state.value}")
         self.state = State.WELCOMED
+        self.granted = msg.credits
         return m.encode(msg)
 
     def reply(self, msg: Any) -> bytes:
+        self.returned(msg)
         return m.encode(msg)

@@ -11,8 +11,10 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from damacy_protocol.config import Config
+
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -71,7 +73,7 @@ class Hello(_Msg, tag="hello"):
     version: int
     pid: int
     rank: int | None
-    config: dict[str, Any]
+    config: Config | None = None  # None: a control session (stats, warm), no pipeline
 
 
 class Attached(_Msg, tag="attached"):
@@ -130,12 +132,11 @@ class Welcome(_Msg, tag="welcome"):
     version: int
     session: str
     slots: list[SlotInfo]
-    credits: int
+    credits: int  # samples the client may have in the session at once (see connection.py)
 
 
 class Ack(_Msg, tag="ack"):
     reply_to: RequestId
-    credits: int
 
 
 class BatchReady(_Msg, tag="batch"):
@@ -147,7 +148,6 @@ class BatchReady(_Msg, tag="batch"):
     seqs: list[int]
     errors: list[WireError]  # samples filled instead of read (on_error="fill")
     skipped: list[WireError]  # samples dropped and replaced (on_error="skip")
-    credits: int
 
 
 class Consumed(_Msg, tag="consumed"):
@@ -161,7 +161,6 @@ class Consumed(_Msg, tag="consumed"):
 class Failed(_Msg, tag="failed"):
     reply_to: RequestId
     error: WireError
-    credits: int = 0
     consumed: list[int] = []  # samples used up by the failed batch (on_error="raise")
 
 
@@ -191,7 +190,6 @@ class Pong(_Msg, tag="pong"):
 
     reply_to: RequestId
     session: str
-    credits: int = 0
 
 
 class Goodbye(_Msg, tag="goodbye"):
@@ -224,6 +222,21 @@ class _RequestOnly(msgspec.Struct, forbid_unknown_fields=False):
 
 
 _id_decoder = msgspec.msgpack.Decoder(_RequestOnly)
+
+
+class _HelloVersion(msgspec.Struct, tag_field="type", tag="hello", forbid_unknown_fields=False):
+    version: int
+
+
+_hello_version_decoder = msgspec.msgpack.Decoder(_HelloVersion)
+
+
+def hello_version(data: bytes) -> int | None:
+    """The version of a hello that did not decode as a whole (an older or newer peer's)."""
+    try:
+        return _hello_version_decoder.decode(data).version
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
 
 
 def request_id(data: bytes) -> int | None:

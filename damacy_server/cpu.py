@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, SampleError
+from damacy_protocol.checks import Count, Size, check_fields
+from damacy_protocol.errors import SampleError
 from damacy_server import native
 from damacy_server.budget import MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
@@ -55,21 +56,15 @@ class CpuLimits:
     ``native``: decode zstd/raw chunks and copy boxes in C without the GIL where that applies
     (the results are the same as numpy's)."""
 
-    max_memory_bytes: int = 2 << 30
-    decode_workers: int | None = None
-    chunk_cache_bytes: int = 0
+    max_memory_bytes: Count = 2 << 30
+    decode_workers: Count | None = None
+    chunk_cache_bytes: Size = 0
     native: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_workers is None:
             object.__setattr__(self, "decode_workers", os.cpu_count() or 1)
-        for name in ("max_memory_bytes", "decode_workers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InvalidArgument(f"CpuLimits.{name} must be an integer >= 1, got {v!r}")
-        v = self.chunk_cache_bytes
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise InvalidArgument(f"CpuLimits.chunk_cache_bytes must be an integer >= 0, got {v!r}")
+        check_fields(self, {"max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool})
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import InvalidArgument, OutOfBounds, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_server.resolve import ZarrMetadata
@@ -39,14 +40,11 @@ class PlanLimits:
     """How reads are merged: byte ranges of one object closer than ``max_gap_bytes`` are read
     as one, up to ``max_read_bytes`` per read."""
 
-    max_gap_bytes: int = 64 << 10
-    max_read_bytes: int = 64 << 20
+    max_gap_bytes: Size = 64 << 10
+    max_read_bytes: Size = 64 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_gap_bytes", "max_read_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidArgument(f"PlanLimits.{name} must be an integer >= 0, got {v!r}")
+        check_fields(self, {"max_gap_bytes": Size, "max_read_bytes": Size})
 
 
 @dataclass(frozen=True)

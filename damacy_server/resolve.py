@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from damacy_protocol.checks import Size, checked
 from damacy_protocol.errors import DecodeError, InvalidArgument, SampleError
 from damacy_server.cache import LRUCache
 from damacy_server.store import Store, resolve_uri
@@ -25,9 +26,8 @@ class MetadataCache:
     """Bounded caches of parsed array metadata and of shard indexes."""
 
     def __init__(self, array_entries: int = 256, shard_index_entries: int = 8192) -> None:
-        for name, value in (("array_entries", array_entries), ("shard_index_entries", shard_index_entries)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidArgument(f"MetadataCache.{name} must be an integer >= 0, got {value!r}")
+        checked("MetadataCache", "array_entries", array_entries, Size)
+        checked("MetadataCache", "shard_index_entries", shard_index_entries, Size)
         self.arrays: LRUCache[ArrayMetadata] = LRUCache(array_entries)
         self.shard_indexes: LRUCache[tuple[np.ndarray, int]] = LRUCache(shard_index_entries)  # (table, shard bytes)
 

@@ -5,8 +5,9 @@ each message (:meth:`Session.handle`) and calls :meth:`Session.pump` whenever th
 engine reports a change (a batch assembled, a slot freed, a skipped sample to replace).
 Samples arrive numbered by the client (``seq``); they wait in the session's queue until a
 slot is free, and the client may have at most ``lookahead_samples`` of them in the session
-at once (its credits). Pops wait in order for their batch; slots are lent to the client
-until it releases them.
+at once (its credits, counted by the connection: a push beyond them never reaches the
+session). Pops wait in order for their batch; slots are lent to the client until it
+releases them.
 """
 
 from __future__ import annotations
@@ -93,11 +94,10 @@ class Session:
         self.delivered_samples = 0
         self.config: Config | None = None
         self.engine: BatchEngine | None = None  # a control session (the CLI) has none
-        config = dict(hello.config)
-        if config:
-            if config.get("device") is not None:
-                raise InvalidArgument(f"Config.device={config['device']}: this damacyd serves host memory only")
-            self.config = cfg = Config.from_dict(config)
+        if hello.config is not None:
+            self.config = cfg = hello.config
+            if cfg.device is not None:
+                raise InvalidArgument(f"Config.device={cfg.device}: this damacyd serves host memory only")
             limit = daemon.options.max_slots_per_session
             if cfg.prepared_batches > limit:
                 raise InvalidArgument(
@@ -130,18 +130,13 @@ class Session:
             credits=self.config.lookahead_samples,
         )
 
-    def credits(self) -> int:
-        if self.engine is None or self.closed:
-            return 0
-        return max(0, self.config.lookahead_samples - len(self.queue) - self.in_engine)
-
     # -- requests (on the loop thread) ----------------------------------------------------
     def handle(self, msg: Any) -> None:
         self.last_seen = time.monotonic()
         if isinstance(msg, m.Attached):
             for seg in self.slots.segments:
                 seg.unlink()  # the client has mapped them; nothing is left in /dev/shm
-            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+            self.reply(m.Ack(reply_to=msg.id))
         elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.engine is None:
             self.fail(msg.id, InvalidArgument("this session was opened without a Config: it has no pipeline"))
         elif isinstance(msg, m.Push):
@@ -155,13 +150,13 @@ class Session:
                 self.fail(msg.id, InvalidArgument(f"batch {msg.batch_id} is not held by this session"))
                 return
             slot.release()  # the engine hears of it, and the loop pumps this session
-            self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+            self.reply(m.Ack(reply_to=msg.id))
         elif isinstance(msg, m.Stats):
             self.reply(m.StatsReply(reply_to=msg.id, stats=self.daemon.stats(session=self)))
         elif isinstance(msg, m.Warm):
             self.daemon.start_warm(self, msg)
         elif isinstance(msg, m.Ping):
-            self.reply(m.Pong(reply_to=msg.id, credits=self.credits(), session=self.sid))
+            self.reply(m.Pong(reply_to=msg.id, session=self.sid))
         elif isinstance(msg, m.Bye):
             self.reply(m.Goodbye(reply_to=msg.id))
             self.daemon.end_session(self, "said bye")
@@ -169,16 +164,6 @@ class Session:
             self.fail(getattr(msg, "id", 0), ProtocolError(f"unexpected {type(msg).__name__}"))
 
     def _push(self, msg: m.Push) -> None:
-        credits = self.credits()
-        if len(msg.samples) > credits:  # the client pushes only what it holds credits for
-            self.fail(
-                msg.id,
-                ProtocolError(
-                    f"a push of {len(msg.samples)} samples exceeds the {credits} credits this session holds "
-                    f"(lookahead_samples={self.config.lookahead_samples})"
-                ),
-            )
-            return
         for w in msg.samples:
             sample = self.daemon.to_sample(w)
             self.seqs[id(sample)] = w.seq
@@ -188,7 +173,7 @@ class Session:
         self.final = msg.final
         if msg.final:
             self.final_at = self.pushes
-        self.reply(m.Ack(reply_to=msg.id, credits=self.credits()))
+        self.reply(m.Ack(reply_to=msg.id))
         self.pump()
 
     # -- the engine's side (on the loop thread) -------------------------------------------
@@ -222,7 +207,7 @@ class Session:
                 consumed, self.discarded = self.discarded, []
                 n = engine.delivered_ids
                 err = PipelineDrained(f"all {n} batches were delivered and the input is exhausted")
-                self.reply(m.Failed(reply_to=pop.id, error=error_to_wire(err), credits=self.credits(), consumed=consumed))
+                self.reply(m.Failed(reply_to=pop.id, error=error_to_wire(err), consumed=consumed))
             else:
                 return
 
@@ -257,7 +242,7 @@ class Session:
             first = err.batch_errors[0][0] if isinstance(err, SampleError) and err.batch_errors else None
             seq = self._seq(first) if first is not None else None
             consumed = [self._seq(s) for s in err.batch_samples] if isinstance(err, (SampleError, BatchFailed)) else []
-            return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), credits=self.credits(), consumed=consumed)
+            return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=consumed)
         self.lent[d.batch_id] = d.slot  # the engine's hold passes to the client until it releases
         self.delivered_batches += 1
         self.delivered_samples += len(d.samples)
@@ -272,7 +257,6 @@ class Session:
             seqs=[self._seq(s) for s in d.samples],
             errors=errors,
             skipped=skipped,
-            credits=self.credits(),
         )
 
     def _seq(self, sample: Any) -> int:
@@ -282,7 +266,7 @@ class Session:
         self.daemon.post(self.identity, self.conn.reply(msg))
 
     def fail(self, reply_to: int, err: BaseException) -> None:
-        self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err), credits=self.credits()))
+        self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err)))
 
     # -- liveness and end ---------------------------------------------------------------
     def dead(self, now: float, timeout: float) -> str | None:

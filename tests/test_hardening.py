@@ -322,8 +322,8 @@ class Raw:
             if reply.reply_to == rid and not isinstance(reply, (m.WarmProgress, m.Consumed)):
                 return reply
 
-    def hello(self, config: dict | None = None):
-        welcome = self.call(lambda i: m.Hello(id=i, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=config or {}))
+    def hello(self, config: damacy.Config | None = None):
+        welcome = self.call(lambda i: m.Hello(id=i, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=config))
         assert isinstance(welcome, m.Welcome), welcome
         assert isinstance(self.call(lambda i: m.Attached(id=i)), m.Ack)
         return welcome
@@ -467,7 +467,7 @@ def test_pushes_beyond_the_credits_granted_are_refused(served, fresh):
     raw = Raw(served.endpoint)
     try:
         cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, lookahead_samples=4)
-        welcome = raw.hello(cfg.to_dict())
+        welcome = raw.hello(cfg)
         assert welcome.credits == 4
         wire = [m.WireSample(seq=i, uri=str(root / "vol.zarr"), box=[(0, 8), (0, 12), (0, 10)]) for i in range(5)]
         reply = raw.call(lambda i: m.Push(id=i, samples=wire))

@@ -6,14 +6,16 @@ import msgspec
 import pytest
 
 from damacy_protocol import messages as m
+from damacy_protocol.config import Config
 from damacy_protocol.connection import ClientConnection, ServerConnection, State, error_from_wire, error_to_wire
 from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError, UnexpectedReply, UnknownSession
 
 
 def handshake():
     client, server = ClientConnection(), ServerConnection()
-    hello = server.receive(client.hello(pid=123, rank=0, config={"samples_per_batch": 2}))
+    hello = server.receive(client.hello(pid=123, rank=0, config=Config(samples_per_batch=2, sample_shape=(4,))))
     assert isinstance(hello, m.Hello) and hello.version == m.PROTOCOL_VERSION and hello.pid == 123
+    assert hello.config == Config(samples_per_batch=2, sample_shape=(4,))
     data = server.welcome(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION, session="s", slots=[m.SlotInfo("damacy-1-a-0", 64)], credits=4))
     welcome = client.receive(data)
     assert isinstance(welcome, m.Welcome) and client.state is State.WELCOMED
@@ -28,7 +30,7 @@ def test_handshake_and_round_trip():
     push = m.Push(id=client.new_id(), samples=[m.WireSample(seq=0, uri="/a", box=[(0, 4), (None, 8)]), m.WireSample(seq=1, uri="/b", index=[m.WireAxis(indices=[3, 1, 1]), m.WireAxis(start=0, stop=4)])], final=True)
     got = server.receive(client.send(push))
     assert got == push
-    reply = client.receive(server.reply(m.Ack(reply_to=push.id, credits=2)))
+    reply = client.receive(server.reply(m.Ack(reply_to=push.id)))
     assert isinstance(reply, m.Ack) and push.id not in client.pending
 
 
@@ -39,7 +41,7 @@ def test_requests_before_the_handshake_are_refused():
     with pytest.raises(UnknownSession, match="before hello"):
         server.receive(m.encode(m.Pop(id=1)))
     assert isinstance(server.receive(m.encode(m.Ping(id=7))), m.Ping)  # a probe needs no session
-    server.receive(client.hello(1, None, {}))
+    server.receive(client.hello(1, None, None))
     with pytest.raises(ProtocolError, match="before the slots were attached"):
         server.receive(m.encode(m.Pop(id=5)))
 
@@ -53,7 +55,7 @@ def test_version_mismatch_is_a_clear_error_on_both_sides(side):
             server.receive(bad)
         assert server.state is State.FAILED
     else:
-        hello = server.receive(client.hello(1, None, {}))
+        hello = server.receive(client.hello(1, None, None))
         data = m.encode(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION + 1, session="s", slots=[], credits=0))
         with pytest.raises(ProtocolError, match=f"daemon speaks protocol version {m.PROTOCOL_VERSION + 1}"):
             client.receive(data)
@@ -81,13 +83,63 @@ def test_malformed_messages_name_what_is_wrong(payload, words):
 def test_replies_must_answer_a_pending_request():
     client, server = handshake()
     with pytest.raises(UnexpectedReply, match="not pending"):
-        client.receive(m.encode(m.Ack(reply_to=999, credits=0)))
+        client.receive(m.encode(m.Ack(reply_to=999)))
     pop = m.Pop(id=client.new_id())
     client.send(pop)
     progress = client.receive(m.encode(m.Consumed(reply_to=pop.id, seqs=[3])))
     assert isinstance(progress, m.Consumed) and pop.id in client.pending  # progress keeps it pending
     client.receive(m.encode(m.Failed(reply_to=pop.id, error=error_to_wire(PipelineDrained("done")))))
     assert pop.id not in client.pending
+
+
+def test_an_older_peers_hello_gets_the_version_error_not_a_schema_error():
+    # version 2 sent the config as a plain dict ({} for a control session)
+    old = msgspec.msgpack.encode({"type": "hello", "id": 1, "version": 2, "pid": 1, "rank": None, "config": {}})
+    server = ServerConnection()
+    with pytest.raises(ProtocolError, match="client speaks protocol version 2, this daemon"):
+        server.receive(old)
+    assert server.state is State.FAILED
+    bad = msgspec.msgpack.encode({"type": "hello", "id": 1, "version": m.PROTOCOL_VERSION, "pid": 1, "rank": None, "config": {"samples_per_batch": 0, "sample_shape": [4]}})
+    with pytest.raises(ProtocolError, match=r">= 1 - at `\$\.config\.samples_per_batch`"):
+        ServerConnection().receive(bad)
+
+
+def _push(client, seqs):
+    return m.Push(id=client.new_id(), samples=[m.WireSample(seq=s, uri="/a", box=[(0, 4)]) for s in seqs])
+
+
+def test_credits_are_counted_alike_on_both_sides():
+    client, server = handshake()  # 4 credits
+    assert client.credits == server.credits == 4
+    first = _push(client, [0, 1, 2])
+    server.receive(client.send(first))
+    assert client.credits == server.credits == 1
+    with pytest.raises(ProtocolError, match="a push of 2 samples exceeds the 1 credits"):
+        client.send(_push(client, [3, 4]))  # the client refuses to send it
+    assert client.credits == 1
+    server.receive(client.send(_push(client, [3])))
+    assert client.credits == server.credits == 0
+    pops = [m.Pop(id=client.new_id()) for _ in range(3)]
+    for pop in pops:
+        server.receive(client.send(pop))
+    # a delivered batch, dropped samples and a failed batch each return what they name
+    client.receive(server.reply(m.BatchReady(reply_to=pops[0].id, batch_id=0, slot=0, count=2, dtype="float32", seqs=[0, 1], errors=[], skipped=[])))
+    assert client.credits == server.credits == 2
+    client.receive(server.reply(m.Consumed(reply_to=pops[1].id, seqs=[2])))
+    assert client.credits == server.credits == 3
+    client.receive(server.reply(m.Failed(reply_to=pops[1].id, error=error_to_wire(DecodeError("bad")), consumed=[3])))
+    assert client.credits == server.credits == 4
+    client.receive(server.reply(m.Failed(reply_to=pops[2].id, error=error_to_wire(PipelineDrained("done")))))
+    assert client.credits == server.credits == 4
+
+
+def test_the_daemon_refuses_a_push_beyond_the_credits_and_goes_on():
+    client, server = handshake()
+    greedy = _push(client, range(5))  # sent around the client's own check
+    with pytest.raises(ProtocolError, match="a push of 5 samples exceeds the 4 credits"):
+        server.receive(m.encode(greedy))
+    assert server.state is State.READY and server.credits == 4
+    assert isinstance(server.receive(client.send(_push(client, range(4)))), m.Push) and server.credits == 0
 
 
 def test_nothing_after_bye():

@@ -26,6 +26,7 @@ import os
 import stat
 from collections.abc import Sequence
 
+from damacy_protocol.checks import Count, checked
 from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server.store.base import ByteRange, Store
 
@@ -290,8 +291,7 @@ class FileReader(FileStore):
 
     def __init__(self, workers: int = 8, max_inflight_reads: int = 4096, roots: list[str] | None = None) -> None:
         super().__init__(roots)
-        for name, v in (("workers", workers), ("max_inflight_reads", max_inflight_reads)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InvalidArgument(f"FileReader.{name} must be an integer >= 1, got {v!r}")
+        checked("FileReader", "workers", workers, Count)
+        checked("FileReader", "max_inflight_reads", max_inflight_reads, Count)
         self.workers = workers
         self.max_inflight_reads = max_inflight_reads
