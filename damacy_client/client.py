@@ -13,9 +13,8 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -28,8 +27,9 @@ from damacy_protocol.connection import error_from_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_runtime import front
 from damacy_runtime.api import PipelineAPI
-from damacy_runtime.batch import Batch, BatchInfo, Slot
+from damacy_runtime.batch import Batch, Slot
 
 log = logging.getLogger("damacy")
 
@@ -72,7 +72,7 @@ class RemotePipeline(PipelineAPI):
             self._conn.close()
             raise
         self._cond = threading.Condition()
-        self._sources: deque[Iterator[Any]] = deque()
+        self._sources = front.Sources(self._cond)
         self._samples: dict[int, Any] = {}  # seq -> sample, for samples not yet delivered
         self._skipped: dict[int, Any] = {}  # seq -> sample dropped by the daemon, until reported
         self._seq = itertools.count()
@@ -94,11 +94,10 @@ class RemotePipeline(PipelineAPI):
 
     # -- input --------------------------------------------------------------------
     def push(self, samples: Iterable[Any]) -> None:
-        if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
-            raise InvalidArgument(f"push takes an iterable of samples, got {type(samples).__name__}")
+        front.Sources.check(samples)
         self._check()
         with self._cond:
-            self._sources.append(iter(samples))
+            self._sources.add(samples)
             self._pushed = True
             self._push_epoch += 1
             self._final_sent = False
@@ -117,33 +116,13 @@ class RemotePipeline(PipelineAPI):
                 if self._closed:
                     return
                 room = self._conn.credits
-            batch: list[m.WireSample] = []
-            while len(batch) < min(room, PUSH_CHUNK):
-                with self._cond:
-                    source = self._sources[0] if self._sources else None
-                if source is None:
-                    break
-                try:
-                    sample = next(source)
-                except StopIteration:
-                    with self._cond:
-                        if self._sources and self._sources[0] is source:
-                            self._sources.popleft()
-                    continue
-                except BaseException as e:  # the caller's generator failed: raised at a later pop
-                    with self._cond:
-                        if self._sources and self._sources[0] is source:
-                            self._sources.popleft()
-                        self._source_errors.append((batch[-1].seq if batch else self._last_seq, e))
-                    break
-                try:
-                    wire = to_wire(next(self._seq), sample)
-                except InvalidArgument as e:
-                    with self._cond:
-                        self._source_errors.append((batch[-1].seq if batch else self._last_seq, e))
-                    break
-                self._samples[wire.seq] = sample
-                batch.append(wire)
+            pulled, error = self._sources.pull(min(room, PUSH_CHUNK), lambda: self._closed, self._numbered)
+            batch = [wire for wire, _ in pulled]
+            with self._cond:
+                for wire, sample in pulled:
+                    self._samples[wire.seq] = sample
+                if error is not None:  # raised by the pop after the samples pulled before it
+                    self._source_errors.append((batch[-1].seq if batch else self._last_seq, error))
             if self._closed:
                 return
             with self._cond:  # counted, flagged and queued together, so a pop never misses it
@@ -161,6 +140,9 @@ class RemotePipeline(PipelineAPI):
                     if final:
                         self._final_sent = True
                 self._cond.notify_all()
+
+    def _numbered(self, sample: Any) -> tuple[m.WireSample, Any]:
+        return to_wire(next(self._seq), sample), sample
 
     # -- output -------------------------------------------------------------------
     def _check(self) -> None:
@@ -200,7 +182,7 @@ class RemotePipeline(PipelineAPI):
             raise PipelineDrained("nothing was pushed")
         if timeout is None:
             timeout = self.config.pop_timeout_s
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = front.deadline(timeout)
         with self._cond:
             error = self._due_source_error()
         if error is not None:
@@ -209,8 +191,7 @@ class RemotePipeline(PipelineAPI):
             call, self._next_call = self._next_call, None
             if call is None:
                 call = self._request_pop()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not call.event.wait(left):
+            if not call.event.wait(front.time_left(deadline)):
                 self._next_call = call  # its answer will serve the next pop
                 raise TimeoutError(self._waiting_for(timeout))
             if call.error is not None:
@@ -239,17 +220,16 @@ class RemotePipeline(PipelineAPI):
         return batch
 
     def _waiting_for(self, timeout: float) -> str:
-        what = f"no batch {self._next_batch} within {timeout}s"
+        slots = self.config.prepared_batches
         with self._cond:
             held = self._held
             if self._sources and self._conn.outstanding == 0:
-                return f"{what}: waiting for the pushed iterable to yield samples"
-        if held >= self.config.prepared_batches:
-            return (
-                f"{what}: all {self.config.prepared_batches} batch slots are held by batches "
-                "(or arrays exported from them) that were not released"
-            )
-        return f"{what}: its reads and decodes are still running in damacyd"
+                why = front.WAITING_FOR_INPUT
+            elif held >= slots:
+                why = front.SLOTS_HELD
+            else:
+                why = front.WORKING
+        return front.timeout_message(self._next_batch, timeout, why, slots, where=" in damacyd")
 
     def _consumed(self, msg: m.Consumed) -> None:
         """The daemon dropped samples (skipped): they free room for new ones."""
@@ -279,15 +259,7 @@ class RemotePipeline(PipelineAPI):
             skipped = tuple((self._skipped.pop(w.seq, None), error_from_wire(w)) for w in r.skipped)
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
-        info = BatchInfo(
-            shape=(r.count, *self.config.sample_shape),
-            dtype=self.config.dtype if self.config.dtype != "native" else dtype.name,
-            device="cpu",
-            batch_id=r.batch_id,
-            samples=samples,
-            errors=errors,
-            skipped=skipped,
-        )
+        info = front.batch_info(self.config, r.count, dtype.name, r.batch_id, samples, errors, skipped)
         with self._cond:
             self._held += 1
         slot = Slot(full, lambda _slot, bid=r.batch_id: self._release(bid), index=r.slot)

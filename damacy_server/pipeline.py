@@ -10,20 +10,18 @@ sample is handled per ``on_error`` and never stops the stream.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, SampleError
+from damacy_runtime import front
 from damacy_runtime.api import PipelineAPI
-from damacy_runtime.batch import Batch, BatchInfo
+from damacy_runtime.batch import Batch
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.engine import BatchEngine, Delivery, OutputSpec, Patch, SlotMemory
 from damacy_server.plan import BatchSpec, ChunkPlanner, PlanLimits
@@ -130,7 +128,7 @@ class Pipeline(PipelineAPI):
             what=f"{config.prepared_batches} batch slots of {config.samples_per_batch} x {config.sample_shape} {config.dtype}",
         )
         self._cond = self.engine.cond  # one lock for the engine and this front end
-        self._sources: deque[Iterator[Any]] = deque()
+        self._sources = front.Sources(self._cond)
         self._pushed = False
         self._pulling = False
         self._outstanding = 0  # samples pulled and not yet popped
@@ -146,12 +144,11 @@ class Pipeline(PipelineAPI):
     def push(self, samples: Iterable[Any]) -> None:
         """Queue samples (``Sample``/``IndexQuery``; any iterable, infinite generators included).
         They are pulled lazily, as room frees up, in the order pushed."""
-        if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
-            raise InvalidArgument(f"push takes an iterable of samples, got {type(samples).__name__}")
+        front.Sources.check(samples)
         with self._cond:
             if self._closed:
                 raise InvalidArgument("push on a closed pipeline")
-            self._sources.append(iter(samples))
+            self._sources.add(samples)
             self._pushed = True
             if self._feeder is None:
                 self._feeder = threading.Thread(target=self._feed, name="damacy-feeder", daemon=True)
@@ -160,25 +157,9 @@ class Pipeline(PipelineAPI):
 
     def _pull(self, n: int) -> tuple[list[Any], BaseException | None]:
         """Up to ``n`` samples from the sources (runs the caller's generators, in this thread)."""
-        out: list[Any] = []
-        while len(out) < n and not self._closed:
-            with self._cond:
-                if not self._sources:
-                    break
-                source = self._sources[0]
-            try:
-                out.append(next(source))
-                self._pulled += 1
-            except StopIteration:
-                with self._cond:
-                    if self._sources and self._sources[0] is source:
-                        self._sources.popleft()
-            except BaseException as e:  # the caller's generator failed: deliver it at pop
-                with self._cond:
-                    if self._sources and self._sources[0] is source:
-                        self._sources.popleft()
-                return out, e
-        return out, None
+        out, error = self._sources.pull(n, lambda: self._closed)
+        self._pulled += len(out)
+        return out, error
 
     # -- the feeder thread --------------------------------------------------------
     def _feed(self) -> None:
@@ -256,7 +237,7 @@ class Pipeline(PipelineAPI):
         """
         if timeout is None:
             timeout = self.config.pop_timeout_s
-        deadline = None if timeout is None or timeout == math.inf else time.monotonic() + timeout
+        deadline = front.deadline(timeout)
         with self._cond:
             while True:
                 if self._failure is not None:
@@ -272,7 +253,7 @@ class Pipeline(PipelineAPI):
                     raise PipelineDrained("nothing was pushed")
                 if self._drained():
                     raise PipelineDrained(f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted")
-                left = None if deadline is None else deadline - time.monotonic()
+                left = front.time_left(deadline)
                 if left is not None and left <= 0:
                     raise TimeoutError(self._waiting_for(timeout))
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
@@ -286,14 +267,8 @@ class Pipeline(PipelineAPI):
 
     def _batch(self, delivery: Delivery) -> Batch:
         slot, dtype = delivery.slot, delivery.dtype
-        info = BatchInfo(
-            shape=(len(delivery.samples), *self.config.sample_shape),
-            dtype=self.config.dtype if self._dtype is not None else dtype.name,
-            device="cpu",
-            batch_id=delivery.batch_id,
-            samples=tuple(delivery.samples),
-            errors=tuple(delivery.errors),
-            skipped=tuple(delivery.skipped),
+        info = front.batch_info(
+            self.config, len(delivery.samples), dtype.name, delivery.batch_id, delivery.samples, delivery.errors, delivery.skipped
         )
         batch = Batch(slot, info, dtype, self.engine.slot_view(slot, dtype))
         slot.release()  # the engine's hold; the batch holds its own
@@ -301,16 +276,15 @@ class Pipeline(PipelineAPI):
 
     def _waiting_for(self, timeout: float) -> str:
         engine = self.engine
-        what = f"batch {engine.delivered_ids}"
         nothing_started = engine.delivered_ids >= engine.started_ids
-        if not engine._free and nothing_started and not self._pulling:
-            return (
-                f"no {what} within {timeout}s: all {engine.slot_count} batch slots are held by batches "
-                "(or arrays exported from them) that were not released"
-            )
-        if self._pulling or (self._sources and nothing_started):
-            return f"no {what} within {timeout}s: waiting for the pushed iterable to yield samples"
-        return f"no {what} within {timeout}s: its reads and decodes are still running ({engine.slot_count - len(engine._free)} slots in use)"
+        free = engine.free_slots()
+        if not free and nothing_started and not self._pulling:
+            why = front.SLOTS_HELD
+        elif self._pulling or (self._sources and nothing_started):
+            why = front.WAITING_FOR_INPUT
+        else:
+            why = front.WORKING
+        return front.timeout_message(engine.delivered_ids, timeout, why, engine.slot_count, engine.slot_count - free)
 
     @property
     def closed(self) -> bool:
