@@ -1,8 +1,10 @@
 """The protocol as state machines, without I/O (in the manner of h11).
 
 :class:`ClientConnection` and :class:`ServerConnection` turn messages into bytes and bytes
-into messages, and check that each side keeps the contract: the version handshake comes
-first, every reply answers an outstanding request, nothing follows ``bye``, and the client
+into messages, and check that each side keeps the contract: one transition table
+(:data:`ALLOWED`, :data:`NEXT`) says which requests each session state admits and where
+they lead (the version handshake first, pushes and pops only once the slots are attached,
+nothing but pings after ``bye``); every reply answers an outstanding request; the client
 pushes only samples it holds credits for. Transport (ZeroMQ) and threads live elsewhere;
 these classes are tested on their own.
 
@@ -80,6 +82,46 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+# The session's transition table: the requests a client may send in each state, and the
+# state a request moves the session to (both sides apply the same table; Hello and Welcome
+# are the handshake, a version mismatch fails the session).
+_ANYTIME = frozenset({m.Ping, m.Stats, m.Warm, m.Bye})
+ALLOWED: dict[State, frozenset[type]] = {
+    State.NEW: frozenset({m.Hello, m.Ping}),
+    State.HELLO_SENT: _ANYTIME,
+    State.WELCOMED: _ANYTIME | {m.Attached},
+    State.READY: _ANYTIME | {m.Push, m.Pop, m.Release},
+    State.CLOSED: frozenset({m.Ping}),
+    State.FAILED: frozenset({m.Ping}),
+}
+NEXT: dict[tuple[State, type], State] = {
+    (State.NEW, m.Hello): State.HELLO_SENT,
+    (State.WELCOMED, m.Attached): State.READY,
+    **{(s, m.Bye): State.CLOSED for s in (State.HELLO_SENT, State.WELCOMED, State.READY)},
+}
+
+
+def _refused(state: State, msg: Any) -> ProtocolError:
+    """Why ``msg`` may not come in ``state`` (a request outside the table)."""
+    name = type(msg).__name__.lower()
+    if isinstance(msg, m.Hello):
+        return ProtocolError("hello twice in one session")
+    if state is State.NEW:
+        return UnknownSession(f"{name} before hello (unknown session: start a new Pipeline)")
+    if state in (State.CLOSED, State.FAILED):
+        return ProtocolError(f"{name} after the session ended")
+    if isinstance(msg, m.Attached):
+        return ProtocolError("attached before welcome" if state is State.HELLO_SENT else "attached twice")
+    return ProtocolError(f"{name} before the slots were attached")
+
+
+def _advance(state: State, msg: Any) -> State:
+    """The state after request ``msg`` (ProtocolError when the table does not allow it)."""
+    if type(msg) not in ALLOWED[state]:
+        raise _refused(state, msg)
+    return NEXT.get((state, type(msg)), state)
+
+
 class _Credits:
     """The samples a session may hold, counted the same way on both sides."""
 
@@ -137,19 +179,14 @@ class ClientConnection(_Credits):
         """Encode a request (not ``Hello``) built with :meth:`new_id`."""
         if isinstance(msg, m.Hello):
             raise ProtocolError("use hello() for the handshake")
-        if isinstance(msg, m.Attached):
-            if self.state is not State.WELCOMED:
-                raise ProtocolError(f"attached in state {self.state.value}")
-            self.state = State.READY
-        elif isinstance(msg, m.Ping):
-            if self.state in (State.NEW, State.CLOSED):
-                raise ProtocolError(f"ping in state {self.state.value}")
-        elif self.state is not State.READY:
+        if self.state is State.NEW or (self.state is not State.READY and isinstance(msg, (m.Push, m.Pop, m.Release))):
             raise ProtocolError(f"{type(msg).__name__.lower()} before the session is ready (state {self.state.value})")
+        if isinstance(msg, m.Ping) and self.state is State.CLOSED:
+            raise ProtocolError("ping in state closed")
+        state = _advance(self.state, msg)
         if isinstance(msg, m.Push):
             self.spend(msg)
-        elif isinstance(msg, m.Bye):
-            self.state = State.CLOSED
+        self.state = state
         return self._send(msg)
 
     def receive(self, data: bytes) -> m.DaemonMessage:
@@ -211,31 +248,15 @@ class ServerConnection(_Credits):
             raise ProtocolError(f"malformed message: {e}") from None
         except RecursionError:
             raise ProtocolError("malformed message: nested too deeply") from None
+        state = _advance(self.state, msg)  # a liveness probe needs no session: Ping always passes
         if isinstance(msg, m.Hello):
-            if self.state is not State.NEW:
-                raise ProtocolError("hello twice in one session")
             if msg.version != m.PROTOCOL_VERSION:
                 self.state = State.FAILED
                 raise ProtocolError(_other_version(msg.version))
             self.hello = msg
-            self.state = State.HELLO_SENT
-            return msg
-        if isinstance(msg, m.Ping) and self.state in (State.NEW, State.CLOSED, State.FAILED):
-            return msg  # a liveness probe needs no session
-        if self.state is State.NEW:
-            raise UnknownSession(f"{type(msg).__name__.lower()} before hello (unknown session: start a new Pipeline)")
-        if self.state in (State.CLOSED, State.FAILED):
-            raise ProtocolError(f"{type(msg).__name__.lower()} after the session ended")
-        if isinstance(msg, m.Attached):
-            if self.state is not State.WELCOMED:
-                raise ProtocolError("attached before welcome")
-            self.state = State.READY
-        elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.state is not State.READY:
-            raise ProtocolError(f"{type(msg).__name__.lower()} before the slots were attached")
-        elif isinstance(msg, m.Bye):
-            self.state = State.CLOSED
-        if isinstance(msg, m.Push):
+        elif isinstance(msg, m.Push):
             self.spend(msg)  # refused whole when it asks for more than the credits left
+        self.state = state
         return msg
 
     def welcome(self, msg: m.Welcome) -> bytes:

@@ -7,7 +7,7 @@ import pytest
 
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
-from damacy_protocol.connection import ClientConnection, ServerConnection, State, error_from_wire, error_to_wire
+from damacy_protocol.connection import ALLOWED, NEXT, ClientConnection, ServerConnection, State, error_from_wire, error_to_wire
 from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError, UnexpectedReply, UnknownSession
 
 
@@ -159,3 +159,48 @@ def test_errors_travel_as_data():
     assert type(back) is DecodeError and str(back) == str(err) and wire.seq == 5
     assert type(error_from_wire(error_to_wire(TimeoutError("late")))) is TimeoutError
     assert type(error_from_wire(m.WireError(kind="SomethingNew", reason="x"))).__name__ == "SampleError"
+
+
+REQUESTS = {
+    m.Hello: m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=1, rank=None),
+    m.Attached: m.Attached(id=2),
+    m.Push: m.Push(id=3, samples=[m.WireSample(seq=0, uri="/a", box=[(0, 1)])]),
+    m.Pop: m.Pop(id=4),
+    m.Release: m.Release(id=5, batch_id=0),
+    m.Stats: m.Stats(id=6),
+    m.Warm: m.Warm(id=7, uris=[]),
+    m.Ping: m.Ping(id=8),
+    m.Bye: m.Bye(id=9),
+}
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_the_daemon_follows_the_transition_table(state):
+    assert set(REQUESTS) == set().union(*ALLOWED.values())
+    for kind, msg in REQUESTS.items():
+        server = ServerConnection()
+        server.state, server.granted = state, 8
+        if kind in ALLOWED[state]:
+            assert server.receive(m.encode(msg)) == msg
+            assert server.state is NEXT.get((state, kind), state), (state, kind)
+        else:
+            with pytest.raises(ProtocolError):
+                server.receive(m.encode(msg))
+            assert server.state is state, (state, kind)  # a refused request changes nothing
+
+
+@pytest.mark.parametrize("state", [s for s in State if s is not State.NEW])
+def test_the_client_sends_only_what_the_table_allows(state):
+    for kind, msg in REQUESTS.items():
+        if kind is m.Hello:
+            continue
+        client = ClientConnection()
+        client.state, client.granted = state, 8
+        ok = kind in ALLOWED[state] and not (state is State.CLOSED and kind is m.Ping)
+        if ok:
+            client.send(msg)
+            assert client.state is NEXT.get((state, kind), state), (state, kind)
+        else:
+            with pytest.raises(ProtocolError):
+                client.send(msg)
+            assert client.state is state
