@@ -222,7 +222,7 @@ def _daemon_cache(endpoint: str) -> tuple[int, int]:
     conn = Connection(endpoint)
     try:
         conn.call(lambda i: m.Attached(id=i), 30.0, "attach")
-        cc = conn.call(lambda i: m.Stats(id=i), 30.0, "stats").stats["chunk_cache"] or {}
+        cc = conn.call(lambda i: m.Stats(id=i), 30.0, "stats").stats.chunk_cache
     finally:
         conn.close()
-    return cc.get("hits", 0), cc.get("misses", 0)
+    return (cc.hits, cc.misses) if cc is not None else (0, 0)

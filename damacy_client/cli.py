@@ -9,6 +9,7 @@ import time
 import click
 
 from damacy_protocol import messages as m
+from damacy_protocol.stats import as_dict
 from damacy_protocol.connection import error_from_wire
 from damacy_protocol.errors import DaemonUnavailable, DamacyError
 
@@ -131,7 +132,7 @@ def stats(endpoint, as_json, watch, interval):
     try:
         while True:
             try:
-                data = conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats
+                data = as_dict(conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats)
             except DamacyError as e:
                 click.echo(f"damacy: {e}", err=True)
                 sys.exit(1)

@@ -22,6 +22,7 @@ import numpy as np
 from damacy_client.shm import map_segment
 from damacy_client.transport import Connection, Call
 from damacy_protocol import messages as m
+from damacy_protocol.stats import as_dict
 from damacy_protocol.config import Config
 from damacy_protocol.connection import error_from_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
@@ -285,7 +286,7 @@ class RemotePipeline(PipelineAPI):
         """The daemon's figures (stages, caches, memory, sessions) with this session's
         counters (batches, samples, sample_errors, samples_pulled) at the top level."""
         self._check()
-        data = self._conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats
+        data = as_dict(self._conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats)
         mine = data.get("session", {})
         for key in ("batches", "samples", "sample_errors", "samples_pulled"):
             if key in mine:

@@ -7,11 +7,12 @@ them fails to decode with an error naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Union
 
 import msgspec
 
 from damacy_protocol.config import Config
+from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
 PROTOCOL_VERSION = 3
@@ -166,7 +167,7 @@ class Failed(_Msg, tag="failed"):
 
 class StatsReply(_Msg, tag="stats_reply"):
     reply_to: RequestId
-    stats: dict[str, Any]
+    stats: DaemonStats
 
 
 class WarmProgress(_Msg, tag="warm_progress"):

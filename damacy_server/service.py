@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from damacy_protocol import messages as m
+from damacy_protocol import stats as st
 from damacy_protocol.connection import ServerConnection, State, error_to_wire
 from damacy_protocol.errors import (
     BudgetExceeded,
@@ -412,30 +413,29 @@ class Daemon:
 
         threading.Thread(target=run, name=f"damacyd-warm-{session.sid}", daemon=True).start()
 
-    def stats(self, session: Session | None = None) -> dict[str, Any]:
+    def stats(self, session: Session | None = None) -> st.DaemonStats:
         ex = self.executor
-        out = {
-            "daemon": {
-                "pid": os.getpid(),
-                "endpoint": self.endpoint,
-                "uptime_s": time.time() - self.started,
-                "allow_roots": self.roots,
-                "messages": self.received,
-                "malformed_messages": self.malformed,
-            },
-            "stages": ex.stats.snapshot(),
-            "cache": self.metadata.cache.stats(),
-            "chunk_cache": ex.chunk_cache.stats() if ex.chunk_cache is not None else None,
-            "memory": {
-                "budget_bytes": ex.budget.total,
-                "slot_bytes": ex.budget.total - ex.inflight_capacity,
-                "in_use_bytes": ex.budget.used,
-                "peak_bytes": ex.budget.peak,
-                "chunk_cache_bytes": ex.chunk_cache.nbytes if ex.chunk_cache is not None else 0,
-                "retiring_slot_bytes": self.retiring_bytes(),
-            },
-            "sessions": [s.describe() for s in self._session_list()],
-        }
-        if session is not None:
-            out["session"] = session.describe()
-        return out
+        cache = self.metadata.cache.stats()
+        return st.DaemonStats(
+            daemon=st.DaemonFigures(
+                pid=os.getpid(),
+                endpoint=self.endpoint,
+                uptime_s=time.time() - self.started,
+                allow_roots=list(self.roots),
+                messages=self.received,
+                malformed_messages=self.malformed,
+            ),
+            stages={name: st.StageFigures(**d) for name, d in ex.stats.snapshot().items()},
+            cache=st.MetadataCacheFigures(st.CacheFigures(**cache["arrays"]), st.CacheFigures(**cache["shard_indexes"])),
+            chunk_cache=st.CacheFigures(**ex.chunk_cache.stats()) if ex.chunk_cache is not None else None,
+            memory=st.MemoryFigures(
+                budget_bytes=ex.budget.total,
+                slot_bytes=ex.budget.total - ex.inflight_capacity,
+                in_use_bytes=ex.budget.used,
+                peak_bytes=ex.budget.peak,
+                chunk_cache_bytes=ex.chunk_cache.nbytes if ex.chunk_cache is not None else 0,
+                retiring_slot_bytes=self.retiring_bytes(),
+            ),
+            sessions=[s.describe() for s in self._session_list()],
+            session=session.describe() if session is not None else None,
+        )

@@ -25,6 +25,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection, error_to_wire
 from damacy_protocol.dtypes import numpy_dtype
+from damacy_protocol.stats import SessionFigures
 from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
 from damacy_runtime.batch import Slot
 from damacy_server.engine import BatchEngine, Delivery, OutputSpec, Patch, SlotMemory
@@ -292,20 +293,20 @@ class Session:
         self.seqs.clear()
         self.patch = None
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> SessionFigures:
         if self.config is None:
-            return {"session": self.sid, "pid": self.pid, "rank": self.rank, "control": True}
-        return {
-            "session": self.sid,
-            "pid": self.pid,
-            "rank": self.rank,
-            "batches": self.delivered_batches,
-            "samples": self.delivered_samples,
-            "sample_errors": self.engine.sample_errors,
-            "samples_pulled": self.pushed,
-            "held_batches": len(self.lent),
-            "slot_bytes": self.engine.slot_bytes,
-            "samples_per_batch": self.config.samples_per_batch,
-            "sample_shape": list(self.config.sample_shape),
-            "dtype": self.config.dtype,
-        }
+            return SessionFigures(session=self.sid, pid=self.pid, rank=self.rank, control=True)
+        return SessionFigures(
+            session=self.sid,
+            pid=self.pid,
+            rank=self.rank,
+            batches=self.delivered_batches,
+            samples=self.delivered_samples,
+            sample_errors=self.engine.sample_errors,
+            samples_pulled=self.pushed,
+            held_batches=len(self.lent),
+            slot_bytes=self.engine.slot_bytes,
+            samples_per_batch=self.config.samples_per_batch,
+            sample_shape=list(self.config.sample_shape),
+            dtype=self.config.dtype,
+        )

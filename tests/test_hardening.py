@@ -31,6 +31,7 @@ from zarr.codecs import BytesCodec, ShardingCodec
 import damacy
 from damacy_client.transport import Connection
 from damacy_protocol import messages as m
+from damacy_protocol.stats import as_dict
 
 SHAPE = (32, 48, 40)
 BOX = (8, 12, 10)
@@ -49,7 +50,7 @@ def control(endpoint: str) -> Connection:
 def daemon_stats(endpoint: str) -> dict:
     conn = control(endpoint)
     try:
-        return conn.call(lambda i: m.Stats(id=i), 30.0, "stats").stats
+        return as_dict(conn.call(lambda i: m.Stats(id=i), 30.0, "stats").stats)
     finally:
         conn.close()
 
@@ -496,7 +497,7 @@ def test_a_flooding_client_does_not_hold_up_another_clients_answers(served):
         second = other.call(lambda i: m.Stats(id=i), timeout_s=120)
         assert isinstance(second, m.StatsReply), second
         # answered between the flood's messages, not after all of them
-        assert second.stats["daemon"]["messages"] < flood_size, (first.stats["daemon"], second.stats["daemon"])
+        assert second.stats.daemon.messages < flood_size, (first.stats.daemon, second.stats.daemon)
     finally:
         flood.close()
         other.close()

@@ -1,0 +1,88 @@
+"""The daemon's figures as typed values: what ``StatsReply`` carries.
+
+The daemon builds these; clients decode them against the same types and hand them to
+callers as plain dicts (``msgspec.to_builtins``), so ``damacy stats --json`` and
+``Pipeline.stats()`` keep their shape.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Figures(msgspec.Struct, forbid_unknown_fields=False):
+    pass
+
+
+class StageFigures(_Figures):
+    """One stage's totals over all threads: seconds, units (or reads) and bytes in and out."""
+
+    seconds: float = 0.0
+    count: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class CacheFigures(_Figures):
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    rejections: int = 0  # values a full cache with frequency admission turned away
+
+
+class MetadataCacheFigures(_Figures):
+    arrays: CacheFigures
+    shard_indexes: CacheFigures
+
+
+class DaemonFigures(_Figures):
+    pid: int
+    endpoint: str
+    uptime_s: float
+    allow_roots: list[str]
+    messages: int
+    malformed_messages: int
+
+
+class MemoryFigures(_Figures):
+    budget_bytes: int
+    slot_bytes: int
+    in_use_bytes: int
+    peak_bytes: int
+    chunk_cache_bytes: int
+    retiring_slot_bytes: int
+
+
+class SessionFigures(_Figures):
+    """One client session; a control session (the CLI: stats, warm) has no pipeline."""
+
+    session: str
+    pid: int
+    rank: int | None
+    control: bool = False
+    batches: int = 0
+    samples: int = 0
+    sample_errors: int = 0
+    samples_pulled: int = 0
+    held_batches: int = 0
+    slot_bytes: int = 0
+    samples_per_batch: int = 0
+    sample_shape: list[int] = []
+    dtype: str = ""
+
+
+class DaemonStats(_Figures):
+    daemon: DaemonFigures
+    stages: dict[str, StageFigures]
+    cache: MetadataCacheFigures
+    chunk_cache: CacheFigures | None
+    memory: MemoryFigures
+    sessions: list[SessionFigures]
+    session: SessionFigures | None = None  # the asking session's own
+
+
+def as_dict(stats: DaemonStats) -> dict:
+    """The figures as plain dicts and lists (what callers and ``--json`` get)."""
+    return msgspec.to_builtins(stats)
