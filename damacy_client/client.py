@@ -24,10 +24,9 @@ from damacy_client.transport import Connection, Call
 from damacy_protocol import messages as m
 from damacy_protocol.stats import as_dict
 from damacy_protocol.config import Config
-from damacy_protocol.connection import error_from_wire
+from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError
-from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime import front
 from damacy_runtime.api import PipelineAPI
 from damacy_runtime.batch import Batch, Slot
@@ -35,18 +34,6 @@ from damacy_runtime.batch import Batch, Slot
 log = logging.getLogger("damacy")
 
 PUSH_CHUNK = 256  # samples per push message at most
-
-
-def to_wire(seq: int, sample: Any) -> m.WireSample:
-    if isinstance(sample, Sample):
-        return m.WireSample(seq=seq, uri=sample.uri, box=[tuple(e) for e in sample.aabb])
-    if isinstance(sample, IndexQuery):
-        axes = [
-            m.WireAxis(start=s.start, stop=s.stop, step=s.step) if isinstance(s, slice) else m.WireAxis(indices=list(s))
-            for s in sample.selection
-        ]
-        return m.WireSample(seq=seq, uri=sample.uri, index=axes)
-    raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
 
 
 class RemotePipeline(PipelineAPI):
@@ -143,7 +130,7 @@ class RemotePipeline(PipelineAPI):
                 self._cond.notify_all()
 
     def _numbered(self, sample: Any) -> tuple[m.WireSample, Any]:
-        return to_wire(next(self._seq), sample), sample
+        return sample_to_wire(next(self._seq), sample), sample
 
     # -- output -------------------------------------------------------------------
     def _check(self) -> None:

@@ -24,54 +24,7 @@ import msgspec
 
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
-from damacy_protocol.errors import (
-    BatchFailed,
-    BudgetExceeded,
-    DaemonUnavailable,
-    DamacyError,
-    PipelineDrained,
-    ProtocolError,
-    SampleError,
-    UnexpectedReply,
-    UnknownSession,
-    from_wire,
-)
-
-_NON_SAMPLE: dict[str, type[BaseException]] = {
-    "PipelineDrained": PipelineDrained,
-    "BatchFailed": BatchFailed,
-    "BudgetExceeded": BudgetExceeded,
-    "DaemonUnavailable": DaemonUnavailable,
-    "ProtocolError": ProtocolError,
-    "UnknownSession": UnknownSession,
-    "DamacyError": DamacyError,
-    "TimeoutError": TimeoutError,
-}
-
-
-def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:
-    if isinstance(err, SampleError):
-        return m.WireError(
-            kind=type(err).__name__,
-            reason=err.reason,
-            uri=err.uri,
-            sample=err.sample,
-            path=err.path,
-            chunk=None if err.chunk is None else list(err.chunk),
-            seq=seq,
-        )
-    kind = type(err).__name__ if type(err).__name__ in _NON_SAMPLE else "DamacyError"
-    return m.WireError(kind=kind, reason=str(err) or type(err).__name__, seq=seq)
-
-
-def error_from_wire(w: m.WireError) -> BaseException:
-    cls = _NON_SAMPLE.get(w.kind)
-    if cls is not None:
-        return cls(w.reason)
-    return from_wire(
-        {"kind": w.kind, "reason": w.reason, "uri": w.uri, "sample": w.sample, "path": w.path, "chunk": w.chunk}
-    )
-
+from damacy_protocol.errors import ProtocolError, UnexpectedReply, UnknownSession
 
 class State(enum.Enum):
     NEW = "new"  # nothing sent yet

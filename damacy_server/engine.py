@@ -11,7 +11,8 @@ Planning runs in the caller's thread, or on a shared ``plan_pool`` (the daemon's
 loop thread never plans).
 
 Behind two small interfaces: the executor (:class:`damacy_server.cpu.CpuExecutor` today)
-and the slot memory (:class:`SlotMemory`: host memory here, shared memory in the daemon).
+and the slot memory (:class:`damacy_server.slots.SlotMemory`: host memory, shared memory in
+the daemon).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,54 +30,9 @@ import numpy as np
 from damacy_protocol.errors import BatchFailed, InvalidArgument, SampleError
 from damacy_runtime.batch import Slot
 from damacy_server.decode import cast_fill
+from damacy_server.slots import HostSlots, OutputSpec, SlotMemory
 
 log = logging.getLogger("damacy")
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """What the engine assembles: ``samples_per_batch`` samples of ``sample_shape`` as
-    ``dtype`` (None: each batch in the dtype of its first readable array)."""
-
-    samples_per_batch: int
-    sample_shape: tuple[int, ...]
-    dtype: np.dtype | None
-    on_error: str = "raise"
-    out_of_bounds: str = "pad"
-
-    @property
-    def slot_bytes(self) -> int:
-        # "native" slots are raw bytes sized for the widest supported type (8 bytes)
-        itemsize = 8 if self.dtype is None else self.dtype.itemsize
-        return int(np.prod((self.samples_per_batch, *self.sample_shape), dtype=np.int64)) * itemsize
-
-
-class SlotMemory(ABC):
-    """Where an engine's slots live. ``allocate`` returns ``nbytes`` of writable memory;
-    ``close(release)`` gives it up and calls ``release(nbytes)`` for each byte range once
-    its memory is really gone (at once, or later when something still maps it)."""
-
-    @abstractmethod
-    def allocate(self, index: int, nbytes: int) -> np.ndarray: ...
-
-    @abstractmethod
-    def close(self, release: Callable[[int], None]) -> None: ...
-
-
-class HostSlots(SlotMemory):
-    """Ordinary process memory (numpy asks for transparent huge pages, so first touches are
-    cheap and happen in the workers, in parallel)."""
-
-    def __init__(self) -> None:
-        self._nbytes = 0
-
-    def allocate(self, index: int, nbytes: int) -> np.ndarray:
-        self._nbytes += nbytes
-        return np.zeros(nbytes, dtype=np.uint8)
-
-    def close(self, release: Callable[[int], None]) -> None:
-        release(self._nbytes)
-        self._nbytes = 0
 
 
 @dataclass(eq=False)

@@ -27,7 +27,8 @@ import zmq
 
 from damacy_protocol import messages as m
 from damacy_protocol import stats as st
-from damacy_protocol.connection import ServerConnection, State, error_to_wire
+from damacy_protocol.connection import ServerConnection, State
+from damacy_protocol.wire import describe_wire, error_to_wire, sample_from_wire
 from damacy_protocol.errors import (
     BudgetExceeded,
     DamacyError,
@@ -35,7 +36,6 @@ from damacy_protocol.errors import (
     ProtocolError,
     SampleError,
 )
-from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
@@ -45,7 +45,6 @@ from damacy_server.session import Session
 from damacy_server.shm import Segment, remove_stale
 from damacy_server.store import resolve_uri
 from damacy_server.store.file import FileMetadataReader, FileReader
-from damacy_server.warm import warm
 from damacy_server.workers import WorkerPool
 
 log = logging.getLogger("damacyd")
@@ -371,47 +370,11 @@ class Daemon:
         :class:`BadSample` whose error its pop reports."""
         try:
             self.metadata.reader.check_allowed(resolve_uri(w.uri)[1])
-            if w.box is not None:
-                return Sample(w.uri, [tuple(e) for e in w.box])
-            if w.index is not None:
-                axes = [
-                    slice(a.start, a.stop, a.step) if a.indices is None else a.indices for a in w.index
-                ]
-                return IndexQuery(w.uri, tuple(axes))
-            raise InvalidArgument("a sample needs a box or an index selection", uri=w.uri)
+            return sample_from_wire(w)
         except (SampleError, ValueError, TypeError, OverflowError) as e:
             if not isinstance(e, SampleError):
                 e = InvalidArgument(f"{type(e).__name__}: {e}")
-            box = "" if w.box is None else ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b in w.box)
-            what = f"Sample({w.uri!r}, [{box}])" if w.box is not None else f"IndexQuery({w.uri!r}, ...)"
-            return BadSample(w.uri, e.with_context(uri=w.uri), what)
-
-    def start_warm(self, session: Session, msg: m.Warm) -> None:
-        def run() -> None:
-            last = [0.0]
-
-            def progress(done: int, total: int, item: str) -> None:
-                now = time.monotonic()
-                if now - last[0] >= 0.05 or done >= total:  # at most 20 a second
-                    last[0] = now
-                    session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
-
-            try:
-                result = warm(self, msg.uris, msg.shard_indexes, msg.chunks, progress)
-            except Exception as e:  # noqa: BLE001 - the client waits for WarmDone whatever happens
-                log.exception("warming failed")
-                result = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": [DamacyError(f"warming failed: {type(e).__name__}: {e}")]}
-            session.reply(
-                m.WarmDone(
-                    reply_to=msg.id,
-                    arrays=result["arrays"],
-                    shard_indexes=result["shard_indexes"],
-                    chunks=result["chunks"],
-                    errors=[error_to_wire(e) for e in result["errors"]],
-                )
-            )
-
-        threading.Thread(target=run, name=f"damacyd-warm-{session.sid}", daemon=True).start()
+            return BadSample(w.uri, e.with_context(uri=w.uri), describe_wire(w))
 
     def stats(self, session: Session | None = None) -> st.DaemonStats:
         ex = self.executor

@@ -23,13 +23,16 @@ import numpy as np
 
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
-from damacy_protocol.connection import ServerConnection, error_to_wire
+from damacy_protocol.connection import ServerConnection
+from damacy_protocol.wire import error_to_wire
 from damacy_protocol.dtypes import numpy_dtype
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
 from damacy_runtime.batch import Slot
-from damacy_server.engine import BatchEngine, Delivery, OutputSpec, Patch, SlotMemory
+from damacy_server.engine import BatchEngine, Delivery, Patch
+from damacy_server.slots import OutputSpec, SlotMemory
 from damacy_server.shm import Segment, pid_alive
+from damacy_server.warm import start_warm
 
 if TYPE_CHECKING:
     from damacy_server.endpoint import Peer
@@ -155,7 +158,7 @@ class Session:
         elif isinstance(msg, m.Stats):
             self.reply(m.StatsReply(reply_to=msg.id, stats=self.daemon.stats(session=self)))
         elif isinstance(msg, m.Warm):
-            self.daemon.start_warm(self, msg)
+            start_warm(self.daemon, self, msg)
         elif isinstance(msg, m.Ping):
             self.reply(m.Pong(reply_to=msg.id, session=self.sid))
         elif isinstance(msg, m.Bye):

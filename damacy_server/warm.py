@@ -3,17 +3,55 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from damacy_protocol import messages as m
 from damacy_protocol.errors import DamacyError, SampleError
+from damacy_protocol.wire import error_to_wire
 from damacy_server.decode import check_length, decode_unit
 from damacy_server.store import resolve_uri
 
 #: units located (and read) per step, so progress moves and memory stays small
 STEP = 256
+
+log = logging.getLogger("damacyd")
+
+
+def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
+    """Answer a Warm request from a thread of its own: WarmProgress now and then (at most 20
+    a second), then WarmDone, whatever happens."""
+
+    def run() -> None:
+        last = [0.0]
+
+        def progress(done: int, total: int, item: str) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.05 or done >= total:
+                last[0] = now
+                session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
+
+        try:
+            result = warm(daemon, msg.uris, msg.shard_indexes, msg.chunks, progress)
+        except Exception as e:  # noqa: BLE001 - the client waits for WarmDone whatever happens
+            log.exception("warming failed")
+            result = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": [DamacyError(f"warming failed: {type(e).__name__}: {e}")]}
+        session.reply(
+            m.WarmDone(
+                reply_to=msg.id,
+                arrays=result["arrays"],
+                shard_indexes=result["shard_indexes"],
+                chunks=result["chunks"],
+                errors=[error_to_wire(e) for e in result["errors"]],
+            )
+        )
+
+    threading.Thread(target=run, name=f"damacyd-warm-{session.sid}", daemon=True).start()
 
 
 def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progress: Callable[[int, int, str], None]) -> dict[str, Any]:
@@ -68,6 +106,8 @@ def _load_chunks(meta, units, locs, cache) -> int:
         if locs.missing[k] or k in locs.errors:
             continue
         key = locs.keys[k]
+        if not cache.would_admit((meta.root, unit), meta.layout.leaf.spec.nbytes):
+            continue  # a full cache keeps what it holds (see LRUCache's admission rule)
         offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
         data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
         if data is None:
@@ -76,6 +116,5 @@ def _load_chunks(meta, units, locs, cache) -> int:
         arr = decode_unit(meta, data, unit, key)
         arr = np.array(arr)
         arr.flags.writeable = False
-        cache.put((meta.root, unit), arr)
-        n += 1
+        n += cache.put((meta.root, unit), arr)
     return n
