@@ -28,7 +28,7 @@ import numpy as np
 
 from damacy_protocol.checks import Count, Size, check_fields
 from damacy_protocol.errors import SampleError
-from damacy_server import native
+from damacy_server import native, optable
 from damacy_server.budget import MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
@@ -206,11 +206,7 @@ class CpuExecutor:
 
     def _apply(self, run: Run, u: UnitJob, arr: np.ndarray) -> int:
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
-        assembled = 0
-        for s, op in u.copies:
-            target = run.views[s]
-            assembled += op.apply(target, arr) * target.itemsize
-        return assembled
+        return optable.copy_rows(u.rows, u.table.ndim, u.table.pool, run.views, arr)
 
     def _copy_cached(self, run: Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
         """Copy units found in the chunk cache: those of one plan table in one native call
@@ -313,8 +309,7 @@ class CpuExecutor:
             if data is None:
                 # a chunk that was never written: its regions read as the fill value
                 for u in group.units:
-                    for s, op in u.copies:
-                        op.fill(run.views[s], cast_fill(u.meta.fill_value, run.views[s].dtype))
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
                 return
             # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do
             # not pay a thread handoff each; the group's memory is returned as tasks finish.

@@ -6,8 +6,10 @@ counting up), sample (the target index), then per axis the source start (in the 
 target) and the extent. A negative start ``-(k + 1)``, on either side, stands for the index
 list ``pool[k : k + extent]`` (index queries: which elements of the unit, and where they go
 in the caller's order). Rows are grouped by unit, in unit order. The planner already holds the copies in this form
-(:class:`damacy_server.plan.CopyTable`); :func:`build` takes a task's slice of it, and
-:func:`apply` is the numpy reference an executor must agree with.
+(:class:`damacy_server.plan.CopyTable`); :func:`build` takes a task's slice of it for native
+code, and :func:`copy_rows` / :func:`fill_rows` execute rows with numpy (the CPU executor's
+Python path; :func:`apply` runs a whole table the same way, for tests). There is no other
+form of a copy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from damacy_server.decode import cast_fill
+from damacy_server.selection import CopyOp, SliceCopy
 
 
 @dataclass(frozen=True)
@@ -47,19 +52,39 @@ def build(units: Sequence[Any]) -> OpTable:
     return OpTable(np.concatenate(parts), table.ndim, table.pool, 0, spans)
 
 
+def _op(row: list[int], ndim: int, pool: np.ndarray) -> SliceCopy | CopyOp:
+    """One row as a numpy copy: slices on both sides when it holds no index list."""
+    src, dst, ext = row[2 : 2 + ndim], row[2 + ndim : 2 + 2 * ndim], row[2 + 2 * ndim :]
+    if all(a >= 0 for a in src) and all(d >= 0 for d in dst):
+        return SliceCopy(tuple(slice(d, d + e) for d, e in zip(dst, ext)), tuple(slice(a, a + e) for a, e in zip(src, ext)))
+    src_parts = [slice(a, a + e) if a >= 0 else pool[-a - 1 : -a - 1 + e] for a, e in zip(src, ext)]
+    dst_parts = [slice(d, d + e) if d >= 0 else pool[-d - 1 : -d - 1 + e] for d, e in zip(dst, ext)]
+    return CopyOp(dst_parts, src_parts)
+
+
+def copy_rows(rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], arr: np.ndarray) -> int:
+    """Make the copies of ``rows`` (a unit's) from its decoded array ``arr`` into
+    ``targets[sample]``, cast as numpy casts; returns the bytes written."""
+    written = 0
+    for row in rows.tolist():
+        target = targets[row[1]]
+        written += _op(row, ndim, pool).apply(target, arr) * target.itemsize
+    return written
+
+
+def fill_rows(rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], value) -> None:
+    """Write ``value`` (cast to each target's dtype) where the copies of ``rows`` would write
+    (a unit that was never written reads as the fill value)."""
+    for row in rows.tolist():
+        target = targets[row[1]]
+        _op(row, ndim, pool).fill(target, cast_fill(value, target.dtype))
+
+
 def apply(table: OpTable, decoded: list[np.ndarray], targets: Sequence[np.ndarray]) -> None:
-    """The reference semantics: ``targets[sample][dst] = decoded[unit - base][src]``, each
-    side the outer product of its ranges and index lists (numpy cast)."""
-    n = table.ndim
+    """Every copy of ``table``: ``targets[sample][dst] = decoded[unit - base][src]``."""
     with np.errstate(invalid="ignore", over="ignore"):
-        for row in table.ops.tolist():
-            unit, t = row[0] - table.base, row[1]
-            src, dst, ext = row[2 : 2 + n], row[2 + n : 2 + 2 * n], row[2 + 2 * n :]
-            piece = decoded[unit]
-            for axis, (a, e) in enumerate(zip(src, ext)):  # one axis at a time (outer product)
-                piece = piece.take(_indices(table.pool, a, e), axis=axis)
-            targets[t][np.ix_(*(_indices(table.pool, d, e) for d, e in zip(dst, ext)))] = piece
-
-
-def _indices(pool: np.ndarray, start: int, extent: int) -> np.ndarray:
-    return np.arange(start, start + extent) if start >= 0 else pool[-start - 1 : -start - 1 + extent]
+        ops = table.ops
+        units = ops[:, 0] - table.base
+        bounds = np.flatnonzero(np.diff(units)) + 1
+        for part in np.split(ops, bounds) if len(ops) else []:
+            copy_rows(part, table.ndim, table.pool, targets, decoded[int(part[0, 0]) - table.base])

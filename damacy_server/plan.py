@@ -28,8 +28,6 @@ from damacy_server.selection import (
     AxisIndex,
     AxisRange,
     AxisSelection,
-    CopyOp,
-    SliceCopy,
     axis_parts,
     index_array,
     selection_shape,
@@ -80,21 +78,6 @@ class CopyTable:
         self.pool = pool
         self.spans = spans
 
-    def copies(self, lo: int, hi: int) -> list[tuple[int, SliceCopy | CopyOp]]:
-        """Rows ``[lo, hi)`` as (sample, copy) objects, for the numpy path."""
-        n = self.ndim
-        out: list[tuple[int, SliceCopy | CopyOp]] = []
-        pool = self.pool
-        for row in self.rows[lo:hi].tolist():
-            src, dst, ext = row[2 : 2 + n], row[2 + n : 2 + 2 * n], row[2 + 2 * n :]
-            if all(a >= 0 for a in src) and all(d >= 0 for d in dst):
-                dst_box = tuple(slice(d, d + e) for d, e in zip(dst, ext))
-                out.append((row[1], SliceCopy(dst_box, tuple(slice(a, a + e) for a, e in zip(src, ext)))))
-            else:
-                src_parts = [slice(a, a + e) if a >= 0 else pool[-a - 1 : -a - 1 + e] for a, e in zip(src, ext)]
-                dst_parts = [slice(d, d + e) if d >= 0 else pool[-d - 1 : -d - 1 + e] for d, e in zip(dst, ext)]
-                out.append((row[1], CopyOp(dst_parts, src_parts)))
-        return out
 
 
 class UnitJob:
@@ -125,9 +108,9 @@ class UnitJob:
         self.hi = hi
 
     @property
-    def copies(self) -> list[tuple[int, SliceCopy | CopyOp]]:
-        """(sample, copy into it) for each piece of this unit."""
-        return self.table.copies(self.lo, self.hi)
+    def rows(self) -> np.ndarray:
+        """This unit's rows of its copy table (see :class:`CopyTable`)."""
+        return self.table.rows[self.lo : self.hi]
 
     @property
     def samples(self) -> list[int]:
