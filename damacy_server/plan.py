@@ -365,9 +365,24 @@ class BadSample:
         return self.description
 
 
+class Selected:
+    """A sample whose per-axis selection is already parsed (``damacy.read``'s)."""
+
+    __slots__ = ("uri", "axes")
+
+    def __init__(self, uri: str, axes: list[AxisSelection]) -> None:
+        self.uri = uri
+        self.axes = axes
+
+    def __repr__(self) -> str:
+        return f"damacy.read({self.uri!r})"
+
+
 def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[AxisSelection]:
     """The per-axis selection of a :class:`Sample` or :class:`IndexQuery` on ``meta``."""
     ndim = meta.ndim
+    if isinstance(sample, Selected):
+        return sample.axes
     if isinstance(sample, Sample):
         if len(sample.aabb) != ndim:
             raise InvalidArgument(f"the box has {len(sample.aabb)} axes, the array has {ndim}")

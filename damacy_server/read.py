@@ -1,28 +1,30 @@
 """``damacy.read``: one call, one selection of one array, as a numpy array.
 
 The tool for looking at data and the oracle of damacy's own tests. It goes through the same
-resolve (metadata, shard indexes), store and decode code as the pipeline.
+planner and executor as the pipeline (a one-sample plan).
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import SampleError
-from damacy_server.decode import cast_fill, check_length, decode_unit
+from damacy_server.cpu import CpuExecutor
+from damacy_server.plan import ChunkPlanner, PlanLimits, Selected
 from damacy_server.resolve import ZarrMetadata
-from damacy_server.selection import iter_parts, parse_read_selection, selection_shape
+from damacy_server.selection import parse_read_selection, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
+
+#: one read is one request: small merged reads, so its units decode on all decode threads
+READ_LIMITS = PlanLimits(max_read_bytes=256 << 10)
 
 _lock = threading.Lock()
 _metadata: ZarrMetadata | None = None
-_pool: ThreadPoolExecutor | None = None
+_executor: CpuExecutor | None = None
 
 
 def default_metadata() -> ZarrMetadata:
@@ -34,12 +36,13 @@ def default_metadata() -> ZarrMetadata:
         return _metadata
 
 
-def _thread_pool() -> ThreadPoolExecutor:
-    global _pool
+def _default_executor() -> CpuExecutor:
+    """The process-wide executor of :func:`read` (threads start on the first read)."""
+    global _executor
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(32, 2 * (os.cpu_count() or 1)), thread_name_prefix="damacy-read")
-        return _pool
+        if _executor is None:
+            _executor = CpuExecutor()
+        return _executor
 
 
 def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMetadata | None = None) -> np.ndarray:
@@ -51,44 +54,61 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
     kept); ``np.s_[...]`` works. ``dtype``: the output dtype ("f32", "bf16", "u16",
     numpy dtypes...; default: the array's own). Errors are :class:`damacy.SampleError`
     subclasses naming the uri and, for data errors, the file and chunk.
+
+    A read is a one-sample batch plan through the same planner and executor as a pipeline.
+    With ``metadata`` that has a reader of its own, the data is read through that reader too
+    (its rules, roots included).
     """
     md = metadata if metadata is not None else default_metadata()
     meta = md.array(uri)
     axes, drop = parse_read_selection(selection, meta.shape, str(uri))
-    out_dtype = numpy_dtype(canonical_dtype(dtype), meta.dtype)
-    out = np.empty(selection_shape(axes), dtype=out_dtype)
-    parts = list(iter_parts(axes, meta.shape, meta.layout.unit_shape))
-    if parts:
-        units = np.array([p[0] for p in parts], dtype=np.int64).reshape(len(parts), meta.ndim)
-        locs = md.locate(meta, units)
-        locs.raise_first()
+    out = np.empty(selection_shape(axes), dtype=numpy_dtype(canonical_dtype(dtype), meta.dtype))
+    plan = ChunkPlanner(md, READ_LIMITS).plan([Selected(str(uri), axes)], out.shape, "error")
+    if plan.errors:
+        raise _named_by_uri(plan.errors[0])
+    executor = _default_executor() if md.reader is None else CpuExecutor(_StoreReads(md.reader))
+    finished = threading.Event()
+    errors: dict[int, SampleError] = {}
 
-        def work(i: int) -> None:
-            unit, op = parts[i]
-            key = locs.keys[i]
-            data = None
-            if not locs.missing[i]:
-                offset, nbytes = int(locs.offsets[i]), int(locs.nbytes[i])
-                data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
-            if data is None:
-                op.fill(out, cast_fill(meta.fill_value, out.dtype))
-                return
-            check_length(meta, data, nbytes, unit, key)
-            chunk = decode_unit(meta, data, unit, key)
-            with np.errstate(invalid="ignore", over="ignore"):
-                op.apply(out, chunk)
+    def done(failed: dict[int, SampleError]) -> None:
+        errors.update(failed)
+        finished.set()
 
-        try:
-            if len(parts) == 1:
-                work(0)
-            else:
-                for f in [_thread_pool().submit(work, i) for i in range(len(parts))]:
-                    f.result()
-        except SampleError as e:
-            raise e.with_context(uri=str(uri))
+    try:
+        executor.execute(plan, [out], done)
+        finished.wait()
+    finally:
+        if executor is not _executor:
+            executor.close()
+    if errors:
+        raise _named_by_uri(errors[0])
     if drop:
         out = out.reshape([n for axis, n in enumerate(out.shape) if axis not in drop])
     return out
+
+
+class _StoreReads:
+    """An executor's reader over a caller's store: every read goes through the store (no
+    direct reads by the decode threads)."""
+
+    workers = 4
+    max_inflight_reads = 4096
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def read(self, key: str) -> bytes | None:
+        return self.store.read(key)
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes | None:
+        return self.store.read_range(key, offset, length)
+
+
+def _named_by_uri(err: SampleError) -> SampleError:
+    """A read's error names the array (it has no sample of the caller's to name)."""
+    err.sample = None
+    err.args = (err._message(),)
+    return err
 
 
 def open_array(uri: str, *, metadata: ZarrMetadata | None = None) -> ArrayMetadata:

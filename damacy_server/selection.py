@@ -9,9 +9,8 @@ selection is their outer product (orthogonal indexing, as zarr's ``oindex``).
 
 from __future__ import annotations
 
-import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -245,14 +244,3 @@ class CopyOp:
     def fill(self, target: np.ndarray, value: np.ndarray) -> None:
         """Write ``value`` (already of the target's dtype) where this copy would write."""
         target[self.dst] = value
-
-
-def iter_parts(
-    axes: Sequence[AxisSelection], shape: tuple[int, ...], unit_shape: tuple[int, ...]
-) -> Iterator[tuple[tuple[int, ...], CopyOp]]:
-    """(unit coordinates, copy from the unit into the selection) for every read unit touched."""
-    per_axis = [axis_parts(a, s, u) for a, s, u in zip(axes, shape, unit_shape)]
-    boxes = all(isinstance(a, AxisRange) for a in axes)
-    for combo in itertools.product(*per_axis):
-        unit, dst, src = zip(*combo) if combo else ((), (), ())
-        yield unit, (SliceCopy(dst, src) if boxes else CopyOp(dst, src))

@@ -59,7 +59,7 @@ def test_shards_are_read_by_range_and_indexes_once(tmp_path):
     damacy.read(tmp_path / "s", np.s_[8:16, 0:4], metadata=md)
     assert len([r for r in store.ranges if r[1] < 0]) == 1  # the index came from the cache
     stats = md.cache.stats()
-    assert stats["arrays"]["hits"] == 1 and stats["arrays"]["misses"] == 1
+    assert stats["arrays"]["misses"] == 1 and stats["arrays"]["hits"] >= 1  # zarr.json parsed once
     assert stats["shard_indexes"]["hits"] >= 1 and stats["shard_indexes"]["misses"] == 1
 
 
