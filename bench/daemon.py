@@ -31,6 +31,7 @@ sys.path.insert(0, {root!r})
 from bench.scenarios import SCENARIOS
 from bench import runners
 import damacy
+import damacy_client.client  # loaded before the clock starts, as in a training process that has imported its reader
 scn = SCENARIOS[{scenario!r}]
 samples = scn.samples({uris!r}, {batches}, seed={seed})
 cfg = runners.damacy_config(scn)
