@@ -765,6 +765,15 @@ static PyObject *task_failures(task_t *t) {
     return result;
 }
 
+/* Assemble a prepared, located task without the GIL; (failures, encoded, elements) or NULL. */
+static PyObject *task_run(task_t *t) {
+    Py_BEGIN_ALLOW_THREADS;
+    task_assemble(t);
+    Py_END_ALLOW_THREADS;
+    PyObject *failures = task_failures(t);
+    return failures ? Py_BuildValue("(NLL)", failures, t->encoded, t->elements) : NULL;
+}
+
 #define TASK_FORMAT "y*y*Ly*y*iiiiny*|y*"
 #define TASK_ARGS(t) &(t).spans, &(t).ops, &(t).base, &(t).targets, &(t).shape, &(t).src_type, &(t).dst_type, &(t).swap, \
                      &(t).codec, &(t).decoded_nbytes, &(t).pool, &(t).keep
@@ -798,11 +807,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "a negative data offset");
     } else if (task_prepare(&t) == 0) {
         task_locate(&t, (const char *)data_buf.buf, data_buf.len, data_offset);
-        Py_BEGIN_ALLOW_THREADS;
-        task_assemble(&t);
-        Py_END_ALLOW_THREADS;
-        PyObject *failures = task_failures(&t);
-        if (failures) result = Py_BuildValue("(NLL)", failures, t.encoded, t.elements);
+        result = task_run(&t);
     }
     task_release(&t);
     PyBuffer_Release(&data_buf);
@@ -830,11 +835,7 @@ static PyObject *run_decoded(PyObject *self, PyObject *args) {
                 t.views[u].src = (const char *)(intptr_t)src[u];
                 t.views[u].src_len = src[u] ? t.decoded_nbytes : 0;
             }
-            Py_BEGIN_ALLOW_THREADS;
-            task_assemble(&t);
-            Py_END_ALLOW_THREADS;
-            PyObject *failures = task_failures(&t);
-            if (failures) result = Py_BuildValue("(NLL)", failures, t.encoded, t.elements);
+            result = task_run(&t);
         }
     }
     task_release(&t);
