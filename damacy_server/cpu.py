@@ -126,7 +126,10 @@ class CpuExecutor:
         cancelled: Callable[[], bool] = lambda: False,
         key: Any = None,
     ) -> None:
-        """Assemble sample i of ``plan`` into ``targets[i]`` (a view of a batch slot).
+        """Assemble sample i of ``plan`` into ``targets[i]`` (a view of a batch slot). The plan
+        was made with this executor's ``inflight_capacity`` and ``chunk_cache`` (see
+        :meth:`ChunkPlanner.plan`): its reads fit the budget, and the units found in the
+        cache come with their arrays; a read that still does not fit fails its samples.
 
         ``on_done(errors)`` is called once, from a worker thread (or this one), when every
         read of the plan has been assembled; ``errors`` maps sample index → error. Tasks are
@@ -140,8 +143,7 @@ class CpuExecutor:
             views[s][...] = cast_fill(fill, views[s].dtype)
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
-        groups, cached = self._from_cache(plan.groups)
-        groups = self._fit(groups)
+        groups, cached = plan.groups, plan.cached
         run.pending = len(groups) + (1 if cached else 0) + 1  # +1: this call, until all is queued
         if cached:
             self._decode.submit(self._copy_cached, run, cached, key=key, priority=run.order)
@@ -167,42 +169,6 @@ class CpuExecutor:
                 )
             run.group_done()
         run.group_done()
-
-    def _from_cache(self, groups: list[ReadGroup]) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
-        """Units found in the chunk cache leave their reads (which shrink or go)."""
-        if self.chunk_cache is None:
-            return groups, []
-        cached: list[tuple[UnitJob, np.ndarray]] = []
-        out: list[ReadGroup] = []
-        for g in groups:
-            rest = []
-            for u in g.units:
-                arr = self.chunk_cache.get((u.meta.root, u.unit))
-                if arr is None:
-                    rest.append(u)
-                else:
-                    cached.append((u, arr))
-            if len(rest) == len(g.units):
-                out.append(g)
-            elif rest:
-                if g.length < 0:
-                    out.append(ReadGroup(g.key, g.offset, g.length, rest))
-                else:
-                    start = min(u.offset for u in rest)
-                    end = max(u.offset + u.nbytes for u in rest)
-                    out.append(ReadGroup(g.key, start, end - start, rest))
-        return out, cached
-
-    def _fit(self, groups: list[ReadGroup]) -> list[ReadGroup]:
-        """Merged reads too large for the in-flight budget are read unit by unit again."""
-        capacity = self.budget.capacity
-        out = []
-        for g in groups:
-            if g.reserve_nbytes > capacity and len(g.units) > 1:
-                out.extend(ReadGroup(g.key, u.offset, u.nbytes, [u]) for u in g.units)
-            else:
-                out.append(g)
-        return out
 
     def _apply(self, run: Run, u: UnitJob, arr: np.ndarray) -> int:
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""

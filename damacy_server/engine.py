@@ -207,7 +207,10 @@ class BatchEngine:
     def _plan_and_execute(self, pending: _Pending, positions: list[int]) -> None:
         spec = self.spec
         samples = [pending.samples[p] for p in positions]
-        plan = self.planner.plan(samples, spec.sample_shape, spec.out_of_bounds)
+        executor = self.executor
+        plan = self.planner.plan(
+            samples, spec.sample_shape, spec.out_of_bounds, capacity=executor.inflight_capacity, cache=executor.chunk_cache
+        )
         self.executor.stats.add("plan", plan.seconds, count=len(samples))
         with self.cond:
             self.deduplicated += plan.units_total - plan.units_unique

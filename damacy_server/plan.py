@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ import numpy as np
 from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import InvalidArgument, OutOfBounds, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_server.cache import LRUCache
 from damacy_server.resolve import ZarrMetadata
 from damacy_server.selection import (
     AxisIndex,
@@ -155,6 +156,8 @@ class BatchPlan:
     units_unique: int = 0
     reads_merged: int = 0  # ranges saved by merging
     seconds: float = 0.0
+    # units found in the executor's chunk cache, with their decoded arrays (not in groups)
+    cached: list[tuple[UnitJob, np.ndarray]] = field(default_factory=list)
 
 
 class _ArrayRows:
@@ -237,7 +240,18 @@ class ChunkPlanner:
         self.metadata = metadata if metadata is not None else ZarrMetadata()
         self.limits = limits if limits is not None else PlanLimits()
 
-    def plan(self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad") -> BatchPlan:
+    def plan(
+        self,
+        samples: Sequence[Any],
+        sample_shape: tuple[int, ...],
+        out_of_bounds: str = "pad",
+        *,
+        capacity: int | None = None,
+        cache: LRUCache | None = None,
+    ) -> BatchPlan:
+        """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
+        flight) merged reads that would not fit are split again; with its chunk ``cache``,
+        units found there leave their reads and come with their arrays (``plan.cached``)."""
         t0 = time.perf_counter()
         n = len(samples)
         shapes: list[tuple[int, ...] | None] = [None] * n
@@ -318,6 +332,8 @@ class ChunkPlanner:
                 present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
 
         groups, merged = merge_reads(present, self.limits)
+        groups, cached = take_cached(groups, cache)
+        groups = fit_reads(groups, capacity)
         seen = set()
         fills = [f for f in fills if f[0] not in errors and not (f[0] in seen or seen.add(f[0]))]
         return BatchPlan(
@@ -331,6 +347,7 @@ class ChunkPlanner:
             units_unique=unique,
             reads_merged=merged,
             seconds=time.perf_counter() - t0,
+            cached=cached,
         )
 
 
@@ -433,3 +450,42 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
         end = stop
         groups.append(current)
     return groups, merged
+
+
+def take_cached(groups: list[ReadGroup], cache: LRUCache | None) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
+    """Units found in the chunk cache leave their reads (which shrink or go)."""
+    if cache is None:
+        return groups, []
+    cached: list[tuple[UnitJob, np.ndarray]] = []
+    out: list[ReadGroup] = []
+    for g in groups:
+        rest = []
+        for u in g.units:
+            arr = cache.get((u.meta.root, u.unit))
+            if arr is None:
+                rest.append(u)
+            else:
+                cached.append((u, arr))
+        if len(rest) == len(g.units):
+            out.append(g)
+        elif rest:
+            if g.length < 0:
+                out.append(ReadGroup(g.key, g.offset, g.length, rest))
+            else:
+                start = min(u.offset for u in rest)
+                end = max(u.offset + u.nbytes for u in rest)
+                out.append(ReadGroup(g.key, start, end - start, rest))
+    return out, cached
+
+
+def fit_reads(groups: list[ReadGroup], capacity: int | None) -> list[ReadGroup]:
+    """Merged reads too large for ``capacity`` bytes in flight are read unit by unit again."""
+    if capacity is None:
+        return groups
+    out = []
+    for g in groups:
+        if g.reserve_nbytes > capacity and len(g.units) > 1:
+            out.extend(ReadGroup(g.key, u.offset, u.nbytes, [u]) for u in g.units)
+        else:
+            out.append(g)
+    return out

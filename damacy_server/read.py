@@ -63,9 +63,6 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
     meta = md.array(uri)
     axes, drop = parse_read_selection(selection, meta.shape, str(uri))
     out = np.empty(selection_shape(axes), dtype=numpy_dtype(canonical_dtype(dtype), meta.dtype))
-    plan = ChunkPlanner(md, READ_LIMITS).plan([Selected(str(uri), axes)], out.shape, "error")
-    if plan.errors:
-        raise _named_by_uri(plan.errors[0])
     executor = _default_executor() if md.reader is None else CpuExecutor(_StoreReads(md.reader))
     finished = threading.Event()
     errors: dict[int, SampleError] = {}
@@ -75,8 +72,13 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
         finished.set()
 
     try:
-        executor.execute(plan, [out], done)
-        finished.wait()
+        plan = ChunkPlanner(md, READ_LIMITS).plan(
+            [Selected(str(uri), axes)], out.shape, "error", capacity=executor.inflight_capacity, cache=executor.chunk_cache
+        )
+        errors.update(plan.errors)
+        if not errors:
+            executor.execute(plan, [out], done)
+            finished.wait()
     finally:
         if executor is not _executor:
             executor.close()

@@ -87,3 +87,29 @@ def test_slots_wait_for_chunk_data_in_flight():
     assert budget.reserve(MIN_INFLIGHT_BYTES + 1, lambda: False) is Reservation.TOO_BIG  # beside the slots it never fits
     with pytest.raises(damacy.BudgetExceeded, match="set max_memory_bytes >="):
         budget.admit_slots(10, "more slots")
+
+
+def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_path):
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    from damacy_server.cache import LRUCache
+
+    data = random_data((8, 64, 64), "uint16", 5)
+    write_array(tmp_path / "s", data, chunks=(8, 64, 64), serializer=ShardingCodec(chunk_shape=(8, 32, 32), codecs=[BytesCodec(), ZstdCodec(level=1)]))
+    box = damacy.Sample(str(tmp_path / "s"), np.s_[0:8, 0:64, 0:64])  # four units of one shard
+    planner = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=1 << 30, max_read_bytes=1 << 30))
+    plain = planner.plan([box], (8, 64, 64))
+    (group,) = plain.groups
+    units = group.units
+    assert len(units) == 4 and plain.cached == []
+    # a budget too small for the merged read splits it unit by unit
+    one = max(g.reserve_nbytes for g in planner.plan([damacy.Sample(box.uri, np.s_[0:8, 0:32, 0:32])], (8, 32, 32)).groups)
+    tight = planner.plan([box], (8, 64, 64), capacity=one)
+    assert [len(g.units) for g in tight.groups] == [1, 1, 1, 1]
+    # units in the cache leave their reads and come with their arrays
+    cache = LRUCache(8)
+    arr = np.zeros((8, 32, 32), dtype="u2")
+    cache.put((units[0].meta.root, units[0].unit), arr)
+    planned = planner.plan([box], (8, 64, 64), cache=cache)
+    assert [(u.unit, a is arr) for u, a in planned.cached] == [(units[0].unit, True)]
+    assert [u.unit for g in planned.groups for u in g.units] == [u.unit for u in units[1:]]
