@@ -33,7 +33,7 @@ _LAZY = {
     "CpuLimits": "damacy_server.cpu",
     "BatchSpec": "damacy_server.plan",
     "ChunkPlanner": "damacy_server.plan",
-    "PlanLimits": "damacy_server.plan",
+    "PlanLimits": "damacy_server.reads",
     "open_array": "damacy_server.read",
     "read": "damacy_server.read",
     "MetadataCache": "damacy_server.resolve",

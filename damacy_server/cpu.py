@@ -33,7 +33,8 @@ from damacy_server.budget import MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.native_tasks import NativeTasks
-from damacy_server.plan import BatchPlan, ReadGroup, UnitJob
+from damacy_server.plan import BatchPlan, UnitJob
+from damacy_server.reads import ReadGroup
 from damacy_server.run import GroupState, Run, samples_of
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool

@@ -17,7 +17,8 @@ import numpy as np
 from damacy_protocol.errors import DecodeError
 from damacy_server import native, optable
 from damacy_server.cache import LRUCache
-from damacy_server.plan import ReadGroup, UnitJob
+from damacy_server.plan import UnitJob
+from damacy_server.reads import ReadGroup
 from damacy_server.run import Run, samples_of
 
 

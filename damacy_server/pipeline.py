@@ -25,7 +25,8 @@ from damacy_runtime.batch import Batch
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.engine import BatchEngine, Delivery, Patch
 from damacy_server.slots import OutputSpec, SlotMemory
-from damacy_server.plan import BatchSpec, ChunkPlanner, PlanLimits
+from damacy_server.plan import BatchSpec, ChunkPlanner
+from damacy_server.reads import PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
 from damacy_server.store.file import FileMetadataReader, FileReader
 

@@ -6,8 +6,8 @@ once and cached), merges nearby byte ranges of one object into one read, and lis
 unit the copies (unit region → sample region) that assemble the batch. The plan is what an
 executor consumes (the CPU executor today; a GPU executor takes the same plan).
 
-(Over 400 lines on purpose: the plan's types — CopyTable, UnitJob, ReadGroup, BatchPlan —
-and the planner that fills them are one contract, read and changed together.)
+Grouping the units into reads (merging, the chunk cache, the budget) is in
+:mod:`damacy_server.reads`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import InvalidArgument, OutOfBounds, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_server.cache import LRUCache
+from damacy_server.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
 from damacy_server.resolve import ZarrMetadata
 from damacy_server.selection import (
     AxisIndex,
@@ -35,18 +35,6 @@ from damacy_server.selection import (
     slice_selection,
 )
 from damacy_server.zarr.metadata import ArrayMetadata
-
-
-@dataclass(frozen=True)
-class PlanLimits:
-    """How reads are merged: byte ranges of one object closer than ``max_gap_bytes`` are read
-    as one, up to ``max_read_bytes`` per read."""
-
-    max_gap_bytes: Size = 64 << 10
-    max_read_bytes: Size = 64 << 20
-
-    def __post_init__(self) -> None:
-        check_fields(self, {"max_gap_bytes": Size, "max_read_bytes": Size})
 
 
 @dataclass(frozen=True)
@@ -124,24 +112,6 @@ class UnitJob:
 
     def __repr__(self) -> str:
         return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
-
-
-@dataclass(eq=False)
-class ReadGroup:
-    """One read: a byte range (or the whole) of one object, holding one or more units (the
-    executor's reader reads it)."""
-
-    key: str
-    offset: int
-    length: int  # -1: the whole object
-    units: list[UnitJob]
-
-    @property
-    def reserve_nbytes(self) -> int:
-        """Memory this read needs while in flight: its bytes plus its decoded units."""
-        decoded = sum(u.decoded_nbytes for u in self.units)
-        encoded = self.length if self.length >= 0 else decoded + decoded // 64 + 4096
-        return encoded + decoded
 
 
 @dataclass(eq=False)
@@ -423,69 +393,3 @@ def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[Ax
                 axes.append(AxisIndex(index_array(list(s), size, axis, None)))
         return axes
     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
-
-
-def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:
-    """Group units into reads: ranges of one object closer than ``max_gap_bytes`` become one.
-    ``jobs`` come in plan order: the units of one object together, by offset."""
-    groups: list[ReadGroup] = []
-    merged = 0
-    gap, most = limits.max_gap_bytes, limits.max_read_bytes
-    current: ReadGroup | None = None
-    end = 0
-    for job in jobs:
-        if job.nbytes < 0:
-            groups.append(ReadGroup(job.key, 0, -1, [job]))
-            current = None
-            continue
-        stop = job.offset + job.nbytes
-        if current is not None and job.key == current.key and job.offset - end <= gap and stop - current.offset <= most:
-            if stop > end:
-                end = stop
-                current.length = end - current.offset
-            current.units.append(job)
-            merged += 1
-            continue
-        current = ReadGroup(job.key, job.offset, job.nbytes, [job])
-        end = stop
-        groups.append(current)
-    return groups, merged
-
-
-def take_cached(groups: list[ReadGroup], cache: LRUCache | None) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
-    """Units found in the chunk cache leave their reads (which shrink or go)."""
-    if cache is None:
-        return groups, []
-    cached: list[tuple[UnitJob, np.ndarray]] = []
-    out: list[ReadGroup] = []
-    for g in groups:
-        rest = []
-        for u in g.units:
-            arr = cache.get((u.meta.root, u.unit))
-            if arr is None:
-                rest.append(u)
-            else:
-                cached.append((u, arr))
-        if len(rest) == len(g.units):
-            out.append(g)
-        elif rest:
-            if g.length < 0:
-                out.append(ReadGroup(g.key, g.offset, g.length, rest))
-            else:
-                start = min(u.offset for u in rest)
-                end = max(u.offset + u.nbytes for u in rest)
-                out.append(ReadGroup(g.key, start, end - start, rest))
-    return out, cached
-
-
-def fit_reads(groups: list[ReadGroup], capacity: int | None) -> list[ReadGroup]:
-    """Merged reads too large for ``capacity`` bytes in flight are read unit by unit again."""
-    if capacity is None:
-        return groups
-    out = []
-    for g in groups:
-        if g.reserve_nbytes > capacity and len(g.units) > 1:
-            out.extend(ReadGroup(g.key, u.offset, u.nbytes, [u]) for u in g.units)
-        else:
-            out.append(g)
-    return out

@@ -14,7 +14,8 @@ import numpy as np
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import SampleError
 from damacy_server.cpu import CpuExecutor
-from damacy_server.plan import ChunkPlanner, PlanLimits, Selected
+from damacy_server.plan import ChunkPlanner, Selected
+from damacy_server.reads import PlanLimits
 from damacy_server.resolve import ZarrMetadata
 from damacy_server.selection import parse_read_selection, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata

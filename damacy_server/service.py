@@ -39,7 +39,8 @@ from damacy_protocol.errors import (
 from damacy_runtime.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
 from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
-from damacy_server.plan import BadSample, ChunkPlanner, PlanLimits
+from damacy_server.plan import BadSample, ChunkPlanner
+from damacy_server.reads import PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
 from damacy_server.session import Session
 from damacy_server.shm import Segment, remove_stale

@@ -1,0 +1,116 @@
+"""From a plan's units to reads: nearby byte ranges merged, cached units taken out, reads
+fit to the executor's budget.
+
+Units come in plan order (the units of one object together, by offset). Merging saves
+requests (one read for the units of a shard a batch touches); the chunk cache and the
+in-flight budget then shape what the executor is asked to read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from damacy_protocol.checks import Size, check_fields
+from damacy_server.cache import LRUCache
+
+if TYPE_CHECKING:
+    from damacy_server.plan import UnitJob
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """How reads are merged: byte ranges of one object closer than ``max_gap_bytes`` are read
+    as one, up to ``max_read_bytes`` per read."""
+
+    max_gap_bytes: Size = 64 << 10
+    max_read_bytes: Size = 64 << 20
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"max_gap_bytes": Size, "max_read_bytes": Size})
+
+
+@dataclass(eq=False)
+class ReadGroup:
+    """One read: a byte range (or the whole) of one object, holding one or more units (the
+    executor's reader reads it)."""
+
+    key: str
+    offset: int
+    length: int  # -1: the whole object
+    units: list[UnitJob]
+
+    @property
+    def reserve_nbytes(self) -> int:
+        """Memory this read needs while in flight: its bytes plus its decoded units."""
+        decoded = sum(u.decoded_nbytes for u in self.units)
+        encoded = self.length if self.length >= 0 else decoded + decoded // 64 + 4096
+        return encoded + decoded
+
+
+def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:
+    """Group units into reads: ranges of one object closer than ``max_gap_bytes`` become one.
+    ``jobs`` come in plan order: the units of one object together, by offset."""
+    groups: list[ReadGroup] = []
+    merged = 0
+    gap, most = limits.max_gap_bytes, limits.max_read_bytes
+    current: ReadGroup | None = None
+    end = 0
+    for job in jobs:
+        if job.nbytes < 0:
+            groups.append(ReadGroup(job.key, 0, -1, [job]))
+            current = None
+            continue
+        stop = job.offset + job.nbytes
+        if current is not None and job.key == current.key and job.offset - end <= gap and stop - current.offset <= most:
+            if stop > end:
+                end = stop
+                current.length = end - current.offset
+            current.units.append(job)
+            merged += 1
+            continue
+        current = ReadGroup(job.key, job.offset, job.nbytes, [job])
+        end = stop
+        groups.append(current)
+    return groups, merged
+
+
+def take_cached(groups: list[ReadGroup], cache: LRUCache | None) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
+    """Units found in the chunk cache leave their reads (which shrink or go)."""
+    if cache is None:
+        return groups, []
+    cached: list[tuple[UnitJob, np.ndarray]] = []
+    out: list[ReadGroup] = []
+    for g in groups:
+        rest = []
+        for u in g.units:
+            arr = cache.get((u.meta.root, u.unit))
+            if arr is None:
+                rest.append(u)
+            else:
+                cached.append((u, arr))
+        if len(rest) == len(g.units):
+            out.append(g)
+        elif rest:
+            if g.length < 0:
+                out.append(ReadGroup(g.key, g.offset, g.length, rest))
+            else:
+                start = min(u.offset for u in rest)
+                end = max(u.offset + u.nbytes for u in rest)
+                out.append(ReadGroup(g.key, start, end - start, rest))
+    return out, cached
+
+
+def fit_reads(groups: list[ReadGroup], capacity: int | None) -> list[ReadGroup]:
+    """Merged reads too large for ``capacity`` bytes in flight are read unit by unit again."""
+    if capacity is None:
+        return groups
+    out = []
+    for g in groups:
+        if g.reserve_nbytes > capacity and len(g.units) > 1:
+            out.extend(ReadGroup(g.key, u.offset, u.nbytes, [u]) for u in g.units)
+        else:
+            out.append(g)
+    return out
