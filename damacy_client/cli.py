@@ -1,10 +1,12 @@
-"""``damacy``: talk to the node's damacyd — ping it, warm its caches, show its stats."""
+"""``damacy``: see damacy work (demo), and talk to the node's damacyd — ping it, warm its
+caches, show its stats."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -30,7 +32,7 @@ def _connect(endpoint):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
-    """Control and inspect damacyd, the per-node damacy daemon."""
+    """Stream a demo, or control and inspect damacyd, the per-node damacy daemon."""
 
 
 @main.command()
@@ -146,6 +148,29 @@ def stats(endpoint, as_json, watch, interval):
         pass
     finally:
         conn.close()
+
+
+@main.command()
+@click.argument("uri", required=False)
+@click.option("--endpoint", default=None, help="Stream through the damacyd at this endpoint (default: embedded, in this process).")
+@click.option("--batches", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--size", type=click.Choice(["default", "small"]), default="default", show_default=True, help="The generated volume (without a uri): 256x512x512 or 64x128x128 uint16.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Where the generated volume is kept (default: ~/.cache/damacy).")
+def demo(uri, endpoint, batches, batch_size, size, data_dir):
+    """Stream random boxes into float32 batches and show the rate.
+
+    Without URI, a sharded, zstd-compressed volume is written once (into --data-dir) and
+    streamed; with URI, that Zarr v3 array (or NGFF image) is."""
+    from damacy_client import demo as d
+
+    try:
+        if uri is None:
+            uri = str(d.demo_volume(size, data_dir, log=lambda s: click.echo(s, err=True)))
+        d.run(uri, batches, batch_size, endpoint)
+    except DamacyError as e:
+        click.echo(f"damacy: {e}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,12 @@ def test_quickstart_runs(tmp_path, capsys):
     exec(compile(code.replace("data/volume.zarr", str(tmp_path / "volume.zarr")), "README quick start", "exec"), {})
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 10 and lines[0].startswith("0 (4, 32, 64, 64) float32")
+
+
+def test_ci_runs_the_readmes_test_command_exactly():
+    block = re.search(r"## Two commands\s*```bash\n(.*?)```", README.read_text(), re.S)
+    assert block, "the README has no two commands"
+    install_and_demo, install_and_test = [line.split("#")[0].strip() for line in block.group(1).strip().splitlines()]
+    assert install_and_demo.endswith("damacy demo")
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert install_and_test in ci

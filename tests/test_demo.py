@@ -1,0 +1,61 @@
+"""``damacy demo``: the volume it writes is a Zarr v3 array zarr-python reads alike, and the
+command streams it (embedded and through a damacyd) from a fresh cache folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import zarr
+from conftest import random_data, write_array
+from zarr.codecs import ZstdCodec
+
+import damacy
+from damacy_client import demo
+
+
+def damacy_command() -> list[str]:
+    exe = shutil.which("damacy", path=os.path.dirname(sys.executable)) or shutil.which("damacy")
+    assert exe, "the damacy command is not installed (pip install -e .)"
+    return [exe]
+
+
+def test_the_demo_writer_writes_what_zarr_python_reads(tmp_path):
+    data = random_data((40, 70, 33), "uint16", 9)  # edges: shards and chunks past the end
+    demo.write_volume(tmp_path / "w.zarr", data, shards=(32, 64, 32), chunks=(16, 32, 16))
+    assert np.array_equal(zarr.open_array(tmp_path / "w.zarr", mode="r")[...], data)
+    assert np.array_equal(damacy.read(tmp_path / "w.zarr"), data)
+    assert not (tmp_path / "w.zarr.part").exists()
+
+
+def test_demo_writes_its_volume_once_and_streams_it(tmp_path):
+    run = lambda *args: subprocess.run([*damacy_command(), "demo", *args], capture_output=True, text=True, timeout=300)  # noqa: E731
+    first = run("--size", "small", "--batches", "3", "--data-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    assert "writing the demo volume" in first.stderr and "done: 24 samples" in first.stdout
+    volume = tmp_path / "demo-small.zarr"
+    shape, _, _ = demo.SIZES["small"]
+    assert damacy.open_array(volume).shape == shape
+    again = run("--size", "small", "--batches", "2", "--batch-size", "3", "--data-dir", str(tmp_path))
+    assert again.returncode == 0 and "writing" not in again.stderr and "done: 6 samples" in again.stdout
+
+
+def test_demo_streams_a_given_array_through_a_damacyd(tmp_path, daemon):
+    write_array(tmp_path / "a.zarr", random_data((20, 30), "float32", 2), chunks=(10, 10), compressors=[ZstdCodec()])
+    out = subprocess.run(
+        [*damacy_command(), "demo", str(tmp_path / "a.zarr"), "--batches", "2", "--endpoint", daemon.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"damacyd at {daemon.endpoint}" in out.stdout and "(20, 30) float32" in out.stdout and "done: 16 samples" in out.stdout
+
+
+def test_demo_names_a_bad_uri(tmp_path):
+    out = subprocess.run([*damacy_command(), "demo", str(tmp_path / "nothing.zarr")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "nothing.zarr" in out.stderr and "Traceback" not in out.stderr
