@@ -31,6 +31,7 @@ def _connect(endpoint):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="damacy", prog_name="damacy")
 def main():
     """Stream a demo, or control and inspect damacyd, the per-node damacy daemon."""
 

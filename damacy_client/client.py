@@ -34,6 +34,9 @@ from damacy_runtime.batch import Batch, Slot
 log = logging.getLogger("damacy")
 
 PUSH_CHUNK = 256  # samples per push message at most
+#: when every slot is held by this process, how long a pop waits for the daemon to say the
+#: stream is drained before it says the slots are held
+HELD_GRACE_S = 1.0
 
 
 class RemotePipeline(PipelineAPI):
@@ -73,7 +76,7 @@ class RemotePipeline(PipelineAPI):
         self._next_batch = 0  # the id the next batch should have (for messages)
         self._next_call: Call | None = None  # the pop already sent for the next batch
         self._push_epoch = 0  # pushes so far (a drained answer to an older pop is stale)
-        self._held = 0  # batches handed out and not yet released
+        self._lent: dict[int, Slot] = {}  # batch id -> its slot, until the release is sent
         self._pushes_sent = 0
         self._push_calls: deque = deque()  # pushes not yet acknowledged
         self._closed = False
@@ -179,6 +182,13 @@ class RemotePipeline(PipelineAPI):
             call, self._next_call = self._next_call, None
             if call is None:
                 call = self._request_pop()
+            if not call.event.is_set() and self._held() >= self.config.prepared_batches:
+                # every slot is held here: no batch can come until one is released, so say so
+                # now (a drained stream is still answered, at once, by the daemon)
+                left = front.time_left(deadline)
+                if not call.event.wait(HELD_GRACE_S if left is None else min(left, HELD_GRACE_S)):
+                    self._next_call = call
+                    raise TimeoutError(self._waiting_for(timeout))
             if not call.event.wait(front.time_left(deadline)):
                 self._next_call = call  # its answer will serve the next pop
                 raise TimeoutError(self._waiting_for(timeout))
@@ -209,8 +219,8 @@ class RemotePipeline(PipelineAPI):
 
     def _waiting_for(self, timeout: float) -> str:
         slots = self.config.prepared_batches
+        held = self._held()
         with self._cond:
-            held = self._held
             if self._sources and self._conn.outstanding == 0:
                 why = front.WAITING_FOR_INPUT
             elif held >= slots:
@@ -248,10 +258,17 @@ class RemotePipeline(PipelineAPI):
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
         info = front.batch_info(self.config, r.count, dtype.name, r.batch_id, samples, errors, skipped)
-        with self._cond:
-            self._held += 1
         slot = Slot(full, lambda _slot, bid=r.batch_id: self._release(bid), index=r.slot)
-        return Batch(slot, info, dtype, full)
+        batch = Batch(slot, info, dtype, full)
+        with self._cond:
+            self._lent[r.batch_id] = slot
+        return batch
+
+    def _held(self) -> int:
+        """Batches handed out that are still held (by the Batch or arrays exported from it)."""
+        with self._cond:
+            slots = list(self._lent.values())
+        return sum(1 for s in slots if s.users > 0)
 
     def _release(self, batch_id: int) -> None:
         """A batch's slot is free (its Batch and every array from it are gone). This can run
@@ -261,7 +278,7 @@ class RemotePipeline(PipelineAPI):
 
     def _send_release(self, batch_id: int) -> None:
         with self._cond:
-            self._held -= 1
+            self._lent.pop(batch_id, None)
         if self._closed or self._conn.dead is not None:
             return
         try:

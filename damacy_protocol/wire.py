@@ -7,6 +7,7 @@ reason and the sample's context), used by the client and the daemon alike.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from damacy_protocol import messages as m
@@ -25,17 +26,23 @@ from damacy_protocol.errors import (
 from damacy_protocol.samples import IndexQuery, Sample
 
 
+def absolute_uri(uri: str) -> str:
+    """A local path made absolute in this process's working directory (the daemon's is
+    another); a URL (``scheme://...``) as given."""
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
 def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
-    """Sample ``seq`` of a client as sent; InvalidArgument for anything but a Sample or an
-    IndexQuery."""
+    """Sample ``seq`` of a client as sent (a relative path made absolute here); InvalidArgument
+    for anything but a Sample or an IndexQuery."""
     if isinstance(sample, Sample):
-        return m.WireSample(seq=seq, uri=sample.uri, box=[tuple(e) for e in sample.aabb])
+        return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), box=[tuple(e) for e in sample.aabb])
     if isinstance(sample, IndexQuery):
         axes = [
             m.WireAxis(start=s.start, stop=s.stop, step=s.step) if isinstance(s, slice) else m.WireAxis(indices=list(s))
             for s in sample.selection
         ]
-        return m.WireSample(seq=seq, uri=sample.uri, index=axes)
+        return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), index=axes)
     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
 
 

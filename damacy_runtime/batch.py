@@ -132,6 +132,11 @@ class Batch:
         out = np.asarray(_Lease(slot, raw)).view(self._dtype)
         return out.reshape(self.info.shape)
 
+    def copy(self) -> np.ndarray:
+        """The batch as a numpy array of its own (a copy): for code that keeps what it got
+        (logging, accumulating) without holding the slot."""
+        return np.array(self.numpy(), copy=True)
+
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:

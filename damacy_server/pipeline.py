@@ -255,6 +255,8 @@ class Pipeline(PipelineAPI):
                     raise PipelineDrained("nothing was pushed")
                 if self._drained():
                     raise PipelineDrained(f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted")
+                if self._all_slots_held():  # nothing can come until the caller lets a batch go
+                    raise TimeoutError(self._waiting_for(timeout))
                 left = front.time_left(deadline)
                 if left is not None and left <= 0:
                     raise TimeoutError(self._waiting_for(timeout))
@@ -275,6 +277,17 @@ class Pipeline(PipelineAPI):
         batch = Batch(slot, info, dtype, self.engine.slot_view(slot, dtype))
         slot.release()  # the engine's hold; the batch holds its own
         return batch
+
+    def _all_slots_held(self) -> bool:
+        """Every slot is held by batches handed out (or arrays exported from them), and no
+        batch is being assembled or pulled (call with the lock held)."""
+        engine = self.engine
+        return (
+            not engine.free_slots()
+            and engine.delivered_ids >= engine.started_ids
+            and not self._pulling
+            and not engine.patches_waiting()
+        )
 
     def _waiting_for(self, timeout: float) -> str:
         engine = self.engine

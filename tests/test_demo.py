@@ -59,3 +59,11 @@ def test_demo_streams_a_given_array_through_a_damacyd(tmp_path, daemon):
 def test_demo_names_a_bad_uri(tmp_path):
     out = subprocess.run([*damacy_command(), "demo", str(tmp_path / "nothing.zarr")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "nothing.zarr" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_both_commands_say_their_version():
+    from importlib.metadata import version
+
+    for exe in (damacy_command()[0], shutil.which("damacyd", path=os.path.dirname(sys.executable))):
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and version("damacy") in out.stdout and os.path.basename(exe) in out.stdout

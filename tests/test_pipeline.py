@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import tracemalloc
@@ -294,6 +295,40 @@ def test_held_slots_are_named_in_the_timeout(store, make):
             p.pop(timeout=0.5)
         first.release()
         p.pop(timeout=10).release()
+
+
+def test_pop_says_at_once_when_every_slot_is_held(store, make):
+    uri, _ = store[1]["u16"]
+    with make(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:  # pop_timeout_s: the default
+        p.push(damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(4))
+        kept = p.pop().numpy()  # an exported array keeps the only slot
+        outcome = []
+        finished = threading.Event()
+
+        def pop():
+            try:
+                p.pop()
+            except TimeoutError as e:
+                outcome.append(e)
+            finished.set()
+
+        threading.Thread(target=pop, daemon=True).start()
+        assert finished.wait(60), "pop waited out its timeout although every slot was held"
+        assert "held by batches" in str(outcome[0])
+        del kept
+        p.pop(timeout=30).release()  # the slot is free again: the stream goes on
+
+
+def test_batch_copy_is_an_array_of_its_own(store, make):
+    uri, arr = store[1]["u16"]
+    with make(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:
+        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8]), damacy.Sample(uri, np.s_[6:12, 0:7, 0:8])])
+        with p.pop() as b:
+            owned = b.copy()
+        assert owned.flags.owndata and owned.flags.writeable
+        with p.pop(timeout=30) as b2:  # the copy does not hold the slot
+            assert np.array_equal(b2.numpy()[0], arr[6:12, 0:7, 0:8].astype("f4"))
+        assert np.array_equal(owned[0], arr[0:6, 0:7, 0:8].astype("f4"))
 
 
 def test_generator_error_is_raised_at_its_pop(store, make):
@@ -629,3 +664,14 @@ def test_fill_policy_with_a_nan_fill_value_and_an_integer_batch(tmp_path, make):
             with np.errstate(invalid="ignore"):
                 nan_as_i16 = np.asarray(np.nan, "f4").astype("i2")
             assert (x[0] == 1).all() and (x[1] == nan_as_i16).all()
+
+
+def test_relative_uris_name_the_callers_files_in_both_modes(store, make, monkeypatch):
+    uri, arr = store[1]["u16"]
+    folder, name = os.path.split(uri)
+    monkeypatch.chdir(folder)  # the daemon runs elsewhere: the client makes the path absolute
+    with make(config(n=2)) as p:
+        p.push([damacy.Sample(name, np.s_[0:6, 0:7, 0:8]), damacy.IndexQuery(name, (slice(6, 12), list(range(7)), slice(0, 8)))])
+        with p.pop() as b:
+            assert b.info.samples[0].uri == name  # the caller's samples come back as given
+            assert np.array_equal(b.numpy(), arr[0:12, 0:7, 0:8].astype("f4").reshape(2, 6, 7, 8))
