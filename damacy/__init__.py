@@ -62,27 +62,74 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 
-def Pipeline(config: Config | None = None, *, endpoint: str | None = None, **parts):  # noqa: N802 - a class to its users
-    """A streaming pipeline: embedded in this process, or run by damacyd.
+_chosen: set[str] = set()  # what Pipeline() chose, logged once per process
 
-    ``Pipeline(config)`` runs the engine here; ``Pipeline(config, endpoint="ipc://...")``
-    (or with ``DAMACY_ENDPOINT`` set) is a client of the node's damacyd, with the same
-    behaviour. Composed from parts (``planner=..., executor=..., output=..., queues=...``)
-    it is always embedded.
+
+def _say_once(what: str) -> None:
+    if what not in _chosen:
+        _chosen.add(what)
+        import logging
+
+        logging.getLogger("damacy").info("damacy: %s", what)
+
+
+def _node_daemon() -> str | None:
+    """The node's default endpoint when a damacyd answers there (in a folder of this user's
+    own), else None."""
+    import os
+
+    from damacy_protocol.endpoint import check_private_folder, node_endpoint
+
+    endpoint = node_endpoint()
+    path = endpoint[len("ipc://") :]
+    if not os.path.exists(path):
+        return None
+    try:
+        check_private_folder(os.path.dirname(path))
+    except InvalidArgument as e:
+        _say_once(f"not using the socket at {path}: {e}")
+        return None
+    from damacy_runtime.probe import ping
+
+    return endpoint if ping(endpoint, 0.5) else None
+
+
+def Pipeline(config: Config | None = None, *, endpoint: str | None = None, embedded: bool | None = None, **parts):  # noqa: N802 - a class to its users
+    """A streaming pipeline: run by the node's damacyd when one answers, else embedded here.
+
+    ``Pipeline(config)`` uses the damacyd at ``$DAMACY_ENDPOINT`` when that is set, else the
+    one at the node's default endpoint (``ipc:///tmp/damacy-UID/damacyd.sock``) when it
+    answers, else runs the engine in this process; the choice is logged once (logger
+    "damacy", level INFO). ``endpoint=...`` asks for that daemon; ``embedded=True`` runs here
+    whatever answers, ``embedded=False`` requires a daemon. Composed from parts
+    (``planner=..., executor=..., output=..., queues=...``) it is always embedded. Both kinds
+    behave the same.
     """
     import os
 
-    if endpoint is None and not parts:
-        endpoint = os.environ.get("DAMACY_ENDPOINT") or None
+    if embedded and endpoint is not None:
+        raise InvalidArgument("a pipeline is embedded or has an endpoint, not both")
+    if parts and (endpoint is not None or embedded is False):
+        raise InvalidArgument(f"a daemon pipeline takes a Config only, not {sorted(parts)}")
+    if not parts and not embedded:
+        if endpoint is None:
+            endpoint = os.environ.get("DAMACY_ENDPOINT") or _node_daemon()
+        if endpoint is None and embedded is False:
+            from damacy_protocol.endpoint import node_endpoint
+
+            raise DaemonUnavailable(f"no damacyd answers at {node_endpoint()} (and DAMACY_ENDPOINT is not set)")
     if endpoint is not None:
-        if parts:
-            raise InvalidArgument(f"a daemon pipeline takes a Config only, not {sorted(parts)}")
         from damacy_client.client import RemotePipeline
 
-        return RemotePipeline(config, endpoint)
+        pipe = RemotePipeline(config, endpoint)
+        _say_once(f"using damacyd at {pipe.endpoint}")
+        return pipe
     from damacy_server.pipeline import Pipeline as EmbeddedPipeline
 
+    if not parts and not embedded:
+        _say_once("no damacyd answers at the node's endpoint: running embedded")
     return EmbeddedPipeline(config, **parts)
+
 
 __all__ = [
     "Batch",

@@ -21,7 +21,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ClientConnection
 from damacy_protocol.wire import error_from_wire
-from damacy_protocol.endpoint import default_endpoint
+from damacy_protocol.endpoint import check_private_folder, default_endpoint, node_endpoint
 from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError, UnexpectedReply
 from damacy_runtime.waker import Waker
 
@@ -58,6 +58,8 @@ class Connection:
 
     def __init__(self, endpoint: str | None = None, *, rank: int | None = None, config: Config | None = None, connect_timeout_s: float = 10.0) -> None:
         self.endpoint = endpoint or default_endpoint()
+        if self.endpoint == node_endpoint():  # in /tmp: only a socket in a folder of this user's
+            check_private_folder(os.path.dirname(self.endpoint[len("ipc://") :]))
         self._proto = ClientConnection()
         self._lock = threading.Lock()
         self._calls: dict[int, Call] = {}

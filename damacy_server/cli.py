@@ -56,7 +56,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="damacy", prog_name="damacyd")
-@click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (default: $DAMACY_ENDPOINT, else an ipc socket under $XDG_RUNTIME_DIR or /tmp).")
+@click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (default: $DAMACY_ENDPOINT, else the node's ipc:///tmp/damacy-UID/damacyd.sock).")
 @click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(exists=True, file_okay=False), help="A directory whose arrays may be served (repeatable). Without one, nothing is served.")
 @click.option("--memory", type=Size(), default="8G", show_default=True, help="Host memory for batch slots plus chunk data in flight, all sessions together.")
 @click.option("--chunk-cache", type=Size(), default="0", show_default=True, help="Decoded chunks kept for all sessions (LRU by bytes); 0 turns it off.")

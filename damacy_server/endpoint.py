@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 import zmq
 
+from damacy_protocol.endpoint import check_private_folder, node_endpoint
 from damacy_protocol.errors import InvalidArgument
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
@@ -122,6 +123,8 @@ def bind_socket(socket: zmq.Socket, options: Any) -> None:
         return
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    if options.endpoint == node_endpoint():
+        check_private_folder(folder)  # /tmp is shared: the folder must be this user's alone
     if os.path.exists(path):
         from damacy_runtime.probe import ping
 

@@ -1,7 +1,7 @@
 """A DDP training loop fed by damacyd: `torchrun --nproc-per-node 4 deploy/torchrun_example.py DATA.zarr`.
 
 Each rank draws its own random boxes; the node's damacyd (started once, see README) reads
-and decodes them with one shared cache. Without DAMACY_ENDPOINT the pipeline runs embedded.
+and decodes them with one shared cache. Without a damacyd answering (at $DAMACY_ENDPOINT or the node's default endpoint) the pipeline runs embedded.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     shape = damacy.open_array(uri).shape
     box = (64, 128, 128)
     cfg = damacy.Config(samples_per_batch=8, sample_shape=box, dtype="bf16")
-    with damacy.Pipeline(cfg) as pipe:  # a daemon client when DAMACY_ENDPOINT is set
+    with damacy.Pipeline(cfg) as pipe:  # the node's damacyd when one answers, else embedded
         pipe.push(samples(uri, shape, box, rank))
         for step, batch in enumerate(pipe.batches(100)):
             with batch:

@@ -20,6 +20,7 @@ from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_protocol import messages as m
+from damacy_runtime.probe import ping
 
 LE = BytesCodec(endian="little")
 SHAPE = (64, 48, 40)
@@ -340,3 +341,52 @@ print(loaded)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_pipeline_finds_the_node_daemon_whatever_the_environment(tmp_path, data, monkeypatch):
+    import damacy_client.client
+    import damacy_server.pipeline
+    from damacy_protocol.endpoint import check_private_folder, node_endpoint
+
+    endpoint = node_endpoint()
+    if ping(endpoint, 0.5):
+        pytest.skip(f"a damacyd of this user already serves {endpoint}")
+    env = {k: v for k, v in os.environ.items() if k not in ("DAMACY_ENDPOINT", "XDG_RUNTIME_DIR")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the daemon's environment differs from the clients'
+    proc = subprocess.Popen([*damacyd_command(), "--allow-root", str(data)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: ping(endpoint, 0.2) or proc.poll() is not None, what="damacyd to answer") and proc.poll() is None
+        check_private_folder(os.path.dirname(endpoint[len("ipc://") :]))
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4, 4), pop_timeout_s=30)
+        for xdg in (None, str(tmp_path / "elsewhere")):
+            monkeypatch.delenv("DAMACY_ENDPOINT", raising=False)
+            if xdg is None:
+                monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+            else:
+                monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+            with damacy.Pipeline(cfg) as p:
+                assert isinstance(p, damacy_client.client.RemotePipeline) and p.endpoint == endpoint
+                p.push([damacy.Sample(str(data / "vol.zarr"), ((0, 4), (0, 4), (0, 4)))])
+                with p.pop() as b:
+                    assert np.array_equal(b.numpy()[0], damacy.read(data / "vol.zarr", np.s_[0:4, 0:4, 0:4], dtype="f32"))
+        with damacy.Pipeline(cfg, embedded=True) as p:
+            assert isinstance(p, damacy_server.pipeline.Pipeline)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4, 4))
+    with damacy.Pipeline(cfg) as p:  # none answers now: embedded
+        assert isinstance(p, damacy_server.pipeline.Pipeline)
+    with pytest.raises(damacy.DaemonUnavailable, match="no damacyd answers"):
+        damacy.Pipeline(cfg, embedded=False)
+
+
+def test_a_socket_folder_others_may_write_is_not_trusted(tmp_path):
+    from damacy_protocol.endpoint import check_private_folder
+
+    folder = tmp_path / "sock"
+    folder.mkdir(mode=0o700)
+    check_private_folder(str(folder))
+    folder.chmod(0o777)
+    with pytest.raises(damacy.InvalidArgument, match="not a private folder"):
+        check_private_folder(str(folder))
