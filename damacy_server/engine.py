@@ -104,6 +104,7 @@ class BatchEngine:
         self._patches: deque[_Pending] = deque()
         self._next_id = 0  # the next batch id to start
         self._next_out = 0  # the next batch id to deliver
+        self._native: np.dtype | None = None  # dtype="native": the first array's, for every batch
         self.closed = False
         self.sample_errors = 0
         self.deduplicated = 0
@@ -209,7 +210,12 @@ class BatchEngine:
         samples = [pending.samples[p] for p in positions]
         executor = self.executor
         plan = self.planner.plan(
-            samples, spec.sample_shape, spec.out_of_bounds, capacity=executor.inflight_capacity, cache=executor.chunk_cache
+            samples,
+            spec.sample_shape,
+            spec.out_of_bounds,
+            capacity=executor.inflight_capacity,
+            cache=executor.chunk_cache,
+            accept=self._accept_native if spec.dtype is None else None,
         )
         self.executor.stats.add("plan", plan.seconds, count=len(samples))
         with self.cond:
@@ -226,13 +232,27 @@ class BatchEngine:
 
         self.executor.execute(plan, targets, done, lambda: self.closed, key=id(self))
 
+    def _accept_native(self, meta: Any) -> None:
+        """dtype="native": the first array read fixes the dtype of every batch; an array that
+        cannot be cast to it safely is refused (its sample's error), never wrapped."""
+        dtype = meta.dtype.newbyteorder("=")
+        with self.cond:
+            if self._native is None:
+                self._native = dtype
+            native = self._native
+        if not np.can_cast(dtype, native, "safe"):
+            raise InvalidArgument(
+                f"the array holds {dtype.name}, which does not cast safely to {native.name}, the pipeline's dtype "
+                "(dtype='native' takes the first array's); give the Config an explicit dtype to cast"
+            )
+
     def _batch_dtype(self, pending: _Pending, plan: Any) -> np.dtype:
         if pending.dtype is None:
             if self.spec.dtype is not None:
                 pending.dtype = self.spec.dtype
-            else:  # "native": the dtype of the batch's first readable array
-                first = next((m for m in plan.metas if m is not None), None)
-                pending.dtype = first.dtype if first is not None else np.dtype("float32")
+            else:  # "native": fixed by the first array read (float32 until one is)
+                with self.cond:
+                    pending.dtype = self._native if self._native is not None else np.dtype("float32")
         return pending.dtype
 
     def _executed(self, pending: _Pending, positions: list[int], plan: Any, errors: dict[int, SampleError], targets: list) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,10 +218,12 @@ class ChunkPlanner:
         *,
         capacity: int | None = None,
         cache: LRUCache | None = None,
+        accept: Callable[[ArrayMetadata], None] | None = None,
     ) -> BatchPlan:
         """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
         flight) merged reads that would not fit are split again; with its chunk ``cache``,
-        units found there leave their reads and come with their arrays (``plan.cached``)."""
+        units found there leave their reads and come with their arrays (``plan.cached``).
+        ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's)."""
         t0 = time.perf_counter()
         n = len(samples)
         shapes: list[tuple[int, ...] | None] = [None] * n
@@ -235,6 +237,8 @@ class ChunkPlanner:
                     raise sample.error
                 meta = self.metadata.array(sample.uri)
                 metas[i] = meta
+                if accept is not None:
+                    accept(meta)
                 axes = sample_axes(sample, meta, out_of_bounds)
                 shape = selection_shape(axes)
                 if not same_shape(shape, sample_shape):

@@ -93,7 +93,7 @@ def test_random_boxes_with_padding(store, data, make):
         assert got == len(samples)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "f64", "u8", "u16", "i16", "i32", "native"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "f64", "u8", "u16", "i16", "i32"])
 def test_every_output_dtype_and_mixed_sources(store, dtype, make):
     samples = []
     for k, (uri, arr) in enumerate(store[1].values()):
@@ -104,11 +104,38 @@ def test_every_output_dtype_and_mixed_sources(store, dtype, make):
         seen = 0
         for batch in p.batches():
             with batch:
-                if dtype != "native":
-                    assert batch.info.dtype == dtype and batch.numpy().dtype == out_dtype(dtype)
-                check_batch(batch, by_uri(store), dtype if dtype != "native" else "native")
+                assert batch.info.dtype == dtype and batch.numpy().dtype == out_dtype(dtype)
+                check_batch(batch, by_uri(store), dtype)
                 seen += len(batch)
     assert seen == len(samples)
+
+
+def test_native_dtype_is_the_first_arrays_for_the_whole_pipeline(store, make):
+    arrays = store[1]
+    u16, f32, i8 = arrays["u16"][0], arrays["f32-sharded"][0], arrays["i8-blosc"][0]
+    box = np.s_[0:6, 3:10, 40:48]
+    # u16 first: f32 and i8 do not cast safely to uint16 and are refused, naming both dtypes
+    samples = [damacy.Sample(u16, box), damacy.Sample(f32, box), damacy.Sample(i8, box), damacy.Sample(arrays["u16-sharded-start"][0], box)]
+    with make(config(n=2, dtype="native", on_error="fill")) as p:
+        p.push(samples)
+        errors = {}
+        for batch in p.batches():
+            with batch:
+                assert batch.info.dtype == "uint16" and batch.numpy().dtype == np.uint16
+                for j, err in batch.info.errors:
+                    errors[batch.info.samples[j].uri] = str(err)
+                for j, sample in enumerate(batch.info.samples):
+                    if sample.uri == u16:
+                        assert np.array_equal(batch.numpy()[j], arrays["u16"][1][box])
+    assert set(errors) == {f32, i8}
+    assert "float32" in errors[f32] and "uint16" in errors[f32] and "int8" in errors[i8]
+    # i8 first: uint16 does not cast safely to int8
+    with make(config(n=1, dtype="native", on_error="fill")) as p:
+        p.push([damacy.Sample(i8, box), damacy.Sample(u16, box)])
+        with p.pop() as b:
+            assert b.numpy().dtype == np.int8 and not b.info.errors
+        with p.pop() as b:
+            assert b.numpy().dtype == np.int8 and b.info.errors
 
 
 def test_index_queries_with_duplicates_and_reversed_order(store, make):
