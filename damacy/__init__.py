@@ -94,7 +94,21 @@ def _node_daemon() -> str | None:
     return endpoint if ping(endpoint, 0.5) else None
 
 
-def Pipeline(config: Config | None = None, *, endpoint: str | None = None, embedded: bool | None = None, **parts):  # noqa: N802 - a class to its users
+class _AnyPipeline(type):
+    """``isinstance(p, damacy.Pipeline)`` holds for both kinds (they share PipelineAPI)."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        from damacy_runtime.api import PipelineAPI
+
+        return isinstance(obj, PipelineAPI)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        from damacy_runtime.api import PipelineAPI
+
+        return isinstance(sub, type) and issubclass(sub, PipelineAPI)
+
+
+class Pipeline(metaclass=_AnyPipeline):
     """A streaming pipeline: run by the node's damacyd when one answers, else embedded here.
 
     ``Pipeline(config)`` uses the damacyd at ``$DAMACY_ENDPOINT`` when that is set, else the
@@ -105,6 +119,12 @@ def Pipeline(config: Config | None = None, *, endpoint: str | None = None, embed
     (``planner=..., executor=..., output=..., queues=...``) it is always embedded. Both kinds
     behave the same.
     """
+
+    def __new__(cls, config: Config | None = None, *, endpoint: str | None = None, embedded: bool | None = None, **parts):
+        return _make_pipeline(config, endpoint, embedded, parts)
+
+
+def _make_pipeline(config: Config | None, endpoint: str | None, embedded: bool | None, parts: dict):
     import os
 
     if embedded and endpoint is not None:

@@ -79,3 +79,15 @@ def test_metadata_is_exposed(tmp_path):
     meta = damacy.open_array(tmp_path / "a")
     assert meta.shape == (6, 5) and meta.dtype == np.dtype("u2") and meta.chunk_shape == (4, 4)
     assert "bytes" in meta.codecs.describe()
+
+
+def test_open_array_names_chunks_and_shards_as_zarr_python(tmp_path):
+    import zarr
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    write_array(tmp_path / "s", random_data((16, 12), "uint16", 1), chunks=(8, 12), serializer=ShardingCodec(chunk_shape=(4, 6), codecs=[BytesCodec()]))
+    write_array(tmp_path / "p", random_data((16, 12), "float32", 1), chunks=(8, 6))
+    for name in ("s", "p"):
+        meta, ref = damacy.open_array(tmp_path / name), zarr.open_array(tmp_path / name, mode="r")
+        assert meta.chunks == ref.chunks and meta.shards == ref.shards, name
+    assert repr(damacy.open_array(tmp_path / "s")) == f"<damacy array {tmp_path / 's'} shape=(16, 12) uint16 chunks=(4, 6) shards=(8, 12)>"

@@ -702,3 +702,10 @@ def test_relative_uris_name_the_callers_files_in_both_modes(store, make, monkeyp
         with p.pop() as b:
             assert b.info.samples[0].uri == name  # the caller's samples come back as given
             assert np.array_equal(b.numpy(), arr[0:12, 0:7, 0:8].astype("f4").reshape(2, 6, 7, 8))
+
+
+def test_both_kinds_are_a_damacy_pipeline(make):
+    with make(config(n=1)) as p:
+        assert isinstance(p, damacy.Pipeline)
+    assert issubclass(damacy.EmbeddedPipeline, damacy.Pipeline) and issubclass(damacy.RemotePipeline, damacy.Pipeline)
+    assert not isinstance(object(), damacy.Pipeline)

@@ -39,7 +39,7 @@ class ArrayMetadata:
     root: str  # the store key of the array's folder
     shape: tuple[int, ...]
     dtype: np.dtype  # native byte order
-    chunk_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]  # the chunk grid's: the shard shape when the array is sharded
     fill_value: np.generic
     chunk_key_encoding: ChunkKeyEncoding
     codecs: CodecChain
@@ -50,6 +50,21 @@ class ArrayMetadata:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The shape of a chunk as zarr-python names it: the inner chunk of a sharded array
+        (the unit damacy reads and decodes)."""
+        return self.layout.unit_shape
+
+    @property
+    def shards(self) -> tuple[int, ...] | None:
+        """The shard shape of a sharded array (zarr-python's ``shards``), else None."""
+        return self.chunk_shape if self.layout.levels else None
+
+    def __repr__(self) -> str:
+        shards = "" if self.shards is None else f" shards={self.shards}"
+        return f"<damacy array {self.uri} shape={self.shape} {self.dtype.name} chunks={self.chunks}{shards}>"
 
     def chunk_key(self, coords: tuple[int, ...]) -> str:
         """The store key of the chunk (or shard) object at grid ``coords``."""
