@@ -94,6 +94,17 @@ def assert_same(got: np.ndarray, expected: np.ndarray) -> None:
         assert np.array_equal(got, expected)
 
 
+@pytest.fixture(autouse=True)
+def _hermetic_pipelines(request, monkeypatch):
+    """damacy.Pipeline(cfg) uses a damacyd running at the node's default endpoint: a user's own
+    daemon must not take the tests' pipelines (only tests marked node_daemon look for one)."""
+    if request.node.get_closest_marker("node_daemon") is None:
+        import damacy
+
+        monkeypatch.setattr(damacy, "_node_daemon", lambda: None)
+        monkeypatch.delenv("DAMACY_ENDPOINT", raising=False)
+
+
 @pytest.fixture(scope="session")
 def conformance_dir() -> Path:
     import os

@@ -343,6 +343,7 @@ print(loaded)
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@pytest.mark.node_daemon
 def test_pipeline_finds_the_node_daemon_whatever_the_environment(tmp_path, data, monkeypatch):
     import damacy_client.client
     import damacy_server.pipeline
