@@ -51,7 +51,7 @@ def start_daemon(data: Path, folder: Path, extra: list[str] = ()) -> tuple[subpr
     endpoint = f"ipc://{folder}/bench.sock"
     exe = shutil.which("damacyd", path=os.path.dirname(sys.executable)) or "damacyd"
     proc = subprocess.Popen(
-        [exe, "--endpoint", endpoint, "--allow-root", str(data), "--memory", "4G", "--decode-workers", str(runners.CPUS), "--log-level", "warning", *extra],
+        [exe, "--endpoint", endpoint, "--allow-root", str(data), "--memory", "4G", "--log-level", "warning", *extra],
     )
     t0 = time.monotonic()
     while not ping(endpoint, 0.2):

@@ -34,7 +34,6 @@ def damacy_config(scn, **kw) -> damacy.Config:
         max_memory_bytes=kw.pop("max_memory_bytes", 4 << 30),
         lookahead_samples=kw.pop("lookahead_samples", 3 * scn.samples_per_batch),
         prepared_batches=kw.pop("prepared_batches", 3),
-        decode_workers=kw.pop("decode_workers", CPUS),
         pop_timeout_s=600,
         **kw,
     )

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from damacy_protocol.checks import Count, Seconds, Size, checked
+from damacy_protocol.checks import Count, Seconds, Size, checked, default_decode_workers
 from damacy_protocol.dtypes import canonical_dtype
 from damacy_protocol.errors import InvalidArgument
 
@@ -31,7 +31,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     - ``lookahead_samples``: samples pulled and in flight before their batch is popped
       (default: two batches); at least ``samples_per_batch``.
     - ``prepared_batches``: batch slots (ready or being filled).
-    - ``io_workers``, ``decode_workers``: threads reading and decoding (default: the CPUs).
+    - ``io_workers``, ``decode_workers``: threads reading and decoding (default: the CPUs, at
+      least 4 readers; the CPUs plus one decoders).
     - ``array_cache_entries``, ``shard_index_cache_entries``: metadata cache bounds.
     - ``chunk_cache_bytes``: decoded chunks kept for reuse across batches (0: off; beside
       ``max_memory_bytes``). A daemon has one cache for all its clients instead.
@@ -86,7 +87,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
         if self.io_workers is None:
             set_(self, "io_workers", max(4, cpus))
         if self.decode_workers is None:
-            set_(self, "decode_workers", cpus)
+            set_(self, "decode_workers", default_decode_workers())
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__struct_fields__}

@@ -13,6 +13,7 @@ import sys
 import click
 
 from damacy_protocol.errors import DamacyError
+from damacy_protocol.checks import default_decode_workers
 from damacy_protocol.endpoint import default_endpoint
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
@@ -61,7 +62,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--memory", type=Size(), default="8G", show_default=True, help="Host memory for batch slots plus chunk data in flight, all sessions together.")
 @click.option("--chunk-cache", type=Size(), default="0", show_default=True, help="Decoded chunks kept for all sessions (LRU by bytes); 0 turns it off.")
 @click.option("--io-workers", type=click.IntRange(1), default=max(4, os.cpu_count() or 1), show_default=True)
-@click.option("--decode-workers", type=click.IntRange(1), default=os.cpu_count() or 1, show_default=True)
+@click.option("--decode-workers", type=click.IntRange(1), default=default_decode_workers(), show_default=True, help="Decoder threads (default: the CPUs plus one).")
 @click.option("--socket-mode", default="600", show_default=True, help="Octal mode of the ipc socket file.")
 @click.option("--socket-group", default=None, help="Group to own the ipc socket file and the slots' shared memory (with --socket-mode 660 lets a group connect).")
 @click.option("--allow-uid", "allow_uids", multiple=True, help="Accept sessions only from this user (name or uid; repeatable; with --allow-gid, either suffices). The daemon's own user is always accepted. ipc endpoints only.")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.checks import Count, Size, check_fields
+from damacy_protocol.checks import Count, Size, check_fields, default_decode_workers
 from damacy_protocol.errors import SampleError
 from damacy_server import native, optable
 from damacy_server.budget import MemoryBudget, Reservation, StageStats
@@ -64,7 +63,7 @@ class CpuLimits:
 
     def __post_init__(self) -> None:
         if self.decode_workers is None:
-            object.__setattr__(self, "decode_workers", os.cpu_count() or 1)
+            object.__setattr__(self, "decode_workers", default_decode_workers())
         check_fields(self, {"max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool})
 
 
