@@ -114,6 +114,19 @@ def write_volume(path: Path, data: np.ndarray, shards: tuple[int, ...], chunks: 
     os.replace(tmp, path)
 
 
+STAGES = ("plan", "read", "decode", "assemble")  # "native" and "direct" are parts of these
+
+
+def _stage_line(stats: dict) -> str:
+    """Where the time went so far: each stage's share of the seconds all threads spent."""
+    stages = stats.get("stages", {})
+    seconds = {name: stages[name]["seconds"] for name in STAGES if name in stages}
+    total = sum(seconds.values())
+    if total <= 0:
+        return ""
+    return " ".join(f"{name} {100 * s / total:.0f}%" for name, s in seconds.items())
+
+
 def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.stdout) -> dict:
     """Stream ``batches`` batches of random boxes of ``uri``; print a live line, then a
     summary. Returns the figures."""
@@ -144,7 +157,8 @@ def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.s
             if done == batches or done % 4 == 0:
                 seconds = now - t0
                 print(
-                    f"\r  {done}/{batches} batches  {done * batch_size / seconds:7.1f} samples/s  {nbytes / seconds / 1e9:5.2f} GB/s",
+                    f"\r  {done}/{batches} batches  {done * batch_size / seconds:7.1f} samples/s  "
+                    f"{nbytes / seconds / 1e9:5.2f} GB/s  {_stage_line(pipe.stats())}   ",
                     end="",
                     file=out,
                     flush=True,
@@ -153,7 +167,7 @@ def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.s
     seconds = time.perf_counter() - t0
     print(file=out)
     stages = stats.get("stages", {})
-    busy = ", ".join(f"{name} {s['seconds']:.2f} s" for name, s in stages.items() if s["seconds"] > 0 and name not in ("direct", "native"))
+    busy = ", ".join(f"{name} {stages[name]['seconds']:.2f} s" for name in STAGES if name in stages and stages[name]["seconds"] > 0)
     print(
         f"done: {done * batch_size} samples in {seconds:.2f} s ({done * batch_size / seconds:.1f} samples/s, "
         f"{nbytes / seconds / 1e9:.2f} GB/s); first batch after {first or 0:.2f} s",

@@ -37,6 +37,8 @@ def test_demo_writes_its_volume_once_and_streams_it(tmp_path):
     first = run("--size", "small", "--batches", "3", "--data-dir", str(tmp_path))
     assert first.returncode == 0, first.stderr
     assert "writing the demo volume" in first.stderr and "done: 24 samples" in first.stdout
+    live = first.stdout.split("\r")[-1]  # the live line, as last drawn
+    assert "3/3 batches" in live and "samples/s" in live and "GB/s" in live and "decode" in live
     volume = tmp_path / "demo-small.zarr"
     shape, _, _ = demo.SIZES["small"]
     assert damacy.open_array(volume).shape == shape
