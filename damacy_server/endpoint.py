@@ -1,7 +1,8 @@
 """Where damacyd listens, and who may connect.
 
-The default endpoint is an ``ipc://`` socket under the user's runtime directory
-(``$XDG_RUNTIME_DIR``, else /tmp), overridden by ``DAMACY_ENDPOINT``. The ipc socket file is
+The default endpoint is the node's ``ipc:///tmp/damacy-UID/damacyd.sock`` (the same for every
+process of the user; see :mod:`damacy_protocol.endpoint`), overridden by ``DAMACY_ENDPOINT``
+or ``--endpoint``. The ipc socket file is
 owner-only unless ``--socket-mode``/``--socket-group`` widen it (the slots' shared-memory
 segments follow). A TCP endpoint binds only to loopback unless CURVE keys are given.
 
