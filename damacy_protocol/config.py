@@ -38,7 +38,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
       ``max_memory_bytes``). A daemon has one cache for all its clients instead.
     - ``on_error``: ``"raise"`` a bad sample's error at the pop that would have held it,
       ``"fill"`` it with the fill value and list it in ``batch.info.errors``, or ``"skip"`` it.
-    - ``out_of_bounds``: ``"pad"`` boxes that leave the array with its fill value, or ``"error"``.
+    - ``out_of_bounds``: ``"pad"`` the positions a sample selects outside the array with its
+      fill value (boxes and index lists alike), or ``"error"``.
     - ``drop_last``: drop the last batch when it is not full.
     - ``pop_timeout_s``: how long ``pop`` waits for a batch (``None``: no limit).
     - ``switch_interval_s``: while an embedded pipeline is open, the interpreter's thread

@@ -15,7 +15,7 @@ from damacy_protocol.config import Config
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -29,22 +29,41 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
 # -- values inside messages -------------------------------------------------------------
 
 
-class WireAxis(msgspec.Struct, array_like=True):
-    """One axis of an index query: an index list, or a slice (start, stop, step)."""
+class WireRange(msgspec.Struct, array_like=True, tag="r"):
+    """A range of one axis: start, stop (None: the array's bound), step (None: 1)."""
 
-    indices: list[int] | None = None
     start: int | None = None
     stop: int | None = None
     step: int | None = None
 
 
+class WireAt(msgspec.Struct, array_like=True, tag="i"):
+    """One position of an axis (the axis is dropped)."""
+
+    index: int
+
+
+class WireList(msgspec.Struct, array_like=True, tag="l"):
+    """An index list of an axis."""
+
+    indices: list[int]
+
+
+class WireRest(msgspec.Struct, array_like=True, tag="e"):
+    """``...``: the axes not named."""
+
+
+#: one entry of a selection (see :mod:`damacy_protocol.selection`)
+WireEntry = Union[WireRange, WireAt, WireList, WireRest]
+
+
 class WireSample(msgspec.Struct, array_like=True):
-    """A Sample (``box`` set) or an IndexQuery (``index`` set), numbered by the client."""
+    """A Sample (``box`` true) or an IndexQuery, numbered by the client."""
 
     seq: int
     uri: str
-    box: list[tuple[int | None, int | None]] | None = None
-    index: list[WireAxis] | None = None
+    box: bool
+    axes: list[WireEntry]
 
 
 class WireError(msgspec.Struct):

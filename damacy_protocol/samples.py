@@ -4,19 +4,11 @@ they travel to the daemon as they are."""
 
 from __future__ import annotations
 
-import operator
+from types import EllipsisType
 from typing import Any
 
 from damacy_protocol.errors import InvalidArgument
-
-
-def _int(value: Any, what: str, uri: str) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be an integer, got {value!r}", uri=uri)
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgument(f"{what} must be an integer, got {value!r}", uri=uri) from None
+from damacy_protocol.selection import BOX, QUERY, Indices, describe, key, normalize
 
 
 def _uri(uri: Any) -> str:
@@ -27,8 +19,16 @@ def _uri(uri: Any) -> str:
     return os.fspath(uri)
 
 
+def _span(entry: Any) -> tuple[int | None, int | None]:
+    if isinstance(entry, slice):
+        return (entry.start, entry.stop)
+    return (entry, entry + 1)
+
+
 class Sample:
-    """A box of the array at ``uri``: per axis ``(start, stop)`` or a slice (``np.s_[...]``).
+    """A box of the array at ``uri``: per axis ``(start, stop)``, a slice or an integer (the
+    axis is dropped), in a tuple (``np.s_[...]``); ``...`` stands for the axes not named and
+    fewer entries select the rest whole (see :mod:`damacy_protocol.selection`).
 
     Coordinates are absolute array coordinates: a box may reach outside the array (negative
     starts, stops past the end) and that part is padded with the array's fill value (or
@@ -36,99 +36,80 @@ class Sample:
     (``np.s_[:, 0:64]``) means the array's own bound on that axis.
     """
 
-    __slots__ = ("uri", "aabb", "_hash")
+    __slots__ = ("uri", "selection", "_hash")
 
     uri: str
-    aabb: tuple[tuple[int | None, int | None], ...]
+    selection: tuple[slice | int | EllipsisType, ...]
 
-    def __init__(self, uri: Any, aabb: Any) -> None:
+    def __init__(self, uri: Any, box: Any) -> None:
         uri = _uri(uri)
-        if not isinstance(aabb, (tuple, list)):
-            aabb = (aabb,)
-        axes = []
-        for axis, edge in enumerate(aabb):
-            if isinstance(edge, slice):
-                if edge.step not in (None, 1):
-                    raise InvalidArgument(f"axis {axis}: a box has no step (got {edge.step})", uri=uri)
-                start, stop = edge.start, edge.stop
-            elif isinstance(edge, (tuple, list)) and len(edge) == 2:
-                start, stop = edge
-            else:
-                raise InvalidArgument(f"axis {axis}: a box edge is (start, stop) or a slice, got {edge!r}", uri=uri)
-            start = None if start is None else _int(start, f"axis {axis} start", uri)
-            stop = None if stop is None else _int(stop, f"axis {axis} stop", uri)
-            if start is not None and stop is not None and stop < start:
-                raise InvalidArgument(f"axis {axis}: box stop {stop} is before its start {start}", uri=uri)
-            axes.append((start, stop))
+        entries = normalize(box, BOX, uri)
         object.__setattr__(self, "uri", uri)
-        object.__setattr__(self, "aabb", tuple(axes))
-        object.__setattr__(self, "_hash", hash(("Sample", uri, self.aabb)))
+        object.__setattr__(self, "selection", entries)
+        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries))))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Sample is immutable")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sample) and self.uri == other.uri and self.aabb == other.aabb
+        return isinstance(other, Sample) and self.uri == other.uri and key(self.selection) == key(other.selection)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (Sample, (self.uri, self.aabb))
+        return (Sample, (self.uri, self.selection))
+
+    @property
+    def aabb(self) -> tuple[tuple[int | None, int | None] | EllipsisType, ...]:
+        """The box per named axis as ``(start, stop)`` (an integer ``i`` as ``(i, i + 1)``;
+        ``None``: the array's bound; ``...`` as given)."""
+        return tuple(e if e is Ellipsis else _span(e) for e in self.selection)
 
     @property
     def shape(self) -> tuple[int, ...] | None:
-        """The box's shape, or ``None`` while an open bound depends on the array."""
-        if any(a is None or b is None for a, b in self.aabb):
-            return None
-        return tuple(b - a for a, b in self.aabb)
+        """The box's shape (dropped axes left out), or ``None`` while it depends on the
+        array (an open bound or ``...``)."""
+        out = []
+        for e in self.selection:
+            if e is Ellipsis or (isinstance(e, slice) and (e.start is None or e.stop is None)):
+                return None
+            if isinstance(e, slice):
+                out.append(e.stop - e.start)
+        return tuple(out)
 
     def __repr__(self) -> str:
-        box = ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b in self.aabb)
-        return f"Sample({self.uri!r}, [{box}])"
+        return f"Sample({self.uri!r}, {describe(self.selection)})"
 
 
 class IndexQuery:
-    """An index selection of the array at ``uri``: per axis an index list or a slice.
+    """An index selection of the array at ``uri``: per axis an index list, a range (with a
+    step), an integer (the axis is dropped) or ``...``, in a tuple (see
+    :mod:`damacy_protocol.selection`).
 
     The result is the outer product of the axes (like zarr's ``oindex``): every combination,
-    in the given order, duplicates kept; negative indices and slice bounds count from the
-    end as in numpy. Indices outside the array are refused when the query is planned.
+    in the given order, duplicates kept. Numbers are array coordinates as in a
+    :class:`Sample` (negative ones are before the array, not counted from the end);
+    positions outside the array are padded or refused per ``out_of_bounds``.
     """
 
     __slots__ = ("uri", "selection", "_hash")
 
     uri: str
-    selection: tuple[tuple[int, ...] | tuple[str, int | None, int | None, int | None], ...]
+    selection: tuple[slice | int | Indices | EllipsisType, ...]
 
     def __init__(self, uri: Any, selection: Any) -> None:
         uri = _uri(uri)
-        if not isinstance(selection, tuple):
-            selection = (selection,)
-        axes: list = []
-        for axis, entry in enumerate(selection):
-            if isinstance(entry, slice):
-                parts = [None if v is None else _int(v, f"axis {axis} slice", uri) for v in (entry.start, entry.stop, entry.step)]
-                if parts[2] is not None and parts[2] <= 0:
-                    raise InvalidArgument(f"axis {axis}: slice step must be positive, got {parts[2]}", uri=uri)
-                axes.append(slice(*parts))
-            elif isinstance(entry, (str, bytes)) or not hasattr(entry, "__iter__"):
-                raise InvalidArgument(f"axis {axis}: expected an index list or a slice, got {entry!r}", uri=uri)
-            else:
-                axes.append(tuple(_int(i, f"axis {axis} index", uri) for i in _flat(entry, axis, uri)))
+        entries = normalize(selection, QUERY, uri)
         object.__setattr__(self, "uri", uri)
-        object.__setattr__(self, "selection", tuple(axes))
-        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in axes)
-        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key)))
+        object.__setattr__(self, "selection", entries)
+        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries))))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("IndexQuery is immutable")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, IndexQuery) and self.uri == other.uri and self._key() == other._key()
-
-    def _key(self):
-        return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in self.selection)
+        return isinstance(other, IndexQuery) and self.uri == other.uri and key(self.selection) == key(other.selection)
 
     def __hash__(self) -> int:
         return self._hash
@@ -138,47 +119,32 @@ class IndexQuery:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The selection's shape; an error when a slice's length depends on the array's shape
-        (then use :meth:`shape_for`)."""
+        """The selection's shape (dropped axes left out); an error when it depends on the
+        array's shape (then use :meth:`shape_for`)."""
         out = []
-        for axis, s in enumerate(self.selection):
-            if isinstance(s, slice):
-                if s.stop is None or s.stop < 0 or (s.start or 0) < 0:
-                    raise InvalidArgument(
-                        f"axis {axis}: the length of slice {s} depends on the array's shape; use shape_for(shape)",
-                        uri=self.uri,
-                    )
-                out.append(len(range(s.start or 0, s.stop, s.step or 1)))
-            else:
-                out.append(len(s))
+        for axis, e in enumerate(self.selection):
+            if isinstance(e, int):
+                continue
+            if e is Ellipsis or (isinstance(e, slice) and (e.start is None or e.stop is None)):
+                raise InvalidArgument(
+                    f"axis {axis}: the selection's shape depends on the array's; use shape_for(shape)", uri=self.uri
+                )
+            out.append(len(range(e.start, e.stop, e.step or 1)) if isinstance(e, slice) else len(e))
         return tuple(out)
 
     def shape_for(self, array_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The selection's shape on an array of ``array_shape`` (unnamed axes select all)."""
+        """The selection's shape on an array of ``array_shape`` (dropped axes left out)."""
+        from damacy_protocol.selection import expand
+
         out = []
-        for axis, n in enumerate(array_shape):
-            s = self.selection[axis] if axis < len(self.selection) else slice(None)
-            out.append(len(range(*s.indices(n))) if isinstance(s, slice) else len(s))
+        for e, n in zip(expand(self.selection, len(array_shape), self.uri), array_shape):
+            if isinstance(e, slice):
+                start = 0 if e.start is None else e.start
+                stop = n if e.stop is None else e.stop
+                out.append(len(range(start, max(start, stop), e.step or 1)))
+            elif not isinstance(e, int):
+                out.append(len(e))
         return tuple(out)
 
     def __repr__(self) -> str:
-        def one(s):
-            if isinstance(s, slice):
-                return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}" + (
-                    f":{s.step}" if s.step is not None else ""
-                )
-            if len(s) > 8:
-                return "[" + ", ".join(map(str, s[:4])) + f", ... ({len(s)} indices)]"
-            return "[" + ", ".join(map(str, s)) + "]"
-
-        return f"IndexQuery({self.uri!r}, [{', '.join(one(s) for s in self.selection)}])"
-
-
-def _flat(entry: Any, axis: int, uri: str) -> list:
-    import numpy as np
-
-    if isinstance(entry, np.ndarray):
-        if entry.ndim != 1 or entry.dtype.kind not in "iu":
-            raise InvalidArgument(f"axis {axis}: an index list must be a flat list of integers", uri=uri)
-        return entry.tolist()
-    return list(entry)
+        return f"IndexQuery({self.uri!r}, {describe(self.selection)})"

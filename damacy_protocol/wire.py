@@ -24,6 +24,7 @@ from damacy_protocol.errors import (
     from_wire,
 )
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.selection import describe
 
 
 def absolute_uri(uri: str) -> str:
@@ -35,32 +36,42 @@ def absolute_uri(uri: str) -> str:
 def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
     """Sample ``seq`` of a client as sent (a relative path made absolute here); InvalidArgument
     for anything but a Sample or an IndexQuery."""
-    if isinstance(sample, Sample):
-        return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), box=[tuple(e) for e in sample.aabb])
-    if isinstance(sample, IndexQuery):
-        axes = [
-            m.WireAxis(start=s.start, stop=s.stop, step=s.step) if isinstance(s, slice) else m.WireAxis(indices=list(s))
-            for s in sample.selection
-        ]
-        return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), index=axes)
-    raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
+    if not isinstance(sample, (Sample, IndexQuery)):
+        raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
+    axes = [_entry_to_wire(e) for e in sample.selection]
+    return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes)
+
+
+def _entry_to_wire(e: Any) -> m.WireEntry:
+    if isinstance(e, slice):
+        return m.WireRange(e.start, e.stop, e.step)
+    if isinstance(e, int):
+        return m.WireAt(e)
+    if e is Ellipsis:
+        return m.WireRest()
+    return m.WireList(list(e))
+
+
+def _entry_from_wire(w: m.WireEntry) -> Any:
+    if isinstance(w, m.WireRange):
+        return slice(w.start, w.stop, w.step)
+    if isinstance(w, m.WireAt):
+        return w.index
+    if isinstance(w, m.WireRest):
+        return Ellipsis
+    return w.indices
 
 
 def sample_from_wire(w: m.WireSample) -> Sample | IndexQuery:
     """The Sample or IndexQuery a wire sample names (its checks raise as the constructors do)."""
-    if w.box is not None:
-        return Sample(w.uri, [tuple(e) for e in w.box])
-    if w.index is not None:
-        return IndexQuery(w.uri, tuple(slice(a.start, a.stop, a.step) if a.indices is None else a.indices for a in w.index))
-    raise InvalidArgument("a sample needs a box or an index selection", uri=w.uri)
+    entries = tuple(_entry_from_wire(a) for a in w.axes)
+    return Sample(w.uri, entries) if w.box else IndexQuery(w.uri, entries)
 
 
 def describe_wire(w: m.WireSample) -> str:
     """How a wire sample reads in an error message (it may not make a valid Sample)."""
-    if w.box is None:
-        return f"IndexQuery({w.uri!r}, ...)"
-    box = ", ".join(f"{'' if a is None else a}:{'' if b is None else b}" for a, b in w.box)
-    return f"Sample({w.uri!r}, [{box}])"
+    entries = tuple(_entry_from_wire(a) for a in w.axes)
+    return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)})"
 
 
 _NON_SAMPLE: dict[str, type[BaseException]] = {

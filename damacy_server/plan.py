@@ -25,15 +25,7 @@ from damacy_protocol.samples import IndexQuery, Sample
 from damacy_server.cache import LRUCache
 from damacy_server.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
 from damacy_server.resolve import ZarrMetadata
-from damacy_server.selection import (
-    AxisIndex,
-    AxisRange,
-    AxisSelection,
-    axis_parts,
-    index_array,
-    selection_shape,
-    slice_selection,
-)
+from damacy_server.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -371,29 +363,8 @@ class Selected:
 
 def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[AxisSelection]:
     """The per-axis selection of a :class:`Sample` or :class:`IndexQuery` on ``meta``."""
-    ndim = meta.ndim
     if isinstance(sample, Selected):
         return sample.axes
-    if isinstance(sample, Sample):
-        if len(sample.aabb) != ndim:
-            raise InvalidArgument(f"the box has {len(sample.aabb)} axes, the array has {ndim}")
-        axes: list[AxisSelection] = []
-        for axis, ((start, stop), size) in enumerate(zip(sample.aabb, meta.shape)):
-            start = 0 if start is None else start
-            stop = size if stop is None else stop
-            if out_of_bounds == "error" and not (0 <= start <= stop <= size):
-                raise OutOfBounds(f"axis {axis}: box ({start}, {stop}) leaves the array (size {size})")
-            axes.append(AxisRange(start, stop))
-        return axes
-    if isinstance(sample, IndexQuery):
-        if len(sample.selection) > ndim:
-            raise InvalidArgument(f"the query has {len(sample.selection)} axes, the array has {ndim}")
-        axes = []
-        for axis, size in enumerate(meta.shape):
-            s = sample.selection[axis] if axis < len(sample.selection) else slice(None)
-            if isinstance(s, slice):
-                axes.append(slice_selection(s, size, axis, None))
-            else:
-                axes.append(AxisIndex(index_array(list(s), size, axis, None)))
-        return axes
+    if isinstance(sample, (Sample, IndexQuery)):
+        return resolve(sample.selection, meta.shape, out_of_bounds)[0]
     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")

@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import SampleError
+from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_server.cpu import CpuExecutor
 from damacy_server.plan import ChunkPlanner, Selected
 from damacy_server.reads import PlanLimits
 from damacy_server.resolve import ZarrMetadata
-from damacy_server.selection import parse_read_selection, selection_shape
+from damacy_protocol.selection import READ, normalize
+from damacy_server.selection import resolve, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
 
 #: one read is one request: small merged reads, so its units decode on all decode threads
@@ -46,14 +47,24 @@ def _default_executor() -> CpuExecutor:
         return _executor
 
 
-def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMetadata | None = None) -> np.ndarray:
+def read(
+    uri: str,
+    selection: Any = None,
+    dtype: Any = None,
+    *,
+    out_of_bounds: str = "error",
+    metadata: ZarrMetadata | None = None,
+) -> np.ndarray:
     """Read ``selection`` of the Zarr v3 array at ``uri``.
 
-    ``selection``: ``None`` (everything) or, per axis, a slice (numpy semantics, but bounds
-    past the array are refused, not clipped), a ``(start, stop)`` box edge, an integer (drops
-    the axis) or an index list / boolean mask (orthogonal indexing, order and duplicates
-    kept); ``np.s_[...]`` works. ``dtype``: the output dtype ("f32", "bf16", "u16",
-    numpy dtypes...; default: the array's own). Errors are :class:`damacy.SampleError`
+    ``selection``: ``None`` (everything) or, per axis in a tuple (``np.s_[...]``), a range
+    (``a:b``, ``(a, b)``, ``a:b:step``), an integer (drops the axis), an index list or a
+    boolean mask (orthogonal indexing, order and duplicates kept), and ``...``: the same
+    meaning as in a :class:`Sample` and an :class:`IndexQuery` (numbers are array
+    coordinates; a negative one is before the array, not counted from the end).
+    ``out_of_bounds``: positions outside the array are refused (``"error"``) or read as
+    the fill value (``"pad"``). ``dtype``: the output dtype ("f32", "bf16", "u16", numpy
+    dtypes...; default: the array's own). Errors are :class:`damacy.SampleError`
     subclasses naming the uri and, for data errors, the file and chunk.
 
     A read is a one-sample batch plan through the same planner and executor as a pipeline.
@@ -62,7 +73,9 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
     """
     md = metadata if metadata is not None else default_metadata()
     meta = md.array(uri)
-    axes, drop = parse_read_selection(selection, meta.shape, str(uri))
+    if out_of_bounds not in ("pad", "error"):
+        raise InvalidArgument(f"out_of_bounds is 'pad' or 'error', got {out_of_bounds!r}", uri=str(uri))
+    axes, drop = resolve(normalize(selection, READ, str(uri)), meta.shape, out_of_bounds, str(uri))
     out = np.empty(selection_shape(axes), dtype=numpy_dtype(canonical_dtype(dtype), meta.dtype))
     executor = _default_executor() if md.reader is None else CpuExecutor(_StoreReads(md.reader))
     finished = threading.Event()
@@ -74,7 +87,7 @@ def read(uri: str, selection: Any = None, dtype: Any = None, *, metadata: ZarrMe
 
     try:
         plan = ChunkPlanner(md, READ_LIMITS).plan(
-            [Selected(str(uri), axes)], out.shape, "error", capacity=executor.inflight_capacity, cache=executor.chunk_cache
+            [Selected(str(uri), axes)], out.shape, out_of_bounds, capacity=executor.inflight_capacity, cache=executor.chunk_cache
         )
         errors.update(plan.errors)
         if not errors:

@@ -3,13 +3,13 @@ it touches.
 
 Per axis a selection is either a :class:`AxisRange` (a box edge, absolute coordinates that
 may reach outside the array: that part is padded or refused by the caller) or an
-:class:`AxisIndex` (a list of in-range indices, order and duplicates kept). A multi-axis
+:class:`AxisIndex` (a list of indices, order and duplicates kept; those outside the array
+are padded). A multi-axis
 selection is their outer product (orthogonal indexing, as zarr's ``oindex``).
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -17,6 +17,7 @@ from typing import Any, Union
 import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, OutOfBounds
+from damacy_protocol.selection import expand
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class AxisRange:
 
 @dataclass(frozen=True, eq=False)
 class AxisIndex:
-    indices: np.ndarray  # int64, each in [0, axis size)
+    indices: np.ndarray  # int64; positions outside [0, axis size) are padded
 
     @property
     def size(self) -> int:
@@ -47,106 +48,60 @@ def selection_shape(axes: Sequence[AxisSelection]) -> tuple[int, ...]:
     return tuple(a.size for a in axes)
 
 
-def _as_int(value: Any, what: str, uri: str | None) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgument(f"{what} must be an integer, got {value!r}", uri=uri) from None
-
-
-def index_array(value: Any, size: int, axis: int, uri: str | None) -> np.ndarray:
-    """An index list (numpy semantics: negative counts from the end; a boolean mask of the
-    axis' length selects where true) as in-range int64 indices; out of range is refused."""
-    arr = np.asarray(value)
-    if arr.dtype == bool:
-        if arr.shape != (size,):
-            raise InvalidArgument(f"axis {axis}: a boolean mask must have length {size}, got shape {arr.shape}", uri=uri)
-        return np.flatnonzero(arr).astype(np.int64)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"axis {axis}: an index list must be a flat list of integers, got {value!r}", uri=uri)
-    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
-        raise OutOfBounds(f"axis {axis}: index {int(arr.max())} is out of range for size {size}", uri=uri)
-    idx = arr.astype(np.int64)
-    bad = (idx < -size) | (idx >= size)
-    if bad.any():
-        raise OutOfBounds(f"axis {axis}: index {int(idx[bad][0])} is out of range for size {size}", uri=uri)
-    return np.where(idx < 0, idx + size, idx)
-
-
-def slice_selection(s: slice, size: int, axis: int, uri: str | None) -> AxisSelection:
-    """A slice with numpy's meaning of negative bounds; bounds past the axis are refused
-    rather than clipped."""
-    step = 1 if s.step is None else _as_int(s.step, f"axis {axis} step", uri)
-    if step <= 0:
-        raise InvalidArgument(f"axis {axis}: slice step must be positive, got {step}", uri=uri)
-
-    def bound(v: Any, default: int) -> int:
-        if v is None:
-            return default
-        b = _as_int(v, f"axis {axis} slice bound", uri)
-        if b < 0:
-            b += size
-        if not 0 <= b <= size:
-            raise OutOfBounds(f"axis {axis}: slice {s.start}:{s.stop} is out of range for size {size}", uri=uri)
-        return b
-
-    start, stop = bound(s.start, 0), bound(s.stop, size)
-    stop = max(start, stop)
-    if step == 1:
-        return AxisRange(start, stop)
-    return AxisIndex(np.arange(start, stop, step, dtype=np.int64))
-
-
-def parse_read_selection(
-    selection: Any, shape: tuple[int, ...], uri: str | None = None
+def resolve(
+    entries: tuple[Any, ...], shape: tuple[int, ...], out_of_bounds: str, uri: str | None = None
 ) -> tuple[list[AxisSelection], list[int]]:
-    """The axes of a ``damacy.read`` selection and the axes that an integer drops.
-
-    Per axis: a slice (numpy semantics, no clipping), a ``(start, stop)`` tuple (absolute
-    box coordinates), an integer (the axis is dropped, as in numpy), or an index list /
-    array / boolean mask; ``...`` stands for the axes not named.
-    """
-    ndim = len(shape)
-    if selection is None:
-        entries: tuple = ()
-    elif isinstance(selection, tuple):
-        entries = selection
-    else:
-        entries = (selection,)
-    ellipses = [i for i, e in enumerate(entries) if e is Ellipsis]
-    if len(ellipses) > 1:
-        raise InvalidArgument("a selection may hold one '...' only", uri=uri)
-    if ellipses:
-        i = ellipses[0]
-        fill = ndim - (len(entries) - 1)
-        entries = entries[:i] + (slice(None),) * max(fill, 0) + entries[i + 1 :]
-    if len(entries) > ndim:
-        raise InvalidArgument(f"the selection has {len(entries)} axes, the array has {ndim}", uri=uri)
-    entries = entries + (slice(None),) * (ndim - len(entries))
-
+    """The axes of normalised selection ``entries`` (:mod:`damacy_protocol.selection`) on an
+    array of ``shape``, and the axes an integer drops. Positions outside the array stay in
+    the selection (they are padded) with ``out_of_bounds="pad"`` and are refused with
+    ``"error"``."""
     axes: list[AxisSelection] = []
     drop: list[int] = []
-    for axis, (e, size) in enumerate(zip(entries, shape)):
+    for axis, (e, size) in enumerate(zip(expand(entries, len(shape), uri), shape)):
         if isinstance(e, slice):
-            axes.append(slice_selection(e, size, axis, uri))
-        elif isinstance(e, tuple):
-            if len(e) != 2:
-                raise InvalidArgument(f"axis {axis}: a box edge is (start, stop), got {e!r}", uri=uri)
-            start = _as_int(e[0], f"axis {axis} start", uri)
-            stop = _as_int(e[1], f"axis {axis} stop", uri)
-            if not 0 <= start <= stop <= size:
-                raise OutOfBounds(f"axis {axis}: box ({start}, {stop}) is out of range for size {size}", uri=uri)
-            axes.append(AxisRange(start, stop))
-        elif isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)):
-            axes.append(AxisIndex(index_array([e], size, axis, uri)))
+            start = 0 if e.start is None else e.start
+            stop = size if e.stop is None else e.stop
+            if stop < start:
+                raise InvalidArgument(f"axis {axis}: {start}:{stop} ends before it starts (size {size})", uri=uri)
+            if out_of_bounds == "error" and not (0 <= start and stop <= size):
+                raise OutOfBounds(
+                    f"axis {axis}: {start}:{stop} leaves the array (size {size}){_NOT_FROM_END if start < 0 else ''}",
+                    uri=uri,
+                )
+            if e.step is None:
+                axes.append(AxisRange(start, stop))
+            else:
+                axes.append(AxisIndex(np.arange(start, stop, e.step, dtype=np.int64)))
+        elif isinstance(e, int):
+            if out_of_bounds == "error" and not 0 <= e < size:
+                raise OutOfBounds(
+                    f"axis {axis}: index {e} is outside the array (size {size}){_NOT_FROM_END if e < 0 else ''}", uri=uri
+                )
+            axes.append(AxisRange(e, e + 1))
             drop.append(axis)
-        elif isinstance(e, (list, range, np.ndarray)):
-            axes.append(AxisIndex(index_array(e, size, axis, uri)))
         else:
-            raise InvalidArgument(f"axis {axis}: cannot select with {e!r}", uri=uri)
+            idx = np.asarray(e)
+            if idx.dtype == bool:
+                if idx.shape != (size,):
+                    raise InvalidArgument(
+                        f"axis {axis}: a boolean mask must have length {size}, got shape {idx.shape}", uri=uri
+                    )
+                idx = np.flatnonzero(idx)
+            idx = idx.astype(np.int64, copy=False)
+            if out_of_bounds == "error" and idx.size:
+                bad = (idx < 0) | (idx >= size)
+                if bad.any():
+                    first = int(idx[bad][0])
+                    raise OutOfBounds(
+                        f"axis {axis}: index {first} is outside the array (size {size})"
+                        f"{_NOT_FROM_END if first < 0 else ''}",
+                        uri=uri,
+                    )
+            axes.append(AxisIndex(idx))
     return axes, drop
+
+
+_NOT_FROM_END = "; negative numbers are positions before the array, not counted from the end"
 
 
 def axis_parts(sel: AxisSelection, size: int, unit: int) -> list[tuple[int, Part, Part]]:
@@ -162,8 +117,13 @@ def axis_parts(sel: AxisSelection, size: int, unit: int) -> list[tuple[int, Part
             out.append((u, slice(a - sel.start, b - sel.start), slice(a - u * unit, b - u * unit)))
         return out
     idx = sel.indices
-    if not len(idx):
+    inside = np.flatnonzero((idx >= 0) & (idx < size))  # the others are padded
+    if not len(inside):
         return out
+    if len(inside) < len(idx):
+        idx = idx[inside]
+    else:
+        inside = None
     units = idx // unit
     order = np.argsort(units, kind="stable")
     uniq, starts = np.unique(units[order], return_index=True)
@@ -171,7 +131,7 @@ def axis_parts(sel: AxisSelection, size: int, unit: int) -> list[tuple[int, Part
     for u, s, e in zip(uniq.tolist(), starts.tolist(), ends):
         pos = order[s:e]
         local = idx[pos] - u * unit
-        out.append((u, _compact(pos), _compact(local)))
+        out.append((u, _compact(pos if inside is None else inside[pos]), _compact(local)))
     return out
 
 

@@ -94,6 +94,32 @@ def assert_same(got: np.ndarray, expected: np.ndarray) -> None:
         assert np.array_equal(got, expected)
 
 
+def padded_selection(full: np.ndarray, selection, fill=0, margin: int = 64) -> np.ndarray:
+    """What damacy's selection rule says ``selection`` of ``full`` is, computed by numpy on
+    ``full`` padded by ``margin`` fill values on every side: numbers are array coordinates
+    (a negative one is before the array), positions outside read as ``fill``, entries
+    select per axis (outer product), an integer drops its axis. Independent of damacy's
+    own parsing; a test oracle."""
+    entries = selection if isinstance(selection, tuple) else (selection,)
+    named = sum(1 for e in entries if e is not Ellipsis)
+    if any(e is Ellipsis for e in entries):
+        i = next(k for k, e in enumerate(entries) if e is Ellipsis)
+        entries = entries[:i] + (slice(None),) * (full.ndim - named) + entries[i + 1 :]
+    entries = entries + (slice(None),) * (full.ndim - len(entries))
+    out = np.pad(full, margin, constant_values=fill)
+    for axis in reversed(range(full.ndim)):
+        e, n = entries[axis], full.shape[axis]
+        if type(e) is tuple:  # a range; index lists are lists (or damacy's Indices)
+            e = slice(*e)
+        if isinstance(e, slice):
+            start = 0 if e.start is None else e.start
+            stop = n if e.stop is None else e.stop
+            out = out[(slice(None),) * axis + (slice(start + margin, stop + margin, e.step),)]
+        else:
+            out = np.take(out, np.asarray(e, dtype=np.int64) + margin, axis=axis)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _hermetic_pipelines(request, monkeypatch):
     """damacy.Pipeline(cfg) uses a damacyd running at the node's default endpoint: a user's own

@@ -470,7 +470,7 @@ def test_pushes_beyond_the_credits_granted_are_refused(served, fresh):
         cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, lookahead_samples=4)
         welcome = raw.hello(cfg)
         assert welcome.credits == 4
-        wire = [m.WireSample(seq=i, uri=str(root / "vol.zarr"), box=[(0, 8), (0, 12), (0, 10)]) for i in range(5)]
+        wire = [m.WireSample(seq=i, uri=str(root / "vol.zarr"), box=True, axes=[m.WireRange(0, 8), m.WireRange(0, 12), m.WireRange(0, 10)]) for i in range(5)]
         reply = raw.call(lambda i: m.Push(id=i, samples=wire))
         assert isinstance(reply, m.Failed) and reply.error.kind == "ProtocolError" and "credits" in reply.error.reason
         reply = raw.call(lambda i: m.Push(id=i, samples=wire[:4]))

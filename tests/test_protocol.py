@@ -28,7 +28,7 @@ def handshake():
 
 def test_handshake_and_round_trip():
     client, server = handshake()
-    push = m.Push(id=client.new_id(), samples=[m.WireSample(seq=0, uri="/a", box=[(0, 4), (None, 8)]), m.WireSample(seq=1, uri="/b", index=[m.WireAxis(indices=[3, 1, 1]), m.WireAxis(start=0, stop=4)])], final=True)
+    push = m.Push(id=client.new_id(), samples=[m.WireSample(seq=0, uri="/a", box=True, axes=[m.WireRange(0, 4), m.WireRange(None, 8), m.WireAt(-2)]), m.WireSample(seq=1, uri="/b", box=False, axes=[m.WireList([3, 1, 1]), m.WireRest(), m.WireRange(0, 4, 2)])], final=True)
     got = server.receive(client.send(push))
     assert got == push
     reply = client.receive(server.reply(m.Ack(reply_to=push.id)))
@@ -106,7 +106,7 @@ def test_an_older_peers_hello_gets_the_version_error_not_a_schema_error():
 
 
 def _push(client, seqs):
-    return m.Push(id=client.new_id(), samples=[m.WireSample(seq=s, uri="/a", box=[(0, 4)]) for s in seqs])
+    return m.Push(id=client.new_id(), samples=[m.WireSample(seq=s, uri="/a", box=True, axes=[m.WireRange(0, 4)]) for s in seqs])
 
 
 def test_credits_are_counted_alike_on_both_sides():
@@ -165,7 +165,7 @@ def test_errors_travel_as_data():
 REQUESTS = {
     m.Hello: m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=1, rank=None),
     m.Attached: m.Attached(id=2),
-    m.Push: m.Push(id=3, samples=[m.WireSample(seq=0, uri="/a", box=[(0, 1)])]),
+    m.Push: m.Push(id=3, samples=[m.WireSample(seq=0, uri="/a", box=True, axes=[m.WireRange(0, 1)])]),
     m.Pop: m.Pop(id=4),
     m.Release: m.Release(id=5, batch_id=0),
     m.Stats: m.Stats(id=6),

@@ -171,8 +171,14 @@ def test_index_selection_matches_oindex(tmp_path):
     serializer = ShardingCodec(chunk_shape=(2, 3, 5), codecs=[LE, ZstdCodec(level=1)])
     oracle = write_array(tmp_path / "i", data, chunks=(8, 12, 10), serializer=serializer)
     uri = str(tmp_path / "i")
-    sel = ([12, 0, 5, 5, -1], slice(3, 15), [8, 0, 1, 1])
+    sel = ([12, 0, 5, 5, 12], slice(3, 15), [8, 0, 1, 1])
     assert_same(damacy.read(uri, sel), oracle.oindex[[12, 0, 5, 5, 12], 3:15, [8, 0, 1, 1]])
+    # -1 is before the array (not the last element): refused, or the fill value when padded
+    with pytest.raises(damacy.OutOfBounds, match="index -1 is outside the array"):
+        damacy.read(uri, ([0, -1], slice(3, 15)))
+    padded = damacy.read(uri, ([0, -1], slice(3, 15)), out_of_bounds="pad")
+    assert_same(padded[0], data[0, 3:15])
+    assert_same(padded[1], np.full_like(data[0, 3:15], oracle.fill_value))
     assert_same(damacy.read(uri, (slice(None), [16, 2, 2, 9], slice(1, 9, 3))), data[:, [16, 2, 2, 9], 1:9:3])
     assert_same(damacy.read(uri, (3, ..., 4)), data[3, :, 4])
     assert_same(damacy.read(uri, ((2, 5), (0, 17), (8, 9))), data[2:5, :, 8:9])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_same, random_data, write_array
+from conftest import assert_same, padded_selection, random_data, write_array
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, TransposeCodec, ZstdCodec
@@ -83,6 +83,12 @@ def test_random_boxes(arrays, layout, box):
 @given(sel=index_selections())
 def test_random_index_selections(arrays, layout, sel):
     uri, oracle = arrays[layout]
-    # zarr-python's orthogonal indexing, with the same indices spelled out per axis
-    expected = oracle.oindex[tuple(np.arange(n)[s] for n, s in zip(SHAPE, sel))]
-    assert_same(damacy.read(uri, sel), expected)
+    # numpy's orthogonal indexing of zarr-python's array padded with its fill value
+    # (negative indices are before the array)
+    expected = padded_selection(oracle[...], sel, oracle.fill_value)
+    assert_same(damacy.read(uri, sel, out_of_bounds="pad"), expected)
+    if all(isinstance(s, slice) or min(s, default=0) >= 0 for s in sel):
+        assert_same(damacy.read(uri, sel), expected)
+    else:
+        with pytest.raises(damacy.OutOfBounds, match="not counted from the end"):
+            damacy.read(uri, sel)

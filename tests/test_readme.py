@@ -1,4 +1,4 @@
-"""The README's quick start runs as written, with a real array in place of its path."""
+"""The README's examples run as written, with a real array in place of its path."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from zarr.codecs import ZstdCodec
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def quickstart() -> str:
+def block(name: str) -> str:
     text = README.read_text()
-    m = re.search(r"<!-- quickstart:.*?-->\s*```python\n(.*?)```", text, re.S)
-    assert m, "the README has no quick start block"
+    m = re.search(rf"<!-- {name}:.*?-->\s*```python\n(.*?)```", text, re.S)
+    assert m, f"the README has no {name} block"
     return m.group(1)
 
 
 def test_quickstart_runs(tmp_path, capsys):
     write_array(tmp_path / "volume.zarr", random_data((96, 128, 128), "uint16", 0), chunks=(32, 64, 64), compressors=[ZstdCodec()])
-    code = quickstart()
+    code = block("quickstart")
     assert '"data/volume.zarr"' in code
     exec(compile(code.replace("data/volume.zarr", str(tmp_path / "volume.zarr")), "README quick start", "exec"), {})
     lines = capsys.readouterr().out.strip().splitlines()
@@ -34,3 +34,18 @@ def test_ci_runs_the_readmes_test_command_exactly():
     assert install_and_demo.endswith("damacy demo")
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert install_and_test in ci
+
+
+def test_one_call_reads_run(tmp_path):
+    import numpy as np
+
+    data = random_data((96, 128, 128), "uint16", 0)
+    write_array(tmp_path / "volume.zarr", data, chunks=(32, 64, 64), compressors=[ZstdCodec()])
+    code = "import numpy as np\nimport damacy\n" + block("reads").replace("data/volume.zarr", str(tmp_path / "volume.zarr"))
+    scope: dict = {}
+    exec(compile(code, "README one-call reads", "exec"), scope)
+    assert np.array_equal(scope["x"], data[0:64, 0:128, 0:128].astype("f4"))
+    assert np.array_equal(scope["plane"], data[10])
+    assert np.array_equal(scope["edge"][8:], data[0:24, 0:64, 0:64]) and not scope["edge"][:8].any()
+    assert np.array_equal(scope["y"], data[[5, 2, 2, 95], 0:100])
+    assert scope["meta"].shape == data.shape

@@ -1,0 +1,136 @@
+"""One meaning of a selection: the same entries select the same region in ``damacy.read``,
+a :class:`Sample` and an :class:`IndexQuery`, in embedded and daemon pipelines alike.
+
+``damacy.read`` is checked against numpy where numpy agrees (every position inside the
+array), and everything against numpy on the array padded with its fill value (numbers are
+array coordinates: a negative one is before the array, not counted from the end)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import padded_selection, random_data, write_array
+from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
+
+import damacy
+
+SHAPE = (12, 10, 9)
+FILL = 5
+
+#: (selection, accepted by Sample, inside the array)
+TABLE = [
+    (np.s_[2:6, 3:7, 0:4], True, True),
+    (((2, 6), (3, 7), (0, 4)), True, True),  # a tuple is a range, as a slice
+    (np.s_[-3:5, 8:14, 0:4], True, False),  # before the start and past the end: padded
+    (np.s_[-1, 0:3, 0:3], True, False),  # -1 is before the array, not the last element
+    (np.s_[5, 1:5, :], True, True),  # an integer drops its axis
+    (np.s_[11, -2:3, 4], True, False),
+    (np.s_[..., 2:6], True, True),  # ... stands for the axes not named
+    (np.s_[3, ..., 4], True, True),
+    (np.s_[:, 2:4], True, True),  # axes not named are whole
+    (np.s_[0:12:3, 1:5, 2], False, True),  # a step: not a box
+    (np.s_[-4:12:5, 1:5, 2], False, False),
+    (([3, 1, 1, 11], np.s_[2:6], 0), False, True),  # a list is an index list
+    (([3, -1, 12], (2, 6), 0), False, False),
+    ((np.array([0, 7]), ..., [8, 0, 8]), False, True),
+]
+
+
+@pytest.fixture(scope="module")
+def array(tmp_path_factory):
+    root = tmp_path_factory.mktemp("selection")
+    data = random_data(SHAPE, "uint16", seed=3)
+    serializer = ShardingCodec(chunk_shape=(2, 5, 3), codecs=[BytesCodec(), ZstdCodec(level=1)])
+    write_array(root / "a", data, chunks=(4, 10, 9), serializer=serializer, fill_value=FILL)
+    return str(root / "a"), data
+
+
+def numpy_oindex(data, sel):
+    """numpy's own indexing, axis by axis (np.ix_), for selections inside the array."""
+    entries = list(sel)
+    if any(e is Ellipsis for e in entries):
+        i = next(k for k, e in enumerate(entries) if e is Ellipsis)
+        entries[i : i + 1] = [slice(None)] * (data.ndim - len(entries) + 1)
+    entries += [slice(None)] * (data.ndim - len(entries))
+    per_axis = []
+    for e, n in zip(entries, data.shape):
+        if type(e) is tuple:
+            e = slice(*e)
+        per_axis.append(np.arange(n)[e] if isinstance(e, slice) else np.atleast_1d(e))
+    out = data[np.ix_(*per_axis)]
+    return out.reshape([len(a) for e, a in zip(entries, per_axis) if not isinstance(e, int)])
+
+
+def ids(table):
+    return [repr(sel) for sel, _, _ in table]
+
+
+@pytest.mark.parametrize("sel,boxed,inside", TABLE, ids=ids(TABLE))
+def test_read(array, sel, boxed, inside):
+    uri, data = array
+    want = padded_selection(data, sel, FILL)
+    assert np.array_equal(damacy.read(uri, sel, out_of_bounds="pad"), want)
+    if inside:
+        assert np.array_equal(damacy.read(uri, sel), numpy_oindex(data, sel))
+    else:
+        with pytest.raises(damacy.OutOfBounds, match="outside the array|leaves the array"):
+            damacy.read(uri, sel)
+
+
+@pytest.mark.parametrize("kind", ["Sample", "IndexQuery"])
+def test_pipelines(array, make, kind):
+    uri, data = array
+    for sel, boxed, _ in TABLE:
+        if kind == "Sample" and not boxed:
+            with pytest.raises(damacy.InvalidArgument, match="a Sample is a box"):
+                damacy.Sample(uri, sel)
+            continue
+        sample = damacy.Sample(uri, sel) if kind == "Sample" else damacy.IndexQuery(uri, sel)
+        want = padded_selection(data, sel, FILL)
+        with make(damacy.Config(samples_per_batch=1, sample_shape=want.shape, dtype="native", pop_timeout_s=30)) as p:
+            p.push([sample])
+            with p.pop() as b:
+                assert b.numpy().shape == (1, *want.shape), sel
+                assert np.array_equal(b.numpy()[0], want), sel
+
+
+def test_the_same_sample_means_the_same_region_in_read(array):
+    uri, data = array
+    for sel, boxed, _ in TABLE:
+        for sample in [damacy.IndexQuery(uri, sel)] + ([damacy.Sample(uri, sel)] if boxed else []):
+            # a sample's own selection reads back the same region
+            got = damacy.read(uri, sample.selection, out_of_bounds="pad")
+            assert np.array_equal(got, padded_selection(data, sel, FILL)), sample
+
+
+def test_shapes_and_equality(array):
+    uri, _ = array
+    assert damacy.Sample(uri, np.s_[5, 1:5, -2:7]).shape == (4, 9)
+    assert damacy.Sample(uri, np.s_[..., 1:5]).shape is None  # depends on the array
+    q = damacy.IndexQuery(uri, ([3, 1, 1], 4, np.s_[0:9:2]))
+    assert q.shape == (3, 5) and q.shape_for(SHAPE) == (3, 5)
+    assert damacy.IndexQuery(uri, (..., [1, 2])).shape_for(SHAPE) == (12, 10, 2)
+    assert damacy.Sample(uri, ((0, 4), 2)) == damacy.Sample(uri, np.s_[0:4, 2])
+    assert damacy.IndexQuery(uri, ((0, 4),)) != damacy.IndexQuery(uri, ([0, 4],))  # range vs list
+    assert repr(damacy.IndexQuery(uri, ([0, 4], 3, ...))) == f"IndexQuery({uri!r}, [[0, 4], 3, ...])"
+
+
+@pytest.mark.parametrize(
+    "sel,words",
+    [
+        (([0, 4], (0, 4)), "a list selects indices"),
+        (np.s_[0:8:2], "no step"),
+        (((0, 1, 2),), "a range is (start, stop)"),
+        ((np.zeros(4, bool),), "a boolean mask needs the array's shape"),
+        (np.s_[4:2], "stop 2 is before start 4"),
+        (np.s_[..., 1, ...], "one '...'"),
+    ],
+)
+def test_refusals_say_what_to_use(array, sel, words):
+    uri, _ = array
+    kinds = [damacy.Sample] if words in ("a list selects indices", "no step") else [damacy.Sample, damacy.IndexQuery]
+    if "boolean" in words:
+        kinds = [damacy.IndexQuery]
+    for kind in kinds:
+        with pytest.raises(damacy.InvalidArgument, match=words.replace("(", r"\(").replace(")", r"\)")):
+            kind(uri, sel)
