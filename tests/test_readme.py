@@ -49,3 +49,23 @@ def test_one_call_reads_run(tmp_path):
     assert np.array_equal(scope["edge"][8:], data[0:24, 0:64, 0:64]) and not scope["edge"][:8].any()
     assert np.array_equal(scope["y"], data[[5, 2, 2, 95], 0:100])
     assert scope["meta"].shape == data.shape
+
+
+def test_composed_pipeline_runs(tmp_path):
+    import numpy as np
+
+    import damacy
+
+    data = random_data((96, 128, 128), "uint16", 1)
+    write_array(tmp_path / "volume.zarr", data, chunks=(32, 64, 64), compressors=[ZstdCodec()])
+    scope: dict = {"damacy": damacy}
+    exec(compile(block("composed"), "README composed pipeline", "exec"), scope)
+    uri = str(tmp_path / "volume.zarr")
+    with scope["pipe"] as pipe:
+        pipe.push(damacy.Sample(uri, np.s_[z : z + 32, 8:72, 60:124]) for z in range(8))
+        for k, batch in enumerate(pipe.batches()):
+            with batch:
+                for j in range(4):
+                    z = 4 * k + j
+                    assert np.array_equal(batch.numpy()[j], data[z : z + 32, 8:72, 60:124].astype("f4"))
+        assert k == 1
