@@ -1,7 +1,8 @@
 """``python -m bench ranks``: K training ranks on one node, each re-reading its own samples.
 
 Each rank draws its own random samples (its own seed) and reads them for E epochs, in a new
-order each epoch. Every reader gets the same cache memory C on the node:
+order each epoch; the ranks start together once each has imported its reader. Every reader
+gets the same cache memory C on the node:
 
 - ``damacyd``: one daemon with ``--chunk-cache C`` serving the K ranks;
 - ``embedded``: K damacy pipelines with ``chunk_cache_bytes = C / K`` each;
@@ -17,6 +18,7 @@ together) and chunk-cache hit rates where the reader reports them, and the ratio
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -42,6 +44,8 @@ import damacy
 import damacy_client.client  # loaded before the clock starts (a training process has its reader imported)
 
 job = json.loads({job!r})
+if job["reader"].startswith("tensorstore"):
+    import tensorstore as ts
 scn = SCENARIOS[job["scenario"]]
 samples = [damacy.Sample(uri, tuple(map(tuple, box))) for uri, box in job["samples"]]
 rng = random.Random(job["seed"])
@@ -57,6 +61,9 @@ def cpu():
 
 reader, cache = job["reader"], job["cache_bytes"]
 hits = misses = None
+# the ranks start together, as training ranks do once their process group is up
+print("ready", flush=True)
+sys.stdin.readline()
 t0, c0 = time.time(), cpu()
 if reader in ("damacyd", "embedded"):
     kw = {{"chunk_cache_bytes": cache}} if reader == "embedded" else {{}}
@@ -70,7 +77,6 @@ if reader in ("damacyd", "embedded"):
             cc = pipe.executor.chunk_cache.stats()
             hits, misses = cc["hits"], cc["misses"]
 else:
-    import tensorstore as ts
     ctx = ts.Context({{
         "cache_pool": {{"total_bytes_limit": cache if reader == "tensorstore-cache" else 0}},
         "data_copy_concurrency": {{"limit": runners.CPUS}},
@@ -139,7 +145,8 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
             for reader in readers:
                 endpoint = None
                 if reader == "damacyd":  # a fresh daemon each repeat: every reader starts cold
-                    proc, endpoint = start_daemon(data, folder, ["--chunk-cache", str(cache_bytes)])
+                    extra = os.environ.get("DAMACY_BENCH_DAEMON_ARGS", "").split()  # e.g. "--decode-workers 4"
+                    proc, endpoint = start_daemon(data, folder, ["--chunk-cache", str(cache_bytes), *extra])
                 d0 = _proc_cpu(proc.pid) if reader == "damacyd" else 0.0
                 share = cache_bytes if reader == "damacyd" else cache_bytes // ranks
                 jobs = [
@@ -157,9 +164,17 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
                     for r in range(ranks)
                 ]
                 procs = [
-                    subprocess.Popen([sys.executable, "-c", RANK.format(root=root, job=job)], stdout=subprocess.PIPE, text=True)
+                    subprocess.Popen(
+                        [sys.executable, "-c", RANK.format(root=root, job=job)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+                    )
                     for job in jobs
                 ]
+                for p in procs:  # every rank has imported its reader
+                    if p.stdout.readline().strip() != "ready":
+                        raise SystemExit(f"a {reader} rank failed to start")
+                for p in procs:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
                 results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
                 daemon_cpu = 0.0
                 if reader == "damacyd":

@@ -75,6 +75,8 @@ def _ids(values, lookup, what: str) -> list[int]:
 def main(endpoint, allow_roots, memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
     """Serve Zarr batches to every training process on this node."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s damacyd[%(process)d] %(levelname)s %(message)s")
+    # the daemon does no linear algebra: no BLAS thread pool (its threads spin after start)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from damacy_server.service import Daemon, DaemonOptions
 
     try:

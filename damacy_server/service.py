@@ -47,6 +47,7 @@ from damacy_server.shm import Segment, remove_stale
 from damacy_server.store import resolve_uri
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool
+from damacy_server.zarr.codecs.chain import registry
 
 log = logging.getLogger("damacyd")
 
@@ -105,6 +106,7 @@ class Daemon:
                 chunk_cache_bytes=options.chunk_cache_bytes,
             ),
         )
+        registry()  # the codecs load now, not in the first session's first batch
         self.sessions: dict[bytes, Session] = {}
         self._sessions_lock = threading.Lock()
         self.segment_gid = socket_gid(options)
