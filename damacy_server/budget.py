@@ -105,9 +105,11 @@ class MemoryBudget:
 class StageStats:
     """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
     copied by the native path count under "decode" and again under "native"; reads that
-    decode threads made themselves from the page cache under "read" and again under "direct"."""
+    decode threads made themselves from the page cache under "read" and again under "direct";
+    units a batch took from another batch's decode (see :mod:`damacy_server.inflight`) under
+    "shared" (their decoded bytes out, no seconds of their own)."""
 
-    STAGES = ("plan", "read", "direct", "decode", "assemble", "native")
+    STAGES = ("plan", "read", "direct", "decode", "assemble", "native", "shared")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

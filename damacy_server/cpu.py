@@ -10,7 +10,12 @@ nothing else: every read reports back, every reservation is returned.
 
 Where the native path applies (:mod:`damacy_server.native_tasks`), a decode task is one C
 call; groups whose bytes are in the page cache are read by that call too, on a decode thread
-(see ``_read_direct``). The rest goes through numpy.
+(see ``_read_direct``). The rest goes through numpy. A unit another batch is decoding is not
+read again: the batch waits for it (:mod:`damacy_server.inflight`).
+
+The module is longer than most (about 450 lines): it is the executor's task bodies (read,
+direct read, decode, cached copy, shared unit), which share its pools, budget and
+statistics and hand work to each other.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from damacy_server import native, optable
 from damacy_server.budget import MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
+from damacy_server.inflight import InFlight
 from damacy_server.native_tasks import NativeTasks
 from damacy_server.plan import BatchPlan, UnitJob
-from damacy_server.reads import ReadGroup
+from damacy_server.reads import ReadGroup, shrink
 from damacy_server.run import GroupState, Run, samples_of
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
@@ -98,7 +104,9 @@ class CpuExecutor:
             if self.limits.chunk_cache_bytes
             else None
         )
-        self.native = NativeTasks(self.chunk_cache) if native.available() and self.limits.native else None
+        # units scheduled and not yet decoded: a batch that needs one waits for it
+        self.inflight = InFlight()
+        self.native = NativeTasks(self.chunk_cache, self.inflight) if native.available() and self.limits.native else None
         # decode threads read page-cached groups themselves (see _read_direct)
         self._direct = self.native is not None and hasattr(self.reader, "direct")
         self._direct_misses = 0
@@ -129,7 +137,8 @@ class CpuExecutor:
         """Assemble sample i of ``plan`` into ``targets[i]`` (a view of a batch slot). The plan
         was made with this executor's ``inflight_capacity`` and ``chunk_cache`` (see
         :meth:`ChunkPlanner.plan`): its reads fit the budget, and the units found in the
-        cache come with their arrays; a read that still does not fit fails its samples.
+        cache come with their arrays; a read that still does not fit fails its samples. Units
+        another batch is decoding are not read again: the run waits for them.
 
         ``on_done(errors)`` is called once, from a worker thread (or this one), when every
         read of the plan has been assembled; ``errors`` maps sample index → error. Tasks are
@@ -143,8 +152,11 @@ class CpuExecutor:
             views[s][...] = cast_fill(fill, views[s].dtype)
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
-        groups, cached = plan.groups, plan.cached
-        run.pending = len(groups) + (1 if cached else 0) + 1  # +1: this call, until all is queued
+        cached = plan.cached
+        run.pending = (1 if cached else 0) + 1  # +1: this call, until all is queued
+        groups = self._share(run, plan.groups)
+        with run.lock:
+            run.pending += len(groups)
         if cached:
             self._decode.submit(self._copy_cached, run, cached, key=key, priority=run.order)
         stop = lambda: cancelled() or self._closed  # noqa: E731
@@ -158,6 +170,7 @@ class CpuExecutor:
                 self._io_slots.acquire()
                 self._io.submit(self._read, run, group, need, key=key, priority=run.order)
                 continue
+            self._abandon(group.units)  # a batch waiting for one of them reads it itself
             if status is Reservation.TOO_BIG:
                 run.fail(
                     samples_of(group.units),
@@ -169,6 +182,81 @@ class CpuExecutor:
                 )
             run.group_done()
         run.group_done()
+
+    # -- units in flight ------------------------------------------------------------
+    def _share(self, run: Run, groups: list[ReadGroup]) -> list[ReadGroup]:
+        """The run's reads without the units another batch is decoding (the run waits for
+        those); the units left are registered as this run's to decode and settle."""
+        out = []
+        for g in groups:
+            mine = []
+            for u in g.units:
+                with run.lock:
+                    run.pending += 1  # the waiter's, if it becomes one
+                shared = self.inflight.claim_or_join((u.meta.root, u.unit), self._waiter(run, u))
+                if shared is not None:
+                    with run.lock:
+                        run.pending -= 1
+                    u.shared = shared
+                    mine.append(u)
+            kept = shrink(g, mine)
+            if kept is not None:
+                out.append(kept)
+        return out
+
+    def _waiter(self, run: Run, u: UnitJob):
+        """What a run does with a unit another batch decoded (see :mod:`damacy_server.inflight`)."""
+
+        def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
+            if array is not None:
+                self.stats.add("shared", 0.0, bytes_out=array.nbytes)
+                self._copy_cached(run, [(u, array)])  # reports the unit done
+                return
+            if error is None and not missing:  # abandoned: read it alone
+                try:
+                    self._decode.submit(self._read_alone, run, u, key=run.key, priority=run.order)
+                    return
+                except Exception:  # the executor is closing
+                    pass
+            try:
+                if error is not None:
+                    run.fail(samples_of((u,)), error)
+                elif missing and not (run.cancelled() or self._closed):
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
+            except Exception as e:
+                run.crash([u], e)
+            finally:
+                run.group_done()
+
+        return take
+
+    def _abandon(self, units: Sequence[UnitJob]) -> None:
+        """Units this run registered and did not settle: their waiters read them alone."""
+        for u in units:
+            if u.shared is not None:
+                self.inflight.settle(u.shared)
+
+    def _read_alone(self, run: Run, u: UnitJob) -> None:
+        """Read, decode and copy one unit another batch abandoned (numpy path)."""
+        try:
+            if run.cancelled() or self._closed:
+                return
+            if u.nbytes < 0:
+                data = self.reader.read(u.key)
+            else:
+                data = self.reader.read_range(u.key, u.offset, u.nbytes)
+            with np.errstate(invalid="ignore", over="ignore"):
+                if data is None:
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
+                    return
+                check_length(u.meta, data, u.nbytes, u.unit, u.key)
+                self._apply(run, u, decode_unit(u.meta, memoryview(data), u.unit, u.key))
+        except SampleError as e:
+            run.fail(samples_of((u,)), e.with_context(uri=u.meta.uri))
+        except Exception as e:
+            run.crash([u], e)
+        finally:
+            run.group_done()
 
     def _apply(self, run: Run, u: UnitJob, arr: np.ndarray) -> int:
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
@@ -242,6 +330,7 @@ class CpuExecutor:
             run.crash(group.units, e)
         finally:
             if finished:
+                self._abandon(group.units)
                 self.budget.release(reserved)
                 run.group_done()
             else:  # the ordinary path reads it, reports errors fully and settles the group
@@ -269,13 +358,19 @@ class CpuExecutor:
                 else:
                     data = self.reader.read_range(group.key, group.offset, group.length)
             except SampleError as e:
-                run.fail(samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
+                err = e.with_context(uri=group.units[0].meta.uri)
+                run.fail(samples_of(group.units), err)
+                for u in group.units:
+                    if u.shared is not None:
+                        self.inflight.settle(u.shared, error=err)
                 return
             self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
             if data is None:
                 # a chunk that was never written: its regions read as the fill value
                 for u in group.units:
                     optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
+                    if u.shared is not None:
+                        self.inflight.settle(u.shared, missing=True)
                 return
             # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do
             # not pay a thread handoff each; the group's memory is returned as tasks finish.
@@ -296,6 +391,7 @@ class CpuExecutor:
             run.crash(group.units, e)
         finally:
             if not handed_over:
+                self._abandon(group.units)
                 self.budget.release(reserved)
                 run.group_done()
 
@@ -325,11 +421,17 @@ class CpuExecutor:
                         arr = decode_unit(u.meta, data, u.unit, u.key)
                     except SampleError as e:
                         run.fail(samples_of((u,)), e)
+                        if u.shared is not None:
+                            self.inflight.settle(u.shared, error=e)
                         done.append(u)
                         continue
                     t1 = time.perf_counter()
+                    if self.chunk_cache is not None or u.shared is not None:
+                        arr = _frozen(arr)
                     if self.chunk_cache is not None:
-                        self.chunk_cache.put((u.meta.root, u.unit), _frozen(arr))
+                        self.chunk_cache.put((u.meta.root, u.unit), arr)
+                    if u.shared is not None:
+                        self.inflight.settle(u.shared, array=arr)
                     assembled += self._apply(run, u, arr)
                     done.append(u)
                     decode_s += t1 - t0
@@ -340,6 +442,7 @@ class CpuExecutor:
             rest = [u for u in units if u not in done]
             run.crash(rest, e)
         finally:
+            self._abandon(units)
             self.stats.add_units(len(units), decode_s, encoded, decoded, assemble_s, assembled)
             self.budget.release(sum(u.decoded_nbytes for u in units))
             if state.task_done():

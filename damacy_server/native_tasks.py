@@ -3,8 +3,9 @@
 :class:`NativeTasks` serves one executor: it picks the kernel for a task (per array and
 output dtype), builds the op table, decodes from bytes in memory, from the page cache
 (``read_file``) or from chunk cache entries (``copy_decoded``), fills the chunk cache with
-the units it would admit (decoded whole, straight into the entry), and turns the units that
-failed into errors of their samples.
+the units it would admit and hands units other batches wait for to them (both decoded
+whole, straight into their buffer), and turns the units that failed into errors of their
+samples.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import numpy as np
 from damacy_protocol.errors import DecodeError
 from damacy_server import native, optable
 from damacy_server.cache import LRUCache
+from damacy_server.inflight import InFlight
 from damacy_server.plan import UnitJob
 from damacy_server.reads import ReadGroup
 from damacy_server.run import Run, samples_of
 
 
 class NativeTasks:
-    def __init__(self, chunk_cache: LRUCache[np.ndarray] | None) -> None:
+    def __init__(self, chunk_cache: LRUCache[np.ndarray] | None, inflight: InFlight | None = None) -> None:
         self.chunk_cache = chunk_cache
+        self.inflight = inflight
         self._kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def kernel(self, run: Run, units: list[UnitJob]) -> native.NativeKernel | None:
@@ -103,13 +106,17 @@ class NativeTasks:
         return table, targets
 
     def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
-        """With a chunk cache, a buffer for each unit the cache would admit, which native
-        code decodes the unit into whole (the others are decoded only as far as the copies
-        need)."""
+        """A buffer for each unit the chunk cache would admit or another batch waits for,
+        which native code decodes the unit into whole (the others are decoded only as far as
+        the copies need)."""
         cache = self.chunk_cache
-        if cache is None:
-            return None, None
-        wanted = [cache.would_admit((u.meta.root, u.unit), kernel.decoded_nbytes) for u in units]
+        wanted = [
+            cache is not None and cache.would_admit((u.meta.root, u.unit), kernel.decoded_nbytes) for u in units
+        ]
+        if self.inflight is not None:
+            wanted = [
+                self.inflight.start(u.shared, w) if u.shared is not None else w for u, w in zip(units, wanted)
+            ]
         if not any(wanted):
             return None, None
         arrays, addresses = native.keep_buffers(kernel, sum(wanted))
@@ -126,7 +133,10 @@ class NativeTasks:
         for k, (u, arr) in enumerate(zip(units, kept)):
             if arr is not None and k not in bad:
                 arr.flags.writeable = False
-                self.chunk_cache.put((u.meta.root, u.unit), arr)
+                if self.chunk_cache is not None:
+                    self.chunk_cache.put((u.meta.root, u.unit), arr)
+                if u.shared is not None:
+                    self.inflight.settle(u.shared, array=arr)
 
     def _done(self, kernel, run: Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int) -> tuple[int, int, int]:
         """Fail the samples of units native code could not decode; returns (encoded,
@@ -139,5 +149,8 @@ class NativeTasks:
                 reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
             else:
                 reason = f.describe(kernel.decoded_nbytes)
-            run.fail(samples_of((u,)), DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit))
+            err = DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit)
+            run.fail(samples_of((u,)), err)
+            if u.shared is not None:
+                self.inflight.settle(u.shared, error=err)
         return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize

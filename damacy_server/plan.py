@@ -64,7 +64,7 @@ class CopyTable:
 class UnitJob:
     """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`)."""
 
-    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi")
+    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "shared")
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class UnitJob:
         self.pos = pos
         self.lo = lo
         self.hi = hi
+        self.shared = None  # while executed: the executor's registration (inflight.Shared)
 
     @property
     def rows(self) -> np.ndarray:

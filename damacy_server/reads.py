@@ -91,16 +91,23 @@ def take_cached(groups: list[ReadGroup], cache: LRUCache | None) -> tuple[list[R
                 rest.append(u)
             else:
                 cached.append((u, arr))
-        if len(rest) == len(g.units):
-            out.append(g)
-        elif rest:
-            if g.length < 0:
-                out.append(ReadGroup(g.key, g.offset, g.length, rest))
-            else:
-                start = min(u.offset for u in rest)
-                end = max(u.offset + u.nbytes for u in rest)
-                out.append(ReadGroup(g.key, start, end - start, rest))
+        kept = shrink(g, rest)
+        if kept is not None:
+            out.append(kept)
     return out, cached
+
+
+def shrink(group: ReadGroup, units: list[UnitJob]) -> ReadGroup | None:
+    """``group`` holding only ``units`` (its range shrinks to theirs); None when none is left."""
+    if len(units) == len(group.units):
+        return group
+    if not units:
+        return None
+    if group.length < 0:
+        return ReadGroup(group.key, group.offset, group.length, units)
+    start = min(u.offset for u in units)
+    end = max(u.offset + u.nbytes for u in units)
+    return ReadGroup(group.key, start, end - start, units)
 
 
 def fit_reads(groups: list[ReadGroup], capacity: int | None) -> list[ReadGroup]:

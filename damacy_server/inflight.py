@@ -1,0 +1,97 @@
+"""Units being decoded, shared with the batches that need them meanwhile.
+
+Training keeps several batches in flight (every rank of a node's damacyd, and each
+pipeline's lookahead), and random boxes of one volume share read units, so a unit one batch
+is decoding is often needed by the next before it is done, while it is not in the chunk
+cache yet. The executor registers each unit it schedules; a later batch that needs a
+registered unit waits for it instead of reading and decoding it again. The owner decodes a
+unit with waiters whole (else only as far as its own copies need) and settles it once:
+with the decoded array, with the error every reader of that unit would get, as missing
+(the fill value), or as abandoned (its batch was cancelled before decoding it; each waiter
+then reads the unit itself).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import SampleError
+
+#: a waiter: called once with (array, error, missing); all empty means abandoned
+Waiter = Callable[[np.ndarray | None, SampleError | None, bool], None]
+
+
+class Shared:
+    """One registered unit: its owner decodes it, its waiters get the result."""
+
+    __slots__ = ("key", "waiters", "whole", "settled")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+        self.waiters: list[Waiter] = []
+        self.whole = False  # the owner decodes it whole: waiters may still join
+        self.settled = False
+
+    def __repr__(self) -> str:
+        return f"Shared({self.key!r}, waiters={len(self.waiters)}, whole={self.whole}, settled={self.settled})"
+
+
+class InFlight:
+    """The units an executor has scheduled and not yet settled, by ``(array root, unit)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._units: dict[Hashable, Shared] = {}
+        self.joined = 0  # units a batch took from another's decode
+
+    def claim_or_join(self, key: Hashable, waiter: Waiter) -> Shared | None:
+        """A new :class:`Shared` when nobody has ``key`` in flight (the caller decodes it and
+        must settle it); else ``waiter`` will be called with the owner's result, and None."""
+        with self._lock:
+            shared = self._units.get(key)
+            if shared is None:
+                shared = self._units[key] = Shared(key)
+                return shared
+            shared.waiters.append(waiter)
+            self.joined += 1
+            return None
+
+    def start(self, shared: Shared, whole: bool) -> bool:
+        """The owner is about to decode: whether to decode whole (it would anyway, or someone
+        waits). A unit decoded only in part takes no more waiters."""
+        with self._lock:
+            if shared.settled:
+                return whole
+            if whole or shared.waiters or shared.whole:
+                shared.whole = True
+                return True
+            self._drop(shared)
+            return False
+
+    def settle(
+        self, shared: Shared, array: np.ndarray | None = None, error: SampleError | None = None, missing: bool = False
+    ) -> None:
+        """The owner is done with the unit (nothing given: abandoned). Later calls do nothing."""
+        with self._lock:
+            if shared.settled:
+                return
+            shared.settled = True
+            self._drop(shared)
+            waiters, shared.waiters = shared.waiters, []
+        for waiter in waiters:
+            waiter(array, error, missing)
+
+    def _drop(self, shared: Shared) -> None:
+        if self._units.get(shared.key) is shared:
+            del self._units[shared.key]
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"in_flight": len(self._units), "joined": self.joined}

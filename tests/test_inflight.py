@@ -1,0 +1,201 @@
+"""Units in flight are decoded once: a batch that needs a unit another batch is decoding
+waits for it, and gets its data, its error, its fill value, or reads it itself when that
+batch is cancelled first."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import random_data, write_array
+from zarr.codecs import ZstdCodec
+
+import damacy
+from damacy_protocol.errors import DecodeError
+from damacy_server.inflight import InFlight
+from damacy_server.store.file import FileReader
+
+SHAPE = (16, 32, 32)
+CHUNKS = (4, 16, 16)
+BOXES = [np.s_[0:8, 0:20, 4:30], np.s_[6:14, 10:32, 0:16], np.s_[2:6, 0:32, 0:32]]
+
+
+# -- the registry ------------------------------------------------------------------------
+
+
+def test_one_owner_and_its_waiters():
+    reg = InFlight()
+    got = []
+    owner = reg.claim_or_join("k", got.append)
+    assert owner is not None and len(reg) == 1
+    assert reg.claim_or_join("k", lambda *a: got.append(a)) is None  # waits
+    assert reg.start(owner, whole=False)  # someone waits: decode whole
+    arr = np.arange(4)
+    reg.settle(owner, array=arr)
+    assert got == [(arr, None, False)] and len(reg) == 0
+    reg.settle(owner, error=DecodeError("late"))  # settled once
+    assert len(got) == 1 and reg.stats() == {"in_flight": 0, "joined": 1}
+
+
+def test_a_unit_decoded_in_part_takes_no_waiters():
+    reg = InFlight()
+    owner = reg.claim_or_join("k", None)
+    assert not reg.start(owner, whole=False)  # nobody waits: a prefix is enough
+    again = reg.claim_or_join("k", None)  # a later batch decodes it itself
+    assert again is not None and again is not owner
+    assert reg.start(again, whole=True) and reg.start(again, whole=False)  # whole stays whole
+
+
+def test_abandoned_and_missing_reach_the_waiters():
+    reg = InFlight()
+    got = []
+    owner = reg.claim_or_join("a", None)
+    reg.claim_or_join("a", lambda *a: got.append(("a", *a)))
+    other = reg.claim_or_join("b", None)
+    reg.claim_or_join("b", lambda *a: got.append(("b", *a)))
+    reg.settle(owner)
+    reg.settle(other, missing=True)
+    assert got == [("a", None, None, False), ("b", None, None, True)]
+
+
+# -- the executor --------------------------------------------------------------------------
+
+
+class GatedReader(FileReader):
+    """Reads wait for a gate (no direct reads: every read goes through the I/O threads)."""
+
+    def __init__(self) -> None:
+        super().__init__(workers=2)
+        self.gate = threading.Event()
+        self.reads = 0
+
+    @property
+    def direct(self):  # hides FileReader.direct: decode threads do not read themselves
+        raise AttributeError("direct")
+
+    def read(self, key):
+        self.gate.wait(30)
+        self.reads += 1
+        return super().read(key)
+
+    def read_range(self, key, offset, length):
+        self.gate.wait(30)
+        self.reads += 1
+        return super().read_range(key, offset, length)
+
+
+@pytest.fixture
+def volume(tmp_path):
+    data = random_data(SHAPE, "uint16", 5)
+    write_array(tmp_path / "v", data, chunks=CHUNKS, compressors=[ZstdCodec(level=1)])
+    return str(tmp_path / "v"), data
+
+
+def run_plan(executor, uri, boxes, cancelled=lambda: False):
+    """Start a batch for each of ``boxes``; returns (outputs, finished events, errors by box,
+    unit references over the batches)."""
+    samples = [damacy.Sample(uri, b) for b in boxes]
+    shapes = [s.shape for s in samples]
+    plans = [damacy.ChunkPlanner().plan([s], shape, capacity=executor.inflight_capacity) for s, shape in zip(samples, shapes)]
+    outs, events, errors = [], [], {}
+    for k, (plan, shape) in enumerate(zip(plans, shapes)):
+        out = np.full(shape, -1, dtype="f4")
+        done = threading.Event()
+
+        def finished(errs, k=k, done=done):
+            errors.update({k: e for e in errs.values()})
+            done.set()
+
+        executor.execute(plan, [out], finished, cancelled)
+        outs.append(out)
+        events.append(done)
+    return outs, events, errors, sum(len(g.units) for plan in plans for g in plan.groups)
+
+
+def wait_all(events):
+    for e in events:
+        assert e.wait(30), "a batch never finished"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_unit_in_flight_is_decoded_once(volume, native):
+    uri, data = volume
+    reader = GatedReader()
+    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2, native=native))
+    try:
+        first, done1, err1, refs = run_plan(executor, uri, BOXES)  # the boxes overlap
+        units = len(executor.inflight)
+        assert units > 0  # registered, held at the gate
+        second, done2, err2, more = run_plan(executor, uri, BOXES)  # the same units again
+        assert len(executor.inflight) == units
+        assert executor.inflight.stats()["joined"] == refs + more - units  # all but the first of each
+        reader.gate.set()
+        wait_all(done1 + done2)
+        assert not err1 and not err2
+        for out1, out2, box in zip(first, second, BOXES):
+            want = data[box].astype("f4")
+            assert np.array_equal(out1, want) and np.array_equal(out2, want)
+        stages = executor.stats.snapshot()
+        assert stages["decode"]["count"] == units and stages["shared"]["count"] == refs + more - units
+        assert len(executor.inflight) == 0
+    finally:
+        executor.close()
+
+
+def test_a_cancelled_owner_leaves_its_waiters_to_read_alone(volume):
+    uri, data = volume
+    reader = GatedReader()
+    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2))
+    stop = threading.Event()
+    try:
+        _, done1, _, _ = run_plan(executor, uri, BOXES, cancelled=stop.is_set)
+        second, done2, err2, _ = run_plan(executor, uri, BOXES)
+        stop.set()  # the owner's batch goes before its reads are made
+        reader.gate.set()
+        wait_all(done1 + done2)
+        assert not err2
+        for out, box in zip(second, BOXES):
+            assert np.array_equal(out, data[box].astype("f4"))
+        assert len(executor.inflight) == 0
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_waiters_get_the_owners_error_and_fill(volume, tmp_path, native):
+    uri, data = volume
+    (tmp_path / "v" / "c" / "0" / "0" / "0").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 12)  # corrupt
+    (tmp_path / "v" / "c" / "3" / "1" / "1").unlink()  # never written: the fill value (0)
+    reader = GatedReader()
+    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2, native=native))
+    boxes = [np.s_[0:4, 0:16, 0:16], np.s_[12:16, 16:32, 16:32], np.s_[4:8, 0:32, 0:32]]
+    try:
+        first, done1, err1, _ = run_plan(executor, uri, boxes)
+        second, done2, err2, _ = run_plan(executor, uri, boxes)
+        assert executor.inflight.stats()["joined"] > 0
+        reader.gate.set()
+        wait_all(done1 + done2)
+        for errs, outs in ((err1, first), (err2, second)):
+            assert set(errs) == {0} and isinstance(errs[0], DecodeError) and errs[0].chunk == (0, 0, 0)
+            assert not outs[1].any()  # the missing chunk: its fill value
+            assert np.array_equal(outs[2], data[4:8].astype("f4"))
+    finally:
+        executor.close()
+
+
+def test_overlapping_batches_in_flight_read_right(volume):
+    """End to end: a pipeline whose batches in flight share units gives each its data."""
+    uri, data = volume
+    rng = np.random.default_rng(0)
+    starts = [tuple(int(rng.integers(0, n - b + 1)) for n, b in zip(SHAPE, (4, 16, 16))) for _ in range(24)]
+    samples = [damacy.Sample(uri, tuple((a, a + b) for a, b in zip(s, (4, 16, 16)))) for s in starts]
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(4, 16, 16), pop_timeout_s=30, lookahead_samples=12, prepared_batches=3)
+    got = []
+    with damacy.Pipeline(cfg) as p:
+        p.push(samples)
+        for b in p.batches():
+            with b:
+                got.append(b.copy())
+    want = [np.stack([data[tuple(slice(a, b) for a, b in s.aabb)] for s in samples[i : i + 4]]).astype("f4") for i in range(0, 24, 4)]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
