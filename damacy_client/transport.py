@@ -30,6 +30,8 @@ log = logging.getLogger("damacy")
 #: how often the client shows it is alive, and how long a silent daemon is given
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 4.0
+#: the I/O thread's poll timeout (requests and close wake it at once)
+POLL_MS = 100
 
 
 class Call:
@@ -157,7 +159,7 @@ class Connection:
         last_ping = time.monotonic()
         try:
             while not self._closed:
-                events = dict(poller.poll(100))
+                events = dict(poller.poll(POLL_MS))
                 now = time.monotonic()
                 if self._sock in events:
                     self._receive_all()
@@ -258,6 +260,7 @@ class Connection:
             except (DamacyError, ProtocolError):
                 pass
         self._closed = True
+        self._waker.wake()  # the loop leaves its poll now, not at its next timeout
         self._thread.join(2.0)
         self._teardown()
 

@@ -122,6 +122,19 @@ time.sleep(600)
 """
 
 
+def test_close_wakes_the_connection_thread(daemon, data, monkeypatch):
+    # the I/O thread would sleep in its poll for a minute: close must wake it, not wait it out
+    monkeypatch.setattr("damacy_client.transport.POLL_MS", 60_000)
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=30)
+    pipe = damacy.Pipeline(cfg, endpoint=daemon.endpoint)
+    pipe.push([damacy.Sample(str(data / "vol.zarr"), tuple((0, n) for n in BOX))] * 2)
+    with pipe.pop():
+        pass
+    thread = pipe._conn._thread
+    pipe.close()
+    assert not thread.is_alive()
+
+
 def test_killed_clients_are_reclaimed(tmp_path, data):
     proc = DaemonProcess(tmp_path, [data], ["--memory", "256M"])
     try:
