@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from damacy_protocol.errors import DecodeError
+from damacy_server import contract
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -22,10 +23,9 @@ def decode_unit(meta: ArrayMetadata, data, unit: tuple[int, ...], key: str) -> n
 
 
 def cast_fill(value, dtype: np.dtype) -> np.ndarray:
-    """A fill value cast to the output dtype as numpy casts arrays (NaN to an integer type
-    gives what ``astype`` gives, not an exception)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.asarray(value).astype(dtype)
+    """A fill value (of the array's dtype) converted to the output dtype as any element is
+    (:mod:`damacy_server.contract`: NaN to an integer type is 0, not an exception)."""
+    return contract.convert(np.asarray(value), dtype)
 
 
 def check_length(meta: ArrayMetadata, data, expected: int, unit: tuple[int, ...], key: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_server import contract
 from damacy_server.decode import cast_fill
 from damacy_server.selection import CopyOp, SliceCopy
 
@@ -64,8 +65,12 @@ def _op(row: list[int], ndim: int, pool: np.ndarray) -> SliceCopy | CopyOp:
 
 def copy_rows(rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], arr: np.ndarray) -> int:
     """Make the copies of ``rows`` (a unit's) from its decoded array ``arr`` into
-    ``targets[sample]``, cast as numpy casts; returns the bytes written."""
+    ``targets[sample]``, converted under damacy's numeric contract (numpy's casts, but for
+    the pairs where :mod:`damacy_server.contract` defines what numpy does not); returns the
+    bytes written."""
     written = 0
+    if len(rows) and contract.differs(arr.dtype, targets[int(rows[0, 1])].dtype):
+        arr = contract.convert(arr, targets[int(rows[0, 1])].dtype)
     for row in rows.tolist():
         target = targets[row[1]]
         written += _op(row, ndim, pool).apply(target, arr) * target.itemsize

@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from damacy_protocol.dtypes import numpy_dtype
+from damacy_server.contract import convert
 
 
 def expected_box(oracle, aabb, out_dtype) -> np.ndarray:
-    """What a padded box of a zarr-python array holds (fill value outside the array)."""
+    """What a padded box of a zarr-python array holds (fill value outside the array),
+    converted under damacy's numeric contract (numpy's casts where numpy defines them;
+    tested on its own in test_cuda_kernels.py)."""
     shape = tuple(b - a for a, b in aabb)
-    with np.errstate(invalid="ignore", over="ignore"):
-        out = np.full(shape, np.asarray(oracle.fill_value).astype(out_dtype), dtype=out_dtype)
+    out = np.full(shape, convert(np.asarray(oracle.fill_value, dtype=oracle.dtype), out_dtype), dtype=out_dtype)
     src, dst = [], []
     for (a, b), n in zip(aabb, oracle.shape):
         lo, hi = max(a, 0), min(b, n)
@@ -19,8 +21,7 @@ def expected_box(oracle, aabb, out_dtype) -> np.ndarray:
             return out
         src.append(slice(lo, hi))
         dst.append(slice(lo - a, hi - a))
-    with np.errstate(invalid="ignore", over="ignore"):
-        out[tuple(dst)] = oracle[tuple(src)]
+    out[tuple(dst)] = convert(oracle[tuple(src)], out_dtype)
     return out
 
 

@@ -1,0 +1,96 @@
+"""damacy's numeric contract in numpy: the value an element of one dtype becomes in another.
+
+The rule is written down once, in ``damacy_server/cuda/kernels/convert.cuh``; this module is
+its numpy reference, used by the CPU executor's numpy path (the native CPU loop leaves the
+pairs below to it) and by the tests of the GPU kernels' host twin. Where numpy defines a
+result it is numpy's (ml_dtypes' for bf16) and :func:`convert` is ``astype``; it differs
+where numpy's result is platform-defined or rounded twice:
+
+- float to integer: truncated toward zero; NaN to 0; out of range (infinities included) to
+  the type's minimum or maximum (CUDA's saturating conversions; numpy's is undefined);
+- f64, 32- and 64-bit integers to bf16: rounded once to nearest even (ml_dtypes rounds
+  through f32, twice).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from ml_dtypes import bfloat16 as _BF16
+
+    BF16: np.dtype | None = np.dtype(_BF16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BF16 = None
+
+
+def differs(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether the contract differs from numpy's ``astype`` for this pair."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src.kind == "f" and dst.kind in "iu":
+        return True
+    return dst == BF16 and (src == np.float64 or (src.kind in "iu" and src.itemsize >= 4))
+
+
+def convert(arr, dtype) -> np.ndarray:
+    """``arr`` as ``dtype`` under the contract (a new array, native byte order)."""
+    arr = np.asarray(arr)
+    dtype = np.dtype(dtype)
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    with np.errstate(invalid="ignore", over="ignore"):
+        if not differs(arr.dtype, dtype):
+            return arr.astype(dtype)
+        flat = arr.reshape(-1)
+        if dtype.kind in "iu":
+            return _saturate(flat, dtype).reshape(arr.shape)
+        if flat.dtype.kind in "iu":
+            flat = _int_to_f64_odd(flat)
+        return _f64_to_f32_odd(flat.astype(np.float64)).astype(dtype).reshape(arr.shape)
+
+
+def _saturate(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    a = arr.astype(np.float64)  # exact for f16, f32 and f64
+    info = np.iinfo(dtype)
+    nan = np.isnan(a)
+    low = a <= float(info.min) - 1.0
+    high = a >= float(info.max) + 1.0
+    if dtype == np.int64:  # float(min) - 1 rounds to min: only values below it saturate
+        low = a < float(info.min)
+    out = np.trunc(np.where(nan | low | high, 0.0, a)).astype(dtype)
+    out[low] = info.min
+    out[high] = info.max
+    return out
+
+
+def _f64_to_f32_odd(a: np.ndarray) -> np.ndarray:
+    """f64 to f32 rounded to odd (the last bit set when anything was lost): rounding the
+    result once more to a format at least two bits narrower is rounding once."""
+    f = a.astype(np.float32)  # nearest even; past the range: inf
+    back = f.astype(np.float64)
+    bits = f.view(np.uint32).copy()
+    lost = (back != a) & np.isfinite(a) & np.isfinite(f) & ((bits & 1) == 0)
+    toward_plus = back < a
+    negative = (bits >> 31).astype(bool)
+    step = np.where(toward_plus != negative, np.uint32(1), np.uint32(0xFFFFFFFF))  # +1 or -1
+    bits[lost] = bits[lost] + step[lost]
+    return bits.view(np.float32)
+
+
+def _int_to_f64_odd(v: np.ndarray) -> np.ndarray:
+    """An integer array as f64 rounded to odd (exact below 2**53)."""
+    if v.dtype.itemsize < 8:
+        return v.astype(np.float64)
+    negative = v < 0 if v.dtype.kind == "i" else np.zeros(v.shape, dtype=bool)
+    m = v.astype(np.uint64)
+    m = np.where(negative, np.uint64(0) - m, m)  # |v| (2**63 for the minimum)
+    d = m.astype(np.float64)
+    top = d >= 2.0**64
+    back = np.where(top, 0.0, d).astype(np.uint64)
+    bits = d.view(np.uint64).copy()
+    lost = (top | (back != m)) & ((bits & np.uint64(1)) == 0)
+    down = top | (back > m)
+    bits[lost & down] -= np.uint64(1)
+    bits[lost & ~down] += np.uint64(1)
+    d = bits.view(np.float64)
+    return np.where(negative, -d, d)
