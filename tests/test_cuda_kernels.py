@@ -314,3 +314,47 @@ def test_kernels_compile_with_nvcc(tmp_path, arch):
     assert {"damacy_assemble", "damacy_fill", "damacy_convert", "damacy_unshuffle"} <= names, out.stderr
     for name, spills, regs in report:
         print(f"{arch} {name}: {regs} registers, {spills} bytes spilled")
+
+
+def _nvrtc():
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (what CuPy compiles RawModules with), or None."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cu13")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    builtins = sorted(lib.glob("libnvrtc-builtins.so.*"))
+    nvrtc = sorted(lib.glob("libnvrtc.so.*"))
+    if not builtins or not nvrtc:
+        return None
+    ctypes.CDLL(str(builtins[0]), mode=ctypes.RTLD_GLOBAL)  # what libnvrtc opens by name
+    return ctypes.CDLL(str(nvrtc[0]))
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason="NVRTC is not installed (the test extra brings nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+def test_kernels_compile_with_nvrtc(arch):
+    """The kernels as the GPU executor builds them (cupy.RawModule compiles with NVRTC, which
+    has no C library headers: device.h's NVRTC branch)."""
+    import ctypes
+
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    source = (KERNELS / "kernels.cu").read_bytes()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"kernels.cu", 0, None, None) == 0
+    opts = [b"-std=c++17", b"-I" + str(KERNELS).encode(), f"--gpu-architecture={arch}".encode()]
+    status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert status == 0, log.value.decode()
+    ptx_size = ctypes.c_size_t()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size))
+    ptx = ctypes.create_string_buffer(ptx_size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    for name in ("damacy_assemble", "damacy_fill", "damacy_convert", "damacy_unshuffle"):
+        assert f".entry {name}(".encode() in ptx.value, name
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -35,7 +35,8 @@ typedef unsigned long long uint64_t;
 #define DAMACY_GRID_DIM ((int64_t)gridDim.x)
 /* the host checked the table (damacy_server/cuda/tables.py); the GPU does not re-check */
 #define DAMACY_CHECK(cond) ((void)0)
-#define DAMACY_MEMCPY(d, s, n) __builtin_memcpy((d), (s), (n))
+/* memcpy is built into device code (NVRTC knows no __builtin_memcpy) */
+#define DAMACY_MEMCPY(d, s, n) memcpy((d), (s), (n))
 #else
 #include <stdint.h>
 #include <string.h>
@@ -56,7 +57,7 @@ extern _Thread_local int damacy_twin_fault;
             return;                                                                        \
         }                                                                                  \
     } while (0)
-#define DAMACY_MEMCPY(d, s, n) __builtin_memcpy((d), (s), (n))
+#define DAMACY_MEMCPY(d, s, n) memcpy((d), (s), (n))
 #endif
 
 #endif

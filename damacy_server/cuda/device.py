@@ -1,0 +1,182 @@
+"""What the CUDA executor asks of a device, and two devices that answer it.
+
+:class:`CupyDevice` is a GPU: memory from CuPy's allocator, the kernels of ``kernels/``
+compiled by NVRTC (``cupy.RawModule``), nvCOMP's batched zstd decoder, one stream.
+:class:`HostDevice` stands in for it on the CPU: its "device memory" is host memory, its
+kernels are the host twin (the same source, run thread by thread), its zstd decoder is
+zstandard with nvCOMP's per-chunk statuses. The executor's orchestration (what is read,
+checked, staged, decoded, assembled, and which errors reach which samples) is the same code
+on both, so the CPU tests run all of it.
+
+Every pointer here is an integer address in the device's memory; kernel arguments are typed
+numpy scalars (``np.int64``, ``np.int32``, ``np.uint64`` for pointers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from damacy_server.cuda import nvcomp
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+
+
+class DeviceBuffer:
+    """``nbytes`` of device memory at ``ptr``; ``owner`` keeps it alive."""
+
+    __slots__ = ("ptr", "nbytes", "owner")
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.owner = owner
+
+
+class Device(ABC):
+    """The operations the CUDA executor needs, in stream order: each call is queued after
+    the previous ones and :meth:`synchronize` waits for all of them."""
+
+    name: str
+
+    @abstractmethod
+    def alloc(self, nbytes: int) -> DeviceBuffer: ...
+
+    @abstractmethod
+    def upload(self, host: np.ndarray, dst: int) -> None:
+        """Copy a contiguous host array to ``dst``; ``host`` must live until the next sync."""
+
+    @abstractmethod
+    def download(self, src: int, host: np.ndarray) -> None:
+        """Copy ``host.nbytes`` from ``src`` into a contiguous host array (after a sync)."""
+
+    @abstractmethod
+    def launch(self, kernel: str, grid: int, block: int, args: tuple) -> None:
+        """Run ``damacy_<kernel>`` (kernels/*.cuh) on a 1-d grid."""
+
+    @abstractmethod
+    def zstd_decompress(
+        self, comp_ptrs: int, comp_bytes: int, out_bytes: int, actual_bytes: int, n: int, temp: int, temp_bytes: int,
+        out_ptrs: int, statuses: int,
+    ) -> None:
+        """nvcompBatchedZstdDecompressAsync: every argument a device address (tables of n)."""
+
+    @abstractmethod
+    def zstd_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+
+class HostDevice(Device):
+    """The stand-in device: host memory, the kernels' host twin, zstandard (see module)."""
+
+    name = "host"
+
+    def __init__(self) -> None:
+        from damacy_server.cuda import twin
+
+        self._twin = twin._load()
+        self.launches: list[str] = []  # the kernels run, in order (for the tests)
+
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+        return DeviceBuffer(buf.ctypes.data, nbytes, buf)
+
+    def upload(self, host: np.ndarray, dst: int) -> None:
+        src = np.ascontiguousarray(host)
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+
+    def download(self, src: int, host: np.ndarray) -> None:
+        ctypes.memmove(host.ctypes.data, src, host.nbytes)
+
+    def launch(self, kernel: str, grid: int, block: int, args: tuple) -> None:
+        self.launches.append(kernel)
+        fault = getattr(self._twin, f"damacy_twin_{kernel}")(grid, block, *(int(a) for a in args))
+        if fault:
+            raise RuntimeError(f"kernel {kernel}: an index outside its buffer")
+
+    def zstd_decompress(self, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs, statuses) -> None:
+        import zstandard
+
+        def table(addr: int, dtype) -> np.ndarray:
+            return np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(np.ctypeslib.as_ctypes_type(dtype))), (n,))
+
+        src, size, cap = table(comp_ptrs, np.uint64), table(comp_bytes, np.uint64), table(out_bytes, np.uint64)
+        dst, got, status = table(out_ptrs, np.uint64), table(actual_bytes, np.uint64), table(statuses, np.int32)
+        dctx = zstandard.ZstdDecompressor()
+        for k in range(n):
+            frame = ctypes.string_at(int(src[k]), int(size[k]))
+            try:
+                out = dctx.decompress(frame, max_output_size=int(cap[k]) + 1)
+            except zstandard.ZstdError as e:
+                got[k], status[k] = 0, nvcomp.Status.BAD_CHECKSUM if "checksum" in str(e) else nvcomp.Status.CANNOT_DECOMPRESS
+                continue
+            if len(out) > int(cap[k]):
+                got[k], status[k] = 0, nvcomp.Status.OUTPUT_BUFFER_TOO_SMALL
+                continue
+            ctypes.memmove(int(dst[k]), out, len(out))
+            got[k], status[k] = len(out), nvcomp.Status.SUCCESS
+
+    def zstd_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int:
+        return 0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CupyDevice(Device):
+    """A GPU through CuPy: its memory pool, NVRTC for the kernels, nvCOMP for zstd, one
+    non-blocking stream per device object."""
+
+    def __init__(self, device: int = 0) -> None:
+        import cupy
+
+        if not cupy.cuda.is_available():
+            raise RuntimeError("no CUDA device is available")
+        self._cupy = cupy
+        self.index = device
+        self.name = f"cuda:{device}"
+        with cupy.cuda.Device(device):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            source = (KERNELS / "kernels.cu").read_text()
+            self.module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS}"))
+        self._functions: dict[str, Any] = {}
+
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        with self._cupy.cuda.Device(self.index):
+            mem = self._cupy.cuda.alloc(max(nbytes, 1))
+        return DeviceBuffer(int(mem.ptr), nbytes, mem)
+
+    def upload(self, host: np.ndarray, dst: int) -> None:
+        src = np.ascontiguousarray(host)
+        self._cupy.cuda.runtime.memcpyAsync(dst, src.ctypes.data, src.nbytes, 1, self.stream.ptr)  # host to device
+
+    def download(self, src: int, host: np.ndarray) -> None:
+        self._cupy.cuda.runtime.memcpyAsync(host.ctypes.data, src, host.nbytes, 2, self.stream.ptr)  # device to host
+
+    def launch(self, kernel: str, grid: int, block: int, args: tuple) -> None:
+        fn = self._functions.get(kernel)
+        if fn is None:
+            fn = self._functions[kernel] = self.module.get_function(f"damacy_{kernel}")
+        with self._cupy.cuda.Device(self.index):
+            fn((grid,), (block,), args, stream=self.stream)
+
+    def zstd_decompress(self, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs, statuses) -> None:
+        lib = nvcomp.load()
+        status = lib.nvcompBatchedZstdDecompressAsync(
+            comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs,
+            nvcomp.ZstdDecompressOpts(backend=int(nvcomp.DecompressBackend.DEFAULT)), statuses, self.stream.ptr,
+        )
+        if status != nvcomp.Status.SUCCESS:
+            raise nvcomp.NvcompError("nvcompBatchedZstdDecompressAsync", status)
+
+    def zstd_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int:
+        return nvcomp.zstd_temp_bytes(n, max_chunk_bytes, total_bytes)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()

@@ -1,0 +1,345 @@
+"""The CUDA executor: a batch plan read on the host, decoded and assembled on a device.
+
+Per batch, on the executor's stream: the plan's reads are made on the host and every zstd
+frame is walked there (nvCOMP's behaviour on corrupt input is undefined); the frames go to
+the device in one staging upload and are decoded by one batched nvCOMP call into one arena;
+stored units (no compressor) are uploaded into the arena as they are; units of other codec
+chains are decoded on the host and uploaded (counted as ``host_decode``); units never
+written are the fill kernel's. Then padded samples are filled and each array's copy table
+is assembled by one kernel launch, the same table the CPU paths execute. A chunk whose frame
+is refused on the host or whose status is bad after the batch fails its samples with a
+:class:`DecodeError`; its rows are not assembled.
+
+The device is a :class:`~damacy_server.cuda.device.Device`: a GPU, or the host stand-in that
+runs the same orchestration with the kernels' host twin (the CPU tests use it). Targets are
+arrays on that device (numpy arrays for the host stand-in, CuPy arrays on a GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.checks import Size, check_fields
+from damacy_protocol.errors import DecodeError, SampleError
+from damacy_server.budget import MemoryBudget, Reservation, StageStats
+from damacy_server.cuda import nvcomp
+from damacy_server.cuda.device import Device, DeviceBuffer
+from damacy_server.cuda.tables import check_disjoint
+from damacy_server.cuda.twin import CODES
+from damacy_server.decode import check_length, decode_unit
+from damacy_server.plan import BatchPlan, UnitJob
+from damacy_server.run import for_sample, samples_of
+from damacy_server.store.file import FileReader
+from damacy_server.workers import WorkerPool
+from damacy_server.zarr.codecs.base import CorruptData
+
+ALIGN = 256  # bytes: every unit's place in the arena (nvCOMP asks 8 at most; coalesced loads)
+BLOCK = 256  # threads per block
+
+
+@dataclass(frozen=True)
+class CudaLimits:
+    """``max_gpu_memory_bytes``: batch slots plus each batch's arenas on the device."""
+
+    max_gpu_memory_bytes: Size = 1 << 30
+
+    def __post_init__(self) -> None:
+        check_fields(self, {"max_gpu_memory_bytes": Size})
+
+
+def _address(a: Any) -> int:
+    """A device array's address: numpy's for the host stand-in, CuPy's ``data.ptr``."""
+    if isinstance(a, np.ndarray):
+        return int(a.ctypes.data)
+    return int(a.data.ptr)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Unit:
+    """One unit of a batch on its way to the arena."""
+
+    __slots__ = ("job", "kind", "data", "offset", "error")
+
+    def __init__(self, job: UnitJob, kind: str, data: Any = None) -> None:
+        self.job = job
+        self.kind = kind  # "zstd", "stored" (bytes as stored), "host" (decoded on the host)
+        self.data = data
+        self.offset = 0  # in the arena
+        self.error: SampleError | None = None
+
+
+class CudaExecutor:
+    """Executes batch plans on a device; the engine's executor interface (``execute``,
+    ``inflight_capacity``, ``chunk_cache``, slot reservations, ``stats``, ``close``)."""
+
+    def __init__(self, device: Device, reader: FileReader | None = None, limits: CudaLimits | None = None) -> None:
+        self.device = device
+        self.reader = reader if reader is not None else FileReader()
+        self.limits = limits if limits is not None else CudaLimits()
+        self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes)
+        self.stats = StageStats()
+        self.chunk_cache = None  # a device chunk cache is future work
+        self.inflight = None
+        self.host_decoded = 0  # units of codec chains the device does not decode
+        self._pool = WorkerPool(1, "damacy-cuda")  # one stream: batches in submission order
+        self._closed = False
+
+    # -- the engine's interface --------------------------------------------------------------
+    def reserve_slots(self, nbytes: int, what: str) -> None:
+        self.budget.admit_slots(nbytes, what)
+
+    def release_slots(self, nbytes: int) -> None:
+        self.budget.release_slots(nbytes)
+
+    @property
+    def inflight_capacity(self) -> int:
+        return self.budget.capacity
+
+    def execute(
+        self,
+        plan: BatchPlan,
+        targets: Sequence[Any],
+        on_done: Callable[[dict[int, SampleError]], None],
+        cancelled: Callable[[], bool] = lambda: False,
+        key: Any = None,
+    ) -> None:
+        """Assemble sample i of ``plan`` into ``targets[i]`` (a device array); ``on_done``
+        gets the errors by sample once the batch is on the device."""
+        self._pool.submit(self._run, plan, list(targets), on_done, cancelled, key=key)
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.close()
+
+    # -- one batch ------------------------------------------------------------------------------
+    def _run(self, plan: BatchPlan, targets: list, on_done, cancelled) -> None:
+        errors: dict[int, SampleError] = {}
+        reserved = 0
+        try:
+            if cancelled() or self._closed:
+                return
+            views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
+            units = self._read(plan, errors)
+            need = self._layout(units)
+            status = self.budget.reserve(need, lambda: cancelled() or self._closed)
+            if status is not Reservation.TAKEN:
+                reason = "the batch's decoded units need more device memory than max_gpu_memory_bytes leaves beside the slots"
+                if status is Reservation.TOO_BIG:
+                    _fail(errors, plan, samples_of([u.job for u in units]), SampleError(f"{reason} ({need} bytes)"))
+                return
+            reserved = need
+            arena = self.device.alloc(need)
+            self._decode(units, arena, errors, plan)
+            self._fill(plan, views)
+            self._assemble(plan, units, arena, views)
+            self.device.synchronize()
+        except Exception as e:  # a bug fails this batch's samples, never the executor
+            err = SampleError(f"internal error: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            _fail(errors, plan, range(len(plan.samples)), err)
+        finally:
+            if reserved:
+                self.budget.release(reserved)
+            on_done(errors)
+
+    def _read(self, plan: BatchPlan, errors: dict[int, SampleError]) -> list[_Unit]:
+        """Every unit's bytes, read on the host and checked there."""
+        t0 = time.perf_counter()
+        out: list[_Unit] = []
+        nbytes = 0
+        for group in plan.groups:
+            try:
+                data = self.reader.read(group.key) if group.length < 0 else self.reader.read_range(group.key, group.offset, group.length)
+            except SampleError as e:
+                _fail(errors, plan, samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
+                continue
+            nbytes += len(data) if data else 0
+            view = memoryview(data) if data is not None else None
+            for job in group.units:
+                piece = None
+                if view is not None:
+                    piece = view if group.length < 0 else view[job.offset - group.offset : job.offset - group.offset + job.nbytes]
+                out.append(self._classify(job, piece, errors, plan))
+        self.stats.add("read", time.perf_counter() - t0, count=len(plan.groups), bytes_out=nbytes)
+        return [u for u in out if u is not None]
+
+    def _classify(self, job: UnitJob, piece: memoryview | None, errors, plan) -> _Unit | None:
+        """How a unit reaches the arena. Units of one array all come in one byte order: the
+        stored one where the device decodes the chain, native where the host does."""
+        meta = job.meta
+        leaf = meta.layout.leaf
+        stored = _device_dtype(meta)
+        try:
+            if piece is None:  # never written: the fill value
+                dtype = stored if stored is not None else meta.dtype.newbyteorder("=")
+                full = np.full(leaf.spec.shape, meta.fill_value, dtype=dtype)
+                return _Unit(job, "stored" if stored is not None else "host", full.tobytes() if stored is not None else full)
+            check_length(meta, piece, job.nbytes, job.unit, job.key)
+            names = tuple(c.name for c in leaf.b2b)
+            if stored is not None and names == ("zstd",):
+                nvcomp.walk_zstd_frame(piece, leaf.spec.nbytes)
+                return _Unit(job, "zstd", piece)
+            if stored is not None and names == ():
+                if len(piece) != leaf.spec.nbytes:
+                    raise CorruptData(f"a stored chunk of {len(piece)} bytes, expected {leaf.spec.nbytes}")
+                return _Unit(job, "stored", piece)
+            arr = decode_unit(meta, piece, job.unit, job.key)  # another chain: decoded here
+            self.host_decoded += 1
+            return _Unit(job, "host", np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
+        except CorruptData as e:
+            err = DecodeError(str(e), uri=meta.uri, path=job.key, chunk=job.unit)
+        except SampleError as e:
+            err = e
+        _fail(errors, plan, samples_of((job,)), err)
+        return None
+
+    def _layout(self, units: list[_Unit]) -> int:
+        """Arena offsets of the units' decoded bytes, then the staged frames; total bytes."""
+        pos = 0
+        for u in units:
+            u.offset = pos
+            pos += _aligned(u.job.decoded_nbytes)
+        for u in units:
+            if u.kind == "zstd":
+                pos += _aligned(len(u.data))
+        return pos + 6 * _aligned(8 * max(len(units), 1))  # pointer and size tables
+
+    def _decode(self, units: list[_Unit], arena: DeviceBuffer, errors, plan) -> None:
+        dev = self.device
+        t0 = time.perf_counter()
+        frames = [u for u in units if u.kind == "zstd"]
+        pos = sum(_aligned(u.job.decoded_nbytes) for u in units)
+        for u in units:
+            if u.kind == "stored":
+                dev.upload(np.frombuffer(u.data, dtype=np.uint8), arena.ptr + u.offset)
+            elif u.kind == "host":
+                dev.upload(u.data.view(np.uint8).reshape(-1), arena.ptr + u.offset)
+        if frames:
+            staging = np.empty(sum(_aligned(len(u.data)) for u in frames), dtype=np.uint8)
+            comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
+            at = 0
+            for u in frames:
+                n = len(u.data)
+                staging[at : at + n] = np.frombuffer(u.data, dtype=np.uint8)
+                comp_ptrs.append(arena.ptr + pos + at)
+                comp_bytes.append(n)
+                out_ptrs.append(arena.ptr + u.offset)
+                out_bytes.append(u.job.decoded_nbytes)
+                at += _aligned(n)
+            dev.upload(staging, arena.ptr + pos)
+            tables_at = pos + at
+            n = len(frames)
+            step = _aligned(8 * n)
+            addr = [arena.ptr + tables_at + k * step for k in range(6)]
+            host_tables = [np.array(v, dtype=np.uint64) for v in (comp_ptrs, comp_bytes, out_bytes, out_ptrs)]
+            for k, t in enumerate(host_tables):
+                dev.upload(t, addr[k])
+            temp_bytes = dev.zstd_temp_bytes(n, max(out_bytes), sum(out_bytes))
+            temp = dev.alloc(temp_bytes) if temp_bytes else None
+            dev.zstd_decompress(addr[0], addr[1], addr[2], addr[4], n, temp.ptr if temp else 0, temp_bytes, addr[3], addr[5])
+            statuses = np.zeros(n, dtype=np.int32)
+            actual = np.zeros(n, dtype=np.uint64)
+            dev.synchronize()
+            dev.download(addr[5], statuses)
+            dev.download(addr[4], actual)
+            dev.synchronize()
+            for u, status, got in zip(frames, statuses.tolist(), actual.tolist()):
+                job = u.job
+                err = nvcomp.status_error(status, uri=job.meta.uri, path=job.key, chunk=job.unit)
+                if err is None and got != job.decoded_nbytes:
+                    err = DecodeError(f"zstd: decoded {got} bytes, expected {job.decoded_nbytes}", uri=job.meta.uri, path=job.key, chunk=job.unit)
+                if err is not None:
+                    u.error = err
+                    _fail(errors, plan, samples_of((job,)), err)
+        self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(len(u.data) for u in frames))
+
+    def _fill(self, plan: BatchPlan, views: list) -> None:
+        """Samples that reach outside their array start as the fill value."""
+        for s, value in plan.fills:
+            view = views[s]
+            meta = plan.metas[s]
+            src = np.asarray(value, dtype=meta.dtype if meta is not None else np.asarray(value).dtype)
+            packed = np.zeros(8, dtype=np.uint8)
+            packed[: src.itemsize] = src.reshape(1).view(np.uint8)
+            swap = int(not src.dtype.isnative and src.itemsize > 1)
+            tables = self.device.alloc(32)
+            self.device.upload(packed, tables.ptr)
+            self.device.upload(np.array([_address(view)], dtype=np.uint64), tables.ptr + 8)
+            self.device.upload(np.zeros(1, dtype=np.int64), tables.ptr + 16)
+            self.device.launch(
+                "fill", 1, BLOCK,
+                (np.uint64(tables.ptr + 16), np.int64(1), np.uint64(tables.ptr), np.int32(CODES[src.dtype.newbyteorder("=")]),
+                 np.int32(swap), np.uint64(tables.ptr + 8), np.int64(1), np.int64(view.size), np.int32(CODES[view.dtype])),
+            )
+            self.device.synchronize()
+
+    def _assemble(self, plan: BatchPlan, units: list[_Unit], arena: DeviceBuffer, views: list) -> None:
+        """One launch per array: the copy table's rows of the units that decoded."""
+        t0 = time.perf_counter()
+        by_table: dict[int, list[_Unit]] = {}
+        for u in units:
+            if u.error is None:
+                by_table.setdefault(id(u.job.table), []).append(u)
+        written = 0
+        for group in by_table.values():
+            table = group[0].job.table
+            rows = np.concatenate([table.rows[u.job.lo : u.job.hi] for u in group]) if group else table.rows[:0]
+            live = [v for v in views if v is not None]
+            if not len(rows) or not live:
+                continue
+            check_disjoint(rows, table.ndim, table.pool, [v.shape if v is not None else () for v in views])
+            unit_ptr = np.zeros(len(table.spans), dtype=np.uint64)
+            for u in group:
+                unit_ptr[u.job.pos] = arena.ptr + u.offset
+            first = live[0]
+            out_ptr = np.array([_address(v) if v is not None else 0 for v in views], dtype=np.uint64)
+            out_shape = np.array(first.shape, dtype=np.int64)
+            out_strides = np.array([s // first.itemsize for s in first.strides], dtype=np.int64)
+            meta = group[0].job.meta
+            stored = _device_dtype(meta) if group[0].kind != "host" else group[0].data.dtype
+            src_code = CODES[stored.newbyteorder("=")]
+            swap = int(not stored.isnative and stored.itemsize > 1)
+            pool = table.pool if len(table.pool) else np.zeros(1, dtype=np.int64)
+            unit_shape = np.array(meta.layout.leaf.spec.shape, dtype=np.int64)
+            host = [np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(pool, dtype=np.int64), unit_ptr, unit_shape, out_ptr, out_shape, out_strides]
+            buf = self.device.alloc(sum(_aligned(h.nbytes) for h in host))
+            addrs, at = [], 0
+            for h in host:
+                self.device.upload(h, buf.ptr + at)
+                addrs.append(buf.ptr + at)
+                at += _aligned(h.nbytes)
+            self.device.launch(
+                "assemble", len(rows), BLOCK,
+                (np.uint64(addrs[0]), np.int64(len(rows)), np.int32(table.ndim), np.uint64(addrs[1]), np.int64(len(pool)),
+                 np.uint64(addrs[2]), np.int64(len(unit_ptr)), np.uint64(addrs[3]), np.int32(src_code), np.int32(swap),
+                 np.uint64(addrs[4]), np.int64(len(views)), np.uint64(addrs[5]), np.uint64(addrs[6]), np.int32(CODES[first.dtype])),
+            )
+            self.device.synchronize()  # the tables and their host arrays live until the launch is done
+            written += int(np.prod(first.shape)) * first.itemsize
+        self.stats.add("assemble", time.perf_counter() - t0, count=len(units), bytes_out=written)
+
+
+def _device_dtype(meta) -> np.dtype | None:
+    """The dtype a unit's bytes hold when the device can take them as stored (a ``bytes``
+    codec and a dtype the kernels know, no array-to-array codec), else None."""
+    from damacy_server.zarr.codecs.bytes import BytesCodec
+
+    leaf = meta.layout.leaf
+    if leaf.a2a or not isinstance(leaf.a2b, BytesCodec):
+        return None
+    stored = leaf.a2b.stored_dtype(meta.dtype)
+    return stored if stored.newbyteorder("=") in CODES else None
+
+
+def _fail(errors: dict[int, SampleError], plan: BatchPlan, samples, err: SampleError) -> None:
+    for s in samples:
+        if s not in errors:
+            errors[s] = for_sample(err, plan.samples[s])

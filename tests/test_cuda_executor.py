@@ -1,0 +1,150 @@
+"""The CUDA executor's orchestration on the host stand-in device (host memory, the kernels'
+host twin, zstandard in nvCOMP's place): the batches it assembles equal the CPU
+executor's, bit for bit, and its errors reach the same samples."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import random_data, write_array
+from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
+
+import damacy
+from damacy_protocol.errors import DecodeError
+from damacy_server.cuda import twin
+
+pytestmark = pytest.mark.skipif(not twin.available(), reason="the kernels' host twin was not built (no C compiler)")
+
+SHAPE = (12, 16, 20)
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda-exec")
+    specs = {
+        "zstd-u16": ("uint16", {"compressors": [ZstdCodec(level=3, checksum=True)]}),
+        "stored-f32-big": ("float32", {"serializer": BytesCodec(endian="big")}),
+        "sharded-i16": ("int16", {"serializer": ShardingCodec(chunk_shape=(3, 4, 5), codecs=[BytesCodec(), ZstdCodec(level=1)])}),
+        "blosc-f64": ("float64", {"compressors": [BloscCodec(cname="lz4", shuffle="bitshuffle", typesize=8)]}),
+        "zstd-f32-big": ("float32", {"serializer": BytesCodec(endian="big"), "compressors": [ZstdCodec(level=1)]}),
+    }
+    out = {}
+    for k, (name, (dtype, kw)) in enumerate(specs.items()):
+        data = random_data(SHAPE, dtype, seed=k)
+        if dtype.startswith("float"):
+            data.flat[::29] = np.nan
+            data.flat[3::31] = 1e30
+        write_array(root / name, data, chunks=(6, 8, 10), fill_value=5, **kw)
+        out[name] = (str(root / name), data)
+    return out
+
+
+def execute(executor, plan, out_dtype):
+    outs = [np.full(shape, 77, dtype=out_dtype) for shape in plan.shapes]
+    done = threading.Event()
+    errors = {}
+
+    def finished(errs):
+        errors.update(errs)
+        done.set()
+
+    executor.execute(plan, outs, finished)
+    assert done.wait(30)
+    return outs, {**plan.errors, **errors}
+
+
+def both(plan, out_dtype):
+    cpu = damacy.CpuExecutor(limits=damacy.CpuLimits(decode_workers=2))
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor
+
+    device = HostDevice()
+    gpu = CudaExecutor(device)
+    try:
+        return execute(cpu, plan, out_dtype), execute(gpu, plan, out_dtype), gpu, device
+    finally:
+        cpu.close()
+        gpu.close()
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("out", ["float32", "bfloat16", "int16", "float16", "native"])
+def test_boxes_equal_the_cpu_executor(arrays, out):
+    rng = np.random.default_rng(5)
+    for name, (uri, data) in arrays.items():
+        dtype = data.dtype if out == "native" else np.dtype(ml_dtypes.bfloat16 if out == "bfloat16" else out)
+        boxes = [tuple((int(a), int(a) + n) for a, n in zip(rng.integers(-4, 14, size=3), (6, 9, 11))) for _ in range(5)]
+        plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, b) for b in boxes], (6, 9, 11))
+        (cpu_out, cpu_err), (gpu_out, gpu_err), gpu, device = both(plan, dtype)
+        assert not cpu_err and not gpu_err
+        assert all(same(a, b) for a, b in zip(gpu_out, cpu_out)), name
+        if plan.fills:
+            assert device.launches.index("fill") < device.launches.index("assemble")  # fills first
+        assert (gpu.host_decoded > 0) == name.startswith("blosc")  # only the chain the device lacks
+
+
+def test_index_queries_equal_the_cpu_executor(arrays):
+    uri, _ = arrays["sharded-i16"]
+    queries = [damacy.IndexQuery(uri, ([11, 0, 5, 5, -1], np.s_[3:9], [19, 2, 2, 7, 0, 25])) for _ in range(2)]
+    plan = damacy.ChunkPlanner().plan(queries, (5, 6, 6))
+    (cpu_out, _), (gpu_out, _), _, _ = both(plan, np.dtype("float32"))
+    assert all(same(a, b) for a, b in zip(gpu_out, cpu_out))
+
+
+def test_missing_chunks_read_as_the_fill_value(arrays, tmp_path):
+    for name in ("zstd-u16", "stored-f32-big"):
+        uri, data = arrays[name]
+        src = tmp_path / name
+        import shutil
+
+        shutil.copytree(uri, src)
+        (src / "c" / "1" / "1" / "1").unlink()
+        plan = damacy.ChunkPlanner().plan([damacy.Sample(str(src), np.s_[4:10, 6:12, 8:14])], (6, 6, 6))
+        (cpu_out, _), (gpu_out, _), _, _ = both(plan, np.dtype("float32"))
+        assert same(gpu_out[0], cpu_out[0])
+        assert (gpu_out[0][2:, 2:, 2:] == 5).all()  # the part in chunk (1, 1, 1)
+
+
+def test_bad_frames_fail_their_samples_only(arrays, tmp_path):
+    import shutil
+
+    uri, data = arrays["zstd-u16"]
+    src = tmp_path / "bad"
+    shutil.copytree(uri, src)
+    cut = src / "c" / "0" / "0" / "0"
+    cut.write_bytes(cut.read_bytes()[:-9])  # truncated: refused by the host walk
+    flipped = src / "c" / "1" / "0" / "0"
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside a block: passes the walk, fails the decode (checksum)
+    flipped.write_bytes(bytes(raw))
+    samples = [damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10]), damacy.Sample(str(src), np.s_[6:12, 0:8, 0:10]), damacy.Sample(str(src), np.s_[0:6, 8:16, 10:20])]
+    plan = damacy.ChunkPlanner().plan(samples, (6, 8, 10))
+    (cpu_out, cpu_err), (gpu_out, gpu_err), _, _ = both(plan, np.dtype("float32"))
+    assert set(gpu_err) == set(cpu_err) == {0, 1}
+    assert all(isinstance(e, DecodeError) for e in gpu_err.values())
+    assert gpu_err[0].chunk == (0, 0, 0) and gpu_err[1].chunk == (1, 0, 0)
+    assert "truncated" in gpu_err[0].reason  # caught on the host, before the device sees it
+    assert gpu_err[1].reason.startswith("zstd:")  # the decoder's status, as the sample's error
+    assert same(gpu_out[2], cpu_out[2]) and np.array_equal(gpu_out[2], data[0:6, 8:16, 10:20].astype("f4"))
+
+
+def test_a_batch_larger_than_the_device_budget_fails_its_samples(arrays, monkeypatch):
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
+
+    uri, _ = arrays["zstd-u16"]
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, np.s_[0:12, 0:16, 0:20])], (12, 16, 20))
+    monkeypatch.setattr("damacy_server.budget.MIN_INFLIGHT_BYTES", 1024)
+    gpu = CudaExecutor(HostDevice(), limits=CudaLimits(max_gpu_memory_bytes=1 << 20))
+    try:
+        gpu.reserve_slots((1 << 20) - 4096, "slots")  # 4 KiB left: less than the batch's units
+        _, errors = execute(gpu, plan, np.dtype("float32"))
+        assert set(errors) == {0} and "device memory" in str(errors[0])
+    finally:
+        gpu.close()
