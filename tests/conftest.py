@@ -151,12 +151,28 @@ def daemon(tmp_path_factory):
     assert proc.stop() == 0, proc.log_path.read_text()
 
 
-@pytest.fixture(params=["embedded", "daemon"])
+@pytest.fixture(params=["embedded", "daemon", "cuda-host"])
 def make(request):
-    """Build a pipeline from a Config in each mode: in this process, or by damacyd."""
+    """Build a pipeline from a Config in each mode: in this process, by damacyd, or in this
+    process with the CUDA executor on the host stand-in device (host memory, the kernels'
+    host twin)."""
     import damacy
 
     if request.param == "embedded":
         return lambda cfg: damacy.Pipeline(cfg)
+    if request.param == "cuda-host":
+        from damacy_server.cuda import twin
+
+        if not twin.available():
+            pytest.skip("the kernels' host twin was not built (no C compiler)")
+        from damacy_server.cuda.device import HostDevice
+        from damacy_server.cuda.executor import CudaExecutor, CudaLimits
+        from damacy_server.store.file import FileReader
+
+        def cuda_host(cfg):
+            executor = CudaExecutor(HostDevice(), FileReader(workers=cfg.io_workers), CudaLimits(max_gpu_memory_bytes=cfg.max_memory_bytes))
+            return damacy.Pipeline(cfg, executor=executor)
+
+        return cuda_host
     endpoint = request.getfixturevalue("daemon").endpoint
     return lambda cfg: damacy.Pipeline(cfg, endpoint=endpoint)

@@ -148,3 +148,15 @@ def test_a_batch_larger_than_the_device_budget_fails_its_samples(arrays, monkeyp
         assert set(errors) == {0} and "device memory" in str(errors[0])
     finally:
         gpu.close()
+
+
+def test_a_config_naming_a_missing_gpu_is_refused_when_made():
+    from damacy_protocol.devices import cuda_devices
+
+    count, _ = cuda_devices()
+    if count == 0:
+        with pytest.raises(damacy.InvalidArgument, match="Config.device=0: no CUDA device is available"):
+            damacy.Config(samples_per_batch=1, sample_shape=(2,), device=0)
+    with pytest.raises(damacy.InvalidArgument, match="CUDA device"):
+        damacy.Config(samples_per_batch=1, sample_shape=(2,), device=count)
+    assert damacy.Config(samples_per_batch=1, sample_shape=(2,)).device is None

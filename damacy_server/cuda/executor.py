@@ -301,8 +301,13 @@ class CudaExecutor:
                 unit_ptr[u.job.pos] = arena.ptr + u.offset
             first = live[0]
             out_ptr = np.array([_address(v) if v is not None else 0 for v in views], dtype=np.uint64)
-            out_shape = np.array(first.shape, dtype=np.int64)
-            out_strides = np.array([s // first.itemsize for s in first.strides], dtype=np.int64)
+            # per sample its view's shape and strides (a sample without a view: zeros, no rows)
+            out_shape = np.zeros((len(views), table.ndim), dtype=np.int64)
+            out_strides = np.zeros((len(views), table.ndim), dtype=np.int64)
+            for k, v in enumerate(views):
+                if v is not None and v.ndim == table.ndim:
+                    out_shape[k] = v.shape
+                    out_strides[k] = [st // v.itemsize for st in v.strides]
             meta = group[0].job.meta
             stored = _device_dtype(meta) if group[0].kind != "host" else group[0].data.dtype
             src_code = CODES[stored.newbyteorder("=")]
@@ -323,7 +328,7 @@ class CudaExecutor:
                  np.uint64(addrs[4]), np.int64(len(views)), np.uint64(addrs[5]), np.uint64(addrs[6]), np.int32(CODES[first.dtype])),
             )
             self.device.synchronize()  # the tables and their host arrays live until the launch is done
-            written += int(np.prod(first.shape)) * first.itemsize
+            written += int(np.prod(rows[:, 2 + 2 * table.ndim :], axis=1).sum()) * first.itemsize
         self.stats.add("assemble", time.perf_counter() - t0, count=len(units), bytes_out=written)
 
 

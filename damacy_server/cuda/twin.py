@@ -93,7 +93,7 @@ def assemble(
 ) -> None:
     """Run the assembly kernel: copy-table ``rows`` (unit positions index ``units``, samples
     index ``outputs``) from the decoded ``units`` (one array's: one shape, one dtype) into
-    ``outputs`` (one dtype, last axis contiguous, as many axes as the table)."""
+    ``outputs`` (one dtype, as many axes as the table, each its own shape and strides)."""
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     pool = np.ascontiguousarray(pool, dtype=np.int64)
     units = [np.ascontiguousarray(u) for u in units]
@@ -101,11 +101,10 @@ def assemble(
     out_ptr = np.array([_addr(o) for o in outputs] or [0], dtype=np.uint64)
     unit_shape = np.array(units[0].shape if units else (1,) * ndim, dtype=np.int64)
     first = outputs[0]
-    out_shape = np.array(first.shape, dtype=np.int64)
-    out_strides = np.array([s // first.itemsize for s in first.strides], dtype=np.int64)
-    for o in outputs:
-        if o.shape != first.shape or o.strides != first.strides or o.dtype != first.dtype:
-            raise ValueError("the outputs of one launch share shape, strides and dtype")
+    if any(o.dtype != first.dtype or o.ndim != ndim for o in outputs):
+        raise ValueError("the outputs of one launch share their dtype and the table's rank")
+    out_shape = np.array([o.shape for o in outputs], dtype=np.int64).reshape(-1)
+    out_strides = np.array([[s // o.itemsize for s in o.strides] for o in outputs], dtype=np.int64).reshape(-1)
     src_code, swap = _code(units[0].dtype) if units else (0, 0)
     fault = _load().damacy_twin_assemble(
         len(rows), BLOCK, _addr(rows), len(rows), ndim, _addr(pool), len(pool), _addr(unit_ptr), len(units),

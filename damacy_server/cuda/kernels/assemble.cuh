@@ -7,8 +7,10 @@
  * start (in the sample) and the extent; a negative start -(k + 1) on either side stands for
  * the index list pool[k : k + extent]. Units are decoded arrays of `unit_shape` (C order) in
  * the source dtype, at unit_ptr[pos] (byte order: swap when `swap`); sample s of the batch
- * is at out_ptr[s] with `out_strides` (elements, per axis of the table). No two rows write
- * the same output element (the host checks it: damacy_server/cuda/tables.py).
+ * is at out_ptr[s], of shape out_shape[s * ndim ...] with strides out_strides[s * ndim ...]
+ * (elements; samples of one batch may differ there, as 2-d slices of a volume along
+ * different axes do). No two rows write the same output element (the host checks it:
+ * damacy_server/cuda/tables.py).
  */
 #ifndef DAMACY_ASSEMBLE_CUH
 #define DAMACY_ASSEMBLE_CUH
@@ -45,6 +47,7 @@ DAMACY_KERNEL damacy_assemble(
     for (int a = 0; a < ndim; a++) total *= row[2 + 2 * ndim + a];
     const char *unit = unit_ptr[pos];
     char *out = out_ptr[sample];
+    const int64_t *shape = out_shape + sample * ndim, *strides = out_strides + sample * ndim;
     for (int64_t e = DAMACY_THREAD; e < total; e += DAMACY_BLOCK_DIM) {
         /* element e of the piece: the last axis fastest */
         int64_t rest = e, src = 0, dst = 0, src_stride = 1;
@@ -56,10 +59,10 @@ DAMACY_KERNEL damacy_assemble(
             DAMACY_CHECK(s_start >= 0 || -s_start - 1 + i < pool_len);
             DAMACY_CHECK(d_start >= 0 || -d_start - 1 + i < pool_len);
             int64_t sc = table_coord(pool, s_start, i), dc = table_coord(pool, d_start, i);
-            DAMACY_CHECK(sc >= 0 && sc < unit_shape[a] && dc >= 0 && dc < out_shape[a]);
+            DAMACY_CHECK(sc >= 0 && sc < unit_shape[a] && dc >= 0 && dc < shape[a]);
             src += sc * src_stride;
             src_stride *= unit_shape[a];
-            dst += dc * out_strides[a];
+            dst += dc * strides[a];
         }
         damacy_value v = load_value(unit + src * src_size, src_dtype, swap);
         store_value(out + dst * out_size, out_dtype, v);
