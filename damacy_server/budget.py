@@ -102,6 +102,25 @@ class MemoryBudget:
                 self._cond.notify_all()
 
 
+class BudgetedExecutor:
+    """The memory part of the executor interface, for an executor holding its
+    :class:`MemoryBudget` as ``budget`` (slots taken for good, the rest for data in flight)."""
+
+    budget: MemoryBudget
+
+    def reserve_slots(self, nbytes: int, what: str) -> None:
+        """Take ``nbytes`` for output slots for good; the rest is for data in flight."""
+        self.budget.admit_slots(nbytes, what)
+
+    def release_slots(self, nbytes: int) -> None:
+        self.budget.release_slots(nbytes)
+
+    @property
+    def inflight_capacity(self) -> int:
+        """Bytes of data that may be in flight at once (the budget beside the slots)."""
+        return self.budget.capacity
+
+
 class StageStats:
     """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
     copied by the native path count under "decode" and again under "native"; reads that

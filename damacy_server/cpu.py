@@ -33,7 +33,7 @@ import numpy as np
 from damacy_protocol.checks import Count, Size, check_fields, default_decode_workers
 from damacy_protocol.errors import SampleError
 from damacy_server import native, optable
-from damacy_server.budget import MemoryBudget, Reservation, StageStats
+from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.inflight import InFlight
@@ -86,7 +86,7 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-class CpuExecutor:
+class CpuExecutor(BudgetedExecutor):
     """Executes batch plans into host memory."""
 
     def __init__(self, reader: FileReader | None = None, limits: CpuLimits | None = None) -> None:
@@ -111,19 +111,6 @@ class CpuExecutor:
         self._direct = self.native is not None and hasattr(self.reader, "direct")
         self._direct_misses = 0
         self._direct_skip = 0
-
-    # -- memory -------------------------------------------------------------------
-    def reserve_slots(self, nbytes: int, what: str) -> None:
-        """Take ``nbytes`` for output slots for good; the rest is for chunk data in flight."""
-        self.budget.admit_slots(nbytes, what)
-
-    def release_slots(self, nbytes: int) -> None:
-        self.budget.release_slots(nbytes)
-
-    @property
-    def inflight_capacity(self) -> int:
-        """Bytes of chunk data that may be in flight at once (the budget beside the slots)."""
-        return self.budget.capacity
 
     # -- execution ----------------------------------------------------------------
     def execute(

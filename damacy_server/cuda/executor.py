@@ -26,7 +26,7 @@ import numpy as np
 
 from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import DecodeError, SampleError
-from damacy_server.budget import MemoryBudget, Reservation, StageStats
+from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
@@ -76,7 +76,7 @@ class _Unit:
         self.error: SampleError | None = None
 
 
-class CudaExecutor:
+class CudaExecutor(BudgetedExecutor):
     """Executes batch plans on a device; the engine's executor interface (``execute``,
     ``inflight_capacity``, ``chunk_cache``, slot reservations, ``stats``, ``close``)."""
 
@@ -92,17 +92,7 @@ class CudaExecutor:
         self._pool = WorkerPool(1, "damacy-cuda")  # one stream: batches in submission order
         self._closed = False
 
-    # -- the engine's interface --------------------------------------------------------------
-    def reserve_slots(self, nbytes: int, what: str) -> None:
-        self.budget.admit_slots(nbytes, what)
-
-    def release_slots(self, nbytes: int) -> None:
-        self.budget.release_slots(nbytes)
-
-    @property
-    def inflight_capacity(self) -> int:
-        return self.budget.capacity
-
+    # -- the engine's interface (with BudgetedExecutor's) ----------------------------------
     def execute(
         self,
         plan: BatchPlan,

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cuda/kernels/convert.cuh"
 #define MAX_NDIM 8
 
 /* dtype codes shared with Python */
@@ -138,62 +139,11 @@ static inline uint16_t bswap16(uint16_t v) { return (uint16_t)((v >> 8) | (v << 
 static inline uint32_t bswap32(uint32_t v) { return __builtin_bswap32(v); }
 static inline uint64_t bswap64(uint64_t v) { return __builtin_bswap64(v); }
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 113;
-            while (!(mant & 0x400u)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_half(float value) { /* round half to even, as numpy */
-    uint32_t f;
-    memcpy(&f, &value, 4);
-    uint32_t f_exp = f & 0x7f800000u, f_sig;
-    uint16_t h_sgn = (uint16_t)((f & 0x80000000u) >> 16), h_sig;
-    if (f_exp >= 0x47800000u) {
-        if (f_exp == 0x7f800000u && (f & 0x007fffffu)) { /* NaN: keep it a NaN */
-            uint16_t ret = (uint16_t)(0x7c00u + ((f & 0x007fffffu) >> 13));
-            if (ret == 0x7c00u) ret++;
-            return (uint16_t)(h_sgn + ret);
-        }
-        return (uint16_t)(h_sgn + 0x7c00u); /* inf, or too large */
-    }
-    if (f_exp <= 0x38000000u) {
-        if (f_exp < 0x33000000u) return h_sgn;
-        f_exp >>= 23;
-        f_sig = 0x00800000u + (f & 0x007fffffu);
-        f_sig >>= (113 - f_exp);
-        if (((f_sig & 0x00003fffu) != 0x00001000u) || (f & 0x000007ffu)) f_sig += 0x00001000u;
-        h_sig = (uint16_t)(f_sig >> 13);
-        return (uint16_t)(h_sgn + h_sig);
-    }
-    uint16_t h_exp = (uint16_t)((f_exp - 0x38000000u) >> 13);
-    f_sig = f & 0x007fffffu;
-    if ((f_sig & 0x00003fffu) != 0x00001000u) f_sig += 0x00001000u;
-    h_sig = (uint16_t)(f_sig >> 13);
-    h_sig = (uint16_t)(h_sig + h_exp);
-    return (uint16_t)(h_sgn + h_sig);
-}
-
-static inline uint16_t float_to_bf16(float value) { /* round to nearest even, as ml_dtypes */
-    uint32_t f;
-    memcpy(&f, &value, 4);
-    if ((f & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((f >> 16) & 0x8000u) | 0x7fc0u); /* a quiet NaN */
-    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
-}
+/* f16 and bf16 bits as damacy's numeric contract defines them: the same code the GPU
+ * kernels run (../cuda/kernels/convert.cuh) */
+#define half_to_float f16_to_f32
+#define float_to_half f32_to_f16
+#define float_to_bf16 f32_to_bf16
 
 /* loads: the element at p as its C type, byte-swapped when the data is big endian */
 #define LOAD_INT(T, U, SW)                                                              \
