@@ -28,12 +28,16 @@ def arrays(tmp_path_factory):
         "zstd-u16": ("uint16", {"compressors": [ZstdCodec(level=3, checksum=True)]}),
         "stored-f32-big": ("float32", {"serializer": BytesCodec(endian="big")}),
         "sharded-i16": ("int16", {"serializer": ShardingCodec(chunk_shape=(3, 4, 5), codecs=[BytesCodec(), ZstdCodec(level=1)])}),
-        "blosc-f64": ("float64", {"compressors": [BloscCodec(cname="lz4", shuffle="bitshuffle", typesize=8)]}),
+        "blosc-lz4-f64": ("float64", {"compressors": [BloscCodec(cname="lz4", shuffle="bitshuffle", typesize=8)]}),
+        "blosc-zstd-bit-u16": ("uint16", {"compressors": [BloscCodec(cname="zstd", shuffle="bitshuffle", typesize=2, blocksize=512)]}),
+        "blosc-zstd-byte-f32-big": ("float32", {"serializer": BytesCodec(endian="big"), "compressors": [BloscCodec(cname="zstd", shuffle="shuffle", typesize=4, blocksize=256)]}),
         "zstd-f32-big": ("float32", {"serializer": BytesCodec(endian="big"), "compressors": [ZstdCodec(level=1)]}),
     }
     out = {}
     for k, (name, (dtype, kw)) in enumerate(specs.items()):
         data = random_data(SHAPE, dtype, seed=k)
+        if name.startswith("blosc-zstd"):  # compressible: Blosc would store random bytes as they are
+            data = (np.indices(SHAPE).sum(axis=0) * 7 % 500).astype(dtype)
         if dtype.startswith("float"):
             data.flat[::29] = np.nan
             data.flat[3::31] = 1e30
@@ -86,7 +90,8 @@ def test_boxes_equal_the_cpu_executor(arrays, out):
         assert all(same(a, b) for a, b in zip(gpu_out, cpu_out)), name
         if plan.fills:
             assert device.launches.index("fill") < device.launches.index("assemble")  # fills first
-        assert (gpu.host_decoded > 0) == name.startswith("blosc")  # only the chain the device lacks
+        assert (gpu.host_decoded > 0) == name.startswith("blosc-lz4")  # only what the device lacks
+        assert ("unshuffle" in device.launches) == name.startswith("blosc-zstd")
 
 
 def test_index_queries_equal_the_cpu_executor(arrays):
@@ -160,3 +165,24 @@ def test_a_config_naming_a_missing_gpu_is_refused_when_made():
     with pytest.raises(damacy.InvalidArgument, match="CUDA device"):
         damacy.Config(samples_per_batch=1, sample_shape=(2,), device=count)
     assert damacy.Config(samples_per_batch=1, sample_shape=(2,)).device is None
+
+
+def test_a_bad_blosc_stream_fails_its_sample_only(arrays, tmp_path):
+    import shutil
+
+    uri, data = arrays["blosc-zstd-bit-u16"]
+    src = tmp_path / "blosc"
+    shutil.copytree(uri, src)
+    chunk = src / "c" / "0" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    from damacy_server.zarr.codecs.blosc import parse_frame
+
+    last = parse_frame(bytes(raw)).streams[-1]
+    raw[last.offset] ^= 0xFF  # the last stream's zstd magic number
+    chunk.write_bytes(bytes(raw))
+    samples = [damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10]), damacy.Sample(str(src), np.s_[6:12, 8:16, 10:20])]
+    plan = damacy.ChunkPlanner().plan(samples, (6, 8, 10))
+    (cpu_out, cpu_err), (gpu_out, gpu_err), _, device = both(plan, np.dtype("float32"))
+    assert set(gpu_err) == set(cpu_err) == {0}
+    assert gpu_err[0].chunk == (0, 0, 0) and "magic" in gpu_err[0].reason  # refused on the host
+    assert np.array_equal(gpu_out[1], data[6:12, 8:16, 10:20].astype("f4"))

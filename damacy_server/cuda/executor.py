@@ -3,9 +3,11 @@
 Per batch, on the executor's stream: the plan's reads are made on the host and every zstd
 frame is walked there (nvCOMP's behaviour on corrupt input is undefined); the frames go to
 the device in one staging upload and are decoded by one batched nvCOMP call into one arena;
-stored units (no compressor) are uploaded into the arena as they are; units of other codec
-chains are decoded on the host and uploaded (counted as ``host_decode``); units never
-written are the fill kernel's. Then padded samples are filled and each array's copy table
+stored units (no compressor) are uploaded into the arena as they are; Blosc chunks are
+split on the host, their zstd streams join the batched decode and their blocks are
+unshuffled by a kernel; units of other codec chains (and Blosc with other compressors) are
+decoded on the host and uploaded (counted in ``host_decoded``); units never written are
+uploaded as the fill value. Then padded samples are filled and each array's copy table
 is assembled by one kernel launch, the same table the CPU paths execute. A chunk whose frame
 is refused on the host or whose status is bad after the batch fails its samples with a
 :class:`DecodeError`; its rows are not assembled.
@@ -30,13 +32,14 @@ from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, St
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
-from damacy_server.cuda.twin import CODES
+from damacy_server.cuda.twin import CODES, SHUFFLE_MODES
 from damacy_server.decode import check_length, decode_unit
 from damacy_server.plan import BatchPlan, UnitJob
 from damacy_server.run import for_sample, samples_of
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 from damacy_server.zarr.codecs.base import CorruptData
+from damacy_server.zarr.codecs.blosc import HEADER, parse_frame
 
 ALIGN = 256  # bytes: every unit's place in the arena (nvCOMP asks 8 at most; coalesced loads)
 BLOCK = 256  # threads per block
@@ -64,16 +67,25 @@ def _aligned(n: int) -> int:
 
 
 class _Unit:
-    """One unit of a batch on its way to the arena."""
+    """One unit of a batch on its way to the arena: the zstd frames to decode there and the
+    bytes to copy there, each at an offset of the unit's place (or of its scratch, for a
+    Blosc chunk to unshuffle afterwards)."""
 
-    __slots__ = ("job", "kind", "data", "offset", "error")
+    __slots__ = ("job", "kind", "frames", "copies", "shuffle", "offset", "scratch", "error")
 
-    def __init__(self, job: UnitJob, kind: str, data: Any = None) -> None:
+    def __init__(self, job: UnitJob, kind: str) -> None:
         self.job = job
-        self.kind = kind  # "zstd", "stored" (bytes as stored), "host" (decoded on the host)
-        self.data = data
-        self.offset = 0  # in the arena
+        self.kind = kind  # "zstd", "blosc", "stored" (bytes as stored), "host" (decoded on the host)
+        self.frames: list[tuple[memoryview, int, int]] = []  # (frame, offset, decoded bytes)
+        self.copies: list[tuple[Any, int]] = []  # (bytes or array, offset)
+        self.shuffle: tuple[int, str, list[tuple[int, int]]] | None = None  # typesize, mode, blocks
+        self.offset = 0  # of the decoded unit in the arena
+        self.scratch = -1  # of its shuffled bytes, when it has some
         self.error: SampleError | None = None
+
+    @property
+    def encoded(self) -> int:
+        return sum(len(f) for f, _, _ in self.frames)
 
 
 class CudaExecutor(BudgetedExecutor):
@@ -167,23 +179,35 @@ class CudaExecutor(BudgetedExecutor):
         meta = job.meta
         leaf = meta.layout.leaf
         stored = _device_dtype(meta)
+        nbytes = leaf.spec.nbytes
         try:
             if piece is None:  # never written: the fill value
                 dtype = stored if stored is not None else meta.dtype.newbyteorder("=")
-                full = np.full(leaf.spec.shape, meta.fill_value, dtype=dtype)
-                return _Unit(job, "stored" if stored is not None else "host", full.tobytes() if stored is not None else full)
+                unit = _Unit(job, "stored" if stored is not None else "host")
+                unit.copies.append((np.full(leaf.spec.shape, meta.fill_value, dtype=dtype), 0))
+                return unit
             check_length(meta, piece, job.nbytes, job.unit, job.key)
             names = tuple(c.name for c in leaf.b2b)
             if stored is not None and names == ("zstd",):
-                nvcomp.walk_zstd_frame(piece, leaf.spec.nbytes)
-                return _Unit(job, "zstd", piece)
+                nvcomp.walk_zstd_frame(piece, nbytes)
+                unit = _Unit(job, "zstd")
+                unit.frames.append((piece, 0, nbytes))
+                return unit
             if stored is not None and names == ():
-                if len(piece) != leaf.spec.nbytes:
-                    raise CorruptData(f"a stored chunk of {len(piece)} bytes, expected {leaf.spec.nbytes}")
-                return _Unit(job, "stored", piece)
+                if len(piece) != nbytes:
+                    raise CorruptData(f"a stored chunk of {len(piece)} bytes, expected {nbytes}")
+                unit = _Unit(job, "stored")
+                unit.copies.append((piece, 0))
+                return unit
+            if stored is not None and names == ("blosc",):
+                unit = self._blosc(job, piece, nbytes)
+                if unit is not None:
+                    return unit
             arr = decode_unit(meta, piece, job.unit, job.key)  # another chain: decoded here
             self.host_decoded += 1
-            return _Unit(job, "host", np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
+            unit = _Unit(job, "host")
+            unit.copies.append((np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")), 0))
+            return unit
         except CorruptData as e:
             err = DecodeError(str(e), uri=meta.uri, path=job.key, chunk=job.unit)
         except SampleError as e:
@@ -191,47 +215,76 @@ class CudaExecutor(BudgetedExecutor):
         _fail(errors, plan, samples_of((job,)), err)
         return None
 
+    def _blosc(self, job: UnitJob, piece: memoryview, nbytes: int) -> _Unit | None:
+        """A Blosc chunk split on the host: its zstd streams decoded on the device with the
+        batch's other frames, its stored streams copied, its blocks unshuffled by a kernel.
+        None for compressors nvCOMP is not asked to decode here (decoded on the host)."""
+        frame = parse_frame(piece)
+        if frame.nbytes != nbytes:
+            raise CorruptData(f"blosc: header says {frame.nbytes} decoded bytes, expected {nbytes}")
+        unit = _Unit(job, "blosc")
+        if frame.memcpyed or frame.nbytes == 0:
+            unit.copies.append((piece[HEADER.size : HEADER.size + frame.nbytes], 0))
+            return unit
+        if frame.compressor != "zstd" and any(not s.raw for s in frame.streams):
+            return None
+        shuffled = frame.shuffle != "noshuffle" and not (frame.shuffle == "shuffle" and frame.typesize == 1)
+        for s in frame.streams:
+            at = s.block * frame.blocksize + s.out_offset  # in the unit's (or its scratch's) bytes
+            data = piece[s.offset : s.offset + s.size]
+            if s.raw:
+                unit.copies.append((data, at))
+            else:
+                nvcomp.walk_zstd_frame(data, s.out_size)
+                unit.frames.append((data, at, s.out_size))
+        if shuffled:
+            blocks = [(j * frame.blocksize, frame.block_size(j)) for j in range(-(-frame.nbytes // frame.blocksize))]
+            unit.shuffle = (frame.typesize, frame.shuffle, blocks)
+        return unit
+
     def _layout(self, units: list[_Unit]) -> int:
-        """Arena offsets of the units' decoded bytes, then the staged frames; total bytes."""
+        """Arena offsets: each unit's decoded bytes (and its scratch when it is to be
+        unshuffled), then the staged frames, then the decoder's tables; total bytes."""
         pos = 0
         for u in units:
             u.offset = pos
             pos += _aligned(u.job.decoded_nbytes)
-        for u in units:
-            if u.kind == "zstd":
-                pos += _aligned(len(u.data))
-        return pos + 6 * _aligned(8 * max(len(units), 1))  # pointer and size tables
+            if u.shuffle is not None:
+                u.scratch = pos
+                pos += _aligned(u.job.decoded_nbytes)
+        frames = sum(len(u.frames) for u in units)
+        staged = sum(_aligned(len(f)) for u in units for f, _, _ in u.frames)
+        return pos + staged + 6 * _aligned(8 * max(frames, 1))
 
     def _decode(self, units: list[_Unit], arena: DeviceBuffer, errors, plan) -> None:
+        """Copies and the batched zstd decode into the arena, then the Blosc unshuffles."""
         dev = self.device
         t0 = time.perf_counter()
-        frames = [u for u in units if u.kind == "zstd"]
-        pos = sum(_aligned(u.job.decoded_nbytes) for u in units)
+        base = lambda u: arena.ptr + (u.scratch if u.scratch >= 0 else u.offset)  # noqa: E731
         for u in units:
-            if u.kind == "stored":
-                dev.upload(np.frombuffer(u.data, dtype=np.uint8), arena.ptr + u.offset)
-            elif u.kind == "host":
-                dev.upload(u.data.view(np.uint8).reshape(-1), arena.ptr + u.offset)
+            for data, at in u.copies:
+                host = data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+                dev.upload(host, base(u) + at)
+        frames = [(u, f, at, size) for u in units for f, at, size in u.frames]
         if frames:
-            staging = np.empty(sum(_aligned(len(u.data)) for u in frames), dtype=np.uint8)
+            pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units)
+            staging = np.empty(sum(_aligned(len(f)) for _, f, _, _ in frames), dtype=np.uint8)
             comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
-            at = 0
-            for u in frames:
-                n = len(u.data)
-                staging[at : at + n] = np.frombuffer(u.data, dtype=np.uint8)
-                comp_ptrs.append(arena.ptr + pos + at)
+            at_stage = 0
+            for u, f, at, size in frames:
+                n = len(f)
+                staging[at_stage : at_stage + n] = np.frombuffer(f, dtype=np.uint8)
+                comp_ptrs.append(arena.ptr + pos + at_stage)
                 comp_bytes.append(n)
-                out_ptrs.append(arena.ptr + u.offset)
-                out_bytes.append(u.job.decoded_nbytes)
-                at += _aligned(n)
+                out_ptrs.append(base(u) + at)
+                out_bytes.append(size)
+                at_stage += _aligned(n)
             dev.upload(staging, arena.ptr + pos)
-            tables_at = pos + at
             n = len(frames)
             step = _aligned(8 * n)
-            addr = [arena.ptr + tables_at + k * step for k in range(6)]
-            host_tables = [np.array(v, dtype=np.uint64) for v in (comp_ptrs, comp_bytes, out_bytes, out_ptrs)]
-            for k, t in enumerate(host_tables):
-                dev.upload(t, addr[k])
+            addr = [arena.ptr + pos + at_stage + k * step for k in range(6)]
+            for k, values in enumerate((comp_ptrs, comp_bytes, out_bytes, out_ptrs)):
+                dev.upload(np.array(values, dtype=np.uint64), addr[k])
             temp_bytes = dev.zstd_temp_bytes(n, max(out_bytes), sum(out_bytes))
             temp = dev.alloc(temp_bytes) if temp_bytes else None
             dev.zstd_decompress(addr[0], addr[1], addr[2], addr[4], n, temp.ptr if temp else 0, temp_bytes, addr[3], addr[5])
@@ -241,15 +294,42 @@ class CudaExecutor(BudgetedExecutor):
             dev.download(addr[5], statuses)
             dev.download(addr[4], actual)
             dev.synchronize()
-            for u, status, got in zip(frames, statuses.tolist(), actual.tolist()):
+            for (u, _, _, size), status, got in zip(frames, statuses.tolist(), actual.tolist()):
+                if u.error is not None:
+                    continue
                 job = u.job
                 err = nvcomp.status_error(status, uri=job.meta.uri, path=job.key, chunk=job.unit)
-                if err is None and got != job.decoded_nbytes:
-                    err = DecodeError(f"zstd: decoded {got} bytes, expected {job.decoded_nbytes}", uri=job.meta.uri, path=job.key, chunk=job.unit)
+                if err is None and got != size:
+                    err = DecodeError(f"zstd: decoded {got} bytes, expected {size}", uri=job.meta.uri, path=job.key, chunk=job.unit)
                 if err is not None:
+                    if u.kind == "blosc":
+                        err = DecodeError(f"blosc: a stream: {err.reason}", uri=job.meta.uri, path=job.key, chunk=job.unit)
                     u.error = err
                     _fail(errors, plan, samples_of((job,)), err)
-        self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(len(u.data) for u in frames))
+        self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena)
+        self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
+
+    def _unshuffle(self, units: list[_Unit], arena: DeviceBuffer) -> None:
+        """One launch per (typesize, shuffle) of the batch's Blosc chunks: scratch -> unit."""
+        groups: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+        for u in units:
+            typesize, mode, blocks = u.shuffle
+            for start, size in blocks:
+                groups.setdefault((typesize, mode), []).append((arena.ptr + u.scratch + start, arena.ptr + u.offset + start, size))
+        for (typesize, mode), blocks in groups.items():
+            host = [np.array([b[k] for b in blocks], dtype=np.uint64 if k < 2 else np.int64) for k in range(3)]
+            buf = self.device.alloc(sum(_aligned(h.nbytes) for h in host))
+            addrs, at = [], 0
+            for h in host:
+                self.device.upload(h, buf.ptr + at)
+                addrs.append(buf.ptr + at)
+                at += _aligned(h.nbytes)
+            self.device.launch(
+                "unshuffle", len(blocks), BLOCK,
+                (np.uint64(addrs[0]), np.uint64(addrs[1]), np.uint64(addrs[2]), np.int64(len(blocks)), np.int64(typesize),
+                 np.int32(SHUFFLE_MODES[mode])),
+            )
+            self.device.synchronize()  # the tables live until the launch is done
 
     def _fill(self, plan: BatchPlan, views: list) -> None:
         """Samples that reach outside their array start as the fill value."""
@@ -299,7 +379,7 @@ class CudaExecutor(BudgetedExecutor):
                     out_shape[k] = v.shape
                     out_strides[k] = [st // v.itemsize for st in v.strides]
             meta = group[0].job.meta
-            stored = _device_dtype(meta) if group[0].kind != "host" else group[0].data.dtype
+            stored = _device_dtype(meta) if group[0].kind != "host" else group[0].copies[0][0].dtype
             src_code = CODES[stored.newbyteorder("=")]
             swap = int(not stored.isnative and stored.itemsize > 1)
             pool = table.pool if len(table.pool) else np.zeros(1, dtype=np.int64)
