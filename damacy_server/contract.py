@@ -94,3 +94,34 @@ def _int_to_f64_odd(v: np.ndarray) -> np.ndarray:
     bits[lost & ~down] += np.uint64(1)
     d = bits.view(np.float64)
     return np.where(negative, -d, d)
+
+
+def edge_values(dtype: np.dtype) -> np.ndarray:
+    """The values a conversion rule can get wrong, for tests and the hardware check: bounds,
+    rounding midpoints, NaN payloads, signed zeros, subnormals, infinities."""
+    if dtype == np.bool_:
+        return np.array([False, True])
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        vals = {0, 1, info.max, info.min, info.max - 1, info.min + 1, 127, 128, 255, 256, 32767, 32768, 65504, 65519, 65520, 65535, 65536}
+        for p in (24, 31, 32, 53, 54, 62, 63):
+            for d in (-1, 0, 1, 2**(p - 8) if p > 8 else 1, 2**(p - 9) if p > 9 else 1, 3 * 2**(p - 9) if p > 9 else 3):
+                vals.update({2**p + d, -(2**p + d), 2**p - d, -(2**p - d)})
+        return np.array(sorted(v for v in vals if info.min <= v <= info.max), dtype=dtype)
+    f = np.finfo(dtype)
+    vals = [0.0, -0.0, 1.0, -1.0, 0.5, 1.5, 2.5, -2.5, 0.49999997, 127.9, 128.0, 128.5, -128.5, -128.9, -129.0, 255.5, 256.0,
+            -1.0, -0.99, 32767.5, 65535.9, 65536.0, 65504.0, 65519.99, 65520.0, 2.0**31, -2.0**31 - 1, 2.0**32, 2.0**63, -2.0**63,
+            2.0**64, 1e30, -1e30, 3.3895314e38, 3.3961775e38, 3.4028234e38, float(f.max), float(f.min), float(f.tiny),
+            float(f.tiny) / 3, float(f.smallest_subnormal), 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-133, 2.0**-134,
+            1 + 2.0**-8, 1 + 2.0**-9, 1 + 2.0**-9 + 2.0**-30, 1 + 3 * 2.0**-9, 1 + 2.0**-11, 1 + 2.0**-12 + 2.0**-40,
+            float("inf"), float("-inf")]
+    with np.errstate(over="ignore"):
+        out = np.array(vals, dtype=np.float64).astype(dtype)
+    nbits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    exp_all = {2: 0x7C00, 4: 0x7F800000, 8: 0x7FF0000000000000}[dtype.itemsize]
+    mant = {2: 0x3FF, 4: 0x7FFFFF, 8: 0xFFFFFFFFFFFFF}[dtype.itemsize]
+    quiet = (mant + 1) >> 1
+    sign = {2: 0x8000, 4: 0x80000000, 8: 0x8000000000000000}[dtype.itemsize]
+    # quiet, signalling, with payloads, negative
+    nans = [exp_all | quiet, exp_all | 1, exp_all | quiet | 5, exp_all | mant, sign | exp_all | quiet, sign | exp_all | 1, exp_all | (mant >> 1)]
+    return np.concatenate([out, np.array(nans, dtype=nbits).view(dtype)])

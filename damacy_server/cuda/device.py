@@ -71,6 +71,13 @@ class Device(ABC):
     @abstractmethod
     def synchronize(self) -> None: ...
 
+    def output_pointer(self, array: Any) -> int:
+        """Where kernels write ``array``: a device array's own address; a host array's
+        address once the device may write it (see :class:`CupyDevice`)."""
+        if isinstance(array, np.ndarray):
+            return int(array.ctypes.data)
+        return int(array.data.ptr)
+
 
 class HostDevice(Device):
     """The stand-in device: host memory, the kernels' host twin, zstandard (see module)."""
@@ -146,6 +153,7 @@ class CupyDevice(Device):
             source = (KERNELS / "kernels.cu").read_text()
             self.module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS}"))
         self._functions: dict[str, Any] = {}
+        self._registered: dict[int, np.ndarray] = {}
 
     def alloc(self, nbytes: int) -> DeviceBuffer:
         with self._cupy.cuda.Device(self.index):
@@ -180,3 +188,25 @@ class CupyDevice(Device):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    # cudaHostRegisterPortable | cudaHostRegisterMapped; cudaDevAttrCanUseHostPointerForRegisteredMem
+    _REGISTER_FLAGS = 1 | 2
+    _HOST_POINTER_ATTR = 91
+
+    def output_pointer(self, array: Any) -> int:
+        """A host array (a batch slot in host memory) is page-locked and mapped once, by its
+        whole allocation, so kernels write the batch straight into it over the bus; on
+        64-bit Linux with unified addressing its host address is its device address."""
+        if not isinstance(array, np.ndarray):
+            return int(array.data.ptr)
+        base = array
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        start = int(base.ctypes.data)
+        if start not in self._registered:
+            rt = self._cupy.cuda.runtime
+            if not rt.deviceGetAttribute(self._HOST_POINTER_ATTR, self.index):
+                raise RuntimeError(f"{self.name} cannot use host pointers of registered memory")
+            rt.hostRegister(start, base.nbytes, self._REGISTER_FLAGS)
+            self._registered[start] = base  # kept (and registered) for the device's life
+        return int(array.ctypes.data)

@@ -55,13 +55,6 @@ class CudaLimits:
         check_fields(self, {"max_gpu_memory_bytes": Size})
 
 
-def _address(a: Any) -> int:
-    """A device array's address: numpy's for the host stand-in, CuPy's ``data.ptr``."""
-    if isinstance(a, np.ndarray):
-        return int(a.ctypes.data)
-    return int(a.data.ptr)
-
-
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -342,7 +335,7 @@ class CudaExecutor(BudgetedExecutor):
             swap = int(not src.dtype.isnative and src.itemsize > 1)
             tables = self.device.alloc(32)
             self.device.upload(packed, tables.ptr)
-            self.device.upload(np.array([_address(view)], dtype=np.uint64), tables.ptr + 8)
+            self.device.upload(np.array([self.device.output_pointer(view)], dtype=np.uint64), tables.ptr + 8)
             self.device.upload(np.zeros(1, dtype=np.int64), tables.ptr + 16)
             self.device.launch(
                 "fill", 1, BLOCK,
@@ -370,7 +363,7 @@ class CudaExecutor(BudgetedExecutor):
             for u in group:
                 unit_ptr[u.job.pos] = arena.ptr + u.offset
             first = live[0]
-            out_ptr = np.array([_address(v) if v is not None else 0 for v in views], dtype=np.uint64)
+            out_ptr = np.array([self.device.output_pointer(v) if v is not None else 0 for v in views], dtype=np.uint64)
             # per sample its view's shape and strides (a sample without a view: zeros, no rows)
             out_shape = np.zeros((len(views), table.ndim), dtype=np.int64)
             out_strides = np.zeros((len(views), table.ndim), dtype=np.int64)

@@ -59,7 +59,7 @@ def _load() -> ctypes.CDLL:
     return _lib
 
 
-def _code(dtype: np.dtype) -> tuple[int, int]:
+def dtype_code(dtype: np.dtype) -> tuple[int, int]:
     """(dtype code, byte swap) of a numpy dtype."""
     dtype = np.dtype(dtype)
     swap = int(not dtype.isnative and dtype.itemsize > 1)
@@ -79,7 +79,7 @@ def convert(arr: np.ndarray, dtype, grid: int = 3) -> np.ndarray:
     """``arr`` converted element by element by the conversion kernel."""
     src = np.ascontiguousarray(arr)
     out = np.empty(src.shape, dtype=np.dtype(dtype).newbyteorder("="))
-    code, swap = _code(src.dtype)
+    code, swap = dtype_code(src.dtype)
     _check(_load().damacy_twin_convert(grid, BLOCK, _addr(src), code, swap, _addr(out), CODES[out.dtype], src.size), "convert")
     return out
 
@@ -105,7 +105,7 @@ def assemble(
         raise ValueError("the outputs of one launch share their dtype and the table's rank")
     out_shape = np.array([o.shape for o in outputs], dtype=np.int64).reshape(-1)
     out_strides = np.array([[s // o.itemsize for s in o.strides] for o in outputs], dtype=np.int64).reshape(-1)
-    src_code, swap = _code(units[0].dtype) if units else (0, 0)
+    src_code, swap = dtype_code(units[0].dtype) if units else (0, 0)
     fault = _load().damacy_twin_assemble(
         len(rows), BLOCK, _addr(rows), len(rows), ndim, _addr(pool), len(pool), _addr(unit_ptr), len(units),
         _addr(unit_shape), src_code, swap, _addr(out_ptr), len(outputs), _addr(out_shape), _addr(out_strides),
@@ -122,7 +122,7 @@ def fill(samples: Sequence[int], values: np.ndarray, outputs: Sequence[np.ndarra
     raw = np.ascontiguousarray(values).view(np.uint8).reshape(len(samples_), -1)
     packed[:, : raw.shape[1]] = raw
     out_ptr = np.array([_addr(o) for o in outputs], dtype=np.uint64)
-    code, swap = _code(values.dtype)
+    code, swap = dtype_code(values.dtype)
     first = outputs[0]
     fault = _load().damacy_twin_fill(
         len(samples_), BLOCK, _addr(samples_), len(samples_), _addr(packed), code, swap, _addr(out_ptr), len(outputs),
