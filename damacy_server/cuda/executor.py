@@ -1,7 +1,9 @@
 """The CUDA executor: a batch plan read on the host, decoded and assembled on a device.
 
-Per batch, on the executor's stream: the plan's reads are made on the host and every zstd
-frame is walked there (nvCOMP's behaviour on corrupt input is undefined); the frames go to
+Per batch, in two stages: on host threads, the plan's reads are made and every zstd frame is
+walked (nvCOMP's behaviour on corrupt input is undefined) and device memory is reserved;
+then on the executor's one device thread and stream, while the next batches are read: the
+frames go to
 the device in one staging upload and are decoded by one batched nvCOMP call into one arena;
 stored units (no compressor) are uploaded into the arena as they are; Blosc chunks are
 split on the host, their zstd streams join the batched decode and their blocks are
@@ -14,7 +16,8 @@ is refused on the host or whose status is bad after the batch fails its samples 
 
 The device is a :class:`~damacy_server.cuda.device.Device`: a GPU, or the host stand-in that
 runs the same orchestration with the kernels' host twin (the CPU tests use it). Targets are
-arrays on that device (numpy arrays for the host stand-in, CuPy arrays on a GPU).
+device arrays, or host arrays (batch slots in host memory) the device writes over the bus
+once ``Device.output_pointer`` has page-locked and mapped them.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ class CudaExecutor(BudgetedExecutor):
         self.chunk_cache = None  # a device chunk cache is future work
         self.inflight = None
         self.host_decoded = 0  # units of codec chains the device does not decode
-        self._pool = WorkerPool(1, "damacy-cuda")  # one stream: batches in submission order
+        self._readers = WorkerPool(max(2, self.reader.workers // 2), "damacy-cuda-read")
+        self._pool = WorkerPool(1, "damacy-cuda")  # one stream
         self._closed = False
 
     # -- the engine's interface (with BudgetedExecutor's) ----------------------------------
@@ -106,22 +110,25 @@ class CudaExecutor(BudgetedExecutor):
         cancelled: Callable[[], bool] = lambda: False,
         key: Any = None,
     ) -> None:
-        """Assemble sample i of ``plan`` into ``targets[i]`` (a device array); ``on_done``
-        gets the errors by sample once the batch is on the device."""
-        self._pool.submit(self._run, plan, list(targets), on_done, cancelled, key=key)
+        """Assemble sample i of ``plan`` into ``targets[i]`` (a device array, or host memory
+        the device writes: see ``Device.output_pointer``); ``on_done`` gets the errors by
+        sample once the batch is in place. A batch's reads (host threads) overlap the device
+        work of the batches before it (one thread, one stream)."""
+        self._readers.submit(self._host_stage, plan, list(targets), on_done, cancelled, key=key)
 
     def close(self) -> None:
         self._closed = True
+        self._readers.close()
         self._pool.close()
 
     # -- one batch ------------------------------------------------------------------------------
-    def _run(self, plan: BatchPlan, targets: list, on_done, cancelled) -> None:
+    def _host_stage(self, plan: BatchPlan, targets: list, on_done, cancelled) -> None:
+        """Reads, host checks and the device memory reservation; then the device stage."""
         errors: dict[int, SampleError] = {}
-        reserved = 0
+        handed_over = False
         try:
             if cancelled() or self._closed:
                 return
-            views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
             units = self._read(plan, errors)
             need = self._layout(units)
             status = self.budget.reserve(need, lambda: cancelled() or self._closed)
@@ -130,19 +137,33 @@ class CudaExecutor(BudgetedExecutor):
                 if status is Reservation.TOO_BIG:
                     _fail(errors, plan, samples_of([u.job for u in units]), SampleError(f"{reason} ({need} bytes)"))
                 return
-            reserved = need
-            arena = self.device.alloc(need)
-            self._decode(units, arena, errors, plan)
-            self._fill(plan, views)
-            self._assemble(plan, units, arena, views)
+            self._pool.submit(self._device_stage, plan, targets, units, need, errors, on_done, cancelled)
+            handed_over = True
+        except Exception as e:  # a bug fails this batch's samples, never the executor
+            _crash(errors, plan, e)
+        finally:
+            if not handed_over:
+                on_done(errors)
+
+    def _device_stage(self, plan: BatchPlan, targets: list, units: list[_Unit], reserved: int, errors, on_done, cancelled) -> None:
+        """Decode, fill and assemble on the stream; one wait for the device at the end (and
+        one after the batched decode, whose statuses decide what is assembled)."""
+        keep: list = []  # device buffers and host arrays the queued work reads, until the end
+        try:
+            if cancelled() or self._closed:
+                return
+            views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
+            arena = self.device.alloc(reserved)
+            keep.append(arena)
+            self._decode(units, arena, errors, plan, keep)
+            self._fill(plan, views, keep)
+            self._assemble(plan, units, arena, views, keep)
             self.device.synchronize()
         except Exception as e:  # a bug fails this batch's samples, never the executor
-            err = SampleError(f"internal error: {type(e).__name__}: {e}")
-            err.__cause__ = e
-            _fail(errors, plan, range(len(plan.samples)), err)
+            _crash(errors, plan, e)
         finally:
-            if reserved:
-                self.budget.release(reserved)
+            keep.clear()
+            self.budget.release(reserved)
             on_done(errors)
 
     def _read(self, plan: BatchPlan, errors: dict[int, SampleError]) -> list[_Unit]:
@@ -249,7 +270,7 @@ class CudaExecutor(BudgetedExecutor):
         staged = sum(_aligned(len(f)) for u in units for f, _, _ in u.frames)
         return pos + staged + 6 * _aligned(8 * max(frames, 1))
 
-    def _decode(self, units: list[_Unit], arena: DeviceBuffer, errors, plan) -> None:
+    def _decode(self, units: list[_Unit], arena: DeviceBuffer, errors, plan, keep: list) -> None:
         """Copies and the batched zstd decode into the arena, then the Blosc unshuffles."""
         dev = self.device
         t0 = time.perf_counter()
@@ -258,6 +279,7 @@ class CudaExecutor(BudgetedExecutor):
             for data, at in u.copies:
                 host = data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
                 dev.upload(host, base(u) + at)
+                keep.append(host)
         frames = [(u, f, at, size) for u in units for f, at, size in u.frames]
         if frames:
             pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units)
@@ -280,6 +302,7 @@ class CudaExecutor(BudgetedExecutor):
                 dev.upload(np.array(values, dtype=np.uint64), addr[k])
             temp_bytes = dev.zstd_temp_bytes(n, max(out_bytes), sum(out_bytes))
             temp = dev.alloc(temp_bytes) if temp_bytes else None
+            keep.extend((staging, temp))
             dev.zstd_decompress(addr[0], addr[1], addr[2], addr[4], n, temp.ptr if temp else 0, temp_bytes, addr[3], addr[5])
             statuses = np.zeros(n, dtype=np.int32)
             actual = np.zeros(n, dtype=np.uint64)
@@ -299,10 +322,10 @@ class CudaExecutor(BudgetedExecutor):
                         err = DecodeError(f"blosc: a stream: {err.reason}", uri=job.meta.uri, path=job.key, chunk=job.unit)
                     u.error = err
                     _fail(errors, plan, samples_of((job,)), err)
-        self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena)
+        self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena, keep)
         self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
 
-    def _unshuffle(self, units: list[_Unit], arena: DeviceBuffer) -> None:
+    def _unshuffle(self, units: list[_Unit], arena: DeviceBuffer, keep: list) -> None:
         """One launch per (typesize, shuffle) of the batch's Blosc chunks: scratch -> unit."""
         groups: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
         for u in units:
@@ -311,40 +334,51 @@ class CudaExecutor(BudgetedExecutor):
                 groups.setdefault((typesize, mode), []).append((arena.ptr + u.scratch + start, arena.ptr + u.offset + start, size))
         for (typesize, mode), blocks in groups.items():
             host = [np.array([b[k] for b in blocks], dtype=np.uint64 if k < 2 else np.int64) for k in range(3)]
-            buf = self.device.alloc(sum(_aligned(h.nbytes) for h in host))
-            addrs, at = [], 0
-            for h in host:
-                self.device.upload(h, buf.ptr + at)
-                addrs.append(buf.ptr + at)
-                at += _aligned(h.nbytes)
+            addrs = self._tables(host, keep)
             self.device.launch(
                 "unshuffle", len(blocks), BLOCK,
                 (np.uint64(addrs[0]), np.uint64(addrs[1]), np.uint64(addrs[2]), np.int64(len(blocks)), np.int64(typesize),
                  np.int32(SHUFFLE_MODES[mode])),
             )
-            self.device.synchronize()  # the tables live until the launch is done
 
-    def _fill(self, plan: BatchPlan, views: list) -> None:
-        """Samples that reach outside their array start as the fill value."""
+    def _tables(self, host: list[np.ndarray], keep: list) -> list[int]:
+        """Host arrays copied into one device buffer; their device addresses."""
+        buf = self.device.alloc(sum(_aligned(h.nbytes) for h in host))
+        keep.append(buf)
+        addrs, at = [], 0
+        for h in host:
+            h = np.ascontiguousarray(h)
+            self.device.upload(h, buf.ptr + at)
+            keep.append(h)
+            addrs.append(buf.ptr + at)
+            at += _aligned(h.nbytes)
+        return addrs
+
+    def _fill(self, plan: BatchPlan, views: list, keep: list) -> None:
+        """Samples that reach outside their array start as the fill value: one launch per
+        (source dtype, output shape), a block per sample."""
+        groups: dict[tuple, list[tuple[int, np.ndarray]]] = {}
         for s, value in plan.fills:
-            view = views[s]
-            meta = plan.metas[s]
+            view, meta = views[s], plan.metas[s]
             src = np.asarray(value, dtype=meta.dtype if meta is not None else np.asarray(value).dtype)
-            packed = np.zeros(8, dtype=np.uint8)
-            packed[: src.itemsize] = src.reshape(1).view(np.uint8)
-            swap = int(not src.dtype.isnative and src.itemsize > 1)
-            tables = self.device.alloc(32)
-            self.device.upload(packed, tables.ptr)
-            self.device.upload(np.array([self.device.output_pointer(view)], dtype=np.uint64), tables.ptr + 8)
-            self.device.upload(np.zeros(1, dtype=np.int64), tables.ptr + 16)
+            groups.setdefault((src.dtype.str, view.size, view.dtype.str), []).append((s, src))
+        for (_, count, _), members in groups.items():
+            src_dtype = members[0][1].dtype
+            values = np.zeros((len(members), 8), dtype=np.uint8)
+            for k, (_, src) in enumerate(members):
+                values[k, : src.itemsize] = src.reshape(1).view(np.uint8)
+            out_ptr = np.array([self.device.output_pointer(views[s]) for s, _ in members], dtype=np.uint64)
+            order = np.arange(len(members), dtype=np.int64)
+            addrs = self._tables([order, values, out_ptr], keep)
+            swap = int(not src_dtype.isnative and src_dtype.itemsize > 1)
             self.device.launch(
-                "fill", 1, BLOCK,
-                (np.uint64(tables.ptr + 16), np.int64(1), np.uint64(tables.ptr), np.int32(CODES[src.dtype.newbyteorder("=")]),
-                 np.int32(swap), np.uint64(tables.ptr + 8), np.int64(1), np.int64(view.size), np.int32(CODES[view.dtype])),
+                "fill", len(members), BLOCK,
+                (np.uint64(addrs[0]), np.int64(len(members)), np.uint64(addrs[1]), np.int32(CODES[src_dtype.newbyteorder("=")]),
+                 np.int32(swap), np.uint64(addrs[2]), np.int64(len(members)), np.int64(count),
+                 np.int32(CODES[views[members[0][0]].dtype])),
             )
-            self.device.synchronize()
 
-    def _assemble(self, plan: BatchPlan, units: list[_Unit], arena: DeviceBuffer, views: list) -> None:
+    def _assemble(self, plan: BatchPlan, units: list[_Unit], arena: DeviceBuffer, views: list, keep: list) -> None:
         """One launch per array: the copy table's rows of the units that decoded."""
         t0 = time.perf_counter()
         by_table: dict[int, list[_Unit]] = {}
@@ -378,19 +412,13 @@ class CudaExecutor(BudgetedExecutor):
             pool = table.pool if len(table.pool) else np.zeros(1, dtype=np.int64)
             unit_shape = np.array(meta.layout.leaf.spec.shape, dtype=np.int64)
             host = [np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(pool, dtype=np.int64), unit_ptr, unit_shape, out_ptr, out_shape, out_strides]
-            buf = self.device.alloc(sum(_aligned(h.nbytes) for h in host))
-            addrs, at = [], 0
-            for h in host:
-                self.device.upload(h, buf.ptr + at)
-                addrs.append(buf.ptr + at)
-                at += _aligned(h.nbytes)
+            addrs = self._tables(host, keep)
             self.device.launch(
                 "assemble", len(rows), BLOCK,
                 (np.uint64(addrs[0]), np.int64(len(rows)), np.int32(table.ndim), np.uint64(addrs[1]), np.int64(len(pool)),
                  np.uint64(addrs[2]), np.int64(len(unit_ptr)), np.uint64(addrs[3]), np.int32(src_code), np.int32(swap),
                  np.uint64(addrs[4]), np.int64(len(views)), np.uint64(addrs[5]), np.uint64(addrs[6]), np.int32(CODES[first.dtype])),
             )
-            self.device.synchronize()  # the tables and their host arrays live until the launch is done
             written += int(np.prod(rows[:, 2 + 2 * table.ndim :], axis=1).sum()) * first.itemsize
         self.stats.add("assemble", time.perf_counter() - t0, count=len(units), bytes_out=written)
 
@@ -405,6 +433,12 @@ def _device_dtype(meta) -> np.dtype | None:
         return None
     stored = leaf.a2b.stored_dtype(meta.dtype)
     return stored if stored.newbyteorder("=") in CODES else None
+
+
+def _crash(errors: dict[int, SampleError], plan: BatchPlan, e: BaseException) -> None:
+    err = SampleError(f"internal error: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    _fail(errors, plan, range(len(plan.samples)), err)
 
 
 def _fail(errors: dict[int, SampleError], plan: BatchPlan, samples, err: SampleError) -> None:
