@@ -71,6 +71,11 @@ class Device(ABC):
     @abstractmethod
     def synchronize(self) -> None: ...
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A host staging buffer of ``nbytes`` uploads can read asynchronously (page-locked
+        on a GPU)."""
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
     def output_pointer(self, array: Any) -> int:
         """Where kernels write ``array``: a device array's own address; a host array's
         address once the device may write it (see :class:`CupyDevice`)."""
@@ -188,6 +193,10 @@ class CupyDevice(Device):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        mem = self._cupy.cuda.alloc_pinned_memory(max(nbytes, 1))  # from CuPy's pinned pool
+        return np.frombuffer(mem, dtype=np.uint8, count=max(nbytes, 1))
 
     # cudaHostRegisterPortable | cudaHostRegisterMapped; cudaDevAttrCanUseHostPointerForRegisteredMem
     _REGISTER_FLAGS = 1 | 2

@@ -275,15 +275,20 @@ class CudaExecutor(BudgetedExecutor):
         dev = self.device
         t0 = time.perf_counter()
         base = lambda u: arena.ptr + (u.scratch if u.scratch >= 0 else u.offset)  # noqa: E731
-        for u in units:
-            for data, at in u.copies:
-                host = data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-                dev.upload(host, base(u) + at)
-                keep.append(host)
+        copies = [(u, data, at) for u in units for data, at in u.copies]
+        if copies:  # staged in one page-locked buffer, so the uploads are asynchronous
+            pieces = [data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8) for _, data, _ in copies]
+            staged = dev.host_buffer(sum(_aligned(len(p)) for p in pieces))
+            keep.append(staged)
+            at_stage = 0
+            for (u, _, at), piece in zip(copies, pieces):
+                staged[at_stage : at_stage + len(piece)] = piece
+                dev.upload(staged[at_stage : at_stage + len(piece)], base(u) + at)
+                at_stage += _aligned(len(piece))
         frames = [(u, f, at, size) for u in units for f, at, size in u.frames]
         if frames:
             pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units)
-            staging = np.empty(sum(_aligned(len(f)) for _, f, _, _ in frames), dtype=np.uint8)
+            staging = dev.host_buffer(sum(_aligned(len(f)) for _, f, _, _ in frames))
             comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
             at_stage = 0
             for u, f, at, size in frames:
