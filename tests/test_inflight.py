@@ -85,6 +85,12 @@ class GatedReader(FileReader):
         return super().read_range(key, offset, length)
 
 
+@pytest.fixture(autouse=True)
+def share_small_units(monkeypatch):
+    """The test volume's units are small (2 KiB); share them anyway."""
+    monkeypatch.setattr("damacy_server.cpu.SHARE_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def volume(tmp_path):
     data = random_data(SHAPE, "uint16", 5)
@@ -199,3 +205,21 @@ def test_overlapping_batches_in_flight_read_right(volume):
                 got.append(b.copy())
     want = [np.stack([data[tuple(slice(a, b) for a, b in s.aabb)] for s in samples[i : i + 4]]).astype("f4") for i in range(0, 24, 4)]
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_small_units_are_not_shared(volume, monkeypatch):
+    """Below SHARE_MIN_BYTES a unit's decode costs less than sharing it: nothing registers."""
+    monkeypatch.setattr("damacy_server.cpu.SHARE_MIN_BYTES", 1 << 20)
+    uri, data = volume
+    reader = GatedReader()
+    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2))
+    try:
+        first, done1, _, _ = run_plan(executor, uri, BOXES)
+        second, done2, _, _ = run_plan(executor, uri, BOXES)
+        assert len(executor.inflight) == 0 and executor.inflight.stats()["joined"] == 0
+        reader.gate.set()
+        wait_all(done1 + done2)
+        for out, box in zip(first + second, BOXES + BOXES):
+            assert np.array_equal(out, data[box].astype("f4"))
+    finally:
+        executor.close()

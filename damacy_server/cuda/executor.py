@@ -258,7 +258,8 @@ class CudaExecutor(BudgetedExecutor):
 
     def _layout(self, units: list[_Unit]) -> int:
         """Arena offsets: each unit's decoded bytes (and its scratch when it is to be
-        unshuffled), then the staged frames, then the decoder's tables; total bytes."""
+        unshuffled), then the staged frames, the decoder's tables and its scratch space (all
+        within the batch's reservation); total bytes."""
         pos = 0
         for u in units:
             u.offset = pos
@@ -266,9 +267,10 @@ class CudaExecutor(BudgetedExecutor):
             if u.shuffle is not None:
                 u.scratch = pos
                 pos += _aligned(u.job.decoded_nbytes)
-        frames = sum(len(u.frames) for u in units)
+        sizes = [size for u in units for _, _, size in u.frames]
         staged = sum(_aligned(len(f)) for u in units for f, _, _ in u.frames)
-        return pos + staged + 6 * _aligned(8 * max(frames, 1))
+        temp = self.device.zstd_temp_bytes(len(sizes), max(sizes), sum(sizes)) if sizes else 0
+        return pos + staged + 6 * _aligned(8 * max(len(sizes), 1)) + _aligned(temp)
 
     def _decode(self, units: list[_Unit], arena: DeviceBuffer, errors, plan, keep: list) -> None:
         """Copies and the batched zstd decode into the arena, then the Blosc unshuffles."""
@@ -306,9 +308,9 @@ class CudaExecutor(BudgetedExecutor):
             for k, values in enumerate((comp_ptrs, comp_bytes, out_bytes, out_ptrs)):
                 dev.upload(np.array(values, dtype=np.uint64), addr[k])
             temp_bytes = dev.zstd_temp_bytes(n, max(out_bytes), sum(out_bytes))
-            temp = dev.alloc(temp_bytes) if temp_bytes else None
-            keep.extend((staging, temp))
-            dev.zstd_decompress(addr[0], addr[1], addr[2], addr[4], n, temp.ptr if temp else 0, temp_bytes, addr[3], addr[5])
+            temp = addr[5] + step  # the last region of the arena (see _layout)
+            keep.append(staging)
+            dev.zstd_decompress(addr[0], addr[1], addr[2], addr[4], n, temp if temp_bytes else 0, temp_bytes, addr[3], addr[5])
             statuses = np.zeros(n, dtype=np.int32)
             actual = np.zeros(n, dtype=np.uint64)
             dev.synchronize()
