@@ -25,8 +25,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 
 
 def differs(src: np.dtype, dst: np.dtype) -> bool:
-    """Whether the contract differs from numpy's ``astype`` for this pair."""
-    src, dst = np.dtype(src), np.dtype(dst)
+    """Whether the contract differs from numpy's ``astype`` for this pair (either byte order)."""
+    src, dst = np.dtype(src).newbyteorder("="), np.dtype(dst).newbyteorder("=")
     if src.kind == "f" and dst.kind in "iu":
         return True
     return dst == BF16 and (src == np.float64 or (src.kind in "iu" and src.itemsize >= 4))

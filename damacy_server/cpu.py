@@ -207,11 +207,8 @@ class CpuExecutor(BudgetedExecutor):
                 self._copy_cached(run, [(u, array)])  # reports the unit done
                 return
             if error is None and not missing:  # abandoned: read it alone
-                try:
-                    self._decode.submit(self._read_alone, run, u, key=run.key, priority=run.order)
-                    return
-                except Exception:  # the executor is closing
-                    pass
+                self._decode.submit(self._read_alone, run, u, key=run.key, priority=run.order)
+                return
             try:
                 if error is not None:
                     run.fail(samples_of((u,)), error)
@@ -231,7 +228,8 @@ class CpuExecutor(BudgetedExecutor):
                 self.inflight.settle(u.shared)
 
     def _read_alone(self, run: Run, u: UnitJob) -> None:
-        """Read, decode and copy one unit another batch abandoned (numpy path)."""
+        """Read, decode and copy one unit another batch abandoned (numpy path). Rare (the
+        owner's batch was cancelled first), so it reads outside the memory budget: one unit."""
         try:
             if run.cancelled() or self._closed:
                 return

@@ -60,12 +60,16 @@ def resolve(
     for axis, (e, size) in enumerate(zip(expand(entries, len(shape), uri), shape)):
         if isinstance(e, slice):
             start = 0 if e.start is None else e.start
-            stop = size if e.stop is None else e.stop
+            # an open stop is the array's end; from past the end it selects nothing
+            stop = max(size, start) if e.stop is None else e.stop
             if stop < start:
                 raise InvalidArgument(f"axis {axis}: {start}:{stop} ends before it starts (size {size})", uri=uri)
-            if out_of_bounds == "error" and not (0 <= start and stop <= size):
+            # the last position selected (a step may stop short of `stop`)
+            last = start + (stop - start - 1) // (e.step or 1) * (e.step or 1) if stop > start else start - 1
+            if out_of_bounds == "error" and not (0 <= start and last < size and start <= size):
+                text = f"{start}:{'' if e.stop is None else stop}" + (f":{e.step}" if e.step else "")
                 raise OutOfBounds(
-                    f"axis {axis}: {start}:{stop} leaves the array (size {size}){_NOT_FROM_END if start < 0 else ''}",
+                    f"axis {axis}: {text} leaves the array (size {size}){_NOT_FROM_END if start < 0 else ''}",
                     uri=uri,
                 )
             if e.step is None:

@@ -75,7 +75,7 @@ def both(plan, out_dtype):
 
 
 def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 @pytest.mark.parametrize("out", ["float32", "bfloat16", "int16", "float16", "native"])
@@ -186,3 +186,51 @@ def test_a_bad_blosc_stream_fails_its_sample_only(arrays, tmp_path):
     assert set(gpu_err) == set(cpu_err) == {0}
     assert gpu_err[0].chunk == (0, 0, 0) and "magic" in gpu_err[0].reason  # refused on the host
     assert np.array_equal(gpu_out[1], data[6:12, 8:16, 10:20].astype("f4"))
+
+
+def test_host_decoded_and_missing_units_of_a_big_endian_array_agree(tmp_path):
+    """A gzip array (decoded on the host) stored big-endian, with a chunk never written: both
+    kinds of unit reach the kernel in the array's one byte order."""
+    from zarr.codecs import GzipCodec
+
+    data = np.arange(8 * 10, dtype=">f4").reshape(8, 10)
+    write_array(tmp_path / "g", data, chunks=(4, 5), serializer=BytesCodec(endian="big"), compressors=[GzipCodec()], fill_value=-1.5)
+    (tmp_path / "g" / "c" / "0" / "0").unlink()
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(str(tmp_path / "g"), np.s_[0:8, 0:10])], (8, 10))
+    (cpu_out, _), (gpu_out, _), gpu, _ = both(plan, np.dtype("float32"))
+    assert gpu.host_decoded > 0 and same(gpu_out[0], cpu_out[0])
+    assert (gpu_out[0][:4, :5] == -1.5).all() and np.array_equal(gpu_out[0][4:], data[4:].astype("f4"))
+
+
+def test_a_zero_dimensional_array_never_written_is_its_fill_value(tmp_path):
+    import zarr
+
+    zarr.create_array(str(tmp_path / "z"), shape=(), dtype="uint16", fill_value=9)
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(str(tmp_path / "z"), ())], ())
+    (cpu_out, cpu_err), (gpu_out, gpu_err), _, _ = both(plan, np.dtype("float32"))
+    assert not gpu_err and same(gpu_out[0], cpu_out[0]) and float(gpu_out[0]) == 9.0
+
+
+def test_a_failing_batch_waits_for_its_queued_work_before_letting_go(arrays, monkeypatch):
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor
+
+    uri, _ = arrays["zstd-u16"]
+    device = HostDevice()
+    synced = []
+    real = device.synchronize
+    monkeypatch.setattr(device, "synchronize", lambda: (synced.append(1), real())[1])
+
+    def boom(*a, **k):
+        raise RuntimeError("table check failed")
+
+    monkeypatch.setattr("damacy_server.cuda.executor.check_disjoint", boom)
+    gpu = CudaExecutor(device)
+    try:
+        plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, np.s_[-2:4, 0:8, 0:10])], (6, 8, 10))
+        before = len(synced)
+        _, errors = execute(gpu, plan, np.dtype("float32"))
+        assert set(errors) == {0} and "table check failed" in str(errors[0])
+        assert "fill" in device.launches and len(synced) > before  # the fill was queued, then waited for
+    finally:
+        gpu.close()

@@ -328,3 +328,11 @@ def test_kernels_compile_with_nvrtc(arch):
     for name in ("damacy_assemble", "damacy_fill", "damacy_convert", "damacy_unshuffle"):
         assert f".entry {name}(".encode() in ptx.value, name
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def test_the_contract_does_not_depend_on_byte_order():
+    """f64 to bf16 rounds once from either byte order (ml_dtypes' astype rounds twice)."""
+    x = np.array([1 + 2.0**-8 + 2.0**-30], dtype="<f8")
+    little = contract.convert(x, BF16).view(np.uint16)[0]
+    big = contract.convert(x.astype(">f8"), BF16).view(np.uint16)[0]
+    assert little == big == 0x3F81

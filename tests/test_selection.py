@@ -134,3 +134,14 @@ def test_refusals_say_what_to_use(array, sel, words):
     for kind in kinds:
         with pytest.raises(damacy.InvalidArgument, match=words.replace("(", r"\(").replace(")", r"\)")):
             kind(uri, sel)
+
+
+def test_a_stride_is_checked_by_the_positions_it_selects(array):
+    uri, data = array
+    assert np.array_equal(damacy.read(uri, np.s_[0:14:5]), data[0:12:5])  # 0, 5, 10: inside
+    with pytest.raises(damacy.OutOfBounds, match="0:14:3"):
+        damacy.read(uri, np.s_[0:14:3])  # 12 is outside
+    assert damacy.read(uri, np.s_[15:], out_of_bounds="pad").shape == (0, 10, 9)  # nothing past the end
+    assert damacy.IndexQuery(uri, np.s_[15:]).shape_for(SHAPE) == (0, 10, 9)
+    with pytest.raises(damacy.OutOfBounds, match="15:"):
+        damacy.read(uri, np.s_[15:])

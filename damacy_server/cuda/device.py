@@ -15,6 +15,7 @@ numpy scalars (``np.int64``, ``np.int32``, ``np.uint64`` for pointers).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,7 @@ class CupyDevice(Device):
             source = (KERNELS / "kernels.cu").read_text()
             self.module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS}"))
         self._functions: dict[str, Any] = {}
-        self._registered: dict[int, np.ndarray] = {}
+        self._registered: dict[int, weakref.finalize] = {}  # host allocations registered, by address
 
     def alloc(self, nbytes: int) -> DeviceBuffer:
         with self._cupy.cuda.Device(self.index):
@@ -181,10 +182,11 @@ class CupyDevice(Device):
 
     def zstd_decompress(self, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs, statuses) -> None:
         lib = nvcomp.load()
-        status = lib.nvcompBatchedZstdDecompressAsync(
-            comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs,
-            nvcomp.ZstdDecompressOpts(backend=int(nvcomp.DecompressBackend.DEFAULT)), statuses, self.stream.ptr,
-        )
+        with self._cupy.cuda.Device(self.index):  # nvCOMP launches in the current device's context
+            status = lib.nvcompBatchedZstdDecompressAsync(
+                comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs,
+                nvcomp.ZstdDecompressOpts(backend=int(nvcomp.DecompressBackend.DEFAULT)), statuses, self.stream.ptr,
+            )
         if status != nvcomp.Status.SUCCESS:
             raise nvcomp.NvcompError("nvcompBatchedZstdDecompressAsync", status)
 
@@ -217,5 +219,12 @@ class CupyDevice(Device):
             if not rt.deviceGetAttribute(self._HOST_POINTER_ATTR, self.index):
                 raise RuntimeError(f"{self.name} cannot use host pointers of registered memory")
             rt.hostRegister(start, base.nbytes, self._REGISTER_FLAGS)
-            self._registered[start] = base  # kept (and registered) for the device's life
+            self._registered[start] = weakref.finalize(base, self._unregister, start)  # before its memory goes
         return int(array.ctypes.data)
+
+    def _unregister(self, start: int) -> None:
+        self._registered.pop(start, None)
+        try:
+            self._cupy.cuda.runtime.hostUnregister(start)
+        except Exception:  # noqa: BLE001 - the context is gone at exit; so is the registration
+            pass

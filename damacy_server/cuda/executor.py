@@ -161,6 +161,10 @@ class CudaExecutor(BudgetedExecutor):
             self.device.synchronize()
         except Exception as e:  # a bug fails this batch's samples, never the executor
             _crash(errors, plan, e)
+            try:  # what was queued must finish before its memory and the slot are reused
+                self.device.synchronize()
+            except Exception:  # noqa: BLE001 - the device is gone; nothing is running on it
+                pass
         finally:
             keep.clear()
             self.budget.release(reserved)
@@ -220,7 +224,8 @@ class CudaExecutor(BudgetedExecutor):
             arr = decode_unit(meta, piece, job.unit, job.key)  # another chain: decoded here
             self.host_decoded += 1
             unit = _Unit(job, "host")
-            unit.copies.append((np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")), 0))
+            # in the array's one byte order (a missing unit of the array comes the same way)
+            unit.copies.append((np.ascontiguousarray(arr, dtype=stored if stored is not None else arr.dtype.newbyteorder("=")), 0))
             return unit
         except CorruptData as e:
             err = DecodeError(str(e), uri=meta.uri, path=job.key, chunk=job.unit)
@@ -279,7 +284,10 @@ class CudaExecutor(BudgetedExecutor):
         base = lambda u: arena.ptr + (u.scratch if u.scratch >= 0 else u.offset)  # noqa: E731
         copies = [(u, data, at) for u in units for data, at in u.copies]
         if copies:  # staged in one page-locked buffer, so the uploads are asynchronous
-            pieces = [data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8) for _, data, _ in copies]
+            pieces = [
+                np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+                for _, data, _ in copies
+            ]
             staged = dev.host_buffer(sum(_aligned(len(p)) for p in pieces))
             keep.append(staged)
             at_stage = 0
@@ -413,7 +421,9 @@ class CudaExecutor(BudgetedExecutor):
                     out_shape[k] = v.shape
                     out_strides[k] = [st // v.itemsize for st in v.strides]
             meta = group[0].job.meta
-            stored = _device_dtype(meta) if group[0].kind != "host" else group[0].copies[0][0].dtype
+            stored = _device_dtype(meta)
+            if stored is None:  # decoded on the host, every unit in native order
+                stored = group[0].copies[0][0].dtype
             src_code = CODES[stored.newbyteorder("=")]
             swap = int(not stored.isnative and stored.itemsize > 1)
             pool = table.pool if len(table.pool) else np.zeros(1, dtype=np.int64)

@@ -1,6 +1,6 @@
 /*
  * damacy's numeric contract: the value an element of one dtype becomes in another, the same
- * on every path (numpy reference: damacy_server/cuda/contract.py; CPU native loop; GPU).
+ * on every path (numpy reference: damacy_server/contract.py; CPU native loop; GPU).
  *
  * Where numpy defines the result, it is numpy's (ml_dtypes' for bf16); where numpy's is
  * undefined or rounds twice, damacy defines it:
