@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, OutOfBounds, SampleError
+from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_server.cache import LRUCache
 from damacy_server.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached

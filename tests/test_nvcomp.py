@@ -51,7 +51,7 @@ def test_structs_and_statuses_match_the_header(tmp_path):
         '  printf("props %zu\\n", sizeof(nvcompProperties_t));\n'
         '  printf("status %d\\n", (int)sizeof(nvcompStatus_t));\n'
         + "".join(f'  printf("{n} %d\\n", (int){c});\n' for n, c in c_names.items())
-        + f'  printf("backend %d %d %d\\n", NVCOMP_DECOMPRESS_BACKEND_DEFAULT, NVCOMP_DECOMPRESS_BACKEND_HARDWARE, NVCOMP_DECOMPRESS_BACKEND_CUDA);\n'
+        + '  printf("backend %d %d %d\\n", NVCOMP_DECOMPRESS_BACKEND_DEFAULT, NVCOMP_DECOMPRESS_BACKEND_HARDWARE, NVCOMP_DECOMPRESS_BACKEND_CUDA);\n'
         + '  printf("max %zu\\n", nvcompZstdDecompressionMaxAllowedChunkSize);\n  return 0;\n}\n'
     )
     exe = tmp_path / "layout"

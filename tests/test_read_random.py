@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from conftest import assert_same, padded_selection, random_data, write_array
 from hypothesis import HealthCheck, given, settings
