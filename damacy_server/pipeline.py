@@ -194,17 +194,22 @@ class Pipeline(PipelineAPI):
         cfg = self.config
         samples, source_error = self._pull(cfg.samples_per_batch)
         with self._cond:
-            self._pulling = False
             exhausted = not self._sources
             short = len(samples) < cfg.samples_per_batch
             skip = not samples or (short and cfg.drop_last and exhausted and source_error is None)
             if not skip:
                 self._outstanding += len(samples)
-            self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
-        if not skip:
-            self.engine.start(samples)
-        if source_error is not None:
-            self.engine.start_error(source_error)  # raised by the pop after this batch
+        try:
+            if not skip:
+                self.engine.start(samples)
+            if source_error is not None:
+                self.engine.start_error(source_error)  # raised by the pop after this batch
+        finally:
+            # "pulling" ends once the engine holds the batch: a pop in between would find
+            # the input exhausted and the engine idle, and call the pipeline drained
+            with self._cond:
+                self._pulling = False
+                self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
 
     def _refill(self, patch: Patch) -> None:
         """on_error="skip": the next samples of the input take the dropped ones' places."""
@@ -214,12 +219,15 @@ class Pipeline(PipelineAPI):
             self._on_skip(patch.dropped)
         samples, source_error = self._pull(patch.needed)
         with self._cond:
-            self._pulling = False
             self._outstanding += len(samples)
-            self._cond.notify_all()
-        self.engine.refill(patch, samples)
-        if source_error is not None:
-            self.engine.start_error(source_error)  # after this batch
+        try:
+            self.engine.refill(patch, samples)
+            if source_error is not None:
+                self.engine.start_error(source_error)  # after this batch
+        finally:
+            with self._cond:  # as in _start_batch: pulling ends once the engine has the samples
+                self._pulling = False
+                self._cond.notify_all()
 
     # -- output -------------------------------------------------------------------
     def _drained(self) -> bool:
