@@ -600,3 +600,18 @@ def test_arrays_with_huge_chunk_grids(tmp_path):
     assert np.array_equal(damacy.read(str(tmp_path / "h"), ((0, 2), (0, 3))), want)
     got, errors = _run_one(str(tmp_path / "h"), ((0, 2), (0, 3)))
     assert not errors and np.array_equal(got, want.astype("f4"))
+
+
+@pytest.mark.parametrize(
+    "first", ["damacy_server.cuda.executor", "damacy_server.decode", "damacy_server.plan", "damacy_server.store", "damacy", "damacy_server.service"]
+)
+def test_the_native_path_is_found_whichever_module_is_imported_first(first):
+    """A circular import once made the file store take the extension for missing (and read
+    without it) when the CUDA executor was imported first; an import error other than the
+    extension's own absence now surfaces."""
+    import subprocess
+    import sys
+
+    code = f"import {first}\nfrom damacy_server.store import file\nfrom damacy_server import native\nassert file._native is not None and native.available()"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

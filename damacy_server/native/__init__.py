@@ -13,15 +13,18 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from damacy_server import optable
+if TYPE_CHECKING:  # annotations only: the file store imports this package, and optable imports it back
+    from damacy_server import optable
 
 try:
     from damacy_server.native import _assemble
-except ImportError:  # built without a C compiler: the Python path does all the work
+except ModuleNotFoundError as e:  # built without a C compiler: the Python path does all the work
+    if e.name != "damacy_server.native._assemble":
+        raise
     _assemble = None
 
 #: dtype codes of _assemble.c

@@ -32,7 +32,9 @@ from damacy_server.store.base import ByteRange, Store
 
 try:
     from damacy_server.native import _assemble as _native
-except ImportError:  # built without a C compiler
+except ModuleNotFoundError as e:  # built without a C compiler (any other import error is a bug)
+    if e.name != "damacy_server.native._assemble":
+        raise
     _native = None
 
 _MISSING = (FileNotFoundError, NotADirectoryError)
