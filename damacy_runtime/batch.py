@@ -4,11 +4,17 @@ The slot stays occupied while anything still refers to it: the :class:`Batch` un
 released (or collected), and every array exported from it — ``batch.numpy()``,
 ``np.from_dlpack(batch)``, ``torch.from_dlpack(batch)`` — until that array is dropped. Only
 then does the pipeline fill the slot again, so no live tensor is ever overwritten.
+
+A batch in device memory (``Config(device=k)``) is exported with CUDA stream semantics: the
+consumer's stream waits for the batch's ``ready`` event (no host wait), and when a tensor
+exported from it is deleted, an event recorded on its stream fences the slot, so the
+executor writes the slot again only after the consumer's queued work has read it (see
+:mod:`damacy_runtime.device`).
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,15 +23,8 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import SampleError
-
-KDL_CPU = 1
-KDL_BFLOAT = 4
-_VERSIONED_TENSOR_OFFSET = 32  # DLManagedTensorVersioned: version, manager_ctx, deleter, flags
-_DTYPE_OFFSET = 20  # DLTensor: data, device, ndim, then dtype
-
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+from damacy_runtime import dlpack
+from damacy_runtime.device import LEGACY_DEFAULT_STREAM, DeviceArray
 
 
 class Slot:
@@ -85,8 +84,10 @@ class BatchInfo:
     """What a batch holds: ``shape`` (samples first), ``dtype`` (damacy's name), ``device``
     ("cpu" or "cuda:k"), ``batch_id`` (0, 1, ... in push order), ``samples``, ``errors``:
     (index in the batch, error) of samples that were filled instead of read
-    (``on_error="fill"``), and ``skipped``: (sample, error) of samples dropped and replaced
-    while this batch was assembled (``on_error="skip"``)."""
+    (``on_error="fill"``), ``skipped``: (sample, error) of samples dropped and replaced
+    while this batch was assembled (``on_error="skip"``), ``device_ptr``: the address of
+    the batch's first element (in GPU memory for a device batch), and ``ready_stream``: the
+    CUDA stream the batch was assembled on (None for a host batch)."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -95,6 +96,8 @@ class BatchInfo:
     samples: tuple[Any, ...]
     errors: tuple[tuple[int, SampleError], ...] = field(default=())
     skipped: tuple[tuple[Any, SampleError], ...] = field(default=())
+    device_ptr: int = 0
+    ready_stream: int | None = None
 
 
 class Batch:
@@ -103,17 +106,22 @@ class Batch:
 
         with pipe.pop() as batch:
             x = torch.from_dlpack(batch)     # zero-copy; bf16 arrives as torch.bfloat16
-            y = batch.numpy()                 # a numpy view (bf16 via ml_dtypes)
+            y = batch.numpy()                 # a numpy view (bf16 via ml_dtypes; host batches)
     """
 
-    def __init__(self, slot: Slot, info: BatchInfo, numpy_dtype: np.dtype, array: np.ndarray | None = None) -> None:
+    def __init__(self, slot: Slot, info: BatchInfo, numpy_dtype: np.dtype, array: Any = None) -> None:
         slot.acquire()
         self._lock = threading.Lock()
         self._slot: Slot | None = slot
-        self.info = info
         self._dtype = np.dtype(numpy_dtype)
         full = slot.array if array is None else array  # the slot as (samples, *sample shape)
         self._array = full[: info.shape[0]].reshape(info.shape)
+        device = self._array.device if isinstance(self._array, DeviceArray) else None
+        self._device = device
+        if info.device_ptr == 0:
+            ptr = self._array.ptr if device is not None else int(self._array.__array_interface__["data"][0])
+            info = dataclasses.replace(info, device_ptr=ptr, ready_stream=device.stream_handle if device is not None else None)
+        self.info = info
 
     # -- access -------------------------------------------------------------------
     def _live(self) -> Slot:
@@ -122,54 +130,92 @@ class Batch:
             raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
         return slot
 
+    @property
+    def on_device(self) -> bool:
+        """In GPU memory (not readable as a numpy array)."""
+        return self._device is not None and not self._device.host_accessible
+
     def numpy(self) -> np.ndarray:
-        """A numpy view of the batch (no copy) that keeps the slot occupied while it lives."""
+        """A numpy view of the batch (no copy) that keeps the slot occupied while it lives
+        (host batches; a device batch: :meth:`copy`, or DLPack)."""
         slot = self._live()
         array = self._array
         if array is None:  # released meanwhile, by another thread
             raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
+        if isinstance(array, DeviceArray):
+            array = array.host_view()
         raw = array.view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
         out = np.asarray(_Lease(slot, raw)).view(self._dtype)
         return out.reshape(self.info.shape)
 
     def copy(self) -> np.ndarray:
-        """The batch as a numpy array of its own (a copy): for code that keeps what it got
-        (logging, accumulating) without holding the slot."""
+        """The batch as a numpy array of its own (a copy, from the device for a device
+        batch): for code that keeps what it got (logging, accumulating) without holding the
+        slot."""
+        if self.on_device:
+            slot = self._live()
+            slot.acquire()
+            try:
+                return self._array.to_host().view(self._dtype)
+            finally:
+                slot.release()
         return np.array(self.numpy(), copy=True)
 
     def __array__(self, dtype=None, copy=None):
-        arr = self.numpy()
+        arr = self.copy() if self.on_device else self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             return arr.astype(dtype)
-        return arr.copy() if copy else arr
+        return arr.copy() if copy and not self.on_device else arr
 
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None, dl_device: Any = None, copy: bool | None = None):
-        """DLPack export (a versioned v1 capsule when ``max_version`` allows it, v0 otherwise)."""
-        if stream is not None and stream != -1:
-            raise BufferError("a host batch takes no stream (stream must be None)")
-        if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
-            raise BufferError(f"a host batch cannot be exported to device {dl_device}")
+        """DLPack export (a versioned 1.x capsule when ``max_version`` allows it, 0.x
+        otherwise), zero-copy. For a device batch, ``stream`` (DLPack's: None for the legacy
+        default stream, -1 for none) is made to wait for the batch's ready event, and is
+        fenced when the tensor is let go."""
         if copy:
             raise BufferError("damacy batches are shared, not copied (copy=True is not supported)")
-        arr = self.numpy()
-        bf16 = arr.dtype.name == "bfloat16"
-        if bf16:
-            arr = arr.view(np.uint16)
+        device = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != device:
+            raise BufferError(f"a batch on {device} cannot be exported to device {tuple(dl_device)}")
+        slot = self._live()
+        array = self._array
+        if array is None:
+            raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
+        consumer = self._consumer_stream(stream)
+        if isinstance(array, DeviceArray):
+            ptr, strides = array.ptr, tuple(st // array.itemsize for st in array.strides)
+        else:
+            ptr, strides = int(array.__array_interface__["data"][0]), tuple(st // array.itemsize for st in array.strides)
+        if not slot.try_acquire():
+            raise BufferError("the batch was released; its slot may hold another batch now")
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
-        capsule = arr.__dlpack__(max_version=max_version) if versioned else arr.__dlpack__()
-        if bf16:
-            name = b"dltensor_versioned" if versioned else b"dltensor"
-            base = _capsule_pointer(capsule, name)
-            tensor = base + (_VERSIONED_TENSOR_OFFSET if versioned else 0)
-            ctypes.c_uint8.from_address(tensor + _DTYPE_OFFSET).value = KDL_BFLOAT
-        return capsule
+        let_go = _fenced_release(slot, self._device, array.sync if consumer is not None else None, consumer)
+        return dlpack.export(ptr, self.info.shape, strides, self._dtype, device, let_go, versioned)
+
+    def _consumer_stream(self, stream: Any) -> int | None:
+        """The stream a consumer reads on, made to wait for the batch (device batches)."""
+        if not self.on_device:
+            if stream is not None and stream != -1:
+                raise BufferError("a host batch takes no stream (stream must be None)")
+            return None
+        if stream == -1:
+            return None  # the consumer orders its own work
+        if stream == 0:
+            raise BufferError("stream 0 is ambiguous in DLPack: pass 1 (legacy default) or 2 (per-thread default)")
+        consumer = LEGACY_DEFAULT_STREAM if stream is None else int(stream)
+        sync = self._array.sync
+        if sync.ready is not None:
+            self._device.wait_event(sync.ready, consumer)
+        return consumer
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (KDL_CPU, 0)
+        return self._device.dlpack_device if self._device is not None else (dlpack.KDL_CPU, 0)
 
     # -- lifetime -----------------------------------------------------------------
     def release(self) -> None:
-        """Give the slot back (once every exported array is gone too). Idempotent."""
+        """Give the slot back (once every exported array is gone too). Idempotent. (Each
+        tensor exported from a device batch fences the slot on its stream when it is
+        deleted: only then can the consumer's queued work no longer read it.)"""
         lock = getattr(self, "_lock", None)
         if lock is None:  # a half-built batch
             return
@@ -207,3 +253,15 @@ class Batch:
     def __repr__(self) -> str:
         state = "released" if self._slot is None else "live"
         return f"Batch(id={self.info.batch_id}, shape={self.info.shape}, dtype={self.info.dtype}, {state}, errors={len(self.info.errors)})"
+
+
+def _fenced_release(slot: Slot, device: Any, sync: Any, stream: int | None) -> Callable[[], None]:
+    """What an exported tensor's deleter runs: fence the slot on the consumer's stream (a
+    device batch), then give up the tensor's use of the slot."""
+
+    def let_go() -> None:
+        if sync is not None:
+            sync.add_fence(device.record_event(stream))
+        slot.release()
+
+    return let_go

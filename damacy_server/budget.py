@@ -11,6 +11,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from damacy_protocol.errors import BudgetExceeded
 
@@ -119,6 +120,20 @@ class BudgetedExecutor:
     def inflight_capacity(self) -> int:
         """Bytes of data that may be in flight at once (the budget beside the slots)."""
         return self.budget.capacity
+
+    # -- where batches go, and the engine's own writes to them (host memory here) ----------
+    def slot_memory(self) -> Any:
+        """The :class:`~damacy_server.slots.SlotMemory` batches executed here go to when the
+        front end names none (None: host memory)."""
+        return None
+
+    def fill(self, target: Any, value: Any) -> None:
+        """Set every element of one sample's ``target`` to ``value`` (on_error="fill")."""
+        target[...] = value
+
+    def move(self, dst: Any, src: Any) -> None:
+        """Copy one sample's ``src`` over ``dst`` in the same slot (on_error="skip")."""
+        dst[...] = src
 
 
 class StageStats:

@@ -10,9 +10,10 @@ whatever thread made the change, that a delivery is ready, a slot is free or a p
 Planning runs in the caller's thread, or on a shared ``plan_pool`` (the daemon's, so its
 loop thread never plans).
 
-Behind two small interfaces: the executor (:class:`damacy_server.cpu.CpuExecutor` today)
-and the slot memory (:class:`damacy_server.slots.SlotMemory`: host memory, shared memory in
-the daemon).
+Behind two small interfaces: the executor (:class:`damacy_server.cpu.CpuExecutor`, or
+:class:`damacy_server.cuda.executor.CudaExecutor`), which also makes the engine's own writes
+to a slot (fill, move), and the slot memory (:class:`damacy_server.slots.SlotMemory`: host
+memory, shared memory in the daemon, device memory; by default where the executor says).
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ class BatchEngine:
         self.spec = spec
         self.planner = planner
         self.executor = executor
-        self.memory = memory if memory is not None else HostSlots()
+        if memory is None:
+            memory = executor.slot_memory() or HostSlots()  # where the executor's batches go
+        self.memory = memory
         self.cond = threading.Condition()  # front ends wait on it for deliveries and slots
         self._on_change = on_change
         self._plan_pool = plan_pool  # a WorkerPool to plan on; None: in the caller's thread
@@ -266,7 +269,7 @@ class BatchEngine:
             pending.errors[pos] = err
             if policy == "fill":
                 meta = plan.metas[i]
-                targets[i][...] = cast_fill(meta.fill_value if meta is not None else 0, targets[i].dtype)
+                self.executor.fill(targets[i], cast_fill(meta.fill_value if meta is not None else 0, targets[i].dtype))
             elif policy == "skip":
                 pending.holes.append(pos)
         if policy == "skip" and pending.holes:
@@ -297,7 +300,7 @@ class BatchEngine:
         view = self.slot_view(pending.slot, pending.dtype or np.dtype("float32"))
         for new, old in enumerate(keep):
             if new != old:
-                view[new] = view[old]
+                self.executor.move(view[new], view[old])
         pending.samples = [pending.samples[p] for p in keep]
         pending.metas = [pending.metas[p] for p in keep]
         pending.errors = {}

@@ -9,6 +9,7 @@ sample is handled per ``on_error`` and never stops the stream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -95,8 +96,6 @@ class Pipeline(PipelineAPI):
             )
         elif not isinstance(config, Config):
             raise InvalidArgument(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
-        if config.device is not None:
-            raise InvalidArgument(f"Config.device={config.device}: GPU output is not available in this version of damacy")
         self.config = config
         self._owns = executor is None or planner is None
         if planner is None:
@@ -107,6 +106,8 @@ class Pipeline(PipelineAPI):
                 ),
                 PlanLimits(),
             )
+        if executor is None and config.device is not None:
+            executor = _cuda_executor(config)
         if executor is None:
             executor = CpuExecutor(
                 FileReader(workers=config.io_workers),
@@ -283,6 +284,8 @@ class Pipeline(PipelineAPI):
             self.config, len(delivery.samples), dtype.name, delivery.batch_id, delivery.samples, delivery.errors, delivery.skipped
         )
         batch = Batch(slot, info, dtype, self.engine.slot_view(slot, dtype))
+        if batch.on_device:
+            batch.info = dataclasses.replace(batch.info, device=self.executor.device.name)
         slot.release()  # the engine's hold; the batch holds its own
         return batch
 
@@ -406,3 +409,18 @@ class _SwitchInterval:
                     sys.setswitchinterval(cls._saved)
                 cls._saved = cls._set = None
 
+
+
+def _cuda_executor(config: Config):
+    """The executor of ``Config(device=k)``: reads on the host, decodes and assembles on GPU k
+    into device slots (CuPy, nvCOMP; the extras ``damacy[cuda12]`` / ``damacy[cuda13]``)."""
+    from damacy_server.cuda.device import CupyDevice
+    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
+
+    try:
+        device = CupyDevice(config.device)
+    except ImportError as e:
+        raise InvalidArgument(
+            f"Config.device={config.device} needs CuPy and nvCOMP: pip install 'damacy[cuda13]' (or [cuda12]) ({e})"
+        ) from e
+    return CudaExecutor(device, FileReader(workers=config.io_workers), CudaLimits(config.max_gpu_memory_bytes))

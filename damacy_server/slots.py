@@ -1,8 +1,9 @@
 """Batch slots: what an engine assembles (OutputSpec) and where its slots live (SlotMemory).
 
 Host memory for an embedded pipeline (:class:`HostSlots`), POSIX shared memory for a
-daemon session (``damacy_server.session.ShmSlots``); device memory is the next kind. An
-engine allocates its slots once and reuses them for every batch it assembles.
+daemon session (``damacy_server.session.ShmSlots``), a GPU's memory for an embedded
+pipeline with ``Config(device=k)`` (:class:`DeviceSlots`). An engine allocates its slots
+once and reuses them for every batch it assembles.
 """
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ class HostSlots(SlotMemory):
     def allocate(self, index: int, nbytes: int) -> np.ndarray:
         self._nbytes += nbytes
         return np.zeros(nbytes, dtype=np.uint8)
+
+    def close(self, release: Callable[[int], None]) -> None:
+        release(self._nbytes)
+        self._nbytes = 0
+
+
+class DeviceSlots(SlotMemory):
+    """Memory of the executor's device (``damacy_server.cuda.device.Device``): each slot a
+    :class:`~damacy_runtime.device.DeviceArray` whose uses are ordered by events (see
+    :mod:`damacy_runtime.device`). Batches handed out keep their slot's memory alive."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self._nbytes = 0
+
+    def allocate(self, index: int, nbytes: int):
+        self._nbytes += nbytes
+        return self.device.array(nbytes)
 
     def close(self, release: Callable[[int], None]) -> None:
         release(self._nbytes)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from damacy_runtime.device import DeviceArray, StreamOrder
 from damacy_server.cuda import nvcomp
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -38,9 +39,11 @@ class DeviceBuffer:
         self.owner = owner
 
 
-class Device(ABC):
+class Device(StreamOrder):
     """The operations the CUDA executor needs, in stream order: each call is queued after
-    the previous ones and :meth:`synchronize` waits for all of them."""
+    the previous ones and :meth:`synchronize` waits for all of them. As a
+    :class:`~damacy_runtime.device.StreamOrder` it also orders batches' uses of its slots
+    with their consumers' streams."""
 
     name: str
 
@@ -54,6 +57,10 @@ class Device(ABC):
     @abstractmethod
     def download(self, src: int, host: np.ndarray) -> None:
         """Copy ``host.nbytes`` from ``src`` into a contiguous host array (after a sync)."""
+
+    @abstractmethod
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` within the device's memory."""
 
     @abstractmethod
     def launch(self, kernel: str, grid: int, block: int, args: tuple) -> None:
@@ -80,21 +87,47 @@ class Device(ABC):
     def output_pointer(self, array: Any) -> int:
         """Where kernels write ``array``: a device array's own address; a host array's
         address once the device may write it (see :class:`CupyDevice`)."""
+        if isinstance(array, DeviceArray):
+            return array.ptr
         if isinstance(array, np.ndarray):
             return int(array.ctypes.data)
         return int(array.data.ptr)
+
+    def array(self, nbytes: int) -> DeviceArray:
+        """``nbytes`` of the device's memory as a byte array (a batch slot)."""
+        buf = self.alloc(nbytes)
+        return DeviceArray(buf.ptr, (nbytes,), np.uint8, self, buf)
 
 
 class HostDevice(Device):
     """The stand-in device: host memory, the kernels' host twin, zstandard (see module)."""
 
     name = "host"
+    dlpack_device = (1, 0)  # kDLCPU: batches in its memory are host arrays
+    host_accessible = True
 
     def __init__(self) -> None:
         from damacy_server.cuda import twin
 
         self._twin = twin._load()
         self.launches: list[str] = []  # the kernels run, in order (for the tests)
+
+    # every call is done when it returns: events are complete when recorded
+    def record_event(self, stream: int | None = None) -> Any:
+        return HostEvent(stream)
+
+    def wait_event(self, event: Any, stream: int | None = None) -> None:
+        pass
+
+    def copy_to_host(self, ptr: int, out: np.ndarray) -> None:
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+
+    @property
+    def stream_handle(self) -> int:
+        return 0
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
 
     def alloc(self, nbytes: int) -> DeviceBuffer:
         buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
@@ -142,6 +175,16 @@ class HostDevice(Device):
         pass
 
 
+class HostEvent:
+    """An event of the stand-in device (complete when recorded): the stream it was
+    recorded on."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: int | None) -> None:
+        self.stream = stream
+
+
 class CupyDevice(Device):
     """A GPU through CuPy: its memory pool, NVRTC for the kernels, nvCOMP for zstd, one
     non-blocking stream per device object."""
@@ -160,6 +203,33 @@ class CupyDevice(Device):
             self.module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS}"))
         self._functions: dict[str, Any] = {}
         self._registered: dict[int, weakref.finalize] = {}  # host allocations registered, by address
+        self.dlpack_device = (2, device)  # kDLCUDA
+
+    # -- stream order ------------------------------------------------------------------------
+    def _stream(self, stream: int | None) -> Any:
+        return self.stream if stream is None else self._cupy.cuda.ExternalStream(int(stream), self.index)
+
+    def record_event(self, stream: int | None = None) -> Any:
+        with self._cupy.cuda.Device(self.index):
+            event = self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+            event.record(self._stream(stream))
+        return event
+
+    def wait_event(self, event: Any, stream: int | None = None) -> None:
+        with self._cupy.cuda.Device(self.index):
+            self._stream(stream).wait_event(event)
+
+    def copy_to_host(self, ptr: int, out: np.ndarray) -> None:
+        with self._cupy.cuda.Device(self.index):
+            self.stream.synchronize()
+            self._cupy.cuda.runtime.memcpy(out.ctypes.data, ptr, out.nbytes, 2)  # device to host
+
+    @property
+    def stream_handle(self) -> int:
+        return int(self.stream.ptr)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, 3, self.stream.ptr)  # device to device
 
     def alloc(self, nbytes: int) -> DeviceBuffer:
         with self._cupy.cuda.Device(self.index):

@@ -22,6 +22,7 @@ once ``Device.output_pointer`` has page-locked and mapped them.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import numpy as np
 
 from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import DecodeError, SampleError
+from damacy_runtime.device import DeviceArray
 from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
@@ -39,6 +41,7 @@ from damacy_server.cuda.twin import CODES, SHUFFLE_MODES
 from damacy_server.decode import check_length, decode_unit
 from damacy_server.plan import BatchPlan, UnitJob
 from damacy_server.run import for_sample, samples_of
+from damacy_server.slots import DeviceSlots
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 from damacy_server.zarr.codecs.base import CorruptData
@@ -99,6 +102,7 @@ class CudaExecutor(BudgetedExecutor):
         self.host_decoded = 0  # units of codec chains the device does not decode
         self._readers = WorkerPool(max(2, self.reader.workers // 2), "damacy-cuda-read")
         self._pool = WorkerPool(1, "damacy-cuda")  # one stream
+        self._slot_writes = threading.Lock()  # the engine's own writes (fill, move), one at a time
         self._closed = False
 
     # -- the engine's interface (with BudgetedExecutor's) ----------------------------------
@@ -120,6 +124,45 @@ class CudaExecutor(BudgetedExecutor):
         self._closed = True
         self._readers.close()
         self._pool.close()
+
+    def slot_memory(self) -> DeviceSlots:
+        """Batches go to the device's memory."""
+        return DeviceSlots(self.device)
+
+    def fill(self, target: Any, value: Any) -> None:
+        """One sample set to ``value`` (on_error="fill"), in stream order."""
+        if not isinstance(target, DeviceArray):
+            return super().fill(target, value)
+        host = np.full(target.shape, value, dtype=target.dtype)
+        with self._slot_writes:
+            self._before_write([target])
+            self.device.upload(host, target.ptr)
+            self._after_write([target])
+
+    def move(self, dst: Any, src: Any) -> None:
+        """One sample copied over another of the same slot (on_error="skip"), in stream order."""
+        if not isinstance(dst, DeviceArray):
+            return super().move(dst, src)
+        with self._slot_writes:
+            self._before_write([dst])
+            self.device.copy(dst.ptr, src.ptr, dst.nbytes)
+            self._after_write([dst])
+
+    def _before_write(self, targets: Sequence[Any]) -> None:
+        """The stream waits for every consumer fence of the slots about to be written."""
+        for sync in _syncs(targets):
+            for event in sync.take_fences():
+                self.device.wait_event(event)
+
+    def _after_write(self, targets: Sequence[Any]) -> None:
+        """The slots' batches are complete once the stream is (their ``ready`` event); the
+        executor waits too, as the batch's statuses decide what is delivered."""
+        syncs = _syncs(targets)
+        if syncs:
+            event = self.device.record_event()
+            for sync in syncs:
+                sync.ready = event
+        self.device.synchronize()
 
     # -- one batch ------------------------------------------------------------------------------
     def _host_stage(self, plan: BatchPlan, targets: list, on_done, cancelled) -> None:
@@ -156,9 +199,10 @@ class CudaExecutor(BudgetedExecutor):
             arena = self.device.alloc(reserved)
             keep.append(arena)
             self._decode(units, arena, errors, plan, keep)
+            self._before_write(targets)
             self._fill(plan, views, keep)
             self._assemble(plan, units, arena, views, keep)
-            self.device.synchronize()
+            self._after_write(targets)
         except Exception as e:  # a bug fails this batch's samples, never the executor
             _crash(errors, plan, e)
             try:  # what was queued must finish before its memory and the slot are reused
@@ -438,6 +482,15 @@ class CudaExecutor(BudgetedExecutor):
             )
             written += int(np.prod(rows[:, 2 + 2 * table.ndim :], axis=1).sum()) * first.itemsize
         self.stats.add("assemble", time.perf_counter() - t0, count=len(units), bytes_out=written)
+
+
+def _syncs(targets: Sequence[Any]) -> list:
+    """The distinct slot syncs of device-array targets."""
+    seen: dict[int, Any] = {}
+    for t in targets:
+        if isinstance(t, DeviceArray):
+            seen.setdefault(id(t.sync), t.sync)
+    return list(seen.values())
 
 
 def _device_dtype(meta) -> np.dtype | None:

@@ -1,0 +1,288 @@
+"""Batches in device slots: DLPack with CUDA stream semantics and deferred release.
+
+The device here is the host stand-in made to look like a GPU (its memory is not readable as
+numpy arrays, its DLPack device is kDLCUDA) and to log every event it records and waits
+for, so the tests check the order a GPU would follow: the consumer's stream waits for the
+batch's ready event, a release fences the slot on each consumer stream, and the executor's
+stream waits for those fences before it writes the slot again. A consumer is simulated as
+torch and CuPy behave: it takes the capsule (renaming it ``used_dltensor``) and calls the
+tensor's deleter when it drops the tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+import damacy
+from damacy_runtime import dlpack
+from damacy_server.cuda.device import HostDevice
+from damacy_server.cuda.executor import CudaExecutor
+
+_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_SetName", ctypes.pythonapi))
+_USED = {False: b"used_dltensor", True: b"used_dltensor_versioned"}
+
+
+class Event:
+    def __init__(self, n: int, stream) -> None:
+        self.n, self.stream = n, stream
+
+    def __repr__(self) -> str:
+        return f"E{self.n}@{self.stream}"
+
+
+class LoggingGpu(HostDevice):
+    """The stand-in device, seen from outside as GPU 0, logging the stream order."""
+
+    name = "cuda:0"
+    dlpack_device = (dlpack.KDL_CUDA, 0)
+    host_accessible = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple] = []
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def record_event(self, stream=None):
+        with self._lock:
+            self._n += 1
+            event = Event(self._n, stream)
+            self.log.append(("record", event, stream))
+        return event
+
+    def wait_event(self, event, stream=None) -> None:
+        with self._lock:
+            self.log.append(("wait", event, stream))
+
+    def launch(self, kernel, grid, block, args) -> None:
+        with self._lock:
+            self.log.append(("launch", kernel))
+        super().launch(kernel, grid, block, args)
+
+    def copy(self, dst, src, nbytes) -> None:
+        with self._lock:
+            self.log.append(("copy",))
+        super().copy(dst, src, nbytes)
+
+    @property
+    def stream_handle(self) -> int:
+        return 0x5EED
+
+
+class Consumer:
+    """What torch.from_dlpack does with a capsule: take it, keep the tensor, delete it."""
+
+    def __init__(self, batch, stream, versioned: bool = True) -> None:
+        kwargs = {"max_version": (1, 0)} if versioned else {}
+        self.capsule = batch.__dlpack__(stream=stream, **kwargs)
+        name = b"dltensor_versioned" if versioned else b"dltensor"
+        ptr = _get_pointer(self.capsule, name)
+        kind = dlpack.DLManagedTensorVersioned if versioned else dlpack.DLManagedTensor
+        self.managed = kind.from_address(ptr)
+        self.ptr = ptr
+        assert _set_name(self.capsule, _USED[versioned]) == 0  # taken: the capsule no longer owns it
+
+    @property
+    def tensor(self) -> dlpack.DLTensor:
+        return self.managed.dl_tensor
+
+    def drop(self) -> None:
+        self.managed.deleter(self.ptr)
+
+
+@pytest.fixture
+def volume(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    path = str(tmp_path / "v.zarr")
+    arr = zarr.create_array(path, shape=(32, 32), chunks=(8, 8), dtype="uint16", compressors=zarr.codecs.ZstdCodec())
+    data = np.arange(32 * 32, dtype=np.uint16).reshape(32, 32)
+    arr[:] = data
+    return path, data
+
+
+def _pipe(device, dtype="float32", slots=1, **kw):
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype=dtype, prepared_batches=slots, **kw)
+    return damacy.Pipeline(cfg, executor=CudaExecutor(device))
+
+
+def _boxes(path, starts):
+    return [damacy.Sample(path, ((y, y + 4), (x, x + 4))) for y, x in starts]
+
+
+def test_a_consumer_stream_waits_for_the_batch_and_its_release_fences_the_next_write(volume):
+    path, data = volume
+    gpu = LoggingGpu()
+    with _pipe(gpu) as pipe:
+        pipe.push(_boxes(path, [(0, 0), (4, 4), (8, 8), (12, 12)]))
+        batch = pipe.pop()
+        assert batch.info.device == "cuda:0" and batch.info.ready_stream == 0x5EED
+        assert batch.__dlpack_device__() == (dlpack.KDL_CUDA, 0)
+        ready = [e for kind, e, *_ in (x for x in gpu.log if x[0] == "record") if e.stream is None][-1]
+        # the ready event is recorded on the executor's stream after the batch's last kernel
+        last_launch = max(i for i, x in enumerate(gpu.log) if x[0] == "launch")
+        assert gpu.log.index(("record", ready, None)) > last_launch
+
+        consumer = Consumer(batch, stream=77)
+        assert ("wait", ready, 77) in gpu.log  # the consumer's stream waits; no host wait
+        t = consumer.tensor
+        assert (t.device.device_type, t.device.device_id) == (dlpack.KDL_CUDA, 0)
+        assert t.data == batch.info.device_ptr
+        assert [t.shape[k] for k in range(t.ndim)] == [2, 4, 4]
+        assert [t.strides[k] for k in range(t.ndim)] == [16, 4, 1]
+        assert (t.dtype.code, t.dtype.bits, t.dtype.lanes) == (dlpack.KDL_FLOAT, 32, 1)
+        np.testing.assert_array_equal(batch.copy(), np.stack([data[0:4, 0:4], data[4:8, 4:8]]).astype(np.float32))
+
+        batch.release()  # the tensor still holds the slot: nothing is fenced or written yet
+        n = len(gpu.log)
+        assert not pipe.engine.free_slots()
+        consumer.drop()  # torch frees the tensor
+        fence = gpu.log[n][1]
+        assert gpu.log[n] == ("record", fence, 77)  # fenced on the consumer's stream
+
+        second = pipe.pop()  # assembled into the same (only) slot
+        after = gpu.log[n + 1 :]
+        wait_at = after.index(("wait", fence, None))
+        first_write = min(i for i, x in enumerate(after) if x[0] == "launch" and x[1] in ("assemble", "fill"))
+        assert wait_at < first_write  # the executor's stream waited for the consumer first
+        np.testing.assert_array_equal(second.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
+        second.release()
+
+
+def test_stream_arguments_follow_dlpack(volume):
+    path, _ = volume
+    gpu = LoggingGpu()
+    with _pipe(gpu, slots=2) as pipe:
+        pipe.push(_boxes(path, [(0, 0), (4, 4)] * 3))
+        batch = pipe.pop()
+        with pytest.raises(BufferError, match="stream 0 is ambiguous"):
+            batch.__dlpack__(stream=0)
+        n = len(gpu.log)
+        unsynced = Consumer(batch, stream=-1)  # the consumer orders its own work
+        assert not any(x[0] == "wait" for x in gpu.log[n:])
+        default = Consumer(batch, stream=None, versioned=False)  # None: the legacy default stream
+        assert [x[2] for x in gpu.log[n:] if x[0] == "wait"] == [1]
+        unsynced.drop()
+        default.drop()
+        batch.release()
+        assert [x[2] for x in gpu.log[n:] if x[0] == "record"] == [1]  # fenced where it was read only
+        with pytest.raises(BufferError, match="cannot be exported to device"):
+            pipe.pop().__dlpack__(dl_device=(dlpack.KDL_CPU, 0))
+
+
+def test_a_device_batch_is_not_a_numpy_array_but_copies_to_one(volume):
+    path, data = volume
+    with _pipe(LoggingGpu(), dtype="bf16") as pipe:
+        pipe.push(_boxes(path, [(0, 0), (28, 28)]))
+        with pipe.pop() as batch:
+            assert batch.on_device
+            with pytest.raises(BufferError, match="GPU memory.*from_dlpack"):
+                batch.numpy()
+            want = np.stack([data[0:4, 0:4], data[28:32, 28:32]]).astype(batch.numpy_dtype)
+            got = np.asarray(batch)
+            assert got.dtype == batch.numpy_dtype
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+            consumer = Consumer(batch, stream=5)
+            assert (consumer.tensor.dtype.code, consumer.tensor.dtype.bits) == (dlpack.KDL_BFLOAT, 16)
+            consumer.drop()
+
+
+def test_an_unconsumed_capsule_gives_its_use_back(volume):
+    path, _ = volume
+    with _pipe(LoggingGpu()) as pipe:
+        pipe.push(_boxes(path, [(0, 0), (4, 4)] * 2))
+        batch = pipe.pop()
+        before = dlpack.outstanding()
+        capsule = batch.__dlpack__(stream=3, max_version=(1, 0))
+        assert dlpack.outstanding() == before + 1
+        batch.release()
+        assert not pipe.engine.free_slots()  # the capsule holds the slot
+        del capsule
+        assert dlpack.outstanding() == before
+        pipe.pop(timeout=30).release()  # the slot was free again
+
+
+@pytest.mark.parametrize("on_error", ["fill", "skip"])
+def test_error_policies_write_device_slots_in_stream_order(volume, tmp_path, on_error):
+    path, data = volume
+    gpu = LoggingGpu()
+    missing = str(tmp_path / "nope.zarr")
+    with _pipe(gpu, slots=2, on_error=on_error) as pipe:
+        pipe.push([damacy.Sample(missing, ((0, 4), (0, 4))), *_boxes(path, [(0, 0), (8, 8)])])
+        with pipe.pop() as batch:
+            got = batch.copy()
+            if on_error == "fill":
+                assert [i for i, _ in batch.info.errors] == [0]
+                np.testing.assert_array_equal(got[0], 0)
+                np.testing.assert_array_equal(got[1], data[0:4, 0:4])
+            else:  # the good sample moved up by a copy on the device (the input ran out: a short batch)
+                assert [s.uri for s, _ in batch.info.skipped] == [missing] and ("copy",) in gpu.log
+                np.testing.assert_array_equal(got, data[None, 0:4, 0:4])
+
+
+def test_a_prefetching_thread_hands_batches_to_the_training_stream(volume):
+    """The training loop of the GPU quick start: a background thread pops the next batch and
+    exports it on a copy stream while the main thread trains on the current one; each
+    batch's slot is fenced on the stream that read it."""
+    path, data = volume
+    gpu = LoggingGpu()
+    starts = [(4 * k, 4 * k) for k in range(8)]
+    # slots: the step's batch, one handed over, one the thread holds waiting to hand it over
+    with _pipe(gpu, slots=3) as pipe:
+        pipe.push(_boxes(path, starts))
+        handoff: list = []
+        cond = threading.Condition()
+        failures: list = []
+
+        def prefetch() -> None:
+            try:
+                for _ in range(4):
+                    batch = pipe.pop(timeout=60)
+                    consumer = Consumer(batch, stream=9)  # exported on the copy stream
+                    batch.release()  # the tensor keeps the slot
+                    with cond:
+                        cond.wait_for(lambda: not handoff, timeout=60)  # one batch ahead
+                        handoff.append((batch.info, consumer))
+                        cond.notify_all()
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                failures.append(e)
+                with cond:
+                    cond.notify_all()
+
+        thread = threading.Thread(target=prefetch)
+        thread.start()
+        seen = []
+        for _ in range(4):
+            with cond:
+                assert cond.wait_for(lambda: handoff or failures, timeout=60)
+                assert not failures, failures
+                info, consumer = handoff.pop(0)
+                cond.notify_all()
+            seen.append(info.batch_id)
+            consumer.drop()  # the step is done with the tensor
+        thread.join(60)
+        assert seen == [0, 1, 2, 3] and not failures
+        fences = [x[1] for x in gpu.log if x[0] == "record" and x[2] == 9]
+        assert len(fences) == 4
+        waited = {id(x[1]) for x in gpu.log if x[0] == "wait" and x[2] is None}
+        assert id(fences[0]) in waited  # batch 0's slot was written again after the step let go
+
+
+def test_a_consumer_that_refuses_the_tensor_keeps_its_error_and_frees_the_slot(volume):
+    """numpy takes no bfloat16 through DLPack: its error comes through intact (the capsule
+    is dropped while it is pending) and the capsule's use of the slot ends."""
+    path, _ = volume
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype="bf16", prepared_batches=1)
+    with damacy.Pipeline(cfg, embedded=True) as pipe:
+        pipe.push(_boxes(path, [(0, 0), (4, 4)] * 2))
+        batch = pipe.pop()
+        before = dlpack.outstanding()
+        with pytest.raises(Exception, match="(?i)dtype"):
+            np.from_dlpack(batch)
+        assert dlpack.outstanding() == before
+        batch.release()
+        pipe.pop(timeout=30).release()  # the slot was free again
