@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from damacy_client.ipc import Link, open_link
 from damacy_client.shm import map_segment
 from damacy_client.transport import Connection, Call
 from damacy_protocol import messages as m
 from damacy_protocol.stats import as_dict
 from damacy_protocol.config import Config
+from damacy_protocol.devices import device_uuid
 from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError
@@ -53,14 +55,22 @@ class RemotePipeline(PipelineAPI):
         self.config = config
         if rank is None and os.environ.get("RANK", "").isdigit():
             rank = int(os.environ["RANK"])
-        self._conn = Connection(endpoint, rank=rank, config=config, connect_timeout_s=connect_timeout_s)
+        # a GPU is named by its UUID: the daemon may number the node's GPUs differently
+        uuid = device_uuid(config.device) if config.device is not None else None
+        self._conn = Connection(endpoint, rank=rank, config=config, connect_timeout_s=connect_timeout_s, device=uuid)
         self.endpoint = self._conn.endpoint
         welcome = self._conn.welcome
+        self._link: Link | None = None  # the GPU of a device session's slots
         try:
-            self._slots = [map_segment(s.name, s.nbytes) for s in welcome.slots]
+            if config.device is not None:
+                self._link, self._slots = open_link(config.device, welcome.slots)
+            else:
+                self._slots = [map_segment(s.name, s.nbytes) for s in welcome.slots]
             self._conn.call(lambda i: m.Attached(id=i), connect_timeout_s, "attach")
         except BaseException:
             self._conn.close()
+            if self._link is not None:
+                self._link.close()
             raise
         self._cond = threading.Condition()
         self._sources = front.Sources(self._cond)
@@ -257,7 +267,8 @@ class RemotePipeline(PipelineAPI):
             skipped = tuple((self._skipped.pop(w.seq, None), error_from_wire(w)) for w in r.skipped)
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
-        info = front.batch_info(self.config, r.count, dtype.name, r.batch_id, samples, errors, skipped)
+        device = f"cuda:{self.config.device}" if self._link is not None else "cpu"
+        info = front.batch_info(self.config, r.count, dtype.name, r.batch_id, samples, errors, skipped, device=device)
         slot = Slot(full, lambda _slot, bid=r.batch_id: self._release(bid), index=r.slot)
         batch = Batch(slot, info, dtype, full)
         with self._cond:
@@ -278,9 +289,11 @@ class RemotePipeline(PipelineAPI):
 
     def _send_release(self, batch_id: int) -> None:
         with self._cond:
-            self._lent.pop(batch_id, None)
+            slot = self._lent.pop(batch_id, None)
         if self._closed or self._conn.dead is not None:
             return
+        if self._link is not None and slot is not None:  # fenced on the GPU before the daemon hears of it
+            self._link.let_go(slot.index, self._slots[slot.index])
         try:
             self._conn.request(lambda i: m.Release(id=i, batch_id=batch_id))
         except (DamacyError, ProtocolError):
@@ -305,5 +318,7 @@ class RemotePipeline(PipelineAPI):
             self._closed = True
             self._cond.notify_all()
         self._conn.close()
+        if self._link is not None:
+            self._link.close()
         if self._feeder is not None and self._feeder is not threading.current_thread():
             self._feeder.join(2.0)

@@ -58,7 +58,10 @@ class Call:
 class Connection:
     """A session with damacyd: socket, I/O thread, heartbeats, request/reply matching."""
 
-    def __init__(self, endpoint: str | None = None, *, rank: int | None = None, config: Config | None = None, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, endpoint: str | None = None, *, rank: int | None = None, config: Config | None = None, connect_timeout_s: float = 10.0,
+        device: str | None = None,
+    ) -> None:
         self.endpoint = endpoint or default_endpoint()
         if self.endpoint == node_endpoint():  # in /tmp: only a socket in a folder of this user's
             check_private_folder(os.path.dirname(self.endpoint[len("ipc://") :]))
@@ -90,7 +93,7 @@ class Connection:
         self._thread.start()
         call = Call()
         with self._lock:
-            payload = self._proto.hello(os.getpid(), rank, config)
+            payload = self._proto.hello(os.getpid(), rank, config, device)
             self._calls[self._proto.hello_id] = call
         self._send(payload)
         try:

@@ -121,12 +121,12 @@ class ClientConnection(_Credits):
         self._next_id += 1
         return i
 
-    def hello(self, pid: int, rank: int | None, config: Config | None) -> bytes:
+    def hello(self, pid: int, rank: int | None, config: Config | None, device: str | None = None) -> bytes:
         if self.state is not State.NEW:
             raise ProtocolError(f"hello in state {self.state.value}")
         self.state = State.HELLO_SENT
         self.hello_id = self.new_id()
-        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=config))
+        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=config, device=device))
 
     def send(self, msg: Any) -> bytes:
         """Encode a request (not ``Hello``) built with :meth:`new_id`."""

@@ -1,16 +1,40 @@
 """Which CUDA devices this machine has, asked of the driver itself (``libcuda``) so a Config
-naming a GPU is checked where it is made, without loading CuPy."""
+naming a GPU is checked where it is made, without loading CuPy; and their UUIDs, by which
+damacyd and its clients name a GPU (``CUDA_VISIBLE_DEVICES`` renumbers devices per process).
+
+``DAMACY_DEVICE_STANDIN`` (a test hook, set in both the daemon's and the client's
+environment) makes this process see one stand-in device, index 0, named
+:data:`STANDIN_UUID`, whose memory is host memory; its value, other than ``1``, is a file
+both sides append the stand-in's stream-order operations to (see
+``damacy_server.cuda.ipc``)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import cache
 
 from damacy_protocol.errors import InvalidArgument
 
 
-@cache
+STANDIN_ENV = "DAMACY_DEVICE_STANDIN"
+STANDIN_UUID = "GPU-00000000-0000-0000-0000-standin00000"
+
+
+def standin() -> str | None:
+    """The stand-in's setting in this process (None: real devices only)."""
+    return os.environ.get(STANDIN_ENV) or None
+
+
 def cuda_devices() -> tuple[int, str]:
+    """(number of CUDA devices, why there are none when there are none)."""
+    if standin() is not None:
+        return 1, ""
+    return _driver_devices()
+
+
+@cache
+def _driver_devices() -> tuple[int, str]:
     """(number of CUDA devices, why there are none when there are none)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -31,3 +55,45 @@ def check_device(device: int, what: str = "Config.device") -> None:
         raise InvalidArgument(f"{what}={device}: no CUDA device is available ({why}); leave it None for host memory")
     if device >= count:
         raise InvalidArgument(f"{what}={device}: this machine has {count} CUDA device(s), numbered from 0")
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+def device_uuid(device: int) -> str:
+    """The UUID of CUDA device ``device`` as nvidia-smi prints it (``GPU-xxxxxxxx-...``)."""
+    check_device(device, "device")
+    if standin() is not None:
+        return STANDIN_UUID
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_int(0)
+    uuid = _Uuid()
+    if lib.cuDeviceGet(ctypes.byref(handle), device) != 0 or lib.cuDeviceGetUuid(ctypes.byref(uuid), handle) != 0:
+        raise InvalidArgument(f"the CUDA driver could not name device {device}")
+    h = bytes(uuid.bytes).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def device_index(uuid: str) -> int:
+    """This process's index of the CUDA device named ``uuid``."""
+    count, why = cuda_devices()
+    for k in range(count):
+        if device_uuid(k) == uuid:
+            return k
+    where = f"{count} device(s)" if count else f"no device ({why})"
+    raise InvalidArgument(f"no CUDA device {uuid} here: this process sees {where}")
+
+
+def standin_log(who: str, op: str, event: str, stream: int | None = None) -> None:
+    """Append one stream-order operation of the stand-in device to its log (when it has
+    one): ``who op event stream``, one line, in one write (atomic between processes)."""
+    path = standin()
+    if path is None or path == "1":
+        return
+    line = f"{who} {op} {event} {'-' if stream is None else stream}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)

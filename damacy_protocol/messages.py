@@ -15,7 +15,7 @@ from damacy_protocol.config import Config
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -79,10 +79,17 @@ class WireError(msgspec.Struct):
 
 
 class SlotInfo(msgspec.Struct):
-    """One batch slot: a shared-memory segment the client maps once per session."""
+    """One batch slot, opened by the client once per session: a shared-memory segment
+    ``name``; or, for a session on a GPU, device memory by its CUDA IPC ``handle`` (a direct
+    allocation, offset 0; the stand-in device: the segment ``name``) with the interprocess
+    events the daemon records when a batch in the slot is ready and the client records when
+    it lets the slot go (``ready``, ``free``: their IPC handles)."""
 
     name: str
     nbytes: int
+    handle: bytes = b""
+    ready: bytes = b""
+    free: bytes = b""
 
 
 # -- client to daemon -------------------------------------------------------------------
@@ -94,6 +101,7 @@ class Hello(_Msg, tag="hello"):
     pid: int
     rank: int | None
     config: Config | None = None  # None: a control session (stats, warm), no pipeline
+    device: str | None = None  # the UUID of config.device (indices differ between processes)
 
 
 class Attached(_Msg, tag="attached"):

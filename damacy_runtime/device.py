@@ -36,6 +36,10 @@ class StreamOrder(ABC):
     def record_event(self, stream: int | None = None) -> Any:
         """An event recorded now on ``stream`` (None: the device's own stream)."""
 
+    def record(self, event: Any, stream: int | None = None) -> None:
+        """Record an existing event (an interprocess one) on ``stream`` (None: the device's own)."""
+        raise NotImplementedError(f"{type(self).__name__} records no existing events")
+
     @abstractmethod
     def wait_event(self, event: Any, stream: int | None = None) -> None:
         """Make ``stream`` (None: the device's own) wait for ``event`` without a host wait."""
@@ -70,6 +74,10 @@ class SlotSync:
         with self._lock:
             events, self._fences = self._fences, []
         return events
+
+    def mark_ready(self, device: StreamOrder) -> None:
+        """The batch just written is complete once ``device``'s stream is this far."""
+        self.ready = device.record_event()
 
 
 class DeviceArray:

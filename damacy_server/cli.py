@@ -60,6 +60,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (default: $DAMACY_ENDPOINT, else the node's ipc:///tmp/damacy-UID/damacyd.sock).")
 @click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(exists=True, file_okay=False), help="A directory whose arrays may be served (repeatable). Without one, nothing is served.")
 @click.option("--memory", type=Size(), default="8G", show_default=True, help="Host memory for batch slots plus chunk data in flight, all sessions together.")
+@click.option("--gpu-memory", type=Size(), default="4G", show_default=True, help="Per GPU, for sessions with Config.device: device slots plus each batch's decode arena.")
 @click.option("--chunk-cache", type=Size(), default="0", show_default=True, help="Decoded chunks kept for all sessions (LRU by bytes); 0 turns it off.")
 @click.option("--io-workers", type=click.IntRange(1), default=max(4, os.cpu_count() or 1), show_default=True)
 @click.option("--decode-workers", type=click.IntRange(1), default=default_decode_workers(), show_default=True, help="Decoder threads (default: the CPUs plus one).")
@@ -72,7 +73,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def main(endpoint, allow_roots, memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
+def main(endpoint, allow_roots, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
     """Serve Zarr batches to every training process on this node."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s damacyd[%(process)d] %(levelname)s %(message)s")
     # the daemon does no linear algebra: no BLAS thread pool (its threads spin after start)
@@ -91,6 +92,7 @@ def main(endpoint, allow_roots, memory, chunk_cache, io_workers, decode_workers,
         endpoint=endpoint or default_endpoint(),
         allow_roots=list(allow_roots),
         memory_bytes=memory,
+        gpu_memory_bytes=gpu_memory,
         chunk_cache_bytes=chunk_cache,
         io_workers=io_workers,
         decode_workers=decode_workers,

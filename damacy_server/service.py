@@ -1,14 +1,18 @@
 """damacyd: one daemon per node serving every training rank over ZeroMQ.
 
 The daemon owns what ranks share: the metadata and shard-index caches, the decoded-chunk
-cache, the I/O, decode and planning pools and the memory budget. Each client connection is
-a :class:`~damacy_server.session.Session` driving a batch engine of its own (its queue,
-lookahead, error policy and batch slots in POSIX shared memory); batches are handed over as
+cache, the I/O, decode and planning pools, the memory budget, and one CUDA executor per GPU
+its sessions ask for. Each client connection is a :class:`~damacy_server.session.Session`
+driving a batch engine of its own (its queue, lookahead, error policy and batch slots in
+POSIX shared memory, or in GPU memory shared over CUDA IPC); batches are handed over as
 (slot, batch id) and read in the client without a copy.
 
 Threads: one loop thread owns the ROUTER socket and every session's state; the engines'
 worker threads tell it that a session has news (:meth:`Daemon.wake`) and hand it replies
 through an outbox, both with a wake-up pipe. Sessions have no threads of their own.
+
+(Over 400 lines: the loop, session bookkeeping, slot-memory retiring and descriptor limits
+all act on the daemon's one state, owned by the loop thread.)
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from damacy_protocol.errors import (
 )
 from damacy_runtime.waker import Waker
 from damacy_server.cpu import CpuExecutor, CpuLimits
+from damacy_server.cuda.ipc import gpu_executor
 from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
 from damacy_server.plan import BadSample, ChunkPlanner
 from damacy_server.reads import PlanLimits
@@ -77,6 +82,7 @@ class DaemonOptions:
     max_message_bytes: int = 64 << 20
     allow_uids: list[int] = field(default_factory=list)
     allow_gids: list[int] = field(default_factory=list)
+    gpu_memory_bytes: int = 4 << 30  # per GPU: device slots plus each batch's decode arena
 
 
 class Daemon:
@@ -107,6 +113,8 @@ class Daemon:
             ),
         )
         registry()  # the codecs load now, not in the first session's first batch
+        self._gpus: dict[str, Any] = {}  # GPU UUID -> its executor (one context per GPU), made on first use
+        self._gpus_lock = threading.Lock()
         self.sessions: dict[bytes, Session] = {}
         self._sessions_lock = threading.Lock()
         self.segment_gid = socket_gid(options)
@@ -289,6 +297,15 @@ class Daemon:
         log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why)
         session.close()
 
+    def gpu_executor(self, uuid: str) -> Any:
+        """The executor of the GPU named ``uuid`` (a session on it decodes and assembles
+        there, into slots shared over CUDA IPC), made on first use."""
+        with self._gpus_lock:
+            executor = self._gpus.get(uuid)
+            if executor is None:
+                executor = self._gpus[uuid] = gpu_executor(uuid, self.roots, self.options)
+            return executor
+
     # -- slot memory and descriptors ---------------------------------------------------
     def retire(self, segments: list[Segment], release) -> None:
         """Unmap the segments of an ended session, calling ``release(nbytes)`` as each goes;
@@ -357,6 +374,10 @@ class Daemon:
         self._retry_retiring(time.monotonic() + 3.0)
         self.plan_pool.close()
         self.executor.close()
+        with self._gpus_lock:
+            gpus, self._gpus = list(self._gpus.values()), {}
+        for executor in gpus:
+            executor.close()
         self.socket.close(0)
         self.ctx.term()
         cleanup_endpoint(self.options)
@@ -405,3 +426,4 @@ class Daemon:
             sessions=[s.describe() for s in self._session_list()],
             session=session.describe() if session is not None else None,
         )
+

@@ -29,6 +29,7 @@ from damacy_protocol.dtypes import numpy_dtype
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
 from damacy_runtime.batch import Slot
+from damacy_server.cuda.ipc import IpcSlots
 from damacy_server.engine import BatchEngine, Delivery, Patch
 from damacy_server.slots import OutputSpec, SlotMemory
 from damacy_server.shm import Segment, pid_alive
@@ -80,7 +81,7 @@ class Session:
         # pid namespaces), else as the client says
         self.watch_pid = peer.pid if peer is not None else hello.pid
         self.pid_visible = pid_alive(self.watch_pid)
-        self.slots = ShmSlots(daemon, self.sid)
+        self.slots: Any = ShmSlots(daemon, self.sid)
         self.closed = False
         self.queue: deque[Any] = deque()  # samples pushed and not yet in the engine
         self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
@@ -100,8 +101,12 @@ class Session:
         self.engine: BatchEngine | None = None  # a control session (the CLI) has none
         if hello.config is not None:
             self.config = cfg = hello.config
-            if cfg.device is not None:
-                raise InvalidArgument(f"Config.device={cfg.device}: this damacyd serves host memory only")
+            executor = daemon.executor
+            if cfg.device is not None:  # decoded and assembled on that GPU, slots shared over CUDA IPC
+                if not hello.device:
+                    raise InvalidArgument(f"Config.device={cfg.device}: the client did not name the GPU by its UUID")
+                executor = daemon.gpu_executor(hello.device)
+                self.slots = IpcSlots(daemon, self.sid, executor.device)
             limit = daemon.options.max_slots_per_session
             if cfg.prepared_batches > limit:
                 raise InvalidArgument(
@@ -114,7 +119,7 @@ class Session:
             self.engine = BatchEngine(
                 spec,
                 daemon.planner,
-                daemon.executor,
+                executor,
                 cfg.prepared_batches,
                 self.slots,
                 on_change=lambda: daemon.wake(self),
@@ -130,7 +135,7 @@ class Session:
             reply_to=reply_to,
             version=m.PROTOCOL_VERSION,
             session=self.sid,
-            slots=[m.SlotInfo(seg.name, seg.nbytes) for seg in self.slots.segments],
+            slots=self.slots.infos if isinstance(self.slots, IpcSlots) else [m.SlotInfo(seg.name, seg.nbytes) for seg in self.slots.segments],
             credits=self.config.lookahead_samples,
         )
 

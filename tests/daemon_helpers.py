@@ -21,7 +21,7 @@ def damacyd_command() -> list[str]:
 
 class DaemonProcess:
     def __init__(
-        self, folder: Path, allow_roots: list[Path], extra: list[str] = (), name: str = "d.sock", preexec_fn=None
+        self, folder: Path, allow_roots: list[Path], extra: list[str] = (), name: str = "d.sock", preexec_fn=None, env=None
     ) -> None:
         self.folder = Path(folder)
         self.endpoint = f"ipc://{self.folder / name}"
@@ -32,7 +32,7 @@ class DaemonProcess:
         args += list(extra)
         self.log = open(self.log_path, "ab")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn, env=env)
         while not ping(self.endpoint, timeout_s=0.2):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"damacyd exited with {self.proc.returncode}:\n{self.log_path.read_text()}")

@@ -219,6 +219,32 @@ class CupyDevice(Device):
         with self._cupy.cuda.Device(self.index):
             self._stream(stream).wait_event(event)
 
+    def record(self, event: Any, stream: int | None = None) -> None:
+        with self._cupy.cuda.Device(self.index):
+            event.record(self._stream(stream))
+
+    # -- slots shared with another process (damacyd's sessions on this GPU) -----------------
+    def ipc_slot(self, nbytes: int) -> tuple[int, bytes, Any, Any]:
+        """A direct allocation (its IPC handle names offset 0) and its two interprocess
+        events: (address, memory handle, ready, free)."""
+        rt = self._cupy.cuda.runtime
+        with self._cupy.cuda.Device(self.index):
+            ptr = rt.malloc(max(nbytes, 1))
+            try:
+                handle = bytes(rt.ipcGetMemHandle(ptr))
+                events = [self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=True) for _ in range(2)]
+            except BaseException:
+                rt.free(ptr)
+                raise
+        return ptr, handle, events[0], events[1]
+
+    def ipc_event_handle(self, event: Any) -> bytes:
+        return bytes(self._cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
+
+    def ipc_free(self, ptr: int) -> None:
+        with self._cupy.cuda.Device(self.index):
+            self._cupy.cuda.runtime.free(ptr)
+
     def copy_to_host(self, ptr: int, out: np.ndarray) -> None:
         with self._cupy.cuda.Device(self.index):
             self.stream.synchronize()

@@ -38,14 +38,12 @@ from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
 from damacy_server.cuda.twin import CODES, SHUFFLE_MODES
-from damacy_server.decode import check_length, decode_unit
-from damacy_server.plan import BatchPlan, UnitJob
-from damacy_server.run import for_sample, samples_of
+from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
+from damacy_server.plan import BatchPlan
+from damacy_server.run import samples_of
 from damacy_server.slots import DeviceSlots
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
-from damacy_server.zarr.codecs.base import CorruptData
-from damacy_server.zarr.codecs.blosc import HEADER, parse_frame
 
 ALIGN = 256  # bytes: every unit's place in the arena (nvCOMP asks 8 at most; coalesced loads)
 BLOCK = 256  # threads per block
@@ -63,28 +61,6 @@ class CudaLimits:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-class _Unit:
-    """One unit of a batch on its way to the arena: the zstd frames to decode there and the
-    bytes to copy there, each at an offset of the unit's place (or of its scratch, for a
-    Blosc chunk to unshuffle afterwards)."""
-
-    __slots__ = ("job", "kind", "frames", "copies", "shuffle", "offset", "scratch", "error")
-
-    def __init__(self, job: UnitJob, kind: str) -> None:
-        self.job = job
-        self.kind = kind  # "zstd", "blosc", "stored" (bytes as stored), "host" (decoded on the host)
-        self.frames: list[tuple[memoryview, int, int]] = []  # (frame, offset, decoded bytes)
-        self.copies: list[tuple[Any, int]] = []  # (bytes or array, offset)
-        self.shuffle: tuple[int, str, list[tuple[int, int]]] | None = None  # typesize, mode, blocks
-        self.offset = 0  # of the decoded unit in the arena
-        self.scratch = -1  # of its shuffled bytes, when it has some
-        self.error: SampleError | None = None
-
-    @property
-    def encoded(self) -> int:
-        return sum(len(f) for f, _, _ in self.frames)
 
 
 class CudaExecutor(BudgetedExecutor):
@@ -157,11 +133,8 @@ class CudaExecutor(BudgetedExecutor):
     def _after_write(self, targets: Sequence[Any]) -> None:
         """The slots' batches are complete once the stream is (their ``ready`` event); the
         executor waits too, as the batch's statuses decide what is delivered."""
-        syncs = _syncs(targets)
-        if syncs:
-            event = self.device.record_event()
-            for sync in syncs:
-                sync.ready = event
+        for sync in _syncs(targets):
+            sync.mark_ready(self.device)
         self.device.synchronize()
 
     # -- one batch ------------------------------------------------------------------------------
@@ -172,23 +145,24 @@ class CudaExecutor(BudgetedExecutor):
         try:
             if cancelled() or self._closed:
                 return
-            units = self._read(plan, errors)
+            units, host_decoded = read_units(self.reader, plan, errors, self.stats)
+            self.host_decoded += host_decoded
             need = self._layout(units)
             status = self.budget.reserve(need, lambda: cancelled() or self._closed)
             if status is not Reservation.TAKEN:
                 reason = "the batch's decoded units need more device memory than max_gpu_memory_bytes leaves beside the slots"
                 if status is Reservation.TOO_BIG:
-                    _fail(errors, plan, samples_of([u.job for u in units]), SampleError(f"{reason} ({need} bytes)"))
+                    fail(errors, plan, samples_of([u.job for u in units]), SampleError(f"{reason} ({need} bytes)"))
                 return
             self._pool.submit(self._device_stage, plan, targets, units, need, errors, on_done, cancelled)
             handed_over = True
         except Exception as e:  # a bug fails this batch's samples, never the executor
-            _crash(errors, plan, e)
+            crash(errors, plan, e)
         finally:
             if not handed_over:
                 on_done(errors)
 
-    def _device_stage(self, plan: BatchPlan, targets: list, units: list[_Unit], reserved: int, errors, on_done, cancelled) -> None:
+    def _device_stage(self, plan: BatchPlan, targets: list, units: list[Unit], reserved: int, errors, on_done, cancelled) -> None:
         """Decode, fill and assemble on the stream; one wait for the device at the end (and
         one after the batched decode, whose statuses decide what is assembled)."""
         keep: list = []  # device buffers and host arrays the queued work reads, until the end
@@ -204,7 +178,7 @@ class CudaExecutor(BudgetedExecutor):
             self._assemble(plan, units, arena, views, keep)
             self._after_write(targets)
         except Exception as e:  # a bug fails this batch's samples, never the executor
-            _crash(errors, plan, e)
+            crash(errors, plan, e)
             try:  # what was queued must finish before its memory and the slot are reused
                 self.device.synchronize()
             except Exception:  # noqa: BLE001 - the device is gone; nothing is running on it
@@ -214,98 +188,7 @@ class CudaExecutor(BudgetedExecutor):
             self.budget.release(reserved)
             on_done(errors)
 
-    def _read(self, plan: BatchPlan, errors: dict[int, SampleError]) -> list[_Unit]:
-        """Every unit's bytes, read on the host and checked there."""
-        t0 = time.perf_counter()
-        out: list[_Unit] = []
-        nbytes = 0
-        for group in plan.groups:
-            try:
-                data = self.reader.read(group.key) if group.length < 0 else self.reader.read_range(group.key, group.offset, group.length)
-            except SampleError as e:
-                _fail(errors, plan, samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
-                continue
-            nbytes += len(data) if data else 0
-            view = memoryview(data) if data is not None else None
-            for job in group.units:
-                piece = None
-                if view is not None:
-                    piece = view if group.length < 0 else view[job.offset - group.offset : job.offset - group.offset + job.nbytes]
-                out.append(self._classify(job, piece, errors, plan))
-        self.stats.add("read", time.perf_counter() - t0, count=len(plan.groups), bytes_out=nbytes)
-        return [u for u in out if u is not None]
-
-    def _classify(self, job: UnitJob, piece: memoryview | None, errors, plan) -> _Unit | None:
-        """How a unit reaches the arena. Units of one array all come in one byte order: the
-        stored one where the device decodes the chain, native where the host does."""
-        meta = job.meta
-        leaf = meta.layout.leaf
-        stored = _device_dtype(meta)
-        nbytes = leaf.spec.nbytes
-        try:
-            if piece is None:  # never written: the fill value
-                dtype = stored if stored is not None else meta.dtype.newbyteorder("=")
-                unit = _Unit(job, "stored" if stored is not None else "host")
-                unit.copies.append((np.full(leaf.spec.shape, meta.fill_value, dtype=dtype), 0))
-                return unit
-            check_length(meta, piece, job.nbytes, job.unit, job.key)
-            names = tuple(c.name for c in leaf.b2b)
-            if stored is not None and names == ("zstd",):
-                nvcomp.walk_zstd_frame(piece, nbytes)
-                unit = _Unit(job, "zstd")
-                unit.frames.append((piece, 0, nbytes))
-                return unit
-            if stored is not None and names == ():
-                if len(piece) != nbytes:
-                    raise CorruptData(f"a stored chunk of {len(piece)} bytes, expected {nbytes}")
-                unit = _Unit(job, "stored")
-                unit.copies.append((piece, 0))
-                return unit
-            if stored is not None and names == ("blosc",):
-                unit = self._blosc(job, piece, nbytes)
-                if unit is not None:
-                    return unit
-            arr = decode_unit(meta, piece, job.unit, job.key)  # another chain: decoded here
-            self.host_decoded += 1
-            unit = _Unit(job, "host")
-            # in the array's one byte order (a missing unit of the array comes the same way)
-            unit.copies.append((np.ascontiguousarray(arr, dtype=stored if stored is not None else arr.dtype.newbyteorder("=")), 0))
-            return unit
-        except CorruptData as e:
-            err = DecodeError(str(e), uri=meta.uri, path=job.key, chunk=job.unit)
-        except SampleError as e:
-            err = e
-        _fail(errors, plan, samples_of((job,)), err)
-        return None
-
-    def _blosc(self, job: UnitJob, piece: memoryview, nbytes: int) -> _Unit | None:
-        """A Blosc chunk split on the host: its zstd streams decoded on the device with the
-        batch's other frames, its stored streams copied, its blocks unshuffled by a kernel.
-        None for compressors nvCOMP is not asked to decode here (decoded on the host)."""
-        frame = parse_frame(piece)
-        if frame.nbytes != nbytes:
-            raise CorruptData(f"blosc: header says {frame.nbytes} decoded bytes, expected {nbytes}")
-        unit = _Unit(job, "blosc")
-        if frame.memcpyed or frame.nbytes == 0:
-            unit.copies.append((piece[HEADER.size : HEADER.size + frame.nbytes], 0))
-            return unit
-        if frame.compressor != "zstd" and any(not s.raw for s in frame.streams):
-            return None
-        shuffled = frame.shuffle != "noshuffle" and not (frame.shuffle == "shuffle" and frame.typesize == 1)
-        for s in frame.streams:
-            at = s.block * frame.blocksize + s.out_offset  # in the unit's (or its scratch's) bytes
-            data = piece[s.offset : s.offset + s.size]
-            if s.raw:
-                unit.copies.append((data, at))
-            else:
-                nvcomp.walk_zstd_frame(data, s.out_size)
-                unit.frames.append((data, at, s.out_size))
-        if shuffled:
-            blocks = [(j * frame.blocksize, frame.block_size(j)) for j in range(-(-frame.nbytes // frame.blocksize))]
-            unit.shuffle = (frame.typesize, frame.shuffle, blocks)
-        return unit
-
-    def _layout(self, units: list[_Unit]) -> int:
+    def _layout(self, units: list[Unit]) -> int:
         """Arena offsets: each unit's decoded bytes (and its scratch when it is to be
         unshuffled), then the staged frames, the decoder's tables and its scratch space (all
         within the batch's reservation); total bytes."""
@@ -321,7 +204,7 @@ class CudaExecutor(BudgetedExecutor):
         temp = self.device.zstd_temp_bytes(len(sizes), max(sizes), sum(sizes)) if sizes else 0
         return pos + staged + 6 * _aligned(8 * max(len(sizes), 1)) + _aligned(temp)
 
-    def _decode(self, units: list[_Unit], arena: DeviceBuffer, errors, plan, keep: list) -> None:
+    def _decode(self, units: list[Unit], arena: DeviceBuffer, errors, plan, keep: list) -> None:
         """Copies and the batched zstd decode into the arena, then the Blosc unshuffles."""
         dev = self.device
         t0 = time.perf_counter()
@@ -380,11 +263,11 @@ class CudaExecutor(BudgetedExecutor):
                     if u.kind == "blosc":
                         err = DecodeError(f"blosc: a stream: {err.reason}", uri=job.meta.uri, path=job.key, chunk=job.unit)
                     u.error = err
-                    _fail(errors, plan, samples_of((job,)), err)
+                    fail(errors, plan, samples_of((job,)), err)
         self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena, keep)
         self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
 
-    def _unshuffle(self, units: list[_Unit], arena: DeviceBuffer, keep: list) -> None:
+    def _unshuffle(self, units: list[Unit], arena: DeviceBuffer, keep: list) -> None:
         """One launch per (typesize, shuffle) of the batch's Blosc chunks: scratch -> unit."""
         groups: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
         for u in units:
@@ -437,10 +320,10 @@ class CudaExecutor(BudgetedExecutor):
                  np.int32(CODES[views[members[0][0]].dtype])),
             )
 
-    def _assemble(self, plan: BatchPlan, units: list[_Unit], arena: DeviceBuffer, views: list, keep: list) -> None:
+    def _assemble(self, plan: BatchPlan, units: list[Unit], arena: DeviceBuffer, views: list, keep: list) -> None:
         """One launch per array: the copy table's rows of the units that decoded."""
         t0 = time.perf_counter()
-        by_table: dict[int, list[_Unit]] = {}
+        by_table: dict[int, list[Unit]] = {}
         for u in units:
             if u.error is None:
                 by_table.setdefault(id(u.job.table), []).append(u)
@@ -465,7 +348,7 @@ class CudaExecutor(BudgetedExecutor):
                     out_shape[k] = v.shape
                     out_strides[k] = [st // v.itemsize for st in v.strides]
             meta = group[0].job.meta
-            stored = _device_dtype(meta)
+            stored = device_dtype(meta)
             if stored is None:  # decoded on the host, every unit in native order
                 stored = group[0].copies[0][0].dtype
             src_code = CODES[stored.newbyteorder("=")]
@@ -491,27 +374,3 @@ def _syncs(targets: Sequence[Any]) -> list:
         if isinstance(t, DeviceArray):
             seen.setdefault(id(t.sync), t.sync)
     return list(seen.values())
-
-
-def _device_dtype(meta) -> np.dtype | None:
-    """The dtype a unit's bytes hold when the device can take them as stored (a ``bytes``
-    codec and a dtype the kernels know, no array-to-array codec), else None."""
-    from damacy_server.zarr.codecs.bytes import BytesCodec
-
-    leaf = meta.layout.leaf
-    if leaf.a2a or not isinstance(leaf.a2b, BytesCodec):
-        return None
-    stored = leaf.a2b.stored_dtype(meta.dtype)
-    return stored if stored.newbyteorder("=") in CODES else None
-
-
-def _crash(errors: dict[int, SampleError], plan: BatchPlan, e: BaseException) -> None:
-    err = SampleError(f"internal error: {type(e).__name__}: {e}")
-    err.__cause__ = e
-    _fail(errors, plan, range(len(plan.samples)), err)
-
-
-def _fail(errors: dict[int, SampleError], plan: BatchPlan, samples, err: SampleError) -> None:
-    for s in samples:
-        if s not in errors:
-            errors[s] = for_sample(err, plan.samples[s])

@@ -1,0 +1,162 @@
+"""GPU sessions of damacyd: slots shared over CUDA IPC, across real processes.
+
+The device is the stand-in (``DAMACY_DEVICE_STANDIN``, set for the daemon and the client):
+slot memory is shared memory, kernels are the host twin, and the interprocess events are
+names whose records and waits both processes append to one log. The tests read that log
+to check the protocol's order: the client's consumer streams wait for a slot's ``ready``
+event, the client records the slot's ``free`` event (after its consumers' fences) before
+the daemon hears of the release, and the daemon waits for ``free`` before it writes the slot
+again; and what happens to the slots when either side dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from daemon_helpers import DaemonProcess, wait_for
+from test_device_batches import Consumer
+
+import damacy
+from damacy_protocol.devices import STANDIN_ENV
+
+zarr = pytest.importorskip("zarr")
+
+
+@pytest.fixture
+def volume(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    path = str(root / "v.zarr")
+    arr = zarr.create_array(path, shape=(32, 32), chunks=(8, 8), dtype="uint16", compressors=zarr.codecs.ZstdCodec())
+    data = np.arange(32 * 32, dtype=np.uint16).reshape(32, 32)
+    arr[:] = data
+    return root, path, data
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    log = tmp_path / "standin.log"
+    monkeypatch.setenv(STANDIN_ENV, str(log))  # this process (the client) and the daemon it starts
+    return log
+
+
+@pytest.fixture
+def daemon(tmp_path, volume, standin):
+    proc = DaemonProcess(tmp_path, [volume[0]], ["--gpu-memory", "256M"])
+    yield proc
+    assert proc.stop() == 0, proc.log_path.read_text()
+
+
+def entries(log) -> list[tuple[str, str, str, str]]:
+    return [tuple(line.split()) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def boxes(path, starts):
+    return [damacy.Sample(path, ((y, y + 4), (x, x + 4))) for y, x in starts]
+
+
+def cfg(**kw):
+    return damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype="float32", device=0, pop_timeout_s=60, **kw)
+
+
+def test_a_gpu_session_orders_every_use_of_a_shared_slot(daemon, volume, standin):
+    _, path, data = volume
+    starts = [(4 * k, 4 * k) for k in range(6)]
+    with damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint) as pipe:
+        pipe.push(boxes(path, starts))
+        got = []
+        for k in range(3):
+            batch = pipe.pop()
+            assert batch.info.device == "cuda:0" and batch.on_device and batch.__dlpack_device__() == (2, 0)
+            got.append(batch.copy())
+            consumer = Consumer(batch, stream=40 + k)  # torch on stream 40 + k
+            batch.release()  # the tensor keeps the slot
+            consumer.drop()  # the consumer's fence, the slot's free event, then the Release
+            wait_for(  # the Release goes from the I/O thread; closing the pipeline skips it
+                lambda: sum(e[:2] == ("client", "record") and e[2].endswith(".free") for e in entries(standin)) == k + 1,
+                what=f"the release of batch {k}",
+            )
+        want = [np.stack([data[y : y + 4, x : x + 4] for y, x in starts[2 * k : 2 * k + 2]]).astype(np.float32) for k in range(3)]
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    log = entries(standin)
+    slot = next(e[2] for e in log if e[:2] == ("daemon", "record"))[: -len(".ready")]
+    ready, free = f"{slot}.ready", f"{slot}.free"
+    # per batch, in this order: the daemon waits for the slot's free event, writes, records
+    # ready; the client's consumer stream waits for ready; its fence is recorded on that
+    # stream; the release stream waits for the fence and records free
+    steps = [e for e in log if e[0] == "daemon" or e[2] in (ready, free) or e[2].startswith("local-")]
+    for k in range(3):
+        i = steps.index(("daemon", "wait", free, "-"))
+        steps = steps[i:]
+        write = next(j for j, e in enumerate(steps) if e[:2] == ("daemon", "write"))
+        done = steps.index(("daemon", "record", ready, "-"))
+        assert 0 < write < done
+        rest = steps[done:]
+        waited = rest.index(("client", "wait", ready, str(40 + k)))
+        fence = next(e for e in rest if e[:2] == ("client", "record") and e[2].startswith("local-"))
+        assert fence[3] == str(40 + k)
+        released = rest.index(("client", "record", free, "-"))
+        assert waited < rest.index(fence) < rest.index(("client", "wait", fence[2], "-")) < released
+        steps = rest[released:]
+
+
+def test_a_gpu_session_on_a_gpu_the_daemon_does_not_see_is_refused(daemon, monkeypatch):
+    from damacy_client import client
+
+    monkeypatch.setattr(client, "device_uuid", lambda device: "GPU-12345678-0000-0000-0000-000000000000")
+    with pytest.raises(damacy.InvalidArgument, match="no CUDA device GPU-12345678"):
+        damacy.Pipeline(cfg(), endpoint=daemon.endpoint)
+
+
+CLIENT = r"""
+import sys, time
+import damacy
+cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype="float32", device=0, prepared_batches=2, pop_timeout_s=60)
+pipe = damacy.Pipeline(cfg, endpoint=sys.argv[1])
+pipe.push([damacy.Sample(sys.argv[2], ((0, 4), (0, 4)))] * 8)
+held = [pipe.pop(), pipe.pop()]
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dead_clients_gpu_slots_are_reclaimed_and_others_carry_on(daemon, volume):
+    _, path, data = volume
+    child = subprocess.Popen([sys.executable, "-c", CLIENT, daemon.endpoint, path], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        with damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint) as pipe:
+            assert len(pipe.stats()["sessions"]) == 2
+            child.send_signal(signal.SIGKILL)
+            child.wait(30)
+            wait_for(lambda: len(pipe.stats()["sessions"]) == 1, what="the dead client's session to end")
+            pipe.push(boxes(path, [(8, 8), (12, 12)]))
+            with pipe.pop() as batch:
+                np.testing.assert_array_equal(batch.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
+        text = daemon.log_path.read_text()
+        assert "ended: " in text
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_the_daemon_dying_makes_a_gpu_client_raise_daemon_unavailable(tmp_path, volume, standin):
+    root, path, _ = volume
+    daemon = DaemonProcess(tmp_path, [root], ["--gpu-memory", "256M"], name="dies.sock")
+    pipe = damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint)
+    try:
+        pipe.push(boxes(path, [(0, 0), (4, 4)] * 4))
+        batch = pipe.pop()
+        daemon.kill()
+        batch.release()
+        with pytest.raises(damacy.DaemonUnavailable):
+            pipe.pop(timeout=30)
+    finally:
+        pipe.close()
