@@ -29,7 +29,7 @@ from damacy_protocol.devices import device_uuid
 from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError
-from damacy_runtime import front
+from damacy_runtime import front, pinning
 from damacy_runtime.api import PipelineAPI
 from damacy_runtime.batch import Batch, Slot
 
@@ -66,6 +66,8 @@ class RemotePipeline(PipelineAPI):
                 self._link, self._slots = open_link(config.device, welcome.slots)
             else:
                 self._slots = [map_segment(s.name, s.nbytes) for s in welcome.slots]
+                for mapped in self._slots:  # where a GPU is present: copies of batches to it run async
+                    pinning.pin(mapped)
             self._conn.call(lambda i: m.Attached(id=i), connect_timeout_s, "attach")
         except BaseException:
             self._conn.close()

@@ -146,7 +146,10 @@ class Connection:
         return reply
 
     def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the I/O thread, holding no lock (safe to call from ``__del__``)."""
+        """Run ``fn`` on the I/O thread, holding no lock (safe to call from ``__del__``); once
+        the connection is closed, nothing runs (and nothing is kept)."""
+        if self._closed:
+            return
         self._deferred.put(fn)
         self._waker.wake()
 
@@ -271,3 +274,8 @@ class Connection:
         self._sock.close(0)
         self._ctx.term()
         self._waker.close()
+        while True:  # work deferred for the I/O thread can no longer run; what it holds goes now
+            try:
+                self._deferred.get_nowait()
+            except queue.Empty:
+                break

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from damacy_runtime import pinning
+
 
 @dataclass(frozen=True)
 class OutputSpec:
@@ -47,14 +49,17 @@ class SlotMemory(ABC):
 
 class HostSlots(SlotMemory):
     """Ordinary process memory (numpy asks for transparent huge pages, so first touches are
-    cheap and happen in the workers, in parallel)."""
+    cheap and happen in the workers, in parallel), page-locked where a GPU is present (see
+    :mod:`damacy_runtime.pinning`)."""
 
     def __init__(self) -> None:
         self._nbytes = 0
 
     def allocate(self, index: int, nbytes: int) -> np.ndarray:
         self._nbytes += nbytes
-        return np.zeros(nbytes, dtype=np.uint8)
+        array = np.zeros(nbytes, dtype=np.uint8)
+        pinning.pin(array)
+        return array
 
     def close(self, release: Callable[[int], None]) -> None:
         release(self._nbytes)

@@ -314,8 +314,13 @@ class CupyDevice(Device):
             rt = self._cupy.cuda.runtime
             if not rt.deviceGetAttribute(self._HOST_POINTER_ATTR, self.index):
                 raise RuntimeError(f"{self.name} cannot use host pointers of registered memory")
-            rt.hostRegister(start, base.nbytes, self._REGISTER_FLAGS)
-            self._registered[start] = weakref.finalize(base, self._unregister, start)  # before its memory goes
+            try:
+                rt.hostRegister(start, base.nbytes, self._REGISTER_FLAGS)
+            except rt.CUDARuntimeError as e:
+                if e.status != 712:  # cudaErrorHostMemoryAlreadyRegistered: pinned as a host slot, same flags
+                    raise
+            else:
+                self._registered[start] = weakref.finalize(base, self._unregister, start)  # before its memory goes
         return int(array.ctypes.data)
 
     def _unregister(self, start: int) -> None:
