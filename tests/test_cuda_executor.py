@@ -29,6 +29,9 @@ def arrays(tmp_path_factory):
         "stored-f32-big": ("float32", {"serializer": BytesCodec(endian="big")}),
         "sharded-i16": ("int16", {"serializer": ShardingCodec(chunk_shape=(3, 4, 5), codecs=[BytesCodec(), ZstdCodec(level=1)])}),
         "blosc-lz4-f64": ("float64", {"compressors": [BloscCodec(cname="lz4", shuffle="bitshuffle", typesize=8)]}),
+        "blosc-lz4-byte-u16": ("uint16", {"compressors": [BloscCodec(cname="lz4", shuffle="shuffle", typesize=2, blocksize=512)]}),
+        "blosc-lz4hc-bit-i32": ("int32", {"compressors": [BloscCodec(cname="lz4hc", shuffle="bitshuffle", typesize=4, blocksize=1024)]}),
+        "blosc-blosclz-u16": ("uint16", {"compressors": [BloscCodec(cname="blosclz", shuffle="shuffle", typesize=2)]}),
         "blosc-zstd-bit-u16": ("uint16", {"compressors": [BloscCodec(cname="zstd", shuffle="bitshuffle", typesize=2, blocksize=512)]}),
         "blosc-zstd-byte-f32-big": ("float32", {"serializer": BytesCodec(endian="big"), "compressors": [BloscCodec(cname="zstd", shuffle="shuffle", typesize=4, blocksize=256)]}),
         "zstd-f32-big": ("float32", {"serializer": BytesCodec(endian="big"), "compressors": [ZstdCodec(level=1)]}),
@@ -36,7 +39,7 @@ def arrays(tmp_path_factory):
     out = {}
     for k, (name, (dtype, kw)) in enumerate(specs.items()):
         data = random_data(SHAPE, dtype, seed=k)
-        if name.startswith("blosc-zstd"):  # compressible: Blosc would store random bytes as they are
+        if name.startswith(("blosc-zstd", "blosc-lz4-byte", "blosc-lz4hc", "blosc-blosclz")):  # compressible: Blosc would store random bytes as they are
             data = (np.indices(SHAPE).sum(axis=0) * 7 % 500).astype(dtype)
         if dtype.startswith("float"):
             data.flat[::29] = np.nan
@@ -90,8 +93,10 @@ def test_boxes_equal_the_cpu_executor(arrays, out):
         assert all(same(a, b) for a, b in zip(gpu_out, cpu_out)), name
         if plan.fills:
             assert device.launches.index("fill") < device.launches.index("assemble")  # fills first
-        assert (gpu.host_decoded > 0) == name.startswith("blosc-lz4")  # only what the device lacks
-        assert ("unshuffle" in device.launches) == name.startswith("blosc-zstd")
+        assert (gpu.host_decoded > 0) == name.startswith("blosc-blosclz")  # only what nvCOMP lacks
+        codecs = [c for c, _ in device.decodes]
+        assert ("lz4" in codecs) == name.startswith("blosc-lz4") and codecs.count("lz4") <= 1  # one batched call
+        assert ("unshuffle" in device.launches) == (name.startswith("blosc-") and not name.startswith("blosc-blosclz"))
 
 
 def test_index_queries_equal_the_cpu_executor(arrays):

@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 
 def test_help_says_what_it_checks():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
-    for word in ("zstd", "convert", "unshuffle", "pipeline", "quickstart", "ipc", "--host", "--wheelhouse", "--prepare"):
+    for word in ("zstd", "lz4", "convert", "unshuffle", "pipeline", "quickstart", "ipc", "--host", "--wheelhouse", "--prepare"):
         assert word in out
 
 
@@ -29,6 +29,6 @@ def test_every_check_passes_on_the_host_stand_in(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--host", "--quick", "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
-    assert set(report) == {"versions", "zstd", "convert", "unshuffle", "pipeline", "quickstart", "ipc"}
+    assert set(report) == {"versions", "zstd", "lz4", "convert", "unshuffle", "pipeline", "quickstart", "ipc"}
     assert all(r["ok"] for r in report.values())
     assert report["zstd"]["frames"] == 12 and report["pipeline"]["batches"] == 2

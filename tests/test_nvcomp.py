@@ -52,6 +52,7 @@ def test_structs_and_statuses_match_the_header(tmp_path):
         '  printf("status %d\\n", (int)sizeof(nvcompStatus_t));\n'
         + "".join(f'  printf("{n} %d\\n", (int){c});\n' for n, c in c_names.items())
         + '  printf("backend %d %d %d\\n", NVCOMP_DECOMPRESS_BACKEND_DEFAULT, NVCOMP_DECOMPRESS_BACKEND_HARDWARE, NVCOMP_DECOMPRESS_BACKEND_CUDA);\n'
+        + '  printf("lz4opts %zu %zu %zu %zu\\n", sizeof(nvcompBatchedLZ4DecompressOpts_t), offsetof(nvcompBatchedLZ4DecompressOpts_t, sort_before_hw_decompress), offsetof(nvcompBatchedLZ4DecompressOpts_t, data_type), offsetof(nvcompBatchedLZ4DecompressOpts_t, bitshuffle_mode));\n'
         + '  printf("max %zu\\n", nvcompZstdDecompressionMaxAllowedChunkSize);\n  return 0;\n}\n'
     )
     exe = tmp_path / "layout"
@@ -66,6 +67,10 @@ def test_structs_and_statuses_match_the_header(tmp_path):
         assert int(out[name]) == nvcomp.Status[name].value, name
     assert [int(v) for v in out["backend"].split()] == [b.value for b in nvcomp.DecompressBackend]
     assert int(out["max"]) == nvcomp.MAX_CHUNK_BYTES
+    L = nvcomp.LZ4DecompressOpts
+    assert [int(v) for v in out["lz4opts"].split()] == [
+        ctypes.sizeof(L), L.sort_before_hw_decompress.offset, L.data_type.offset, L.bitshuffle_mode.offset
+    ]
 
 
 @needs_nvcomp
@@ -77,6 +82,18 @@ def test_the_decompress_call_takes_the_arguments_the_header_declares():
     assert "nvcompBatchedZstdDecompressOpts_t" in params[8] and "cudaStream_t" in params[10]
     temp = re.search(r"nvcompStatus_t nvcompBatchedZstdDecompressGetTempSize\((.*?)\);", header, re.S).group(1)
     assert len(temp.split(",")) == len(nvcomp.load().nvcompBatchedZstdDecompressGetTempSize.argtypes)
+
+
+@needs_nvcomp
+def test_the_lz4_decompress_call_takes_the_arguments_the_header_declares():
+    header = (Path(nvcomp.include_dir()) / "nvcomp" / "lz4.h").read_text()
+    decl = re.search(r"nvcompStatus_t nvcompBatchedLZ4DecompressAsync\((.*?)\);", header, re.S).group(1)
+    params = [p.strip() for p in decl.split(",")]
+    assert len(params) == len(nvcomp.load().nvcompBatchedLZ4DecompressAsync.argtypes)
+    assert "nvcompBatchedLZ4DecompressOpts_t" in params[8] and "cudaStream_t" in params[10]
+    temp = re.search(r"nvcompStatus_t nvcompBatchedLZ4DecompressGetTempSize\((.*?)\);", header, re.S).group(1)
+    assert len(temp.split(",")) == len(nvcomp.load().nvcompBatchedLZ4DecompressGetTempSize.argtypes)
+    assert nvcomp.lz4_temp_bytes(64, 64 << 10, 64 * (64 << 10)) >= 0  # a host query, answered without a GPU
 
 
 @needs_nvcomp
@@ -97,6 +114,8 @@ def test_host_queries_answer_without_a_gpu():
 
 def test_chunk_statuses_become_errors_of_their_samples():
     assert nvcomp.status_error(0, uri="/a", path="/a/c/0", chunk=(0,)) is None
+    lz4 = nvcomp.status_error(nvcomp.Status.CANNOT_DECOMPRESS, uri="/a", path="/a/c/0", chunk=(0,), codec="lz4")
+    assert lz4.reason.startswith("lz4: ") and "zstd" not in lz4.reason
     for status in nvcomp.Status:
         if status == nvcomp.Status.SUCCESS:
             continue
@@ -150,3 +169,61 @@ def test_a_mutated_frame_is_walked_or_refused_never_a_crash(pos, value, cut):
     except CorruptData:
         return
     assert most <= (len(mutated) // 3 + 1) * (128 << 10)  # bounded by what the blocks can say
+
+
+# -- LZ4 blocks (Blosc's lz4 and lz4hc streams) ------------------------------------------------
+
+
+def _lz4_streams(cname: str, seed: int) -> list[tuple[bytes, int]]:
+    """The compressed streams of Blosc frames written by C-Blosc (numcodecs)."""
+    from numcodecs import Blosc
+
+    from damacy_server.zarr.codecs.blosc import parse_frame
+
+    rng = np.random.default_rng(seed)
+    data = (np.cumsum(rng.integers(-3, 4, size=40_000)) % 300).astype(np.uint16)
+    frame = Blosc(cname=cname, clevel=5, shuffle=Blosc.SHUFFLE, blocksize=8192).encode(data)
+    parsed = parse_frame(memoryview(frame))
+    streams = [(bytes(frame[st.offset : st.offset + st.size]), st.out_size) for st in parsed.streams if not st.raw]
+    assert streams  # compressible data: Blosc compressed it
+    return streams
+
+
+def _verdicts(block: bytes, size: int) -> tuple:
+    from damacy_server import native
+
+    py = nvcomp._walk_lz4(memoryview(block), size)
+    c = native._assemble.check_lz4(block, size) if native.available() else py
+    return py, c
+
+
+@pytest.mark.parametrize("cname", ["lz4", "lz4hc"])
+def test_lz4_streams_blosc_writes_pass_the_walk(cname):
+    for block, size in _lz4_streams(cname, 1):
+        assert _verdicts(block, size) == (None, None)
+        nvcomp.walk_lz4_block(block, size)
+        py, _ = _verdicts(block, size + 1)
+        assert py == "the block decodes to fewer bytes than the chunk holds"
+        assert _verdicts(block, size - 1)[0] == "the block decodes to more bytes than the chunk holds"
+
+
+@settings(max_examples=300, deadline=None)
+@given(pos=st.integers(0, 10_000), value=st.integers(0, 255), cut=st.integers(0, 40))
+def test_a_mutated_lz4_block_is_refused_or_decodes_to_its_size_never_past_it(pos, value, cut):
+    """The C and Python walks agree on every mutation, and whatever they accept decodes (by
+    the reference LZ4 decoder) to exactly the chunk's size."""
+    import struct
+
+    from numcodecs import lz4
+
+    block, size = _lz4_streams("lz4", 2)[0]
+    mutated = bytearray(block)
+    mutated[pos % len(mutated)] = value
+    mutated = bytes(mutated[: len(mutated) - cut])
+    py, c = _verdicts(mutated, size)
+    assert py == c
+    if py is None:
+        assert len(lz4.decompress(struct.pack("<I", size) + mutated)) == size
+    else:
+        with pytest.raises(CorruptData, match="^lz4: "):
+            nvcomp.walk_lz4_block(mutated, size)

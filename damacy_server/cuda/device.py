@@ -77,6 +77,16 @@ class Device(StreamOrder):
     def zstd_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int: ...
 
     @abstractmethod
+    def lz4_decompress(
+        self, comp_ptrs: int, comp_bytes: int, out_bytes: int, actual_bytes: int, n: int, temp: int, temp_bytes: int,
+        out_ptrs: int, statuses: int,
+    ) -> None:
+        """nvcompBatchedLZ4DecompressAsync on raw LZ4 blocks (Blosc's streams), as zstd."""
+
+    @abstractmethod
+    def lz4_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int: ...
+
+    @abstractmethod
     def synchronize(self) -> None: ...
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
@@ -111,6 +121,7 @@ class HostDevice(Device):
 
         self._twin = twin._load()
         self.launches: list[str] = []  # the kernels run, in order (for the tests)
+        self.decodes: list[tuple[str, int]] = []  # batched decoder calls: (codec, chunks)
 
     # every call is done when it returns: events are complete when recorded
     def record_event(self, stream: int | None = None) -> Any:
@@ -149,18 +160,46 @@ class HostDevice(Device):
     def zstd_decompress(self, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs, statuses) -> None:
         import zstandard
 
+        dctx = zstandard.ZstdDecompressor()
+
+        def decode(frame: bytes, cap: int) -> bytes:
+            try:
+                return dctx.decompress(frame, max_output_size=cap + 1)
+            except zstandard.ZstdError as e:
+                raise _Refused(nvcomp.Status.BAD_CHECKSUM if "checksum" in str(e) else nvcomp.Status.CANNOT_DECOMPRESS) from e
+
+        self.decodes.append(("zstd", n))
+        self._decompress(decode, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, out_ptrs, statuses)
+
+    def lz4_decompress(self, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs, statuses) -> None:
+        import struct
+
+        from numcodecs import lz4
+
+        def decode(block: bytes, cap: int) -> bytes:
+            try:  # numcodecs' LZ4 frames are a raw block after its decoded size (4 bytes, little-endian)
+                return lz4.decompress(struct.pack("<I", cap) + block)
+            except (RuntimeError, ValueError) as e:
+                raise _Refused(nvcomp.Status.CANNOT_DECOMPRESS) from e
+
+        self.decodes.append(("lz4", n))
+        self._decompress(decode, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, out_ptrs, statuses)
+
+    @staticmethod
+    def _decompress(decode, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, out_ptrs, statuses) -> None:
+        """nvCOMP's batched contract on the host: tables of n device addresses, per chunk a
+        status and the bytes it decoded to."""
+
         def table(addr: int, dtype) -> np.ndarray:
             return np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(np.ctypeslib.as_ctypes_type(dtype))), (n,))
 
         src, size, cap = table(comp_ptrs, np.uint64), table(comp_bytes, np.uint64), table(out_bytes, np.uint64)
         dst, got, status = table(out_ptrs, np.uint64), table(actual_bytes, np.uint64), table(statuses, np.int32)
-        dctx = zstandard.ZstdDecompressor()
         for k in range(n):
-            frame = ctypes.string_at(int(src[k]), int(size[k]))
             try:
-                out = dctx.decompress(frame, max_output_size=int(cap[k]) + 1)
-            except zstandard.ZstdError as e:
-                got[k], status[k] = 0, nvcomp.Status.BAD_CHECKSUM if "checksum" in str(e) else nvcomp.Status.CANNOT_DECOMPRESS
+                out = decode(ctypes.string_at(int(src[k]), int(size[k])), int(cap[k]))
+            except _Refused as e:
+                got[k], status[k] = 0, e.status
                 continue
             if len(out) > int(cap[k]):
                 got[k], status[k] = 0, nvcomp.Status.OUTPUT_BUFFER_TOO_SMALL
@@ -171,8 +210,18 @@ class HostDevice(Device):
     def zstd_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int:
         return 0
 
+    def lz4_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int:
+        return 0
+
     def synchronize(self) -> None:
         pass
+
+
+class _Refused(Exception):
+    """A chunk the stand-in's decoder refused, with nvCOMP's status for it."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
 
 
 class HostEvent:
@@ -288,6 +337,19 @@ class CupyDevice(Device):
 
     def zstd_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int:
         return nvcomp.zstd_temp_bytes(n, max_chunk_bytes, total_bytes)
+
+    def lz4_decompress(self, comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs, statuses) -> None:
+        lib = nvcomp.load()
+        with self._cupy.cuda.Device(self.index):
+            status = lib.nvcompBatchedLZ4DecompressAsync(
+                comp_ptrs, comp_bytes, out_bytes, actual_bytes, n, temp, temp_bytes, out_ptrs,
+                nvcomp.LZ4DecompressOpts(backend=int(nvcomp.DecompressBackend.DEFAULT)), statuses, self.stream.ptr,
+            )
+        if status != nvcomp.Status.SUCCESS:
+            raise nvcomp.NvcompError("nvcompBatchedLZ4DecompressAsync", status)
+
+    def lz4_temp_bytes(self, n: int, max_chunk_bytes: int, total_bytes: int) -> int:
+        return nvcomp.lz4_temp_bytes(n, max_chunk_bytes, total_bytes)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -1,14 +1,14 @@
 """The CUDA executor: a batch plan read on the host, decoded and assembled on a device.
 
-Per batch, in two stages: on host threads, the plan's reads are made and every zstd frame is
-walked (nvCOMP's behaviour on corrupt input is undefined) and device memory is reserved;
-then on the executor's one device thread and stream, while the next batches are read: the
-frames go to
-the device in one staging upload and are decoded by one batched nvCOMP call into one arena;
-stored units (no compressor) are uploaded into the arena as they are; Blosc chunks are
-split on the host, their zstd streams join the batched decode and their blocks are
-unshuffled by a kernel; units of other codec chains (and Blosc with other compressors) are
-decoded on the host and uploaded (counted in ``host_decoded``); units never written are
+Per batch, in two stages: on host threads, the plan's reads are made and every zstd frame and
+LZ4 block is walked (nvCOMP's behaviour on corrupt input is undefined) and device memory is
+reserved (see :mod:`damacy_server.cuda.units`); then on the executor's one device thread and
+stream, while the next batches are read: the frames go to the device in one staging upload
+per codec and are decoded by one batched nvCOMP call per codec into one arena; stored units
+(no compressor) are uploaded into the arena as they are; Blosc chunks are split on the host,
+their zstd and LZ4 streams join the batched decodes and their blocks are unshuffled by a
+kernel; units of other codec chains (and Blosc with blosclz, zlib or snappy) are decoded on
+the host and uploaded (counted in ``host_decoded``); units never written are
 uploaded as the fill value. Then padded samples are filled and each array's copy table
 is assembled by one kernel launch, the same table the CPU paths execute. A chunk whose frame
 is refused on the host or whose status is bad after the batch fails its samples with a
@@ -45,6 +45,7 @@ from damacy_server.slots import DeviceSlots
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 
+CODECS = ("zstd", "lz4")  # what nvCOMP decodes here, one batched call each per batch
 ALIGN = 256  # bytes: every unit's place in the arena (nvCOMP asks 8 at most; coalesced loads)
 BLOCK = 256  # threads per block
 
@@ -199,13 +200,19 @@ class CudaExecutor(BudgetedExecutor):
             if u.shuffle is not None:
                 u.scratch = pos
                 pos += _aligned(u.job.decoded_nbytes)
-        sizes = [size for u in units for _, _, size in u.frames]
-        staged = sum(_aligned(len(f)) for u in units for f, _, _ in u.frames)
-        temp = self.device.zstd_temp_bytes(len(sizes), max(sizes), sum(sizes)) if sizes else 0
-        return pos + staged + 6 * _aligned(8 * max(len(sizes), 1)) + _aligned(temp)
+        for codec in CODECS:  # per codec: its staged frames, the decoder's tables and scratch
+            sizes = [size for u in units for _, _, size, c in u.frames if c == codec]
+            if sizes:
+                staged = sum(_aligned(len(f)) for u in units for f, _, _, c in u.frames if c == codec)
+                pos += staged + 6 * _aligned(8 * len(sizes)) + _aligned(self._temp_bytes(codec, len(sizes), max(sizes), sum(sizes)))
+        return pos
+
+    def _temp_bytes(self, codec: str, n: int, max_bytes: int, total: int) -> int:
+        sizing = self.device.zstd_temp_bytes if codec == "zstd" else self.device.lz4_temp_bytes
+        return sizing(n, max_bytes, total)
 
     def _decode(self, units: list[Unit], arena: DeviceBuffer, errors, plan, keep: list) -> None:
-        """Copies and the batched zstd decode into the arena, then the Blosc unshuffles."""
+        """Copies and the batched zstd and LZ4 decodes into the arena, then the Blosc unshuffles."""
         dev = self.device
         t0 = time.perf_counter()
         base = lambda u: arena.ptr + (u.scratch if u.scratch >= 0 else u.offset)  # noqa: E731
@@ -222,50 +229,59 @@ class CudaExecutor(BudgetedExecutor):
                 staged[at_stage : at_stage + len(piece)] = piece
                 dev.upload(staged[at_stage : at_stage + len(piece)], base(u) + at)
                 at_stage += _aligned(len(piece))
-        frames = [(u, f, at, size) for u in units for f, at, size in u.frames]
-        if frames:
-            pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units)
-            staging = dev.host_buffer(sum(_aligned(len(f)) for _, f, _, _ in frames))
-            comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
-            at_stage = 0
-            for u, f, at, size in frames:
-                n = len(f)
-                staging[at_stage : at_stage + n] = np.frombuffer(f, dtype=np.uint8)
-                comp_ptrs.append(arena.ptr + pos + at_stage)
-                comp_bytes.append(n)
-                out_ptrs.append(base(u) + at)
-                out_bytes.append(size)
-                at_stage += _aligned(n)
-            dev.upload(staging, arena.ptr + pos)
-            n = len(frames)
-            step = _aligned(8 * n)
-            addr = [arena.ptr + pos + at_stage + k * step for k in range(6)]
-            for k, values in enumerate((comp_ptrs, comp_bytes, out_bytes, out_ptrs)):
-                dev.upload(np.array(values, dtype=np.uint64), addr[k])
-            temp_bytes = dev.zstd_temp_bytes(n, max(out_bytes), sum(out_bytes))
-            temp = addr[5] + step  # the last region of the arena (see _layout)
-            keep.append(staging)
-            dev.zstd_decompress(addr[0], addr[1], addr[2], addr[4], n, temp if temp_bytes else 0, temp_bytes, addr[3], addr[5])
-            statuses = np.zeros(n, dtype=np.int32)
-            actual = np.zeros(n, dtype=np.uint64)
-            dev.synchronize()
-            dev.download(addr[5], statuses)
-            dev.download(addr[4], actual)
-            dev.synchronize()
-            for (u, _, _, size), status, got in zip(frames, statuses.tolist(), actual.tolist()):
-                if u.error is not None:
-                    continue
-                job = u.job
-                err = nvcomp.status_error(status, uri=job.meta.uri, path=job.key, chunk=job.unit)
-                if err is None and got != size:
-                    err = DecodeError(f"zstd: decoded {got} bytes, expected {size}", uri=job.meta.uri, path=job.key, chunk=job.unit)
-                if err is not None:
-                    if u.kind == "blosc":
-                        err = DecodeError(f"blosc: a stream: {err.reason}", uri=job.meta.uri, path=job.key, chunk=job.unit)
-                    u.error = err
-                    fail(errors, plan, samples_of((job,)), err)
+        pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units) if units else 0
+        for codec in CODECS:  # one batched call per codec, each in its own region of the arena
+            frames = [(u, f, at, size) for u in units for f, at, size, c in u.frames if c == codec]
+            if frames:
+                pos = self._batched(codec, frames, arena, pos, base, errors, plan, keep)
         self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena, keep)
         self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
+
+    def _batched(self, codec: str, frames: list, arena: DeviceBuffer, pos: int, base, errors, plan, keep: list) -> int:
+        """Frames of one codec staged at ``pos`` in the arena and decoded by one nvCOMP call;
+        their statuses read back. Returns where the next region starts."""
+        dev = self.device
+        staging = dev.host_buffer(sum(_aligned(len(f)) for _, f, _, _ in frames))
+        comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
+        at_stage = 0
+        for u, f, at, size in frames:
+            n = len(f)
+            staging[at_stage : at_stage + n] = np.frombuffer(f, dtype=np.uint8)
+            comp_ptrs.append(arena.ptr + pos + at_stage)
+            comp_bytes.append(n)
+            out_ptrs.append(base(u) + at)
+            out_bytes.append(size)
+            at_stage += _aligned(n)
+        dev.upload(staging, arena.ptr + pos)
+        n = len(frames)
+        step = _aligned(8 * n)
+        addr = [arena.ptr + pos + at_stage + k * step for k in range(6)]
+        for k, values in enumerate((comp_ptrs, comp_bytes, out_bytes, out_ptrs)):
+            dev.upload(np.array(values, dtype=np.uint64), addr[k])
+        temp_bytes = self._temp_bytes(codec, n, max(out_bytes), sum(out_bytes))
+        temp = addr[5] + step  # after the tables (see _layout)
+        keep.append(staging)
+        decompress = dev.zstd_decompress if codec == "zstd" else dev.lz4_decompress
+        decompress(addr[0], addr[1], addr[2], addr[4], n, temp if temp_bytes else 0, temp_bytes, addr[3], addr[5])
+        statuses = np.zeros(n, dtype=np.int32)
+        actual = np.zeros(n, dtype=np.uint64)
+        dev.synchronize()
+        dev.download(addr[5], statuses)
+        dev.download(addr[4], actual)
+        dev.synchronize()
+        for (u, _, _, size), status, got in zip(frames, statuses.tolist(), actual.tolist()):
+            if u.error is not None:
+                continue
+            job = u.job
+            err = nvcomp.status_error(status, uri=job.meta.uri, path=job.key, chunk=job.unit, codec=codec)
+            if err is None and got != size:
+                err = DecodeError(f"{codec}: decoded {got} bytes, expected {size}", uri=job.meta.uri, path=job.key, chunk=job.unit)
+            if err is not None:
+                if u.kind == "blosc":
+                    err = DecodeError(f"blosc: a stream: {err.reason}", uri=job.meta.uri, path=job.key, chunk=job.unit)
+                u.error = err
+                fail(errors, plan, samples_of((job,)), err)
+        return pos + at_stage + 6 * step + _aligned(temp_bytes)
 
     def _unshuffle(self, units: list[Unit], arena: DeviceBuffer, keep: list) -> None:
         """One launch per (typesize, shuffle) of the batch's Blosc chunks: scratch -> unit."""

@@ -77,6 +77,16 @@ class ZstdDecompressOpts(ctypes.Structure):
     _fields_ = [("backend", ctypes.c_int), ("reserved", ctypes.c_char * 60)]
 
 
+class LZ4DecompressOpts(ctypes.Structure):
+    """``nvcompBatchedLZ4DecompressOpts_t``: the backend, hardware sorting, the data type and
+    bitshuffle mode of an inverse bitshuffle (none here), then reserved bytes (zeroed)."""
+
+    _fields_ = [
+        ("backend", ctypes.c_int), ("sort_before_hw_decompress", ctypes.c_int), ("data_type", ctypes.c_int),
+        ("bitshuffle_mode", ctypes.c_int), ("reserved", ctypes.c_char * 48),
+    ]
+
+
 class AlignmentRequirements(ctypes.Structure):
     _fields_ = [("input", ctypes.c_size_t), ("output", ctypes.c_size_t), ("temp", ctypes.c_size_t)]
 
@@ -124,7 +134,11 @@ def load() -> ctypes.CDLL:
     # (compressed ptrs, compressed bytes, buffer bytes, actual bytes out, n, temp, temp bytes,
     #  output ptrs, opts, statuses out, stream): every pointer a device pointer
     lib.nvcompBatchedZstdDecompressAsync.argtypes = [p, p, p, p, size_t, p, size_t, p, ZstdDecompressOpts, p, p]
+    lib.nvcompBatchedLZ4DecompressGetTempSize.argtypes = [size_t, size_t, LZ4DecompressOpts, ctypes.POINTER(size_t), size_t, p]
+    lib.nvcompBatchedLZ4DecompressAsync.argtypes = [p, p, p, p, size_t, p, size_t, p, LZ4DecompressOpts, p, p]
     for f in (
+        lib.nvcompBatchedLZ4DecompressGetTempSize,
+        lib.nvcompBatchedLZ4DecompressAsync,
         lib.nvcompGetProperties,
         lib.nvcompBatchedZstdDecompressGetTempSize,
         lib.nvcompBatchedZstdDecompressGetRequiredAlignments,
@@ -162,6 +176,16 @@ def zstd_temp_bytes(num_chunks: int, max_chunk_bytes: int, total_bytes: int) -> 
     return out.value
 
 
+def lz4_temp_bytes(num_chunks: int, max_chunk_bytes: int, total_bytes: int) -> int:
+    """As :func:`zstd_temp_bytes`, for the batched LZ4 decoder."""
+    out = ctypes.c_size_t()
+    status = load().nvcompBatchedLZ4DecompressGetTempSize(
+        num_chunks, max_chunk_bytes, LZ4DecompressOpts(backend=int(DecompressBackend.DEFAULT)), ctypes.byref(out), total_bytes, None
+    )
+    _ok("nvcompBatchedLZ4DecompressGetTempSize", status)
+    return out.value
+
+
 def zstd_alignments() -> AlignmentRequirements:
     """Alignment nvCOMP requires of input, output and scratch buffers (bytes)."""
     out = AlignmentRequirements()
@@ -169,7 +193,9 @@ def zstd_alignments() -> AlignmentRequirements:
     return out
 
 
-def status_error(status: int, *, uri: str | None, path: str | None, chunk: tuple[int, ...] | None) -> DecodeError | None:
+def status_error(
+    status: int, *, uri: str | None, path: str | None, chunk: tuple[int, ...] | None, codec: str = "zstd"
+) -> DecodeError | None:
     """A chunk's status after a batch, as its sample's error (None when it succeeded)."""
     if status == Status.SUCCESS:
         return None
@@ -177,6 +203,8 @@ def status_error(status: int, *, uri: str | None, path: str | None, chunk: tuple
     reason = _REASONS.get(known) if known is not None else None
     if reason is None:
         reason = f"zstd: nvCOMP could not decode the chunk ({known.name if known is not None else status})"
+    if codec != "zstd":
+        reason = codec + reason[len("zstd"):]
     return DecodeError(reason, uri=uri, path=path, chunk=chunk)
 
 
@@ -255,3 +283,67 @@ def walk_zstd_frame(data, expected_size: int | None = None) -> tuple[int | None,
     if pos != n:
         raise CorruptData(f"zstd: the frame ends at byte {pos}, the chunk has {n}" if pos < n else "zstd: truncated checksum")
     return content, decoded_max
+
+
+def walk_lz4_block(data, expected_size: int) -> None:
+    """Check a raw LZ4 block (a Blosc stream) decodes to exactly ``expected_size`` bytes
+    without reading or writing outside its buffers; :class:`CorruptData` naming the fault.
+    The native path's C walker when built (the same rules), else this Python one."""
+    from damacy_server import native
+
+    if native.available():
+        why = native._assemble.check_lz4(data, expected_size)
+    else:
+        why = _walk_lz4(memoryview(data).cast("B"), expected_size)
+    if why is not None:
+        raise CorruptData(f"lz4: {why}")
+
+
+def _walk_lz4(block: memoryview, size: int) -> str | None:
+    n, i, out = len(block), 0, 0
+    if n == 0:
+        return "an empty block"
+    while True:
+        token = block[i]
+        i += 1
+        lit = token >> 4
+        if lit == 15:
+            while True:
+                if i >= n:
+                    return "a literal length runs past the block"
+                b = block[i]
+                i += 1
+                lit += b
+                if b != 255:
+                    break
+        if lit > n - i:
+            return "literals run past the block"
+        if lit > size - out:
+            return "the block decodes to more bytes than the chunk holds"
+        i += lit
+        out += lit
+        if i == n:
+            break
+        if n - i < 2:
+            return "a truncated match offset"
+        offset = block[i] | (block[i + 1] << 8)
+        i += 2
+        if offset == 0 or offset > out:
+            return "a match refers before the start of the output"
+        match = token & 15
+        if match == 15:
+            while True:
+                if i >= n:
+                    return "a match length runs past the block"
+                b = block[i]
+                i += 1
+                match += b
+                if b != 255:
+                    break
+        match += 4
+        if match > size - out:
+            return "the block decodes to more bytes than the chunk holds"
+        out += match
+        if i >= n:
+            return "the block ends with a match, not literals"
+    return None if out == size else "the block decodes to fewer bytes than the chunk holds"

@@ -34,7 +34,7 @@ class Unit:
     def __init__(self, job: UnitJob, kind: str) -> None:
         self.job = job
         self.kind = kind  # "zstd", "blosc", "stored" (bytes as stored), "host" (decoded on the host)
-        self.frames: list[tuple[memoryview, int, int]] = []  # (frame, offset, decoded bytes)
+        self.frames: list[tuple[memoryview, int, int, str]] = []  # (frame, offset, decoded bytes, "zstd" or "lz4")
         self.copies: list[tuple[Any, int]] = []  # (bytes or array, offset)
         self.shuffle: tuple[int, str, list[tuple[int, int]]] | None = None  # typesize, mode, blocks
         self.offset = 0  # of the decoded unit in the arena
@@ -43,7 +43,7 @@ class Unit:
 
     @property
     def encoded(self) -> int:
-        return sum(len(f) for f, _, _ in self.frames)
+        return sum(len(f) for f, _, _, _ in self.frames)
 
 
 def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, SampleError], stats: StageStats) -> tuple[list[Unit], int]:
@@ -88,7 +88,7 @@ def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here
         if stored is not None and names == ("zstd",):
             nvcomp.walk_zstd_frame(piece, nbytes)
             unit = Unit(job, "zstd")
-            unit.frames.append((piece, 0, nbytes))
+            unit.frames.append((piece, 0, nbytes, "zstd"))
             return unit
         if stored is not None and names == ():
             if len(piece) != nbytes:
@@ -113,10 +113,15 @@ def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here
     fail(errors, plan, samples_of((job,)), err)
     return None
 
+#: Blosc compressors whose streams nvCOMP decodes, and the host check of a stream of each
+DEVICE_CODECS = {"zstd": nvcomp.walk_zstd_frame, "lz4": nvcomp.walk_lz4_block}
+
+
 def _blosc(job: UnitJob, piece: memoryview, nbytes: int) -> Unit | None:
-    """A Blosc chunk split on the host: its zstd streams decoded on the device with the
-    batch's other frames, its stored streams copied, its blocks unshuffled by a kernel.
-    None for compressors nvCOMP is not asked to decode here (decoded on the host)."""
+    """A Blosc chunk split on the host: its zstd and LZ4 streams (lz4hc writes LZ4 too)
+    decoded on the device with the batch's other frames, its stored streams copied, its
+    blocks unshuffled by a kernel. None for compressors nvCOMP is not asked to decode here
+    (blosclz, zlib, snappy: decoded on the host)."""
     frame = parse_frame(piece)
     if frame.nbytes != nbytes:
         raise CorruptData(f"blosc: header says {frame.nbytes} decoded bytes, expected {nbytes}")
@@ -124,7 +129,7 @@ def _blosc(job: UnitJob, piece: memoryview, nbytes: int) -> Unit | None:
     if frame.memcpyed or frame.nbytes == 0:
         unit.copies.append((piece[HEADER.size : HEADER.size + frame.nbytes], 0))
         return unit
-    if frame.compressor != "zstd" and any(not s.raw for s in frame.streams):
+    if frame.compressor not in DEVICE_CODECS and any(not s.raw for s in frame.streams):
         return None
     shuffled = frame.shuffle != "noshuffle" and not (frame.shuffle == "shuffle" and frame.typesize == 1)
     for s in frame.streams:
@@ -133,8 +138,8 @@ def _blosc(job: UnitJob, piece: memoryview, nbytes: int) -> Unit | None:
         if s.raw:
             unit.copies.append((data, at))
         else:
-            nvcomp.walk_zstd_frame(data, s.out_size)
-            unit.frames.append((data, at, s.out_size))
+            DEVICE_CODECS[frame.compressor](data, s.out_size)  # checked here: nvCOMP's behaviour on corrupt input is undefined
+            unit.frames.append((data, at, s.out_size, frame.compressor))
     if shuffled:
         blocks = [(j * frame.blocksize, frame.block_size(j)) for j in range(-(-frame.nbytes // frame.blocksize))]
         unit.shuffle = (frame.typesize, frame.shuffle, blocks)
