@@ -319,8 +319,11 @@ class RemotePipeline(PipelineAPI):
                 return
             self._closed = True
             self._cond.notify_all()
-        self._conn.close()
-        if self._link is not None:
-            self._link.close()
+        link, unmapped = self._link, False
+        if link is not None and not self._held():  # no tensor reads the slots: unmap before the daemon frees them
+            link.close()
+            unmapped = True
+        self._conn.close(unmapped=unmapped)
+        # slots still read by tensors stay mapped (the daemon frees them once this process is gone)
         if self._feeder is not None and self._feeder is not threading.current_thread():
             self._feeder.join(2.0)

@@ -65,6 +65,7 @@ class StandinLink(Link):
 
     def __init__(self) -> None:
         self._maps: list[np.ndarray] = []
+        self._names: list[str] = []
         self.free: list[str] = []
 
     def open(self, infos: list[m.SlotInfo]) -> list[DeviceArray]:
@@ -74,10 +75,16 @@ class StandinLink(Link):
         for info in infos:
             mapped = map_segment(info.handle.decode(), info.nbytes)
             self._maps.append(mapped)
+            self._names.append(info.handle.decode())
             self.free.append(info.free.decode())
             ready = info.ready.decode()
             arrays.append(DeviceArray(mapped.ctypes.data, (info.nbytes,), np.uint8, self, mapped, sync=SharedSync(ready)))
         return arrays
+
+    def close(self) -> None:
+        for info in self._names:
+            standin_log("client", "unmap", info)
+        self._maps, self._names = [], []
 
     def record_event(self, stream: int | None = None) -> Any:
         name = f"local-{next(self._local)}"
@@ -134,7 +141,7 @@ class CudaLink(Link):
     def record_event(self, stream: int | None = None) -> Any:
         with self._cupy.cuda.Device(self.index):
             event = self._cupy.cuda.Event(block=False, disable_timing=True)
-            event.record(self._cupy.cuda.ExternalStream(self._stream(stream), self.index))
+            self._cupy.cuda.runtime.eventRecord(event.ptr, self._stream(stream))
         return event
 
     def record(self, event: Any, stream: int | None = None) -> None:

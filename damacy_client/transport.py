@@ -257,12 +257,12 @@ class Connection:
             call.error = self.dead
             call.event.set()
 
-    def close(self, bye: bool = True) -> None:
+    def close(self, bye: bool = True, unmapped: bool = False) -> None:
         if self._closed:
             return
         if bye and self.dead is None and getattr(self, "welcome", None) is not None:
             try:
-                self.request(lambda i: m.Bye(id=i)).wait(1.0, "bye")
+                self.request(lambda i: m.Bye(id=i, unmapped=unmapped)).wait(1.0, "bye")
             except (DamacyError, ProtocolError):
                 pass
         self._closed = True

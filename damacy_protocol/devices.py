@@ -69,7 +69,9 @@ def device_uuid(device: int) -> str:
     lib = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_int(0)
     uuid = _Uuid()
-    if lib.cuDeviceGet(ctypes.byref(handle), device) != 0 or lib.cuDeviceGetUuid(ctypes.byref(uuid), handle) != 0:
+    # _v2 names a MIG instance by its own UUID (the plain symbol gives its parent GPU's)
+    get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+    if lib.cuDeviceGet(ctypes.byref(handle), device) != 0 or get_uuid(ctypes.byref(uuid), handle) != 0:
         raise InvalidArgument(f"the CUDA driver could not name device {device}")
     h = bytes(uuid.bytes).hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

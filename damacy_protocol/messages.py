@@ -150,6 +150,9 @@ class Ping(_Msg, tag="ping"):
 
 class Bye(_Msg, tag="bye"):
     id: RequestId
+    # a GPU session: the client has closed its mappings of the slots (the daemon may free
+    # them now; otherwise only once the client's process is gone)
+    unmapped: bool = False
 
 
 # -- daemon to client -------------------------------------------------------------------

@@ -186,6 +186,7 @@ class Batch:
             ptr, strides = array.ptr, tuple(st // array.itemsize for st in array.strides)
         else:
             ptr, strides = int(array.__array_interface__["data"][0]), tuple(st // array.itemsize for st in array.strides)
+        dlpack.dtype_of(self._dtype)  # a dtype DLPack cannot describe is refused before the slot is taken
         if not slot.try_acquire():
             raise BufferError("the batch was released; its slot may hold another batch now")
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
@@ -259,9 +260,15 @@ def _fenced_release(slot: Slot, device: Any, sync: Any, stream: int | None) -> C
     """What an exported tensor's deleter runs: fence the slot on the consumer's stream (a
     device batch), then give up the tensor's use of the slot."""
 
+    # per-thread default streams (2) are each thread's own, and the deleter may run on another
+    # thread: fence on the legacy default stream, which waits for every blocking stream's work
+    fence_on = 1 if stream == 2 else stream
+
     def let_go() -> None:
-        if sync is not None:
-            sync.add_fence(device.record_event(stream))
-        slot.release()
+        try:
+            if sync is not None:
+                sync.add_fence(device.record_event(fence_on))
+        finally:  # the slot's use ends even when the fence cannot be recorded
+            slot.release()
 
     return let_go

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
-KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT, KDL_BOOL = 0, 1, 2, 4, 6
+KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT, KDL_COMPLEX, KDL_BOOL = 0, 1, 2, 4, 5, 6
 VERSION = (1, 0)
 
 
@@ -112,7 +112,7 @@ def dtype_of(dtype: np.dtype) -> tuple[int, int]:
     dtype = np.dtype(dtype)
     if dtype.name == "bfloat16":
         return KDL_BFLOAT, 16
-    code = {"b": KDL_BOOL, "i": KDL_INT, "u": KDL_UINT, "f": KDL_FLOAT}.get(dtype.kind)
+    code = {"b": KDL_BOOL, "i": KDL_INT, "u": KDL_UINT, "f": KDL_FLOAT, "c": KDL_COMPLEX}.get(dtype.kind)
     if code is None or not dtype.isnative:
         raise BufferError(f"DLPack cannot describe {dtype}")
     return code, 8 * dtype.itemsize

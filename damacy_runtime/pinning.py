@@ -1,11 +1,16 @@
-"""Page-locking host batch slots where a GPU is present, so a copy of a batch to the GPU
-(``tensor.to("cuda", non_blocking=True)``) is truly asynchronous.
+"""Page-locking host batch slots for a GPU (``DAMACY_PIN_HOST_SLOTS=1``), so a copy of a
+batch to the GPU (``tensor.to("cuda", non_blocking=True)``) is truly asynchronous.
 
-The process that issues the copy registers the slot's memory with the CUDA runtime it
-already has (``cudaHostRegister``, portable): the embedded pipeline its host slots, a daemon
-client its mapping of the daemon's shared-memory slots. Registration is undone just before
-the memory goes (a finalizer on the array that owns it). Without a CUDA device, or without a
-CUDA runtime library to load, nothing is pinned; ``DAMACY_PIN_HOST_SLOTS=0`` turns it off.
+The process that issues the copy registers the slot's memory with the CUDA runtime it has
+already loaded (``cudaHostRegister``, portable and mapped; a runtime not yet loaded is not
+loaded for this, so no context is made on a device the process does not use): the embedded
+pipeline its host slots, a daemon client its mapping of the daemon's shared-memory slots.
+Registration is undone just before the memory goes (a finalizer on the array that owns it).
+
+Opt-in, because an asynchronous copy reads the slot after the call returns: the batch must
+be held until the copy is done (released after the step that used the copy, or after
+``torch.cuda.current_stream().synchronize()``); a slot released earlier may be refilled
+under the copy. Device batches (``Config(device=k)``) are ordered by events instead.
 """
 
 from __future__ import annotations
@@ -86,15 +91,15 @@ def pin(array: np.ndarray) -> bool:
 
 
 def _load() -> Pinner | None:
-    if os.environ.get("DAMACY_PIN_HOST_SLOTS", "1") == "0":
+    if os.environ.get("DAMACY_PIN_HOST_SLOTS", "0") != "1":
         return None
     from damacy_protocol.devices import cuda_devices, standin
 
     if standin() is not None or cuda_devices()[0] == 0:
         return None
     for name in _RUNTIMES:
-        try:
-            lib = ctypes.CDLL(name)
+        try:  # only a runtime the process has loaded (torch or CuPy did): its current device is the user's
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
         except OSError:
             continue
         lib.cudaHostRegister.restype = ctypes.c_int

@@ -122,6 +122,7 @@ class Daemon:
         # what returns its bytes to the budget once unmapped, when it was first tried)
         self._retiring: list[tuple[Segment, Any, float]] = []
         self._retiring_lock = threading.Lock()
+        self._waiting: list[tuple[Any, Any]] = []  # (may it go now?, what frees it): GPU slots still mapped
         self._raise_descriptor_limit()
         self._starting: set[bytes] = set()  # identities whose session is being set up
         self._news: set[Session] = set()  # sessions whose engine changed, to pump
@@ -318,7 +319,19 @@ class Daemon:
                 with self._retiring_lock:
                     self._retiring.append((seg, release, now))
 
+    def retire_when(self, ready, free) -> None:
+        """Run ``free()`` once ``ready()`` says so (now, or on a later turn of the loop)."""
+        if ready():
+            free()
+            return
+        with self._retiring_lock:
+            self._waiting.append((ready, free))
+
     def _retry_retiring(self, now: float) -> None:
+        with self._retiring_lock:
+            waiting, self._waiting = self._waiting, []
+        for ready, free in waiting:
+            self.retire_when(ready, free)
         with self._retiring_lock:
             waiting, self._retiring = self._retiring, []
         if not waiting:

@@ -82,6 +82,7 @@ class Session:
         self.watch_pid = peer.pid if peer is not None else hello.pid
         self.pid_visible = pid_alive(self.watch_pid)
         self.slots: Any = ShmSlots(daemon, self.sid)
+        self.unmapped = False  # a GPU session's client said it closed its mappings of the slots
         self.closed = False
         self.queue: deque[Any] = deque()  # samples pushed and not yet in the engine
         self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
@@ -106,7 +107,7 @@ class Session:
                 if not hello.device:
                     raise InvalidArgument(f"Config.device={cfg.device}: the client did not name the GPU by its UUID")
                 executor = daemon.gpu_executor(hello.device)
-                self.slots = IpcSlots(daemon, self.sid, executor.device)
+                self.slots = IpcSlots(daemon, self.sid, executor, self._unmapped)
             limit = daemon.options.max_slots_per_session
             if cfg.prepared_batches > limit:
                 raise InvalidArgument(
@@ -126,6 +127,11 @@ class Session:
                 plan_pool=daemon.plan_pool,
                 what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
             )
+
+    def _unmapped(self) -> bool:
+        """Whether the client no longer maps a GPU session's slots: it said so, or its process
+        is gone (a process this daemon cannot see is never taken for gone)."""
+        return self.unmapped or (self.pid_visible and not pid_alive(self.watch_pid))
 
     def welcome(self, reply_to: int) -> m.Welcome:
         engine = self.engine
@@ -167,6 +173,7 @@ class Session:
         elif isinstance(msg, m.Ping):
             self.reply(m.Pong(reply_to=msg.id, session=self.sid))
         elif isinstance(msg, m.Bye):
+            self.unmapped = msg.unmapped
             self.reply(m.Goodbye(reply_to=msg.id))
             self.daemon.end_session(self, "said bye")
         else:  # pragma: no cover - the connection lets nothing else through

@@ -106,6 +106,36 @@ def test_a_gpu_session_orders_every_use_of_a_shared_slot(daemon, volume, standin
         steps = rest[released:]
 
 
+def test_slots_are_freed_only_once_the_client_no_longer_maps_them(daemon, volume, standin):
+    """Freeing device memory another process maps is undefined in CUDA: a client that closes
+    with nothing held unmaps first and says so; one whose tensors still read a slot keeps
+    its mappings, and the daemon keeps the slots (until the process is gone)."""
+    _, path, _ = volume
+
+    def frees():
+        return [e[2] for e in entries(standin) if e[:2] == ("daemon", "free")]
+
+    with damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint) as pipe:
+        pipe.push(boxes(path, [(0, 0), (4, 4)]))
+        pipe.pop().release()
+        wait_for(lambda: any(e[:2] == ("client", "record") and e[2].endswith(".free") for e in entries(standin)), what="the release")
+    wait_for(frees, what="the closed session's slots to be freed")
+    log = entries(standin)
+    (name,) = frees()
+    assert log.index(("client", "unmap", name, "-")) < log.index(("daemon", "free", name, "-"))
+
+    with damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint) as watcher:  # a second session
+        held = damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint)
+        held.push(boxes(path, [(0, 0), (4, 4)]))
+        batch = held.pop()
+        consumer = Consumer(batch, stream=5)  # a tensor still reads the slot
+        batch.release()
+        held.close()
+        wait_for(lambda: len(watcher.stats()["sessions"]) == 1, what="the closed session to end")
+        assert len(frees()) == 1  # not freed: this process still maps it
+        consumer.drop()
+
+
 def test_a_gpu_session_on_a_gpu_the_daemon_does_not_see_is_refused(daemon, monkeypatch):
     from damacy_client import client
 
@@ -126,6 +156,10 @@ time.sleep(600)
 """
 
 
+def daemon_log(daemon):
+    return daemon.folder / "standin.log"
+
+
 def test_a_dead_clients_gpu_slots_are_reclaimed_and_others_carry_on(daemon, volume):
     _, path, data = volume
     child = subprocess.Popen([sys.executable, "-c", CLIENT, daemon.endpoint, path], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
@@ -141,6 +175,15 @@ def test_a_dead_clients_gpu_slots_are_reclaimed_and_others_carry_on(daemon, volu
                 np.testing.assert_array_equal(batch.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
         text = daemon.log_path.read_text()
         assert "ended: " in text
+        # the dead client's two slots were freed (its process is gone, so nothing maps them);
+        # ours (closed by now) after we unmapped them
+        def theirs() -> set:
+            log = entries(daemon_log(daemon))
+            ours = {e[2] for e in log if e[:2] == ("client", "unmap")}
+            assert len(ours) == 1
+            return {e[2] for e in log if e[:2] == ("daemon", "free")} - ours
+
+        assert len(wait_for(lambda: len(theirs()) == 2 and theirs(), what="the dead client's slots to be freed")) == 2
     finally:
         if child.poll() is None:
             child.kill()

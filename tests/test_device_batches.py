@@ -287,3 +287,23 @@ def test_a_consumer_that_refuses_the_tensor_keeps_its_error_and_frees_the_slot(v
         assert dlpack.outstanding() == before
         batch.release()
         pipe.pop(timeout=30).release()  # the slot was free again
+
+
+def test_a_fence_that_cannot_be_recorded_still_frees_the_slot_and_odd_dtypes_take_nothing():
+    from damacy_runtime.batch import Slot, _fenced_release
+    from damacy_runtime.device import SlotSync
+
+    freed = []
+    slot = Slot(np.zeros(4, dtype=np.uint8), freed.append)
+    slot.acquire()
+
+    class Gone:
+        def record_event(self, stream):
+            raise RuntimeError("the context is gone")
+
+    with pytest.raises(RuntimeError, match="context is gone"):
+        _fenced_release(slot, Gone(), SlotSync(), 7)()
+    assert freed == [slot]  # released all the same
+    assert dlpack.dtype_of(np.dtype("complex64")) == (dlpack.KDL_COMPLEX, 64)
+    with pytest.raises(BufferError, match="cannot describe"):
+        dlpack.dtype_of(np.dtype([("a", "<i4")]))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -103,11 +102,22 @@ def test_a_slot_that_cannot_be_pinned_still_serves_batches(volume, caplog):
         pinning.use(before)
 
 
-def test_nothing_is_pinned_without_a_cuda_device(monkeypatch):
+def test_pinning_is_asked_for_and_needs_a_device_and_a_loaded_runtime(monkeypatch):
     from damacy_protocol import devices
 
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (1, ""))
+    monkeypatch.delenv("DAMACY_PIN_HOST_SLOTS", raising=False)
+    assert pinning._load() is None  # off unless asked for
+    monkeypatch.setenv("DAMACY_PIN_HOST_SLOTS", "1")
     monkeypatch.setattr(devices, "cuda_devices", lambda: (0, "no device"))
     assert pinning._load() is None
     monkeypatch.setattr(devices, "cuda_devices", lambda: (1, ""))
-    monkeypatch.setenv("DAMACY_PIN_HOST_SLOTS", "0")
-    assert pinning._load() is None
+    loaded = []
+
+    def cdll(name, mode=0):
+        loaded.append((name, mode))
+        raise OSError("not loaded")
+
+    monkeypatch.setattr(pinning.ctypes, "CDLL", cdll)
+    assert pinning._load() is None  # no CUDA runtime in the process: none is loaded for this
+    assert loaded and all(mode == os.RTLD_NOLOAD for _, mode in loaded)

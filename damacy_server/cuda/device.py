@@ -255,22 +255,23 @@ class CupyDevice(Device):
         self.dlpack_device = (2, device)  # kDLCUDA
 
     # -- stream order ------------------------------------------------------------------------
-    def _stream(self, stream: int | None) -> Any:
-        return self.stream if stream is None else self._cupy.cuda.ExternalStream(int(stream), self.index)
+    def _stream(self, stream: int | None) -> int:
+        return int(self.stream.ptr) if stream is None else int(stream)
 
+    # events through the runtime with raw stream handles (CuPy's ExternalStream is deprecated)
     def record_event(self, stream: int | None = None) -> Any:
         with self._cupy.cuda.Device(self.index):
             event = self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
-            event.record(self._stream(stream))
+            self._cupy.cuda.runtime.eventRecord(event.ptr, self._stream(stream))
         return event
 
     def wait_event(self, event: Any, stream: int | None = None) -> None:
         with self._cupy.cuda.Device(self.index):
-            self._stream(stream).wait_event(event)
+            self._cupy.cuda.runtime.streamWaitEvent(self._stream(stream), event.ptr, 0)
 
     def record(self, event: Any, stream: int | None = None) -> None:
         with self._cupy.cuda.Device(self.index):
-            event.record(self._stream(stream))
+            self._cupy.cuda.runtime.eventRecord(event.ptr, self._stream(stream))
 
     # -- slots shared with another process (damacyd's sessions on this GPU) -----------------
     def ipc_slot(self, nbytes: int) -> tuple[int, bytes, Any, Any]:
@@ -377,7 +378,8 @@ class CupyDevice(Device):
             if not rt.deviceGetAttribute(self._HOST_POINTER_ATTR, self.index):
                 raise RuntimeError(f"{self.name} cannot use host pointers of registered memory")
             try:
-                rt.hostRegister(start, base.nbytes, self._REGISTER_FLAGS)
+                with self._cupy.cuda.Device(self.index):  # not a context on whichever device is current
+                    rt.hostRegister(start, base.nbytes, self._REGISTER_FLAGS)
             except rt.CUDARuntimeError as e:
                 if e.status != 712:  # cudaErrorHostMemoryAlreadyRegistered: pinned as a host slot, same flags
                     raise

@@ -102,6 +102,10 @@ class CudaExecutor(BudgetedExecutor):
         self._readers.close()
         self._pool.close()
 
+    def after_device_work(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the device thread once the device stages queued before it are done."""
+        self._pool.submit(fn)
+
     def slot_memory(self) -> DeviceSlots:
         """Batches go to the device's memory."""
         return DeviceSlots(self.device)

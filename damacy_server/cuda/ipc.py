@@ -6,7 +6,10 @@ daemon's executor records on its stream when a batch in the slot is complete (th
 consumer streams wait for it), and ``free``, which the client records on its own stream when
 it lets the slot go, after every fence of its consumers (the executor's stream waits for it
 before writing the slot again). Handles go to the client once, in the session's Welcome.
-When the session ends (the client said bye, or died) the slots are freed.
+When the session ends the slots are freed, after the executor's device work queued before
+(a batch of the session may still be in flight), and only once the client has closed its
+mappings (it says so in its Bye) or its process is gone: freeing memory another process
+still maps is undefined in CUDA. Until then they wait in the daemon's retiring list.
 
 :class:`StandinIpcDevice` is the CPU stand-in of a GPU for this protocol, selected by
 ``DAMACY_DEVICE_STANDIN`` in both processes: slot memory is POSIX shared memory (the
@@ -82,10 +85,12 @@ class StandinIpcDevice(HostDevice):
 class IpcSlots(SlotMemory):
     """A device session's slots (see module); ``infos`` are what the Welcome sends."""
 
-    def __init__(self, daemon: Any, sid: str, device: Any) -> None:
-        self.daemon = daemon  # its shared-memory rule and retiring (the stand-in's memory)
-        self.device = device
+    def __init__(self, daemon: Any, sid: str, executor: Any, unmapped: Callable[[], bool]) -> None:
+        self.daemon = daemon  # its shared-memory rule and retiring list
+        self.executor = executor
+        self.device = executor.device
         self.sid = sid
+        self._unmapped = unmapped  # whether the client no longer maps the slots
         self.infos: list[m.SlotInfo] = []
         self.segments: list[Segment] = []  # the stand-in's (unlinked once the client mapped them)
         self._owned: list[tuple[Any, int]] = []  # (what frees it, bytes)
@@ -113,16 +118,23 @@ class IpcSlots(SlotMemory):
 
     def close(self, release: Callable[[int], None]) -> None:
         owned, self._owned = self._owned, []
+        segments, self.segments = self.segments, []
         self.infos = []
-        if isinstance(self.device, StandinIpcDevice):
-            segments, self.segments = self.segments, []
-            self.daemon.retire(segments, release)
+        if not owned:
             return
-        self.device.synchronize()  # nothing queued still writes the slots
-        for ptr, nbytes in owned:
-            self.device.ipc_free(ptr)
-            release(nbytes)
 
+        def free() -> None:  # on the executor's device thread, after the work queued before
+            if isinstance(self.device, StandinIpcDevice):
+                for seg in segments:
+                    standin_log("daemon", "free", seg.name)
+                self.daemon.retire(segments, release)
+                return
+            self.device.synchronize()
+            for ptr, nbytes in owned:
+                self.device.ipc_free(ptr)
+                release(nbytes)
+
+        self.daemon.retire_when(self._unmapped, lambda: self.executor.after_device_work(free))
 
 def gpu_executor(uuid: str, roots: list[str], options: Any) -> Any:
     """The executor of damacyd's sessions on the GPU named ``uuid`` (``options``: the
