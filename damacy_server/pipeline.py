@@ -359,9 +359,12 @@ class Pipeline(PipelineAPI):
 
     def stats(self) -> dict[str, Any]:
         """Per-stage time/bytes/counts, cache hits and misses, deduplicated chunks, merged
-        reads, memory and delivery counters."""
+        reads, memory and delivery counters; with a GPU executor, ``device``: its name and the
+        units decoded on the host because nvCOMP does not decode their codec."""
         counters = self.counters()
+        device = getattr(self.executor, "device_stats", None)
         return {
+            **({"device": device()} if device is not None else {}),
             "stages": self.executor.stats.snapshot(),
             "cache": self.planner.metadata.cache.stats(),
             "chunks_deduplicated": self.engine.deduplicated,

@@ -239,3 +239,18 @@ def test_a_failing_batch_waits_for_its_queued_work_before_letting_go(arrays, mon
         assert "fill" in device.launches and len(synced) > before  # the fill was queued, then waited for
     finally:
         gpu.close()
+
+
+def test_units_decoded_on_the_host_are_counted_in_the_pipelines_stats(arrays):
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor
+
+    for name, host in (("blosc-blosclz-u16", True), ("blosc-lz4-byte-u16", False)):
+        uri, data = arrays[name]
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=(6, 9, 11), dtype=str(data.dtype))
+        with damacy.Pipeline(cfg, executor=CudaExecutor(HostDevice())) as pipe:
+            pipe.push([damacy.Sample(uri, ((0, 6), (0, 9), (0, 11)))] * 2)
+            with pipe.pop() as batch:
+                assert np.array_equal(batch.numpy()[0], data[:6, :9, :11])
+            stats = pipe.stats()["device"]
+        assert stats["name"] == "host" and (stats["host_decoded"] > 0) == host, name

@@ -102,6 +102,9 @@ class CudaExecutor(BudgetedExecutor):
         self._readers.close()
         self._pool.close()
 
+    def device_stats(self) -> dict[str, Any]:
+        return {"name": self.device.name, "host_decoded": self.host_decoded}
+
     def after_device_work(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the device thread once the device stages queued before it are done."""
         self._pool.submit(fn)
