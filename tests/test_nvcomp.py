@@ -74,26 +74,17 @@ def test_structs_and_statuses_match_the_header(tmp_path):
 
 
 @needs_nvcomp
-def test_the_decompress_call_takes_the_arguments_the_header_declares():
-    header = (Path(nvcomp.include_dir()) / "nvcomp" / "zstd.h").read_text()
-    decl = re.search(r"nvcompStatus_t nvcompBatchedZstdDecompressAsync\((.*?)\);", header, re.S).group(1)
+@pytest.mark.parametrize("codec, header_name", [("Zstd", "zstd.h"), ("LZ4", "lz4.h")])
+def test_the_decompress_call_takes_the_arguments_the_header_declares(codec, header_name):
+    header = (Path(nvcomp.include_dir()) / "nvcomp" / header_name).read_text()
+    lib = nvcomp.load()
+    decl = re.search(rf"nvcompStatus_t nvcompBatched{codec}DecompressAsync\((.*?)\);", header, re.S).group(1)
     params = [p.strip() for p in decl.split(",")]
-    assert len(params) == len(nvcomp.load().nvcompBatchedZstdDecompressAsync.argtypes)
-    assert "nvcompBatchedZstdDecompressOpts_t" in params[8] and "cudaStream_t" in params[10]
-    temp = re.search(r"nvcompStatus_t nvcompBatchedZstdDecompressGetTempSize\((.*?)\);", header, re.S).group(1)
-    assert len(temp.split(",")) == len(nvcomp.load().nvcompBatchedZstdDecompressGetTempSize.argtypes)
-
-
-@needs_nvcomp
-def test_the_lz4_decompress_call_takes_the_arguments_the_header_declares():
-    header = (Path(nvcomp.include_dir()) / "nvcomp" / "lz4.h").read_text()
-    decl = re.search(r"nvcompStatus_t nvcompBatchedLZ4DecompressAsync\((.*?)\);", header, re.S).group(1)
-    params = [p.strip() for p in decl.split(",")]
-    assert len(params) == len(nvcomp.load().nvcompBatchedLZ4DecompressAsync.argtypes)
-    assert "nvcompBatchedLZ4DecompressOpts_t" in params[8] and "cudaStream_t" in params[10]
-    temp = re.search(r"nvcompStatus_t nvcompBatchedLZ4DecompressGetTempSize\((.*?)\);", header, re.S).group(1)
-    assert len(temp.split(",")) == len(nvcomp.load().nvcompBatchedLZ4DecompressGetTempSize.argtypes)
-    assert nvcomp.lz4_temp_bytes(64, 64 << 10, 64 * (64 << 10)) >= 0  # a host query, answered without a GPU
+    assert len(params) == len(getattr(lib, f"nvcompBatched{codec}DecompressAsync").argtypes)
+    assert f"nvcompBatched{codec}DecompressOpts_t" in params[8] and "cudaStream_t" in params[10]
+    temp = re.search(rf"nvcompStatus_t nvcompBatched{codec}DecompressGetTempSize\((.*?)\);", header, re.S).group(1)
+    assert len(temp.split(",")) == len(getattr(lib, f"nvcompBatched{codec}DecompressGetTempSize").argtypes)
+    assert nvcomp.lz4_temp_bytes(64, 64 << 10, 64 * (64 << 10)) >= 0  # host queries, answered without a GPU
 
 
 @needs_nvcomp

@@ -299,6 +299,20 @@ def walk_lz4_block(data, expected_size: int) -> None:
         raise CorruptData(f"lz4: {why}")
 
 
+def _length(block: memoryview, i: int, value: int) -> tuple[int, int] | None:
+    """An LZ4 length whose 4-bit field is full (15): the bytes after it add up while they
+    are 255. (length, next position), or None when the bytes run past the block."""
+    n = len(block)
+    while True:
+        if i >= n:
+            return None
+        b = block[i]
+        i += 1
+        value += b
+        if b != 255:
+            return value, i
+
+
 def _walk_lz4(block: memoryview, size: int) -> str | None:
     n, i, out = len(block), 0, 0
     if n == 0:
@@ -308,14 +322,10 @@ def _walk_lz4(block: memoryview, size: int) -> str | None:
         i += 1
         lit = token >> 4
         if lit == 15:
-            while True:
-                if i >= n:
-                    return "a literal length runs past the block"
-                b = block[i]
-                i += 1
-                lit += b
-                if b != 255:
-                    break
+            got = _length(block, i, lit)
+            if got is None:
+                return "a literal length runs past the block"
+            lit, i = got
         if lit > n - i:
             return "literals run past the block"
         if lit > size - out:
@@ -332,14 +342,10 @@ def _walk_lz4(block: memoryview, size: int) -> str | None:
             return "a match refers before the start of the output"
         match = token & 15
         if match == 15:
-            while True:
-                if i >= n:
-                    return "a match length runs past the block"
-                b = block[i]
-                i += 1
-                match += b
-                if b != 255:
-                    break
+            got = _length(block, i, match)
+            if got is None:
+                return "a match length runs past the block"
+            match, i = got
         match += 4
         if match > size - out:
             return "the block decodes to more bytes than the chunk holds"
