@@ -41,10 +41,10 @@ class Link(StreamOrder):
 
     host_accessible = False
 
+    free: list[Any]  # per slot its free event
+
     def open(self, infos: list[m.SlotInfo]) -> list[DeviceArray]:
         raise NotImplementedError
-
-    free: list[Any]  # per slot its free event
 
     def let_go(self, slot: int, array: DeviceArray) -> None:
         """Before the Release of ``slot``: the release stream waits for the fences the
@@ -103,7 +103,6 @@ class StandinLink(Link):
     @property
     def stream_handle(self) -> int:
         return 0
-
 
 
 class CudaLink(Link):

@@ -3,8 +3,9 @@ naming a GPU is checked where it is made, without loading CuPy; and their UUIDs,
 damacyd and its clients name a GPU (``CUDA_VISIBLE_DEVICES`` renumbers devices per process).
 
 ``DAMACY_DEVICE_STANDIN`` (a test hook, set in both the daemon's and the client's
-environment) makes this process see one stand-in device, index 0, named
-:data:`STANDIN_UUID`, whose memory is host memory; its value, other than ``1``, is a file
+environment, or an embedded pipeline's) makes this process see one stand-in device, index
+0, named :data:`STANDIN_UUID`, whose memory is host memory and whose kernels are the host
+twin; its value, other than ``1``, is a file
 both sides append the stand-in's stream-order operations to (see
 ``damacy_server.cuda.ipc``)."""
 

@@ -417,11 +417,13 @@ class _SwitchInterval:
 def _cuda_executor(config: Config):
     """The executor of ``Config(device=k)``: reads on the host, decodes and assembles on GPU k
     into device slots (CuPy, nvCOMP; the extras ``damacy[cuda12]`` / ``damacy[cuda13]``)."""
-    from damacy_server.cuda.device import CupyDevice
+    from damacy_protocol.devices import standin
+    from damacy_server.cuda.device import CupyDevice, HostDevice
     from damacy_server.cuda.executor import CudaExecutor, CudaLimits
 
     try:
-        device = CupyDevice(config.device)
+        # DAMACY_DEVICE_STANDIN (tests): GPU 0 is the host stand-in (host memory, the twin)
+        device = HostDevice() if standin() is not None else CupyDevice(config.device)
     except ImportError as e:
         raise InvalidArgument(
             f"Config.device={config.device} needs CuPy and nvCOMP: pip install 'damacy[cuda13]' (or [cuda12]) ({e})"

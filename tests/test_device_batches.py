@@ -307,3 +307,31 @@ def test_a_fence_that_cannot_be_recorded_still_frees_the_slot_and_odd_dtypes_tak
     assert dlpack.dtype_of(np.dtype("complex64")) == (dlpack.KDL_COMPLEX, 64)
     with pytest.raises(BufferError, match="cannot describe"):
         dlpack.dtype_of(np.dtype([("a", "<i4")]))
+
+
+def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
+    """The README's GPU quick start, shapes scaled down: Config(device=0) alone builds the
+    CUDA executor and device slots (GPU 0 is the stand-in here); without CuPy the error says
+    which extra to install."""
+    from damacy_protocol.devices import STANDIN_ENV
+    from damacy_server import pipeline as pipeline_module
+    from damacy_server.cuda.executor import CudaExecutor
+
+    path, data = volume
+    monkeypatch.setenv(STANDIN_ENV, "1")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), max_gpu_memory_bytes=1 << 26, dtype="bf16", device=0)
+    with damacy.Pipeline(cfg) as pipe:
+        assert isinstance(pipe.executor, CudaExecutor) and pipe.executor.budget.total == 1 << 26
+        pipe.push(_boxes(path, [(0, 0), (4, 4)]))
+        for batch in pipe.batches():
+            with batch as t:
+                want = np.stack([data[0:4, 0:4], data[4:8, 4:8]]).astype(batch.numpy_dtype)
+                np.testing.assert_array_equal(t.numpy().view(np.uint16), want.view(np.uint16))
+
+    def no_cupy(device):
+        raise ModuleNotFoundError("No module named 'cupy'")
+
+    monkeypatch.delenv(STANDIN_ENV)
+    monkeypatch.setattr("damacy_server.cuda.device.CupyDevice", no_cupy)
+    with pytest.raises(damacy.InvalidArgument, match=r"needs CuPy and nvCOMP: pip install 'damacy\[cuda13\]'"):
+        pipeline_module._cuda_executor(cfg)
