@@ -21,6 +21,10 @@ REFUSED = [
 ]
 
 
+#: numcodecs' codecs damacy reads (the rest are refused naming the codec)
+READ_NUMCODECS = {"zlib", "lz4", "bz2", "delta", "fixedscaleoffset", "astype"}
+
+
 def _manifest(root):
     return json.loads((root / "EXPECTED.json").read_text())
 
@@ -30,9 +34,9 @@ def _expected_refusal(entry) -> str | None:
     for pattern, word in REFUSED:
         if pattern.match(str(entry["data_type"])):
             return word
-    m = re.search(r"numcodecs\.(\w+)", entry["codecs"])
-    if m:
-        return f"numcodecs.{m.group(1)}"
+    for name in re.findall(r"numcodecs\.(\w+)", entry["codecs"]):
+        if name not in READ_NUMCODECS:
+            return f"numcodecs.{name}"
     return None
 
 

@@ -1,4 +1,5 @@
-"""Zarr v3 array metadata: ``zarr.json`` parsed and checked into an :class:`ArrayMetadata`."""
+"""Zarr array metadata: ``zarr.json`` (or a v2 ``.zarray``, as its v3 equivalent) parsed and
+checked into an :class:`ArrayMetadata`."""
 
 from __future__ import annotations
 
@@ -88,13 +89,23 @@ def decode_json(data: bytes, uri: str, what: str = "zarr.json") -> dict[str, Any
 
 
 def load_node(store: Store, root: str, uri: str) -> dict[str, Any]:
-    """The parsed ``zarr.json`` at ``root``; a clear error when there is none."""
+    """The parsed ``zarr.json`` at ``root``, or a Zarr v2 node (``.zarray`` or ``.zgroup``,
+    with ``.zattrs``) as its v3 equivalent; a clear error when there is none."""
     data = store.read(store.join(root, "zarr.json"))
     if data is not None:
         return decode_json(data, uri)
-    if store.exists(store.join(root, ".zarray")) or store.exists(store.join(root, ".zgroup")):
-        raise UnsupportedError("Zarr v2 data (.zarray/.zgroup, no zarr.json); damacy reads Zarr v3", uri=uri)
-    raise NotFound("no Zarr v3 array here (zarr.json not found)", uri=uri)
+    zarray = store.read(store.join(root, ".zarray"))
+    zgroup = store.read(store.join(root, ".zgroup")) if zarray is None else None
+    if zarray is not None or zgroup is not None:
+        from damacy_server.zarr.v2 import as_v3
+
+        raw = store.read(store.join(root, ".zattrs"))
+        attributes = decode_json(raw, uri, ".zattrs") if raw is not None else {}
+        if zarray is not None:
+            return as_v3(decode_json(zarray, uri, ".zarray"), attributes, uri)
+        decode_json(zgroup, uri, ".zgroup")
+        return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+    raise NotFound("no Zarr array or group here (neither zarr.json nor .zarray/.zgroup found)", uri=uri)
 
 
 def check_node(doc: dict[str, Any], uri: str) -> str:

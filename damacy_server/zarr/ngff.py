@@ -1,4 +1,5 @@
-"""OME-NGFF (0.5) images: a multiscale group resolves to the array of one of its levels."""
+"""OME-NGFF images (0.5 on Zarr v3, 0.4 on Zarr v2): a multiscale group resolves to the array
+of one of its levels."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ def multiscale_path(group: dict[str, Any], uri: str, level: int = 0) -> str | No
     attrs = group.get("attributes") or {}
     ome = attrs.get("ome") if isinstance(attrs, dict) else None
     multiscales = ome.get("multiscales") if isinstance(ome, dict) else None
+    if multiscales is None and isinstance(attrs, dict):  # NGFF 0.4 (Zarr v2): at the top of .zattrs
+        multiscales = attrs.get("multiscales")
     if multiscales is None:
         return None
     if not isinstance(multiscales, list) or not multiscales or not isinstance(multiscales[0], dict):

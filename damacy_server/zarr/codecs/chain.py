@@ -25,11 +25,12 @@ def registry() -> dict[str, type[Codec]]:
     from damacy_server.zarr.codecs.bytes import BytesCodec
     from damacy_server.zarr.codecs.crc32c import Crc32cCodec
     from damacy_server.zarr.codecs.gzip import GzipCodec
+    from damacy_server.zarr.codecs.numcodecs import CODECS as NUMCODECS
     from damacy_server.zarr.codecs.sharding import ShardingCodec
     from damacy_server.zarr.codecs.transpose import TransposeCodec
     from damacy_server.zarr.codecs.zstd import ZstdCodec
 
-    classes = (BytesCodec, TransposeCodec, ZstdCodec, BloscCodec, GzipCodec, Crc32cCodec, ShardingCodec)
+    classes = (BytesCodec, TransposeCodec, ZstdCodec, BloscCodec, GzipCodec, Crc32cCodec, ShardingCodec, *NUMCODECS)
     return {c.name: c for c in classes}
 
 
