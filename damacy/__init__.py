@@ -35,6 +35,7 @@ _LAZY = {
     "ChunkPlanner": "damacy_server.plan",
     "PlanLimits": "damacy_server.reads",
     "open_array": "damacy_server.read",
+    "open_image": "damacy_server.read",
     "read": "damacy_server.read",
     "MetadataCache": "damacy_server.resolve",
     "ZarrMetadata": "damacy_server.resolve",
@@ -185,6 +186,7 @@ __all__ = [
     "UnsupportedError",
     "ZarrMetadata",
     "open_array",
+    "open_image",
     "read",
     "__version__",
 ]

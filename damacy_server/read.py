@@ -54,6 +54,8 @@ def read(
     *,
     out_of_bounds: str = "error",
     metadata: ZarrMetadata | None = None,
+    level: int | None = None,
+    scale: Any = None,
 ) -> np.ndarray:
     """Read ``selection`` of the Zarr v3 array at ``uri``.
 
@@ -67,11 +69,22 @@ def read(
     dtypes...; default: the array's own). Errors are :class:`damacy.SampleError`
     subclasses naming the uri and, for data errors, the file and chunk.
 
+    An NGFF image reads its level 0, or level ``level``, or the level whose voxel size is
+    closest to ``scale`` (see :meth:`Image.level_for`); the selection is in that level's
+    index space.
+
     A read is a one-sample batch plan through the same planner and executor as a pipeline.
     With ``metadata`` that has a reader of its own, the data is read through that reader too
     (its rules, roots included).
     """
     md = metadata if metadata is not None else default_metadata()
+    if level is not None or scale is not None:
+        if level is not None and scale is not None:
+            raise InvalidArgument("give level or scale, not both", uri=str(uri))
+        image = md.image(uri)
+        if level is not None and not (isinstance(level, int) and 0 <= level < len(image.levels)):
+            raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level!r} asked", uri=str(uri))
+        uri = image.levels[level if level is not None else image.level_for(scale)].uri
     meta = md.array(uri)
     if out_of_bounds not in ("pad", "error"):
         raise InvalidArgument(f"out_of_bounds is 'pad' or 'error', got {out_of_bounds!r}", uri=str(uri))
@@ -130,3 +143,10 @@ def _named_by_uri(err: SampleError) -> SampleError:
 def open_array(uri: str, *, metadata: ZarrMetadata | None = None) -> ArrayMetadata:
     """The parsed metadata of the array at ``uri`` (shape, dtype, chunks, codecs...)."""
     return (metadata if metadata is not None else default_metadata()).array(uri)
+
+
+def open_image(uri: str, *, metadata: ZarrMetadata | None = None):
+    """The OME-NGFF image at ``uri`` (0.4 on Zarr v2, 0.5 on Zarr v3): its axes (names, types,
+    units) and its levels (path, uri, shape, dtype, scale and translation per axis); read a
+    level with ``damacy.read(uri, selection, level=k)`` or ``scale=...``."""
+    return (metadata if metadata is not None else default_metadata()).image(uri)

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from damacy_protocol.checks import Size, checked
-from damacy_protocol.errors import DecodeError, InvalidArgument, SampleError
+from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError
 from damacy_server.cache import LRUCache
 from damacy_server.store import Store, resolve_uri
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import ArrayMetadata, check_node, load_node, parse_array_metadata
-from damacy_server.zarr.ngff import multiscale_path
+from damacy_server.zarr.ngff import Image, Level, image_multiscale, multiscale_path, parse_axes, transforms
 
 
 class MetadataCache:
@@ -81,9 +81,50 @@ class ZarrMetadata:
             path = multiscale_path(doc, uri)
             if path is None:
                 raise InvalidArgument("names a Zarr group, not an array (nor an NGFF image)", uri=uri)
-            root = store.join(root, *path.split("/"))
-            doc = load_node(store, root, uri)
+            return self._level(store, root, path, 0, uri)
         return parse_array_metadata(doc, uri=uri, store=store, root=root)
+
+    def _level(self, store: Store, root: str, path: str, index: int, uri: str) -> ArrayMetadata:
+        """The array of an NGFF image's level ``index`` at ``path``; errors say what is there."""
+        level_root = store.join(root, *path.split("/"))
+        try:
+            doc = load_node(store, level_root, uri)
+        except NotFound:
+            raise NotFound(f"NGFF image level {index} ({path!r}) has no array: nothing at {path}", uri=uri) from None
+        if check_node(doc, uri) == "group":
+            raise InvalidArgument(f"NGFF image level {index} ({path!r}) is a Zarr group; a level must be an array", uri=uri)
+        return parse_array_metadata(doc, uri=uri, store=store, root=level_root)
+
+    def image(self, uri: str) -> Image:
+        """The NGFF image at ``uri``: its axes and every level's array, scale and translation."""
+        store, root = resolve_uri(uri)
+        if self.reader is not None:
+            store = self.reader
+        doc = load_node(store, root, str(uri))
+        if check_node(doc, str(uri)) != "group" or (found := image_multiscale(doc, str(uri))) is None:
+            raise InvalidArgument("is not an NGFF image (no multiscales in its group's attributes)", uri=str(uri))
+        version, multiscale = found
+        datasets = multiscale.get("datasets")
+        if not isinstance(datasets, list) or not datasets:
+            raise MetadataError("NGFF multiscales[0].datasets must be a non-empty list", uri=str(uri))
+        levels = []
+        axes = None
+        for index in range(len(datasets)):
+            path = multiscale_path(doc, str(uri), index)
+            meta = self.cache.arrays.get(store.join(root, *path.split("/")))
+            if meta is None:
+                meta = self._level(store, root, path, index, str(uri))
+                self.cache.arrays.put(store.join(root, *path.split("/")), meta)
+            if axes is None:
+                axes = parse_axes(multiscale, meta.ndim, str(uri))
+            scale, translation = transforms(datasets[index].get("coordinateTransformations"), meta.ndim, str(uri))
+            outer, shift = transforms(multiscale.get("coordinateTransformations"), meta.ndim, str(uri))
+            levels.append(Level(
+                index, path, f"{str(uri).rstrip('/')}/{path}", meta.shape, meta.dtype,
+                tuple(a * b for a, b in zip(scale, outer)), tuple(a * b + c for a, b, c in zip(translation, outer, shift)),
+            ))
+        name = multiscale.get("name") if isinstance(multiscale.get("name"), str) else None
+        return Image(str(uri), version if isinstance(version, str) else None, name, axes or (), tuple(levels))
 
     def locate(self, meta: ArrayMetadata, units: np.ndarray) -> UnitLocations:
         """Where the read units ``units`` (n, ndim) of ``meta`` are stored; reads the shard

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
+
 from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
@@ -69,3 +71,15 @@ def test_composed_pipeline_runs(tmp_path):
                     z = 4 * k + j
                     assert np.array_equal(batch.numpy()[j], data[z : z + 32, 8:72, 60:124].astype("f4"))
         assert k == 1
+
+
+def test_image_reads_run(tmp_path):
+    from test_ngff import pyramid
+
+    uri, data = pyramid(tmp_path / "image.zarr", 3, size=256)
+    scope: dict = {}
+    code = "import numpy as np\nimport damacy\n" + block("images").replace("data/image.zarr", uri)
+    exec(compile(code, "README images", "exec"), scope)
+    assert np.array_equal(scope["low"], data[2][0, :, 0:64, 0:64])
+    assert np.array_equal(scope["near"], data[1][0, :, 0:64, 0:64])
+    assert scope["sample"].uri == f"{uri}/s1"

@@ -3,24 +3,23 @@ of one of its levels."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
-from damacy_protocol.errors import InvalidArgument, MetadataError
+import numpy as np
+
+from damacy_protocol.errors import InvalidArgument, MetadataError, UnsupportedError
 
 
 def multiscale_path(group: dict[str, Any], uri: str, level: int = 0) -> str | None:
     """The path (relative to the group) of multiscale level ``level``, or ``None`` when the
     group is not an NGFF image."""
-    attrs = group.get("attributes") or {}
-    ome = attrs.get("ome") if isinstance(attrs, dict) else None
-    multiscales = ome.get("multiscales") if isinstance(ome, dict) else None
-    if multiscales is None and isinstance(attrs, dict):  # NGFF 0.4 (Zarr v2): at the top of .zattrs
-        multiscales = attrs.get("multiscales")
-    if multiscales is None:
+    found = image_multiscale(group, uri)
+    if found is None:
         return None
-    if not isinstance(multiscales, list) or not multiscales or not isinstance(multiscales[0], dict):
-        raise MetadataError("NGFF attributes.ome.multiscales must be a non-empty list of objects", uri=uri)
-    datasets = multiscales[0].get("datasets")
+    multiscale = found[1]
+    datasets = multiscale.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         raise MetadataError("NGFF multiscales[0].datasets must be a non-empty list", uri=uri)
     if not 0 <= level < len(datasets):
@@ -29,3 +28,125 @@ def multiscale_path(group: dict[str, Any], uri: str, level: int = 0) -> str | No
     if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
         raise MetadataError(f"NGFF dataset path {path!r} is not a relative path inside the image", uri=uri)
     return path
+
+
+# -- images: levels, axes and scales -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    type: str | None  # "space", "time", "channel", or None when the metadata says none
+    unit: str | None
+
+
+@dataclass(frozen=True)
+class Level:
+    """One resolution level: its array's uri and ``path`` in the image, shape and dtype, and
+    the voxel size (``scale``) and offset (``translation``) per axis, in the axes' units."""
+
+    index: int
+    path: str
+    uri: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    scale: tuple[float, ...]
+    translation: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Image:
+    """An OME-NGFF multiscale image (its first multiscale): ``damacy.open_image``."""
+
+    uri: str
+    version: str | None
+    name: str | None
+    axes: tuple[Axis, ...]
+    levels: tuple[Level, ...]
+
+    def level_for(self, scale: Any) -> int:
+        """The level whose voxel size is closest to ``scale``: one number for every spatial
+        axis, a sequence with one per spatial axis (in axis order), or a mapping from axis
+        name to size. Closest means the smallest worst-axis ratio, ``max |log(level / target)|``
+        over the axes given (so an anisotropic level is judged by its most distant axis);
+        on a tie the finer level (the lower index) wins."""
+        spatial = [k for k, a in enumerate(self.axes) if a.type == "space"] or [
+            k for k, a in enumerate(self.axes) if a.name.lower() in ("x", "y", "z")
+        ]
+        if isinstance(scale, dict):
+            names = {a.name: k for k, a in enumerate(self.axes)}
+            unknown = sorted(set(scale) - set(names))
+            if unknown:
+                raise InvalidArgument(f"scale names axes {unknown} the image does not have ({[a.name for a in self.axes]})", uri=self.uri)
+            targets = {names[n]: v for n, v in scale.items()}
+        else:
+            if not spatial:
+                raise InvalidArgument("the image has no spatial axes to match a scale to; give scale as {axis: size}", uri=self.uri)
+            values = [scale] * len(spatial) if isinstance(scale, (int, float)) else list(scale)
+            if len(values) != len(spatial):
+                names = [self.axes[k].name for k in spatial]
+                raise InvalidArgument(f"scale has {len(values)} values for the {len(spatial)} spatial axes {names}", uri=self.uri)
+            targets = dict(zip(spatial, values))
+        if not targets or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in targets.values()):
+            raise InvalidArgument(f"scale sizes must be positive numbers, got {scale!r}", uri=self.uri)
+
+        def distance(level: Level) -> float:
+            return max(abs(math.log(level.scale[k] / t)) if level.scale[k] > 0 else math.inf for k, t in targets.items())
+
+        return min(range(len(self.levels)), key=lambda i: (distance(self.levels[i]), i))
+
+
+def image_multiscale(group: dict[str, Any], uri: str) -> tuple[str | None, dict[str, Any]] | None:
+    """(version, first multiscale) of an NGFF group (0.5 under ``attributes.ome``, 0.4 at the
+    top of the attributes), or None when the group is not an image."""
+    attrs = group.get("attributes") or {}
+    if not isinstance(attrs, dict):
+        return None
+    ome = attrs.get("ome")
+    if isinstance(ome, dict) and ome.get("multiscales") is not None:
+        version, multiscales = ome.get("version"), ome["multiscales"]
+    elif attrs.get("multiscales") is not None:
+        multiscales = attrs["multiscales"]
+        version = multiscales[0].get("version") if isinstance(multiscales, list) and multiscales and isinstance(multiscales[0], dict) else None
+    else:
+        return None
+    if not isinstance(multiscales, list) or not multiscales or not isinstance(multiscales[0], dict):
+        raise MetadataError("NGFF multiscales must be a non-empty list of objects", uri=uri)
+    return version, multiscales[0]
+
+
+def parse_axes(multiscale: dict[str, Any], ndim: int, uri: str) -> tuple[Axis, ...]:
+    axes = multiscale.get("axes")
+    if axes is None:  # 0.3 and earlier: no axes; name them as the dimensions count from the end
+        return tuple(Axis(n, "space" if n in "zyx" else None, None) for n in "tczyx"[5 - ndim :]) if ndim <= 5 else ()
+    if not isinstance(axes, list) or len(axes) != ndim:
+        raise MetadataError(f"NGFF axes must list {ndim} axes, got {axes!r}", uri=uri)
+    out = []
+    for a in axes:
+        if isinstance(a, str):
+            out.append(Axis(a, "space" if a in "zyx" else None, None))
+        elif isinstance(a, dict) and isinstance(a.get("name"), str):
+            out.append(Axis(a["name"], a.get("type") if isinstance(a.get("type"), str) else None, a.get("unit") if isinstance(a.get("unit"), str) else None))
+        else:
+            raise MetadataError(f"an NGFF axis must be a name or an object with a name, got {a!r}", uri=uri)
+    return tuple(out)
+
+
+def transforms(entries: Any, ndim: int, uri: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(scale, translation) of a coordinateTransformations list (identity where absent)."""
+    scale, translation = [1.0] * ndim, [0.0] * ndim
+    for t in entries or []:
+        if not isinstance(t, dict):
+            raise MetadataError(f"an NGFF coordinate transformation must be an object, got {t!r}", uri=uri)
+        kind = t.get("type")
+        if kind in ("scale", "translation"):
+            values = t.get(kind)
+            if not isinstance(values, list) or len(values) != ndim or not all(isinstance(v, (int, float)) for v in values):
+                raise MetadataError(f"NGFF {kind} must list {ndim} numbers, got {values!r}", uri=uri)
+            if kind == "scale":
+                scale = [a * b for a, b in zip(scale, values)]
+            else:
+                translation = [a + b for a, b in zip(translation, values)]
+        elif kind != "identity":
+            raise UnsupportedError(f"NGFF coordinate transformation {kind!r} is not supported (scale, translation are)", uri=uri)
+    return tuple(float(v) for v in scale), tuple(float(v) for v in translation)

@@ -1,0 +1,127 @@
+"""OME-NGFF images by level and by scale: 0.4 (Zarr v2) and 0.5 (Zarr v3) pyramids written by
+zarr-python, listed by ``damacy.open_image`` and read with ``level=`` or ``scale=``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+
+import damacy
+
+AXES = [
+    {"name": "c", "type": "channel"},
+    {"name": "z", "type": "space", "unit": "micrometer"},
+    {"name": "y", "type": "space", "unit": "micrometer"},
+    {"name": "x", "type": "space", "unit": "micrometer"},
+]
+
+
+def pyramid(path, fmt, levels=3, global_scale=None, size=32):
+    """A (c, z, y, x) image: level k halves y and x; voxel (2, 0.5 * 2**k, 0.5 * 2**k)."""
+    group = zarr.open_group(str(path), mode="w", zarr_format=fmt)
+    multiscale = {
+        "name": "cells",
+        "axes": AXES,
+        "datasets": [
+            {
+                "path": f"s{k}",
+                "coordinateTransformations": [
+                    {"type": "scale", "scale": [1, 2.0, 0.5 * 2**k, 0.5 * 2**k]},
+                    {"type": "translation", "translation": [0, 0, 0.25 * (2**k - 1), 0.25 * (2**k - 1)]},
+                ],
+            }
+            for k in range(levels)
+        ],
+    }
+    if global_scale is not None:
+        multiscale["coordinateTransformations"] = [{"type": "scale", "scale": global_scale}]
+    if fmt == 2:
+        group.attrs["multiscales"] = [{"version": "0.4", **multiscale}]
+    else:
+        group.attrs["ome"] = {"version": "0.5", "multiscales": [multiscale]}
+    data = []
+    for k in range(levels):
+        n = size >> k
+        values = (np.arange(2 * 8 * n * n).reshape(2, 8, n, n) * (k + 1) % 5000).astype("uint16")
+        group.create_array(f"s{k}", shape=values.shape, chunks=(1, 4, 8, 8), dtype="uint16")[:] = values
+        data.append(values)
+    return str(path), data
+
+
+@pytest.mark.parametrize("fmt, version", [(2, "0.4"), (3, "0.5")])
+def test_open_image_lists_levels_axes_and_transforms(tmp_path, fmt, version):
+    uri, data = pyramid(tmp_path / "img.zarr", fmt, global_scale=[1, 1, 3.0, 3.0])
+    image = damacy.open_image(uri)
+    assert image.version == version and image.name == "cells"
+    assert [(a.name, a.type, a.unit) for a in image.axes] == [(a["name"], a["type"], a.get("unit")) for a in AXES]
+    assert [lv.path for lv in image.levels] == ["s0", "s1", "s2"]
+    assert [lv.shape for lv in image.levels] == [d.shape for d in data]
+    assert all(lv.dtype == np.uint16 for lv in image.levels)
+    assert image.levels[1].scale == (1.0, 2.0, 3.0, 3.0)  # the dataset's, times the multiscale's
+    assert image.levels[1].translation == (0.0, 0.0, 0.75, 0.75)
+    assert image.levels[2].uri == f"{uri}/s2"
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_read_picks_a_level_by_index_or_by_scale(tmp_path, fmt):
+    uri, data = pyramid(tmp_path / "img.zarr", fmt)
+    box = np.s_[1, 2:6, 1:7, 0:5]  # a channel selected like any axis
+    assert np.array_equal(damacy.read(uri, box), data[0][box])  # no level: level 0
+    for k in range(3):
+        assert np.array_equal(damacy.read(uri, box, level=k), data[k][box])
+    image = damacy.open_image(uri)
+    assert image.level_for([2.0, 1.0, 1.0]) == 1  # per spatial axis, in axis order (z, y, x)
+    assert image.level_for({"y": 2.0, "x": 2.1}) == 2  # by axis name
+    assert image.level_for({"x": 0.7}) == 0  # 0.5 is closer than 1.0 by ratio (1.4x vs 1.43x)
+    assert image.level_for(1.0) == 0  # z is 2.0 at every level: a tie on the worst axis, the finer level wins
+    assert np.array_equal(damacy.read(uri, box, scale=[2.0, 1.0, 1.0]), data[1][box])
+
+
+def test_a_sample_of_a_level_is_named_by_its_path(tmp_path):
+    uri, data = pyramid(tmp_path / "img.zarr", 3)
+    level = damacy.open_image(uri).levels[1]
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4, 4), dtype="u16")
+    with damacy.Pipeline(cfg, embedded=True) as pipe:
+        pipe.push([damacy.Sample(level.uri, np.s_[0, 0:4, 4:8, 8:12])])
+        with pipe.pop() as batch:
+            assert np.array_equal(batch.numpy()[0], data[1][0, 0:4, 4:8, 8:12])
+
+
+def test_refusals_say_what_was_found(tmp_path):
+    uri, _ = pyramid(tmp_path / "img.zarr", 3)
+    with pytest.raises(damacy.InvalidArgument, match="has 3 levels \\(0 to 2\\), level 3 asked"):
+        damacy.read(uri, level=3)
+    with pytest.raises(damacy.InvalidArgument, match="level or scale, not both"):
+        damacy.read(uri, level=0, scale=1.0)
+    with pytest.raises(damacy.InvalidArgument, match="2 values for the 3 spatial axes"):
+        damacy.read(uri, scale=[1.0, 1.0])
+    with pytest.raises(damacy.InvalidArgument, match="axes \\['t'\\]"):
+        damacy.read(uri, scale={"t": 1.0})
+    with pytest.raises(damacy.InvalidArgument, match="positive numbers"):
+        damacy.read(uri, scale=-1.0)
+    zarr.open_group(str(tmp_path / "plain.zarr"), mode="w")
+    with pytest.raises(damacy.InvalidArgument, match="not an NGFF image"):
+        damacy.open_image(str(tmp_path / "plain.zarr"))
+    # a level whose array is missing, and a level that is a group
+    meta = json.loads((tmp_path / "img.zarr" / "zarr.json").read_text())
+    meta["attributes"]["ome"]["multiscales"][0]["datasets"][1]["path"] = "gone"
+    (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(damacy.NotFound, match="level 1 \\('gone'\\) has no array"):
+        damacy.open_image(uri)
+    zarr.open_group(str(tmp_path / "img.zarr" / "sub"), mode="w")
+    meta["attributes"]["ome"]["multiscales"][0]["datasets"][0]["path"] = "sub"
+    (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(damacy.InvalidArgument, match="level 0 \\('sub'\\) is a Zarr group; a level must be an array"):
+        damacy.read(uri)
+
+
+def test_the_conformance_corpus_ngff_example_lists_its_levels(conformance_dir):
+    image_dir = conformance_dir / "neuroglancer/testdata/datasource/zarr/ome_zarr/simple_0.5"
+    if not image_dir.is_dir():
+        pytest.skip("the NGFF example is not in this corpus")
+    image = damacy.open_image(str(image_dir))
+    assert image.version == "0.5" and image.levels[0].shape == (10, 10)
+    assert np.array_equal(damacy.read(str(image_dir), level=0), np.arange(100, dtype="uint16").reshape(10, 10))
