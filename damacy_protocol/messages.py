@@ -64,6 +64,7 @@ class WireSample(msgspec.Struct, array_like=True):
     uri: str
     box: bool
     axes: list[WireEntry]
+    level: int | None = None  # an NGFF image's level
 
 
 class WireError(msgspec.Struct):

@@ -25,10 +25,26 @@ def _span(entry: Any) -> tuple[int | None, int | None]:
     return (entry, entry + 1)
 
 
+def _level(level: Any, uri: str) -> int | None:
+    """An NGFF image's level (None: the uri's own array, level 0 for an image)."""
+    if level is None:
+        return None
+    if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+        raise InvalidArgument(f"level must be a non-negative integer (an NGFF image's level), got {level!r}", uri=uri)
+    return level
+
+
+def _rebuild(cls, uri, selection, level):
+    return cls(uri, selection, level=level)
+
+
 class Sample:
     """A box of the array at ``uri``: per axis ``(start, stop)``, a slice or an integer (the
     axis is dropped), in a tuple (``np.s_[...]``); ``...`` stands for the axes not named and
     fewer entries select the rest whole (see :mod:`damacy_protocol.selection`).
+
+    ``level``: for an OME-NGFF image uri, the level to read (the box is in its index space;
+    none: level 0).
 
     Coordinates are absolute array coordinates: a box may reach outside the array (negative
     starts, stops past the end) and that part is padded with the array's fill value (or
@@ -36,29 +52,34 @@ class Sample:
     (``np.s_[:, 0:64]``) means the array's own bound on that axis.
     """
 
-    __slots__ = ("uri", "selection", "_hash")
+    __slots__ = ("uri", "selection", "level", "_hash")
 
     uri: str
     selection: tuple[slice | int | EllipsisType, ...]
+    level: int | None
 
-    def __init__(self, uri: Any, box: Any) -> None:
+    def __init__(self, uri: Any, box: Any, *, level: int | None = None) -> None:
         uri = _uri(uri)
         entries = normalize(box, BOX, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
-        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries))))
+        object.__setattr__(self, "level", _level(level, uri))
+        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries), self.level)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Sample is immutable")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sample) and self.uri == other.uri and key(self.selection) == key(other.selection)
+        return (
+            isinstance(other, Sample) and self.uri == other.uri and self.level == other.level
+            and key(self.selection) == key(other.selection)
+        )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (Sample, (self.uri, self.selection))
+        return (_rebuild, (Sample, self.uri, self.selection, self.level))
 
     @property
     def aabb(self) -> tuple[tuple[int | None, int | None] | EllipsisType, ...]:
@@ -79,7 +100,8 @@ class Sample:
         return tuple(out)
 
     def __repr__(self) -> str:
-        return f"Sample({self.uri!r}, {describe(self.selection)})"
+        level = "" if self.level is None else f", level={self.level}"
+        return f"Sample({self.uri!r}, {describe(self.selection)}{level})"
 
 
 class IndexQuery:
@@ -93,29 +115,34 @@ class IndexQuery:
     positions outside the array are padded or refused per ``out_of_bounds``.
     """
 
-    __slots__ = ("uri", "selection", "_hash")
+    __slots__ = ("uri", "selection", "level", "_hash")
 
     uri: str
     selection: tuple[slice | int | Indices | EllipsisType, ...]
+    level: int | None
 
-    def __init__(self, uri: Any, selection: Any) -> None:
+    def __init__(self, uri: Any, selection: Any, *, level: int | None = None) -> None:
         uri = _uri(uri)
         entries = normalize(selection, QUERY, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
-        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries))))
+        object.__setattr__(self, "level", _level(level, uri))
+        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries), self.level)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("IndexQuery is immutable")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, IndexQuery) and self.uri == other.uri and key(self.selection) == key(other.selection)
+        return (
+            isinstance(other, IndexQuery) and self.uri == other.uri and self.level == other.level
+            and key(self.selection) == key(other.selection)
+        )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (IndexQuery, (self.uri, self.selection))
+        return (_rebuild, (IndexQuery, self.uri, self.selection, self.level))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -147,4 +174,5 @@ class IndexQuery:
         return tuple(out)
 
     def __repr__(self) -> str:
-        return f"IndexQuery({self.uri!r}, {describe(self.selection)})"
+        level = "" if self.level is None else f", level={self.level}"
+        return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level})"

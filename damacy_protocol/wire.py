@@ -39,7 +39,7 @@ def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
     if not isinstance(sample, (Sample, IndexQuery)):
         raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
     axes = [_entry_to_wire(e) for e in sample.selection]
-    return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes)
+    return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes, level=sample.level)
 
 
 def _entry_to_wire(e: Any) -> m.WireEntry:
@@ -65,13 +65,14 @@ def _entry_from_wire(w: m.WireEntry) -> Any:
 def sample_from_wire(w: m.WireSample) -> Sample | IndexQuery:
     """The Sample or IndexQuery a wire sample names (its checks raise as the constructors do)."""
     entries = tuple(_entry_from_wire(a) for a in w.axes)
-    return Sample(w.uri, entries) if w.box else IndexQuery(w.uri, entries)
+    return Sample(w.uri, entries, level=w.level) if w.box else IndexQuery(w.uri, entries, level=w.level)
 
 
 def describe_wire(w: m.WireSample) -> str:
     """How a wire sample reads in an error message (it may not make a valid Sample)."""
     entries = tuple(_entry_from_wire(a) for a in w.axes)
-    return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)})"
+    level = "" if w.level is None else f", level={w.level}"
+    return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)}{level})"
 
 
 _NON_SAMPLE: dict[str, type[BaseException]] = {

@@ -228,7 +228,7 @@ class ChunkPlanner:
             try:
                 if isinstance(sample, BadSample):
                     raise sample.error
-                meta = self.metadata.array(sample.uri)
+                meta = self.metadata.array(sample.uri, level=getattr(sample, "level", None))
                 metas[i] = meta
                 if accept is not None:
                     accept(meta)

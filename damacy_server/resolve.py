@@ -63,8 +63,14 @@ class ZarrMetadata:
         self.reader = reader
         self.cache = cache if cache is not None else MetadataCache()
 
-    def array(self, uri: str) -> ArrayMetadata:
-        """The metadata of the array at ``uri`` (an NGFF image resolves to its level 0)."""
+    def array(self, uri: str, level: int | None = None) -> ArrayMetadata:
+        """The metadata of the array at ``uri`` (an NGFF image resolves to its level 0, or to
+        level ``level``)."""
+        if level is not None:
+            image = self.image(uri)
+            if level >= len(image.levels):
+                raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level} asked", uri=str(uri))
+            return self.array(image.levels[level].uri)
         store, root = resolve_uri(uri)
         if self.reader is not None:
             store = self.reader
@@ -96,10 +102,18 @@ class ZarrMetadata:
         return parse_array_metadata(doc, uri=uri, store=store, root=level_root)
 
     def image(self, uri: str) -> Image:
-        """The NGFF image at ``uri``: its axes and every level's array, scale and translation."""
+        """The NGFF image at ``uri``: its axes and every level's array, scale and translation
+        (kept in the array cache beside its levels)."""
         store, root = resolve_uri(uri)
         if self.reader is not None:
             store = self.reader
+        cached = self.cache.arrays.get((root, "ngff-image"))
+        if cached is None:
+            cached = self._image(store, root, uri)
+            self.cache.arrays.put((root, "ngff-image"), cached)
+        return cached
+
+    def _image(self, store: Store, root: str, uri: str) -> Image:
         doc = load_node(store, root, str(uri))
         if check_node(doc, str(uri)) != "group" or (found := image_multiscale(doc, str(uri))) is None:
             raise InvalidArgument("is not an NGFF image (no multiscales in its group's attributes)", uri=str(uri))

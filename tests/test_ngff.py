@@ -110,12 +110,12 @@ def test_refusals_say_what_was_found(tmp_path):
     meta["attributes"]["ome"]["multiscales"][0]["datasets"][1]["path"] = "gone"
     (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(damacy.NotFound, match="level 1 \\('gone'\\) has no array"):
-        damacy.open_image(uri)
+        damacy.open_image(uri, metadata=damacy.ZarrMetadata())  # a fresh cache: the metadata changed
     zarr.open_group(str(tmp_path / "img.zarr" / "sub"), mode="w")
     meta["attributes"]["ome"]["multiscales"][0]["datasets"][0]["path"] = "sub"
     (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(damacy.InvalidArgument, match="level 0 \\('sub'\\) is a Zarr group; a level must be an array"):
-        damacy.read(uri)
+        damacy.read(uri, metadata=damacy.ZarrMetadata())
 
 
 def test_the_conformance_corpus_ngff_example_lists_its_levels(conformance_dir):
@@ -125,3 +125,37 @@ def test_the_conformance_corpus_ngff_example_lists_its_levels(conformance_dir):
     image = damacy.open_image(str(image_dir))
     assert image.version == "0.5" and image.levels[0].shape == (10, 10)
     assert np.array_equal(damacy.read(str(image_dir), level=0), np.arange(100, dtype="uint16").reshape(10, 10))
+
+
+def test_samples_and_index_queries_pick_a_level(tmp_path, make):
+    """Sample(image, box, level=k) in every mode (embedded, damacyd, the CUDA executor on the
+    stand-in device); a level the image lacks fails its sample, naming it, and the others go on."""
+    uri, data = pyramid(tmp_path / "img.zarr", 3)
+    samples = [
+        damacy.Sample(uri, np.s_[0, 0:4, 0:4, 0:4], level=1),
+        damacy.Sample(uri, np.s_[1, 0:4, 4:8, 4:8], level=2),
+        damacy.Sample(uri, np.s_[1, 0:4, 4:8, 4:8]),  # no level: level 0
+        damacy.Sample(uri, np.s_[0, 0:4, 0:4, 0:4], level=7),
+    ]
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(4, 4, 4), dtype="u16", on_error="fill", pop_timeout_s=60)
+    with make(cfg) as pipe:
+        pipe.push(samples)
+        with pipe.pop() as batch:
+            got = batch.numpy()
+            assert np.array_equal(got[0], data[1][0, 0:4, 0:4, 0:4])
+            assert np.array_equal(got[1], data[2][1, 0:4, 4:8, 4:8])
+            assert np.array_equal(got[2], data[0][1, 0:4, 4:8, 4:8])
+            ((index, error),) = batch.info.errors
+            assert index == 3 and "3 levels (0 to 2), level 7 asked" in str(error)
+
+
+def test_a_level_is_part_of_a_samples_identity(tmp_path):
+    import pickle
+
+    a, b = damacy.Sample("img.zarr", np.s_[0:4], level=1), damacy.Sample("img.zarr", np.s_[0:4])
+    assert a != b and hash(a) != hash(b) and a.level == 1 and b.level is None
+    assert pickle.loads(pickle.dumps(a)) == a and "level=1" in repr(a)
+    q = damacy.IndexQuery("img.zarr", ([1, 2],), level=2)
+    assert pickle.loads(pickle.dumps(q)) == q
+    with pytest.raises(damacy.InvalidArgument, match="level must be a non-negative integer"):
+        damacy.Sample("img.zarr", np.s_[0:4], level=-1)

@@ -82,4 +82,4 @@ def test_image_reads_run(tmp_path):
     exec(compile(code, "README images", "exec"), scope)
     assert np.array_equal(scope["low"], data[2][0, :, 0:64, 0:64])
     assert np.array_equal(scope["near"], data[1][0, :, 0:64, 0:64])
-    assert scope["sample"].uri == f"{uri}/s1"
+    assert scope["sample"].uri == uri and scope["sample"].level == 1
