@@ -78,14 +78,15 @@ def read(
     (its rules, roots included).
     """
     md = metadata if metadata is not None else default_metadata()
-    if level is not None or scale is not None:
-        if level is not None and scale is not None:
-            raise InvalidArgument("give level or scale, not both", uri=str(uri))
-        image = md.image(uri)
-        if level is not None and not (isinstance(level, int) and 0 <= level < len(image.levels)):
-            raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level!r} asked", uri=str(uri))
-        uri = image.levels[level if level is not None else image.level_for(scale)].uri
-    meta = md.array(uri)
+    if level is not None and scale is not None:
+        raise InvalidArgument("give level or scale, not both", uri=str(uri))
+    if scale is not None:
+        level = md.image(uri).level_for(scale)
+    if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level < 0):
+        raise InvalidArgument(f"level must be a non-negative integer (an NGFF image's level), got {level!r}", uri=str(uri))
+    meta = md.array(uri, level=level)
+    if level is not None:
+        uri = meta.uri  # the level's own array, read as any array
     if out_of_bounds not in ("pad", "error"):
         raise InvalidArgument(f"out_of_bounds is 'pad' or 'error', got {out_of_bounds!r}", uri=str(uri))
     axes, drop = resolve(normalize(selection, READ, str(uri)), meta.shape, out_of_bounds, str(uri))

@@ -90,8 +90,9 @@ class ZarrMetadata:
             return self._level(store, root, path, 0, uri)
         return parse_array_metadata(doc, uri=uri, store=store, root=root)
 
-    def _level(self, store: Store, root: str, path: str, index: int, uri: str) -> ArrayMetadata:
-        """The array of an NGFF image's level ``index`` at ``path``; errors say what is there."""
+    def _level(self, store: Store, root: str, path: str, index: int, uri: str, level_uri: str | None = None) -> ArrayMetadata:
+        """The array of an NGFF image's level ``index`` at ``path`` (named ``level_uri``, by
+        default the image's); errors name the image and say what is there."""
         level_root = store.join(root, *path.split("/"))
         try:
             doc = load_node(store, level_root, uri)
@@ -99,7 +100,7 @@ class ZarrMetadata:
             raise NotFound(f"NGFF image level {index} ({path!r}) has no array: nothing at {path}", uri=uri) from None
         if check_node(doc, uri) == "group":
             raise InvalidArgument(f"NGFF image level {index} ({path!r}) is a Zarr group; a level must be an array", uri=uri)
-        return parse_array_metadata(doc, uri=uri, store=store, root=level_root)
+        return parse_array_metadata(doc, uri=level_uri or uri, store=store, root=level_root)
 
     def image(self, uri: str) -> Image:
         """The NGFF image at ``uri``: its axes and every level's array, scale and translation
@@ -125,16 +126,17 @@ class ZarrMetadata:
         axes = None
         for index in range(len(datasets)):
             path = multiscale_path(doc, str(uri), index)
+            level_uri = f"{str(uri).rstrip('/')}/{path}"
             meta = self.cache.arrays.get(store.join(root, *path.split("/")))
             if meta is None:
-                meta = self._level(store, root, path, index, str(uri))
+                meta = self._level(store, root, path, index, str(uri), level_uri)
                 self.cache.arrays.put(store.join(root, *path.split("/")), meta)
             if axes is None:
                 axes = parse_axes(multiscale, meta.ndim, str(uri))
             scale, translation = transforms(datasets[index].get("coordinateTransformations"), meta.ndim, str(uri))
             outer, shift = transforms(multiscale.get("coordinateTransformations"), meta.ndim, str(uri))
             levels.append(Level(
-                index, path, f"{str(uri).rstrip('/')}/{path}", meta.shape, meta.dtype,
+                index, path, level_uri, meta.shape, meta.dtype,
                 tuple(a * b for a, b in zip(scale, outer)), tuple(a * b + c for a, b, c in zip(translation, outer, shift)),
             ))
         name = multiscale.get("name") if isinstance(multiscale.get("name"), str) else None
