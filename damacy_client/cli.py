@@ -162,7 +162,7 @@ def demo(uri, endpoint, batches, batch_size, size, data_dir):
     """Stream random boxes into float32 batches and show the rate.
 
     Without URI, a sharded, zstd-compressed volume is written once (into --data-dir) and
-    streamed; with URI, that Zarr v3 array (or NGFF image) is."""
+    streamed; with URI, that Zarr array (v3 or v2, or an NGFF image) is."""
     from damacy_client import demo as d
 
     try:

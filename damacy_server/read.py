@@ -57,7 +57,7 @@ def read(
     level: int | None = None,
     scale: Any = None,
 ) -> np.ndarray:
-    """Read ``selection`` of the Zarr v3 array at ``uri``.
+    """Read ``selection`` of the Zarr array (v3 or v2) at ``uri``.
 
     ``selection``: ``None`` (everything) or, per axis in a tuple (``np.s_[...]``), a range
     (``a:b``, ``(a, b)``, ``a:b:step``), an integer (drops the axis), an index list or a

@@ -87,6 +87,7 @@ def test_malformed_json(tmp_path):
         ("storage_transformers", [{"name": "chunk-manifest"}], damacy.UnsupportedError, ["chunk-manifest"]),
         ("unknown_extension", {"must_understand": True}, damacy.UnsupportedError, ["unknown_extension"]),
         ("zarr_format", 4, damacy.MetadataError, ["zarr_format"]),
+        ("zarr_format", 2, damacy.MetadataError, ["zarr_format 2", ".zarray"]),
     ],
 )
 def test_bad_metadata_fields(tmp_path, field, value, cls, words):

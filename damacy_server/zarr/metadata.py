@@ -113,7 +113,7 @@ def check_node(doc: dict[str, Any], uri: str) -> str:
     fmt = doc.get("zarr_format")
     if fmt != 3:
         if fmt == 2:
-            raise UnsupportedError("zarr_format 2; damacy reads Zarr v3", uri=uri)
+            raise MetadataError("zarr.json says zarr_format 2 (Zarr v2 keeps its metadata in .zarray)", uri=uri)
         raise MetadataError(f"zarr_format must be 3, got {fmt!r}", uri=uri)
     node_type = doc.get("node_type")
     if node_type not in ("array", "group"):
