@@ -41,6 +41,7 @@ _LAZY = {
     "ZarrMetadata": "damacy_server.resolve",
     "FileMetadataReader": "damacy_server.store.file",
     "FileReader": "damacy_server.store.file",
+    "RemoteStores": "damacy_server.store.remote",
 }
 
 
@@ -167,6 +168,7 @@ __all__ = [
     "PlanLimits",
     "QueueLimits",
     "RemotePipeline",
+    "RemoteStores",
     "EmbeddedPipeline",
     "Sample",
     "BatchFailed",

@@ -98,7 +98,7 @@ def _fmt_bytes(n):
 
 def render(stats) -> str:
     d = stats["daemon"]
-    lines = [f"damacyd pid {d['pid']} at {d['endpoint']}, up {d['uptime_s']:.0f} s, serving {', '.join(d['allow_roots']) or 'no paths'}"]
+    lines = [f"damacyd pid {d['pid']} at {d['endpoint']}, up {d['uptime_s']:.0f} s, serving {', '.join(d['allow_roots'] + d.get('allow_prefixes', [])) or 'no paths'}"]
     mem = stats["memory"]
     lines.append(
         f"memory: {_fmt_bytes(mem['in_use_bytes'])} in use of {_fmt_bytes(mem['budget_bytes'])} "

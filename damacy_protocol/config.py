@@ -44,6 +44,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
       fill value (boxes and index lists alike), or ``"error"``.
     - ``drop_last``: drop the last batch when it is not full.
     - ``pop_timeout_s``: how long ``pop`` waits for a batch (``None``: no limit).
+    - ``storage_options``: options for object stores by uri prefix, e.g.
+      ``{"s3://bucket/data": {"endpoint": "http://10.0.0.2:9000", "region": "eu-west-1"}}``:
+      obstore's store options, its client options (``timeout``, ``connect_timeout``,
+      ``allow_http``, ...) and ``max_retries``/``retry_timeout``; the longest matching prefix
+      applies, over what the environment sets. Embedded pipelines only: damacyd reads with
+      its own options (``--storage-option``).
     - ``switch_interval_s``: while an embedded pipeline is open, the interpreter's thread
       switch interval is lowered to this (Python's default is 5 ms), so a decode thread
       coming back from C code waits at most that long for the GIL; ``None`` leaves it alone.
@@ -67,6 +73,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     drop_last: bool = False
     pop_timeout_s: Seconds | None = 600.0
     switch_interval_s: Seconds | None = 0.0005
+    storage_options: dict[str, dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         # msgspec checks types only when it decodes; a caller's Config is checked here, by

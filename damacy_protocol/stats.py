@@ -44,6 +44,7 @@ class DaemonFigures(_Figures):
     allow_roots: list[str]
     messages: int
     malformed_messages: int
+    allow_prefixes: list[str] = []
 
 
 class MemoryFigures(_Figures):

@@ -59,6 +59,8 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.version_option(package_name="damacy", prog_name="damacyd")
 @click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (default: $DAMACY_ENDPOINT, else the node's ipc:///tmp/damacy-UID/damacyd.sock).")
 @click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(exists=True, file_okay=False), help="A directory whose arrays may be served (repeatable). Without one, nothing is served.")
+@click.option("--allow-prefix", "allow_prefixes", multiple=True, metavar="URI", help="An object-store prefix (s3://bucket/path, gs://, az://, https://host/path) whose arrays may be served (repeatable).")
+@click.option("--storage-option", "storage_options", multiple=True, nargs=2, metavar="PREFIX KEY=VALUE", help="An option for the object stores under PREFIX (repeatable): obstore's store and client options (endpoint, region, timeout, allow_http, ...), max_retries, retry_timeout. Credentials come from the environment.")
 @click.option("--memory", type=Size(), default="8G", show_default=True, help="Host memory for batch slots plus chunk data in flight, all sessions together.")
 @click.option("--gpu-memory", type=Size(), default="4G", show_default=True, help="Per GPU, for sessions with Config.device: device slots plus each batch's decode arena.")
 @click.option("--chunk-cache", type=Size(), default="0", show_default=True, help="Decoded chunks kept for all sessions (LRU by bytes); 0 turns it off.")
@@ -73,7 +75,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def main(endpoint, allow_roots, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
+def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
     """Serve Zarr batches to every training process on this node."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s damacyd[%(process)d] %(levelname)s %(message)s")
     # the daemon does no linear algebra: no BLAS thread pool (its threads spin after start)
@@ -88,9 +90,17 @@ def main(endpoint, allow_roots, memory, gpu_memory, chunk_cache, io_workers, dec
     if curve_secret_key:
         with open(curve_secret_key, "rb") as f:
             secret = f.read().strip()
+    per_prefix: dict[str, dict[str, str]] = {}
+    for prefix, option in storage_options:
+        name, eq, value = option.partition("=")
+        if not eq or not name:
+            raise click.BadParameter(f"{option!r} is not KEY=VALUE", param_hint="--storage-option")
+        per_prefix.setdefault(prefix, {})[name] = value
     options = DaemonOptions(
         endpoint=endpoint or default_endpoint(),
         allow_roots=list(allow_roots),
+        allow_prefixes=list(allow_prefixes),
+        storage_options=per_prefix,
         memory_bytes=memory,
         gpu_memory_bytes=gpu_memory,
         chunk_cache_bytes=chunk_cache,

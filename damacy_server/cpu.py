@@ -41,6 +41,8 @@ from damacy_server.native_tasks import NativeTasks
 from damacy_server.plan import BatchPlan, UnitJob
 from damacy_server.reads import ReadGroup, shrink
 from damacy_server.run import GroupState, Run, samples_of
+from damacy_server.store import is_remote
+from damacy_server.store.fetch import Fetcher
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 
@@ -64,17 +66,22 @@ class CpuLimits:
     decode threads (default: the CPUs); ``chunk_cache_bytes``: decoded chunks kept for
     reuse across batches (LRU by bytes, 0: off; not part of ``max_memory_bytes``);
     ``native``: decode zstd/raw chunks and copy boxes in C without the GIL where that applies
-    (the results are the same as numpy's)."""
+    (the results are the same as numpy's); ``max_inflight_requests``: the most object-store
+    requests in flight at once (the window below it follows bandwidth × latency)."""
 
     max_memory_bytes: Count = 2 << 30
     decode_workers: Count | None = None
     chunk_cache_bytes: Size = 0
     native: bool = True
+    max_inflight_requests: Count = 1024
 
     def __post_init__(self) -> None:
         if self.decode_workers is None:
             object.__setattr__(self, "decode_workers", default_decode_workers())
-        check_fields(self, {"max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool})
+        check_fields(
+            self,
+            {"max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool, "max_inflight_requests": Count},
+        )
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -115,6 +122,9 @@ class CpuExecutor(BudgetedExecutor):
         self._direct = self.native is not None and hasattr(self.reader, "direct")
         self._direct_misses = 0
         self._direct_skip = 0
+        # reads from object stores: started with the first remote read
+        self._fetcher: Fetcher | None = None
+        self._fetcher_lock = threading.Lock()
 
     # -- execution ----------------------------------------------------------------
     def execute(
@@ -155,6 +165,9 @@ class CpuExecutor(BudgetedExecutor):
             need = group.reserve_nbytes
             status = self.budget.reserve(need, stop)
             if status is Reservation.TAKEN:
+                if is_remote(group.key):
+                    self._fetch(run, group, need)
+                    continue
                 if self._direct_ok(run, group):
                     self._decode.submit(self._read_direct, run, group, need, key=key, priority=run.order)
                     continue
@@ -233,10 +246,11 @@ class CpuExecutor(BudgetedExecutor):
         try:
             if run.cancelled() or self._closed:
                 return
+            store = u.meta.store if is_remote(u.key) else self.reader
             if u.nbytes < 0:
-                data = self.reader.read(u.key)
+                data = store.read(u.key)
             else:
-                data = self.reader.read_range(u.key, u.offset, u.nbytes)
+                data = store.read_range(u.key, u.offset, u.nbytes)
             with np.errstate(invalid="ignore", over="ignore"):
                 if data is None:
                     optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
@@ -339,24 +353,62 @@ class CpuExecutor(BudgetedExecutor):
 
     def _read(self, run: Run, group: ReadGroup, reserved: int) -> None:
         self._io_slots.release()
+        if run.cancelled() or self._closed:
+            self._landed(run, group, reserved, skip=True)
+            return
+        t0 = time.perf_counter()
+        try:
+            if group.length < 0:
+                data = self.reader.read(group.key)
+            else:
+                data = self.reader.read_range(group.key, group.offset, group.length)
+        except Exception as e:  # reported per sample (a SampleError) or as a crash
+            self._landed(run, group, reserved, error=e)
+            return
+        self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
+        self._landed(run, group, reserved, data)
+
+    def _fetch(self, run: Run, group: ReadGroup, reserved: int) -> None:
+        """Read a group from an object store: the request waits its turn in the fetcher
+        (many in flight, by batch order) and lands like a read of a file."""
+        if self._fetcher is None:
+            with self._fetcher_lock:
+                if self._fetcher is None:
+                    self._fetcher = Fetcher(max_inflight=self.limits.max_inflight_requests)
+        store = group.units[0].meta.store
+        t0 = [0.0]
+
+        def request():
+            if run.cancelled() or self._closed:
+                self._landed(run, group, reserved, skip=True)
+                return None
+            t0[0] = time.perf_counter()
+            return store.fetch(group.key, group.offset, group.length)
+
+        def done(data, error) -> None:
+            if error is None:
+                self.stats.add("read", time.perf_counter() - t0[0], bytes_out=len(data) if data else 0)
+            self._landed(run, group, reserved, data, error)
+
+        self._fetcher.submit((run.order, group.offset), request, done)
+
+    def _landed(self, run: Run, group: ReadGroup, reserved: int, data=None, error: BaseException | None = None, skip: bool = False) -> None:
+        """A group's bytes arrived (``None``: the object does not exist), or its read failed
+        with ``error``, or it was not read (``skip``): decode it, fill it, or report it, and
+        settle the group."""
         handed_over = False
         try:
-            if run.cancelled() or self._closed:
+            if skip or run.cancelled() or self._closed:
                 return
-            t0 = time.perf_counter()
-            try:
-                if group.length < 0:
-                    data = self.reader.read(group.key)
-                else:
-                    data = self.reader.read_range(group.key, group.offset, group.length)
-            except SampleError as e:
-                err = e.with_context(uri=group.units[0].meta.uri)
+            if isinstance(error, SampleError):
+                err = error.with_context(uri=group.units[0].meta.uri)
                 run.fail(samples_of(group.units), err)
                 for u in group.units:
                     if u.shared is not None:
                         self.inflight.settle(u.shared, error=err)
                 return
-            self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
+            if error is not None:
+                raise error
             if data is None:
                 # a chunk that was never written: its regions read as the fill value
                 for u in group.units:
@@ -445,3 +497,5 @@ class CpuExecutor(BudgetedExecutor):
         self._closed = True
         self._io.close()
         self._decode.close()
+        if self._fetcher is not None:
+            self._fetcher.close()

@@ -29,6 +29,7 @@ from damacy_server.slots import OutputSpec, SlotMemory
 from damacy_server.plan import BatchSpec, ChunkPlanner
 from damacy_server.reads import PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
+from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 
 log = logging.getLogger("damacy")
@@ -103,6 +104,7 @@ class Pipeline(PipelineAPI):
                 ZarrMetadata(
                     FileMetadataReader(),
                     MetadataCache(config.array_cache_entries, config.shard_index_cache_entries),
+                    RemoteStores(config.storage_options) if config.storage_options else None,
                 ),
                 PlanLimits(),
             )

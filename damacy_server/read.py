@@ -57,7 +57,9 @@ def read(
     level: int | None = None,
     scale: Any = None,
 ) -> np.ndarray:
-    """Read ``selection`` of the Zarr array (v3 or v2) at ``uri``.
+    """Read ``selection`` of the Zarr array (v3 or v2) at ``uri``: a local path, ``file://``,
+    or an object store (``s3://``, ``gs://``, ``az://``, ``http(s)://``; credentials from the
+    environment, or a ``metadata=ZarrMetadata(remote=RemoteStores(options))``).
 
     ``selection``: ``None`` (everything) or, per axis in a tuple (``np.s_[...]``), a range
     (``a:b``, ``(a, b)``, ``a:b:step``), an integer (drops the axis), an index list or a

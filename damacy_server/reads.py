@@ -15,6 +15,7 @@ import numpy as np
 
 from damacy_protocol.checks import Size, check_fields
 from damacy_server.cache import LRUCache
+from damacy_server.store import is_remote
 
 if TYPE_CHECKING:
     from damacy_server.plan import UnitJob
@@ -23,13 +24,20 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PlanLimits:
     """How reads are merged: byte ranges of one object closer than ``max_gap_bytes`` are read
-    as one, up to ``max_read_bytes`` per read."""
+    as one, up to ``max_read_bytes`` per read. Objects in object stores use the ``remote_``
+    limits: a request there costs a round trip of milliseconds, in which the link carries
+    far more than a local disk's gap (1 MiB is what obstore and object_store coalesce)."""
 
     max_gap_bytes: Size = 64 << 10
     max_read_bytes: Size = 64 << 20
+    remote_max_gap_bytes: Size = 1 << 20
+    remote_max_read_bytes: Size = 64 << 20
 
     def __post_init__(self) -> None:
-        check_fields(self, {"max_gap_bytes": Size, "max_read_bytes": Size})
+        check_fields(
+            self,
+            {"max_gap_bytes": Size, "max_read_bytes": Size, "remote_max_gap_bytes": Size, "remote_max_read_bytes": Size},
+        )
 
 
 @dataclass(eq=False)
@@ -55,7 +63,8 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
     ``jobs`` come in plan order: the units of one object together, by offset."""
     groups: list[ReadGroup] = []
     merged = 0
-    gap, most = limits.max_gap_bytes, limits.max_read_bytes
+    local = (limits.max_gap_bytes, limits.max_read_bytes)
+    remote = (limits.remote_max_gap_bytes, limits.remote_max_read_bytes)
     current: ReadGroup | None = None
     end = 0
     for job in jobs:
@@ -63,6 +72,7 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
             groups.append(ReadGroup(job.key, 0, -1, [job]))
             current = None
             continue
+        gap, most = remote if is_remote(job.key) else local
         stop = job.offset + job.nbytes
         if current is not None and job.key == current.key and job.offset - end <= gap and stop - current.offset <= most:
             if stop > end:

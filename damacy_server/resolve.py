@@ -15,7 +15,7 @@ import numpy as np
 from damacy_protocol.checks import Size, checked
 from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError
 from damacy_server.cache import LRUCache
-from damacy_server.store import Store, resolve_uri
+from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import ArrayMetadata, check_node, load_node, parse_array_metadata
@@ -59,9 +59,25 @@ class UnitLocations:
 class ZarrMetadata:
     """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``."""
 
-    def __init__(self, reader: Store | None = None, cache: MetadataCache | None = None) -> None:
+    def __init__(self, reader: Store | None = None, cache: MetadataCache | None = None, remote: RemoteStores | None = None) -> None:
         self.reader = reader
         self.cache = cache if cache is not None else MetadataCache()
+        self.remote = remote
+
+    def store_of(self, uri: str) -> tuple[Store, str]:
+        """The store that reads ``uri`` (local paths: ``reader`` when set; object-store uris:
+        ``remote``'s store for the bucket) and the key of its root."""
+        store, root = resolve_uri(uri, self.remote)
+        if self.reader is not None and not is_remote(root):
+            store = self.reader
+        return store, root
+
+    def check_allowed(self, uri: str) -> None:
+        """Refuse ``uri`` early, by name, when this metadata's stores may not read it."""
+        store, root = self.store_of(uri)
+        check = getattr(store, "check_allowed", None)
+        if check is not None:
+            check(root)
 
     def array(self, uri: str, level: int | None = None) -> ArrayMetadata:
         """The metadata of the array at ``uri`` (an NGFF image resolves to its level 0, or to
@@ -71,9 +87,7 @@ class ZarrMetadata:
             if level >= len(image.levels):
                 raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level} asked", uri=str(uri))
             return self.array(image.levels[level].uri)
-        store, root = resolve_uri(uri)
-        if self.reader is not None:
-            store = self.reader
+        store, root = self.store_of(uri)
         cache_key = root
         meta = self.cache.arrays.get(cache_key)
         if meta is None:
@@ -105,9 +119,7 @@ class ZarrMetadata:
     def image(self, uri: str) -> Image:
         """The NGFF image at ``uri``: its axes and every level's array, scale and translation
         (kept in the array cache beside its levels)."""
-        store, root = resolve_uri(uri)
-        if self.reader is not None:
-            store = self.reader
+        store, root = self.store_of(uri)
         cached = self.cache.arrays.get((root, "ngff-image"))
         if cached is None:
             cached = self._image(store, root, uri)
@@ -173,6 +185,7 @@ class ZarrMetadata:
         if not layout.levels or not n:
             return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
+        prefetched = self._prefetch_indexes(meta, [objects[o] for o in np.unique(owners).tolist()])
         for depth, (level, slots) in enumerate(zip(layout.levels, layout.level_slots(units))):
             # the units of each container (a shard object, or a shard within an outer shard)
             live = np.flatnonzero(~missing)
@@ -186,7 +199,7 @@ class ZarrMetadata:
             for c, (owner, base, size) in enumerate(zip(o[starts].tolist(), b[starts].tolist(), z[starts].tolist())):
                 idx = live[order[bounds[c] : bounds[c + 1]]]
                 try:
-                    found = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner])
+                    found = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner], prefetched if depth == 0 else None)
                 except SampleError as e:
                     errors.update((i, e) for i in idx.tolist())
                     missing[idx] = True  # nothing more to read for them
@@ -215,12 +228,26 @@ class ZarrMetadata:
                 nbytes[full] = entries[ok, 1].astype(np.int64)
         return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
+    def _prefetch_indexes(self, meta: ArrayMetadata, keys: list[str]) -> dict[str, object] | None:
+        """The (index bytes, object size) of the outer shards among ``keys`` not yet cached,
+        requested all at once when the store is remote (one round trip for all, not one
+        each); ``None`` (missing) or the exception per key."""
+        fetch_many = getattr(meta.store, "read_ranges_sized", None)
+        if not meta.layout.levels or fetch_many is None or len(keys) < 2:
+            return None
+        want = [k for k in keys if self.cache.shard_indexes.get((k, 0, 0)) is None]
+        if len(want) < 2:
+            return None
+        start, length = meta.layout.levels[0].index_range()
+        return dict(zip(want, fetch_many(want, start, length)))
+
     def shard_index(
-        self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...]
+        self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...],
+        prefetched: dict[str, object] | None = None,
     ) -> tuple[np.ndarray, int] | None:
         """The index table of the shard at ``key`` bytes [base, base+size) (size -1: the whole
         object) and the shard's size in bytes, or ``None`` when the shard object does not
-        exist."""
+        exist (``prefetched``: outer shards' reads already made, see :meth:`_prefetch_indexes`)."""
         cache_key = (key, base, depth)
         found = self.cache.shard_indexes.get(cache_key)
         if found is not None:
@@ -234,7 +261,12 @@ class ZarrMetadata:
                 data = meta.store.read_range(key, base + (start if start >= 0 else size - length), length)
                 container = size
             else:
-                got = meta.store.read_range_sized(key, start, length)
+                if prefetched is not None and key in prefetched:
+                    got = prefetched[key]
+                    if isinstance(got, BaseException):
+                        raise got
+                else:
+                    got = meta.store.read_range_sized(key, start, length)
                 data, container = (None, 0) if got is None else got
             if data is None:
                 return None

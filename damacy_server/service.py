@@ -49,7 +49,7 @@ from damacy_server.reads import PlanLimits
 from damacy_server.resolve import MetadataCache, ZarrMetadata
 from damacy_server.session import Session
 from damacy_server.shm import Segment, remove_stale
-from damacy_server.store import resolve_uri
+from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool
 from damacy_server.zarr.codecs.chain import registry
@@ -68,6 +68,8 @@ FD_RESERVE = 64
 class DaemonOptions:
     endpoint: str
     allow_roots: list[str] = field(default_factory=list)
+    allow_prefixes: list[str] = field(default_factory=list)
+    storage_options: dict[str, dict[str, str]] = field(default_factory=dict)
     memory_bytes: int = 8 << 30
     chunk_cache_bytes: int = 0
     io_workers: int = max(4, os.cpu_count() or 1)
@@ -94,11 +96,13 @@ class Daemon:
         remove_stale(log.info)
         roots = [os.path.realpath(r) for r in options.allow_roots]
         self.roots = roots
-        if not roots:
-            log.warning("no --allow-root given: every sample will be refused until damacyd serves a directory")
+        self.remote = RemoteStores(options.storage_options, allow=options.allow_prefixes)
+        if not roots and not options.allow_prefixes:
+            log.warning("no --allow-root or --allow-prefix given: every sample will be refused until damacyd serves data")
         self.metadata = ZarrMetadata(
             FileMetadataReader(roots=roots),
             MetadataCache(options.array_cache_entries, options.shard_index_cache_entries),
+            self.remote,
         )
         self.planner = ChunkPlanner(self.metadata, PlanLimits())
         # planning (and the metadata reads it may need) runs here, off the loop thread;
@@ -406,7 +410,7 @@ class Daemon:
         """A wire sample as a Sample/IndexQuery; one that may not be served becomes a
         :class:`BadSample` whose error its pop reports."""
         try:
-            self.metadata.reader.check_allowed(resolve_uri(w.uri)[1])
+            self.metadata.check_allowed(w.uri)
             return sample_from_wire(w)
         except (SampleError, ValueError, TypeError, OverflowError) as e:
             if not isinstance(e, SampleError):
@@ -422,6 +426,7 @@ class Daemon:
                 endpoint=self.endpoint,
                 uptime_s=time.time() - self.started,
                 allow_roots=list(self.roots),
+                allow_prefixes=list(self.remote.allow or []),
                 messages=self.received,
                 malformed_messages=self.malformed,
             ),

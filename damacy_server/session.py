@@ -102,6 +102,11 @@ class Session:
         self.engine: BatchEngine | None = None  # a control session (the CLI) has none
         if hello.config is not None:
             self.config = cfg = hello.config
+            if cfg.storage_options:
+                raise InvalidArgument(
+                    "Config.storage_options applies to embedded pipelines; damacyd reads object stores with "
+                    "its own options (damacyd --storage-option PREFIX KEY=VALUE)"
+                )
             executor = daemon.executor
             if cfg.device is not None:  # decoded and assembled on that GPU, slots shared over CUDA IPC
                 if not hello.device:

@@ -15,7 +15,6 @@ from damacy_protocol import messages as m
 from damacy_protocol.errors import DamacyError, SampleError
 from damacy_protocol.wire import error_to_wire
 from damacy_server.decode import check_length, decode_unit
-from damacy_server.store import resolve_uri
 
 #: units located (and read) per step, so progress moves and memory stays small
 STEP = 256
@@ -63,7 +62,7 @@ def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progre
     metas = []
     for uri in uris:
         try:
-            daemon.metadata.reader.check_allowed(resolve_uri(uri)[1])
+            daemon.metadata.check_allowed(uri)
             metas.append(daemon.metadata.array(uri))
             out["arrays"] += 1
         except SampleError as e:

@@ -19,6 +19,7 @@ from damacy_server.cuda.twin import CODES
 from damacy_server.decode import check_length, decode_unit
 from damacy_server.plan import BatchPlan, UnitJob
 from damacy_server.run import for_sample, samples_of
+from damacy_server.store import is_remote
 from damacy_server.store.file import FileReader
 from damacy_server.zarr.codecs.base import CorruptData
 from damacy_server.zarr.codecs.blosc import HEADER, parse_frame
@@ -55,8 +56,9 @@ def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, SampleErro
     decoded_here: list[int] = []
     nbytes = 0
     for group in plan.groups:
+        store = group.units[0].meta.store if is_remote(group.key) else reader
         try:
-            data = reader.read(group.key) if group.length < 0 else reader.read_range(group.key, group.offset, group.length)
+            data = store.read(group.key) if group.length < 0 else store.read_range(group.key, group.offset, group.length)
         except SampleError as e:
             fail(errors, plan, samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
             continue

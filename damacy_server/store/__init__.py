@@ -1,4 +1,6 @@
-"""Storage backends behind one small interface (:class:`Store`), and uri resolution."""
+"""Storage backends behind one small interface (:class:`Store`), and uri resolution: local
+paths and ``file://`` through :class:`FileStore`, object-store uris (``s3://``, ``gs://``,
+``az://``, ``http(s)://``) through :class:`ObjectStore` (obstore)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,21 @@ from urllib.parse import unquote, urlparse
 from damacy_protocol.errors import InvalidArgument, UnsupportedError
 from damacy_server.store.base import ByteRange, Store
 from damacy_server.store.file import FileStore
+from damacy_server.store.remote import SCHEMES, ObjectStore, RemoteStores, is_remote
 
-__all__ = ["ByteRange", "FileStore", "Store", "resolve_uri"]
+__all__ = ["ByteRange", "FileStore", "ObjectStore", "RemoteStores", "Store", "is_remote", "resolve_uri"]
 
 _FILE_STORE = FileStore()
+_REMOTE = RemoteStores()
 
 
-def resolve_uri(uri: str) -> tuple[Store, str]:
-    """The store that holds ``uri`` and the key of its root (for files: an absolute path).
+def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, str]:
+    """The store that holds ``uri`` and the key of its root (for files: an absolute path; for
+    objects: the normalised uri).
 
-    Accepted: a local path (absolute or relative to the working directory) or ``file://``.
+    Accepted: a local path (absolute or relative to the working directory), ``file://``, or an
+    object-store uri, read through ``remote`` (default: the process's, options from the
+    environment).
     """
     if not isinstance(uri, (str, os.PathLike)):
         raise InvalidArgument(f"a uri must be a string or path, not {type(uri).__name__}")
@@ -32,9 +39,12 @@ def resolve_uri(uri: str) -> tuple[Store, str]:
         if parsed.netloc not in ("", "localhost"):
             raise InvalidArgument(f"file uri with a remote host {parsed.netloc!r}", uri=text)
         path = unquote(parsed.path)
+    elif scheme in SCHEMES:
+        return (remote if remote is not None else _REMOTE).resolve(text)
     elif scheme and len(scheme) > 1:  # one letter: a Windows drive, not a scheme
         raise UnsupportedError(
-            f"storage scheme {scheme!r}:// is not supported (local paths and file:// are)", uri=text
+            f"storage scheme {scheme!r}:// is not supported (local paths, file://, {', '.join(s + '://' for s in SCHEMES)} are)",
+            uri=text,
         )
     else:
         path = text

@@ -1,0 +1,328 @@
+"""Object stores (S3, GCS, Azure, HTTP) through obstore.
+
+A remote key is the object's whole uri (``s3://bucket/path/c/0/0``), so keys from different
+stores never collide in the caches, and a key says which store reads it. One
+:class:`ObjectStore` serves one bucket (or HTTP host) with one set of options; the
+:class:`RemoteStores` of a process (or of a daemon) makes them on demand.
+
+Credentials and endpoints come from the environment as the clouds' own tools read it (for
+S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``), with options per uri prefix on
+top (``Config.storage_options``, ``damacyd --storage-option``). Requests that fail with a
+5xx status or time out are retried with exponential backoff by obstore; what still fails
+raises :class:`StorageError` naming the object and the HTTP status. obstore releases the
+GIL while it waits.
+
+A daemon lists the prefixes it serves (``--allow-prefix``); every key is checked against
+them when it is read, not only the uri a client named (an NGFF level's path comes from
+metadata). Dot segments and empty segments are refused in every remote uri: a server may
+normalise ``a/../b`` to ``b`` where a prefix check would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from urllib.parse import unquote, urlsplit
+
+from damacy_protocol.errors import InvalidArgument, StorageError, UnsupportedError
+from damacy_server.store.base import ByteRange, Store
+
+#: uri schemes read through obstore
+SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
+_PREFIXES = tuple(f"{s}://" for s in SCHEMES)
+
+#: obstore's HTTP client options (the rest of a prefix's options configure the store itself)
+CLIENT_OPTIONS = frozenset({
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+    "http1_only", "http2_only", "http2_keep_alive_interval", "http2_keep_alive_timeout",
+    "http2_keep_alive_while_idle", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url",
+    "timeout", "user_agent",
+})
+#: retry options: ``max_retries`` (default 3) and ``retry_timeout`` (seconds, default 60)
+RETRY_OPTIONS = frozenset({"max_retries", "retry_timeout"})
+#: a request's defaults: long enough for a large range over a slow link, short enough that a
+#: stalled server is reported within a minute or two rather than obstore's three
+DEFAULT_CLIENT = {"timeout": "30s", "connect_timeout": "5s"}
+DEFAULT_RETRY = {"max_retries": 3, "retry_timeout": 60.0}
+
+#: where the environment holds a scheme's client options (``AWS_ALLOW_HTTP``, ...)
+_ENV_PREFIX = {"s3": "AWS", "s3a": "AWS", "gs": "GOOGLE", "az": "AZURE", "azure": "AZURE", "abfs": "AZURE", "abfss": "AZURE"}
+_STATUS = re.compile(r"status(?: code)?:? (\d{3})")
+_RETRIES = re.compile(r"\bretries: (\d+)")
+
+
+def is_remote(key: str) -> bool:
+    """Does ``key`` (a uri or a store key) name an object in an object store?"""
+    return key.startswith(_PREFIXES)
+
+
+def normalized(uri: str) -> str:
+    """``uri`` as a key: scheme lower-cased, no trailing slash; refuses what a prefix check
+    could be fooled by (dot or empty segments, queries, fragments, credentials)."""
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise UnsupportedError(f"storage scheme {scheme!r}:// is not supported", uri=uri)
+    if not parts.netloc:
+        raise InvalidArgument("the uri names no bucket or host", uri=uri)
+    if parts.query or parts.fragment:
+        raise InvalidArgument("a storage uri takes no query or fragment", uri=uri)
+    if "@" in parts.netloc:
+        raise InvalidArgument("credentials do not go in the uri (use the environment or storage options)", uri=uri)
+    path = parts.path.rstrip("/")
+    for segment in path.split("/")[1:]:
+        if unquote(segment) in ("", ".", ".."):
+            raise InvalidArgument(f"the uri has an empty, '.' or '..' segment ({segment!r})", uri=uri)
+    return f"{scheme}://{parts.netloc}{path}"
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + "/")
+
+
+class ObjectStore(Store):
+    """Reads the objects of one bucket (or HTTP host): keys are uris starting with ``base``."""
+
+    remote = True
+
+    def __init__(self, base: str, options: Mapping[str, str] | None = None, allow: Sequence[str] | None = None) -> None:
+        try:
+            from obstore.store import from_url
+        except ModuleNotFoundError as e:
+            raise UnsupportedError(
+                "reading object stores needs obstore (pip install obstore)", uri=base
+            ) from e
+        self.base = base
+        self.allow = None if allow is None else tuple(allow)
+        config: dict[str, str] = {}
+        client, retry = dict(DEFAULT_CLIENT), dict(DEFAULT_RETRY)
+        # client options given replace obstore's own reading of them from the environment
+        env = _ENV_PREFIX.get(base.split("://", 1)[0])
+        for name in CLIENT_OPTIONS:
+            if env is not None and f"{env}_{name.upper()}" in os.environ:
+                client[name] = os.environ[f"{env}_{name.upper()}"]
+        if base.startswith("http://"):
+            client["allow_http"] = "true"  # the uri says plain HTTP
+        for name, value in (options or {}).items():
+            (client if name in CLIENT_OPTIONS else retry if name in RETRY_OPTIONS else config)[name] = value
+        try:
+            retry_config = {
+                "max_retries": int(retry["max_retries"]),
+                "retry_timeout": datetime.timedelta(seconds=float(retry["retry_timeout"])),
+                "backoff": {"init_backoff": datetime.timedelta(milliseconds=100), "max_backoff": datetime.timedelta(seconds=15), "base": 2.0},
+            }
+            self._store = from_url(base, config=config or None, client_options=client, retry_config=retry_config)
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(f"storage options for {base}: {e}", uri=base) from None
+        except Exception as e:  # obstore's configuration errors (an unknown key, a bad value)
+            raise InvalidArgument(f"storage options for {base}: {_first_line(e)}", uri=base) from None
+
+    # -- keys ---------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        """The object's path in the store; refuses a key outside the store or the allowed
+        prefixes."""
+        if not _under(key, self.base) or key == self.base:
+            raise InvalidArgument(f"{key} is not an object of {self.base}", path=key)
+        if self.allow is not None and not any(_under(key, p) for p in self.allow):
+            raise self.outside(key)
+        return key[len(self.base) + 1 :]
+
+    def outside(self, key: str) -> InvalidArgument:
+        if not self.allow:
+            return InvalidArgument("this damacyd serves no object stores (start it with --allow-prefix URI)", path=key)
+        return InvalidArgument(f"{key} is outside the daemon's allowed prefixes ({', '.join(self.allow)})", path=key)
+
+    def check_allowed(self, key: str) -> None:
+        if self.allow is not None and not any(_under(key, p) for p in self.allow):
+            raise self.outside(key)
+
+    def join(self, base: str, *parts: str) -> str:
+        out = base.rstrip("/")
+        for part in parts:
+            for segment in part.split("/"):
+                if segment in ("", ".", ".."):
+                    raise InvalidArgument(f"a path below {base} has an empty, '.' or '..' segment ({part!r})", path=base)
+                out += "/" + segment
+        return out
+
+    # -- reads ----------------------------------------------------------------------
+    def read(self, key: str) -> bytes | None:
+        import obstore
+
+        path = self.path(key)
+        try:
+            return bytes(obstore.get(self._store, path).bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise storage_error(e, key) from None
+
+    def read_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes] | None:
+        out = []
+        for offset, length in ranges:
+            got = self._range(key, offset, length)
+            if got is None:
+                return None
+            out.append(got)
+        return out
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes | None:
+        return self._range(key, offset, length)
+
+    def read_range_sized(self, key: str, offset: int, length: int) -> tuple[bytes, int] | None:
+        import obstore
+
+        path = self.path(key)
+        try:
+            got = obstore.get(self._store, path, options={"range": _range_option(offset, length)})
+            return bytes(got.bytes()), got.meta["size"]
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            if _unsatisfiable(e):
+                size = self.size(key)
+                return None if size is None else (b"", size)
+            raise storage_error(e, key) from None
+
+    def read_ranges_sized(self, keys: Sequence[str], offset: int, length: int) -> list:
+        """:meth:`read_range_sized` of many objects, requested all at once: per key the
+        (bytes, size), ``None`` when it does not exist, or the :class:`StorageError`."""
+
+        async def one(key: str):
+            import obstore
+
+            try:
+                got = await obstore.get_async(self._store, self.path(key), options={"range": _range_option(offset, length)})
+                return bytes(await got.bytes_async()), got.meta["size"]
+            except FileNotFoundError:
+                return None
+            except InvalidArgument as e:
+                return e
+            except Exception as e:
+                if _unsatisfiable(e):
+                    return await asyncio.to_thread(self.read_range_sized, key, offset, length)
+                return storage_error(e, key)
+
+        async def all_of():
+            return await asyncio.gather(*(one(k) for k in keys))
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread (the planner's, a plain caller's)
+            return asyncio.run(all_of())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code
+            return pool.submit(asyncio.run, all_of()).result()
+
+    def _range(self, key: str, offset: int, length: int):
+        import obstore
+
+        path = self.path(key)
+        if length == 0:
+            return b"" if self.size(key) is not None else None
+        try:
+            if offset >= 0:
+                return bytes(obstore.get_range(self._store, path, start=offset, length=length))
+            return bytes(obstore.get(self._store, path, options={"range": {"suffix": -offset}}).bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            if _unsatisfiable(e):  # a range past the end: short, like a file's
+                return None if self.size(key) is None else b""
+            raise storage_error(e, key) from None
+
+    def size(self, key: str) -> int | None:
+        import obstore
+
+        path = self.path(key)
+        try:
+            return obstore.head(self._store, path)["size"]
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise storage_error(e, key) from None
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    async def fetch(self, key: str, offset: int, length: int):
+        """The bytes [offset, offset + length) of ``key`` (length -1: the whole object), or
+        ``None`` when it does not exist; for an event loop (many requests in flight)."""
+        import obstore
+
+        path = self.path(key)
+        try:
+            if length < 0:
+                got = await obstore.get_async(self._store, path)
+                return await got.bytes_async()
+            if length == 0:
+                return b""
+            return await obstore.get_range_async(self._store, path, start=offset, length=length)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            if _unsatisfiable(e):
+                return b""
+            raise storage_error(e, key) from None
+
+
+def _range_option(offset: int, length: int) -> dict:
+    return {"suffix": -offset} if offset < 0 else {"offset": offset} if length < 0 else {"start": offset, "end": offset + length}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+def _unsatisfiable(e: BaseException) -> bool:
+    text = str(e)
+    return "416" in text and "status" in text or "InvalidRange" in text or "not satisfiable" in text.lower()
+
+
+def storage_error(e: BaseException, key: str) -> StorageError:
+    """An obstore failure as a :class:`StorageError` naming the object, the HTTP status
+    (when the server answered) and the cause."""
+    text = str(e)
+    status = _STATUS.search(text)
+    if status:
+        reason = f"HTTP {status.group(1)}"
+    elif "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower():
+        reason = "the request timed out"
+    else:
+        reason = "the request failed"
+    retries = _RETRIES.search(text)
+    if retries and int(retries.group(1)):
+        reason += f" after {retries.group(1)} retries"
+    return StorageError(f"{reason} ({_first_line(e)})", path=key)
+
+
+class RemoteStores:
+    """Makes the :class:`ObjectStore` of each bucket on demand, with the options of the
+    longest matching prefix in ``options`` ({uri prefix: {option: value}}). ``allow``:
+    ``None`` reads any uri; a list reads only uris under one of those prefixes (a daemon)."""
+
+    def __init__(self, options: Mapping[str, Mapping[str, str]] | None = None, allow: Sequence[str] | None = None) -> None:
+        self.options = {normalized(p): dict(o) for p, o in (options or {}).items()}
+        self.allow = None if allow is None else [normalized(p) for p in allow]
+        self._stores: dict[tuple[str, str | None], ObjectStore] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, uri: str) -> tuple[ObjectStore, str]:
+        """The store that holds ``uri`` and the key of its root."""
+        key = normalized(uri)
+        parts = urlsplit(key)
+        base = f"{parts.scheme}://{parts.netloc}"
+        matched = max((p for p in self.options if _under(key, p)), key=len, default=None)
+        with self._lock:
+            store = self._stores.get((base, matched))
+            if store is None:
+                store = ObjectStore(base, self.options.get(matched), self.allow)
+                self._stores[(base, matched)] = store
+        store.check_allowed(key)
+        return store, key

@@ -1,0 +1,148 @@
+"""Servers the object-store tests read from: moto's S3 API server, and an HTTP server that
+answers Range requests and can fail or stall on purpose."""
+
+from __future__ import annotations
+
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+#: the credentials moto accepts (any) and the region the tests use
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+
+class S3Server:
+    """moto's S3 API server on 127.0.0.1 (a real HTTP server answering the S3 API)."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.endpoint}
+        import boto3
+
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+
+    def bucket(self, name: str) -> str:
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def upload(self, folder: Path, bucket: str, prefix: str) -> int:
+        """Every file below ``folder`` to ``s3://bucket/prefix/<relative path>``."""
+        n = 0
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                key = f"{prefix}/{path.relative_to(folder).as_posix()}".lstrip("/")
+                self.client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+                n += 1
+        return n
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class RangeServer:
+    """Serves a folder over HTTP/1.1 with Range requests (``bytes=a-b``, ``a-``, ``-n``).
+
+    ``fail[path] = [500, 500]`` answers the next requests for ``path`` with those statuses
+    first; a path in ``stall`` is answered only once ``release`` is set. ``requests`` logs
+    (method, path, status) of every request answered or stalled."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.fail: dict[str, list[int]] = {}
+        self.stall: set[str] = set()
+        self.release = threading.Event()
+        self.stalled = threading.Event()
+        self.requests: list[tuple[str, str, int]] = []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._answer(body=False)
+
+            def do_GET(self) -> None:
+                try:
+                    self._answer(body=True)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (a timeout under test)
+
+            def _answer(self, body: bool) -> None:
+                path = unquote(urlsplit(self.path).path)
+                with server.lock:
+                    queued = server.fail.get(path)
+                    status = queued.pop(0) if queued else None
+                if path in server.stall:
+                    with server.lock:
+                        server.requests.append((self.command, path, 0))
+                    server.stalled.set()
+                    server.release.wait(60)
+                if status is not None:
+                    return self._status(status, path)
+                file = (server.root / path.lstrip("/")).resolve()
+                if not file.is_file() or server.root.resolve() not in file.parents:
+                    return self._status(404, path)
+                data = file.read_bytes()
+                start, end, code = 0, len(data), 200
+                ranged = self.headers.get("Range")
+                if ranged:
+                    m = re.fullmatch(r"bytes=(\d*)-(\d*)", ranged.strip())
+                    if not m or (not m.group(1) and not m.group(2)):
+                        return self._status(416, path)
+                    if m.group(1):
+                        start = int(m.group(1))
+                        end = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
+                    else:
+                        start = max(0, len(data) - int(m.group(2)))
+                    if start >= len(data):
+                        return self._status(416, path)
+                    code = 206
+                self.send_response(code)
+                self.send_header("Content-Length", str(end - start))
+                self.send_header("Accept-Ranges", "bytes")
+                if code == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.end_headers()
+                if body:
+                    self.wfile.write(data[start:end])
+                with server.lock:
+                    server.requests.append((self.command, path, code))
+
+            def _status(self, status: int, path: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                with server.lock:
+                    server.requests.append((self.command, path, status))
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def statuses(self, path: str) -> list[int]:
+        with self.lock:
+            return [s for _, p, s in self.requests if p == path]
+
+    def stop(self) -> None:
+        self.release.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -1,0 +1,345 @@
+"""Object stores: arrays in a real S3 API server (moto's, on loopback) and on an HTTP server
+answering Range requests, read by damacy.read, embedded pipelines and damacyd, compared
+with what zarr-python reads from the same files."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+
+import numpy as np
+import pytest
+import zarr
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, wait_for
+from object_servers import RangeServer, S3Server
+from zarr.codecs import BloscCodec, ZstdCodec
+
+import damacy
+from damacy_server.store.fetch import Fetcher
+from damacy_server.store.remote import RemoteStores, is_remote, normalized
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+_buckets = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The S3 API server, with the standard AWS_* variables pointing at it for this test."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+def _bucket(s3) -> str:
+    return s3.bucket(f"damacy-{os.getpid()}-{next(_buckets)}")
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A sharded zstd array with one shard and some inner chunks never written."""
+    data = random_data((60, 50), "uint16", seed=3)
+    arr = write_array(tmp_path / "a.zarr", data, chunks=(6, 5), shards=(30, 25), compressors=[ZstdCodec(level=3)], fill_value=7)
+    arr[30:60, 25:50] = 7  # a whole shard of fill: zarr-python writes no object
+    arr[0:6, 0:5] = 7  # an inner chunk of fill: an empty entry in the shard index
+    return tmp_path, zarr.open_array(str(tmp_path / "a.zarr"), mode="r")[...]
+
+
+def _boxes(shape, n, size, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start = [int(rng.integers(0, s - k + 1)) for s, k in zip(shape, size)]
+        out.append(tuple(slice(a, a + k) for a, k in zip(start, size)))
+    return out
+
+
+# -- S3 ------------------------------------------------------------------------------
+def test_s3_boxes_of_a_sharded_array_match_zarr(s3, sharded):
+    folder, expected = sharded
+    bucket = _bucket(s3)
+    s3.upload(folder, bucket, "data")
+    uri = f"s3://{bucket}/data/a.zarr"
+    assert not any(p.name == "1.1" for p in folder.rglob("*"))  # the fill shard has no object
+    np.testing.assert_array_equal(damacy.read(uri), expected)
+    np.testing.assert_array_equal(damacy.read(uri, np.s_[3:41, 7:33]), expected[3:41, 7:33])
+    boxes = _boxes(expected.shape, 24, (12, 10), seed=1)
+    cfg = damacy.Config(samples_per_batch=5, sample_shape=(12, 10), dtype="u16", max_memory_bytes=64 << 20)
+    got = []
+    with damacy.Pipeline(cfg) as p:
+        p.push(damacy.Sample(uri, b) for b in boxes)
+        for batch in p:
+            got.extend(np.array(np.from_dlpack(batch)))
+        reads = p.stats()["stages"]["read"]["count"]
+    assert len(got) == len(boxes) and reads > 0
+    for box, sample in zip(boxes, got):
+        np.testing.assert_array_equal(sample, expected[box])
+
+
+def test_s3_missing_array_is_named(s3):
+    bucket = _bucket(s3)
+    with pytest.raises(damacy.NotFound, match=rf"s3://{bucket}/nothing\.zarr: no Zarr array"):
+        damacy.read(f"s3://{bucket}/nothing.zarr", np.s_[0:1])
+
+
+def test_s3_missing_objects_read_as_fill(s3, tmp_path):
+    data = np.arange(400, dtype="float32").reshape(20, 20)
+    write_array(tmp_path / "f.zarr", data, chunks=(5, 5), compressors=[BloscCodec(cname="lz4", shuffle="shuffle")], fill_value=-1.0)
+    (tmp_path / "f.zarr" / "c" / "1" / "2").unlink()  # a chunk object never written
+    bucket = _bucket(s3)
+    s3.upload(tmp_path, bucket, "")
+    expected = data.copy()
+    expected[5:10, 10:15] = -1
+    np.testing.assert_array_equal(damacy.read(f"s3://{bucket}/f.zarr"), expected)
+
+
+def test_the_conformance_corpus_from_a_bucket(s3, conformance_dir):
+    from test_conformance import read_corpus
+
+    bucket = _bucket(s3)
+    s3.upload(conformance_dir, bucket, "corpus")
+    matched, refused, failures, must_read = read_corpus(
+        conformance_dir, lambda path: f"s3://{bucket}/corpus/{path.relative_to(conformance_dir).as_posix()}"
+    )
+    assert not failures, "\n".join(failures)
+    assert sorted(matched) == sorted(must_read) and refused
+
+
+def test_storage_options_name_the_endpoint_without_the_environment(s3_server, sharded, monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    folder, expected = sharded
+    bucket = _bucket(s3_server)
+    s3_server.upload(folder, bucket, "x")
+    options = {f"s3://{bucket}": {
+        "endpoint": s3_server.endpoint, "allow_http": "true", "access_key_id": "testing",
+        "secret_access_key": "testing", "region": "us-east-1",
+    }}
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4), dtype="u16", storage_options=options)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(f"s3://{bucket}/x/a.zarr", np.s_[10:14, 20:24])])
+        np.testing.assert_array_equal(np.from_dlpack(p.pop())[0], expected[10:14, 20:24])
+    with pytest.raises(damacy.InvalidArgument, match="storage options for s3://"):
+        with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(1,), storage_options={f"s3://{bucket}": {"no_such_option": "1"}})) as p:
+            p.push([damacy.Sample(f"s3://{bucket}/x/a.zarr", np.s_[0:1, 0:1])])
+            p.pop()
+
+
+# -- HTTP ----------------------------------------------------------------------------
+@pytest.fixture
+def http(tmp_path):
+    server = RangeServer(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_http_range_reads_match_zarr(http, sharded):
+    _, expected = sharded
+    uri = f"{http.url}/a.zarr"
+    np.testing.assert_array_equal(damacy.read(uri, np.s_[2:59, 1:48]), expected[2:59, 1:48])
+    ranged = [s for s in http.statuses("/a.zarr/c/0/0") if s == 206]
+    assert ranged, "shards are read by byte range"
+
+
+def test_http_5xx_is_retried_until_it_succeeds(http, sharded):
+    _, expected = sharded
+    http.fail["/a.zarr/c/0/1"] = [500, 503]
+    got = damacy.read(f"{http.url}/a.zarr", np.s_[0:30, 25:50])
+    np.testing.assert_array_equal(got, expected[0:30, 25:50])
+    statuses = http.statuses("/a.zarr/c/0/1")
+    assert statuses[:2] == [500, 503] and 206 in statuses[2:]
+
+
+def test_http_error_names_the_object_and_status(http, sharded):
+    http.fail["/a.zarr/c/0/1"] = [403] * 10
+    with pytest.raises(damacy.StorageError) as info:
+        damacy.read(f"{http.url}/a.zarr", np.s_[0:30, 25:50])
+    assert "HTTP 403" in str(info.value) and info.value.path.endswith("/a.zarr/c/0/1")
+    assert info.value.uri == f"{http.url}/a.zarr"
+
+
+def test_a_stalled_server_times_out_and_the_other_samples_go_on(http, sharded):
+    _, expected = sharded
+    uri = f"{http.url}/a.zarr"
+    damacy.open_array(uri, metadata=(md := damacy.ZarrMetadata()))
+    http.stall.add("/a.zarr/c/1/0")
+    options = {http.url: {"timeout": "1s", "max_retries": "0"}}
+    cfg = damacy.Config(samples_per_batch=3, sample_shape=(5, 5), dtype="u16", on_error="fill", storage_options=options)
+    boxes = [np.s_[0:5, 0:5], np.s_[40:45, 0:5], np.s_[10:15, 30:35]]  # the second is in the stalled shard
+    with damacy.Pipeline(cfg) as p:
+        p.push(damacy.Sample(uri, b) for b in boxes)
+        batch = p.pop()
+        got = np.from_dlpack(batch)
+        errors = dict(batch.info.errors)
+    assert http.stalled.is_set()
+    assert list(errors) == [1]
+    assert isinstance(errors[1], damacy.StorageError) and "timed out" in str(errors[1]) and "c/1/0" in str(errors[1])
+    np.testing.assert_array_equal(got[0], expected[0:5, 0:5])
+    np.testing.assert_array_equal(got[2], expected[10:15, 30:35])
+    del md
+
+
+def test_reads_wait_without_the_gil(http, sharded):
+    """A read stalled at the server leaves this thread running Python: the server is let go
+    only from here, so a read holding the GIL would time out instead of returning data."""
+    _, expected = sharded
+    http.stall.add("/a.zarr/c/0/0")
+    out: dict = {}
+
+    def reader():
+        try:
+            out["data"] = damacy.read(f"{http.url}/a.zarr", np.s_[0:5, 0:5])
+        except Exception as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert http.stalled.wait(30)
+    count = sum(i * i for i in range(200_000))  # Python work while the read waits
+    http.release.set()
+    t.join(60)
+    assert count > 0 and "error" not in out, out
+    np.testing.assert_array_equal(out["data"], expected[0:5, 0:5])
+
+
+# -- uris, merging, the window ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "uri, message",
+    [
+        ("s3://bucket/a/../b", r"'\.\.' segment"),
+        ("s3://bucket/a/%2e%2e/b", r"'\.\.' segment"),
+        ("s3://bucket/a//b", "empty"),
+        ("s3://bucket/a?versionId=3", "no query"),
+        ("s3://user:pw@bucket/a", "credentials"),
+        ("s3:///a", "no bucket"),
+    ],
+)
+def test_remote_uris_a_prefix_check_could_be_fooled_by_are_refused(uri, message):
+    with pytest.raises(damacy.InvalidArgument, match=message):
+        damacy.read(uri, np.s_[0:1])
+
+
+def test_unsupported_schemes_name_the_supported_ones():
+    with pytest.raises(damacy.UnsupportedError, match=r"'ftp'://.*s3://.*https://"):
+        damacy.read("ftp://host/a.zarr", np.s_[0:1])
+
+
+def test_prefixes_are_checked_on_every_key():
+    stores = RemoteStores(allow=["s3://bucket/allowed"])
+    store, root = stores.resolve("s3://bucket/allowed/a.zarr")
+    assert root == "s3://bucket/allowed/a.zarr" and normalized("S3://bucket/x/") == "s3://bucket/x"
+    with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed prefixes"):
+        stores.resolve("s3://bucket/allowedx/a.zarr")  # a prefix is a folder, not a string prefix
+    with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed prefixes"):
+        store.read("s3://bucket/other/zarr.json")
+    with pytest.raises(damacy.InvalidArgument, match=r"'\.\.'"):
+        store.join(root, "../../other")
+    with pytest.raises(damacy.InvalidArgument, match="serves no object stores"):
+        RemoteStores(allow=[]).resolve("s3://bucket/a.zarr")
+
+
+def test_remote_reads_merge_across_larger_gaps():
+    from types import SimpleNamespace
+
+    from damacy_server.reads import PlanLimits, merge_reads
+
+    def job(key, offset):
+        return SimpleNamespace(key=key, offset=offset, nbytes=1000)
+
+    gap = 200 << 10  # more than a local disk's gap, less than a remote one's
+    local = [job("/data/s", 0), job("/data/s", gap)]
+    remote = [job("s3://b/s", 0), job("s3://b/s", gap)]
+    assert is_remote("s3://b/s") and not is_remote("/data/s")
+    assert len(merge_reads(local, PlanLimits())[0]) == 2
+    assert len(merge_reads(remote, PlanLimits())[0]) == 1
+
+
+def test_the_fetch_window_follows_bandwidth_times_latency():
+    """Requests of a fake link: each takes 5 ms, and the link carries at most ``lanes`` at
+    once. The window grows past its start while it limits the rate, and settles within a
+    small multiple of the link's bandwidth-delay product (``lanes``) once the link is full."""
+    lanes = 48
+    fetcher = Fetcher(min_inflight=4, max_inflight=4096)
+    link = None
+    done = threading.Event()
+    finished = itertools.count(1)
+    total = 3000
+
+    async def request():
+        nonlocal link
+        if link is None:
+            link = asyncio.Semaphore(lanes)
+        async with link:
+            await asyncio.sleep(0.005)
+        return b"x" * 1000
+
+    def landed(result, error):
+        assert error is None and len(result) == 1000
+        if next(finished) == total:
+            done.set()
+
+    try:
+        for i in range(total):
+            fetcher.submit(i, request, landed)
+        assert done.wait(120)
+        assert fetcher.most_inflight > 4 * 4  # it grew
+        assert fetcher.window <= 8 * lanes  # and stopped near the link's capacity
+    finally:
+        fetcher.close()
+
+
+# -- damacyd ---------------------------------------------------------------------------
+def test_damacyd_serves_allowed_prefixes_only(s3, sharded, tmp_path_factory):
+    folder, expected = sharded
+    bucket = _bucket(s3)
+    s3.upload(folder, bucket, "allowed")
+    s3.upload(folder, bucket, "private")
+    env = {**os.environ, **s3.env}
+    d = DaemonProcess(tmp_path_factory.mktemp("d"), [], ["--allow-prefix", f"s3://{bucket}/allowed"], env=env)
+    try:
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype="u16", on_error="fill")
+        with damacy.Pipeline(cfg, endpoint=d.endpoint) as p:
+            p.push([
+                damacy.Sample(f"s3://{bucket}/allowed/a.zarr", np.s_[8:12, 9:13]),
+                damacy.Sample(f"s3://{bucket}/private/a.zarr", np.s_[8:12, 9:13]),
+            ])
+            batch = p.pop()
+            got = np.from_dlpack(batch)
+            errors = dict(batch.info.errors)
+        np.testing.assert_array_equal(got[0], expected[8:12, 9:13])
+        assert list(errors) == [1] and "outside the daemon's allowed prefixes" in str(errors[1])
+        options = {f"s3://{bucket}": {"region": "x"}}
+        with pytest.raises(damacy.InvalidArgument, match="storage_options applies to embedded pipelines"):
+            damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(4, 4), storage_options=options), endpoint=d.endpoint)
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()
+
+
+def test_shard_indexes_of_a_remote_array_are_requested_together(http, sharded):
+    """While one shard's index request stalls at the server, the others are requested: the
+    planner asks for every outer shard's index it lacks at once, not one round trip each."""
+    _, expected = sharded
+    http.stall.add("/a.zarr/c/0/0")
+    out: dict = {}
+    uri = f"{http.url}/a.zarr"
+    damacy.open_array(uri, metadata=(md := damacy.ZarrMetadata()))
+    t = threading.Thread(target=lambda: out.update(data=damacy.read(uri, metadata=md)))
+    t.start()
+    try:
+        assert http.stalled.wait(30)
+        wait_for(lambda: all(http.statuses(f"/a.zarr/c/{k}") for k in ("0/1", "1/0", "1/1")), what="the other shards' index requests")
+    finally:
+        http.release.set()
+        t.join(60)
+    np.testing.assert_array_equal(out["data"], expected)
