@@ -73,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     rk.add_argument("--repeats", type=int, default=5)
     rk.add_argument("--readers", default="damacyd,embedded,tensorstore-cache,tensorstore")
     rk.add_argument("--json", default=None)
+    rm = sub.add_parser("remote", help="the data over HTTP with Range and an injected latency: damacy vs tensorstore's http driver vs zarr-python with obstore")
+    rm.add_argument("scenario", nargs="?", default="default", choices=sorted(SCENARIOS))
+    rm.add_argument("--data", default="bench-data")
+    rm.add_argument("--latency-ms", type=float, default=10.0, help="added to every request by the server")
+    rm.add_argument("--batches", type=int, default=6)
+    rm.add_argument("--repeats", type=int, default=5)
+    rm.add_argument("--readers", default="damacy,tensorstore,zarr-python")
+    rm.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
@@ -92,6 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown readers {unknown}; choose from {', '.join(ranks.READERS)}")
         res = ranks.main(args.scenario, args.data, args.ranks, args.epochs, cache, size, args.repeats, readers)
         out = Path(args.json) if args.json else Path("bench-results") / time.strftime("ranks-%Y%m%d-%H%M%S.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(f"\nresults: {out}")
+        return 0
+
+    if args.cmd == "remote":
+        from bench import remote
+
+        readers = [r.strip() for r in args.readers.split(",") if r.strip()]
+        res = remote.main(args.scenario, args.data, args.latency_ms, args.batches, args.repeats, readers)
+        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("remote-%Y%m%d-%H%M%S.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2))
         print(f"\nresults: {out}")
