@@ -343,3 +343,21 @@ def test_shard_indexes_of_a_remote_array_are_requested_together(http, sharded):
         http.release.set()
         t.join(60)
     np.testing.assert_array_equal(out["data"], expected)
+
+
+def test_the_readme_example_runs(s3, tmp_path):
+    from test_readme import block
+
+    data = random_data((128, 64, 64), "uint16", seed=5)
+    write_array(tmp_path / "brain.zarr", data, chunks=(16, 32, 32), shards=(64, 64, 64), compressors=[ZstdCodec()])
+    bucket = _bucket(s3)
+    s3.upload(tmp_path, bucket, "volumes")
+    scope: dict = {}
+    exec(compile(block("objectstores").replace("s3://bucket", f"s3://{bucket}"), "README object stores", "exec"), scope)
+    np.testing.assert_array_equal(scope["x"], data[0:64, 0:64, 0:64])
+    got = np.concatenate(scope["batches"])
+    assert got.dtype == np.float32 and len(got) == 8
+    for k, z in enumerate(range(0, 128, 16)):
+        expected = np.zeros((32, 64, 64), "f4")  # past the end: the fill value (pipelines pad)
+        expected[: len(data[z : z + 32])] = data[z : z + 32]
+        np.testing.assert_array_equal(got[k], expected)
