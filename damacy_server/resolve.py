@@ -18,7 +18,7 @@ from damacy_server.cache import LRUCache
 from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
-from damacy_server.zarr.metadata import ArrayMetadata, check_node, load_node, parse_array_metadata
+from damacy_server.zarr.metadata import ArrayMetadata, check_node, consolidated_entries, consolidated_node, load_node, parse_array_metadata
 from damacy_server.zarr.ngff import Image, Level, image_multiscale, multiscale_path, parse_axes, transforms
 
 
@@ -95,8 +95,33 @@ class ZarrMetadata:
             self.cache.arrays.put(cache_key, meta)
         return meta
 
-    def _load(self, store: Store, root: str, uri: str) -> ArrayMetadata:
+    def _node(self, store: Store, root: str, uri: str) -> dict:
+        """The metadata document at ``root``: from the consolidated metadata of a group this
+        cache loaded above it (no request), else read; a group's consolidated metadata is
+        remembered for its nodes."""
+        entry = self._consolidated(root)
+        if entry is not None:
+            return consolidated_node(entry, uri)
         doc = load_node(store, root, uri)
+        nodes = consolidated_entries(doc)
+        if nodes:
+            self.cache.arrays.put((root, "consolidated"), nodes)
+        return doc
+
+    def _consolidated(self, root: str) -> dict | None:
+        parent = root
+        while True:
+            parent, sep, _ = parent.rpartition("/")
+            if not sep or not parent or parent.endswith(":/"):
+                return None
+            nodes = self.cache.arrays.get((parent, "consolidated"))
+            if nodes is not None:
+                entry = nodes.get(root[len(parent) + 1 :])
+                if entry is not None:
+                    return entry
+
+    def _load(self, store: Store, root: str, uri: str) -> ArrayMetadata:
+        doc = self._node(store, root, uri)
         if check_node(doc, uri) == "group":
             path = multiscale_path(doc, uri)
             if path is None:
@@ -109,7 +134,7 @@ class ZarrMetadata:
         default the image's); errors name the image and say what is there."""
         level_root = store.join(root, *path.split("/"))
         try:
-            doc = load_node(store, level_root, uri)
+            doc = self._node(store, level_root, uri)
         except NotFound:
             raise NotFound(f"NGFF image level {index} ({path!r}) has no array: nothing at {path}", uri=uri) from None
         if check_node(doc, uri) == "group":
@@ -127,7 +152,7 @@ class ZarrMetadata:
         return cached
 
     def _image(self, store: Store, root: str, uri: str) -> Image:
-        doc = load_node(store, root, str(uri))
+        doc = self._node(store, root, str(uri))
         if check_node(doc, str(uri)) != "group" or (found := image_multiscale(doc, str(uri))) is None:
             raise InvalidArgument("is not an NGFF image (no multiscales in its group's attributes)", uri=str(uri))
         version, multiscale = found

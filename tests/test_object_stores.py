@@ -361,3 +361,44 @@ def test_the_readme_example_runs(s3, tmp_path):
         expected = np.zeros((32, 64, 64), "f4")  # past the end: the fill value (pipelines pad)
         expected[: len(data[z : z + 32])] = data[z : z + 32]
         np.testing.assert_array_equal(got[k], expected)
+
+
+# -- consolidated metadata ----------------------------------------------------------------
+def _ngff(folder, zarr_format):
+    """An NGFF image of two levels written by zarr-python, its metadata consolidated."""
+    data = random_data((16, 24), "uint16", seed=9)
+    g = zarr.open_group(str(folder / "img.zarr"), mode="w", zarr_format=zarr_format)
+    for k, step in enumerate((1, 2)):
+        a = g.create_array(str(k), shape=data[::step, ::step].shape, chunks=(8, 8), dtype="u2")
+        a[...] = data[::step, ::step]
+    axes = [{"name": "y", "type": "space"}, {"name": "x", "type": "space"}]
+    datasets = [{"path": str(k), "coordinateTransformations": [{"type": "scale", "scale": [s, s]}]} for k, s in enumerate((1.0, 2.0))]
+    multiscales = [{"version": "0.4", "axes": axes, "datasets": datasets}]
+    g.attrs.update({"multiscales": multiscales} if zarr_format == 2 else {"ome": {"version": "0.5", "multiscales": multiscales}})
+    zarr.consolidate_metadata(str(folder / "img.zarr"))
+    return data
+
+
+@pytest.mark.filterwarnings("ignore:Consolidated metadata")
+@pytest.mark.parametrize("zarr_format, own", [(3, "zarr.json"), (2, ".zarray")])
+def test_an_images_consolidated_metadata_spares_its_levels_requests(http, tmp_path, zarr_format, own):
+    data = _ngff(tmp_path, zarr_format)
+    md = damacy.ZarrMetadata()
+    image = damacy.open_image(f"{http.url}/img.zarr", metadata=md)
+    assert [lv.shape for lv in image.levels] == [(16, 24), (8, 12)]
+    np.testing.assert_array_equal(damacy.read(f"{http.url}/img.zarr", level=1, metadata=md), data[::2, ::2])
+    np.testing.assert_array_equal(damacy.read(f"{http.url}/img.zarr/0", np.s_[3:9, 2:20], metadata=md), data[3:9, 2:20])
+    assert not http.statuses(f"/img.zarr/0/{own}") and not http.statuses(f"/img.zarr/1/{own}")
+
+
+@pytest.mark.filterwarnings("ignore:Consolidated metadata")
+@pytest.mark.parametrize("zarr_format, own", [(3, "zarr.json"), (2, ".zarray")])
+def test_consolidated_metadata_is_what_a_level_is_read_by(tmp_path, zarr_format, own):
+    """With the level's own metadata gone, the image still reads: the consolidated copy
+    in the group is the one used (as zarr-python does)."""
+    data = _ngff(tmp_path, zarr_format)
+    (tmp_path / "img.zarr" / "1" / own).unlink()
+    md = damacy.ZarrMetadata()
+    np.testing.assert_array_equal(damacy.read(str(tmp_path / "img.zarr"), level=1, metadata=md), data[::2, ::2])
+    with pytest.raises(damacy.NotFound):
+        damacy.read(str(tmp_path / "img.zarr" / "1"), metadata=damacy.ZarrMetadata())  # no group loaded first

@@ -104,8 +104,49 @@ def load_node(store: Store, root: str, uri: str) -> dict[str, Any]:
         if zarray is not None:
             return as_v3(decode_json(zarray, uri, ".zarray"), attributes, uri)
         decode_json(zgroup, uri, ".zgroup")
-        return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+        group: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+        raw = store.read(store.join(root, ".zmetadata"))
+        if raw is not None:
+            group["consolidated_metadata"] = _v2_consolidated(decode_json(raw, uri, ".zmetadata"), uri)
+        return group
     raise NotFound("no Zarr array or group here (neither zarr.json nor .zarray/.zgroup found)", uri=uri)
+
+
+def _v2_consolidated(doc: dict[str, Any], uri: str) -> dict[str, Any]:
+    """A v2 ``.zmetadata`` in the form of v3's inline consolidated metadata, each node's v2
+    documents kept as they are ({path: {".zarray": ..., ".zattrs": ...}}), translated only
+    when a node is used (see :func:`consolidated_node`)."""
+    entries = doc.get("metadata")
+    if doc.get("zarr_consolidated_format") != 1 or not isinstance(entries, dict):
+        raise MetadataError(".zmetadata: expected zarr_consolidated_format 1 and a metadata object", uri=uri)
+    nodes: dict[str, dict[str, Any]] = {}
+    for key, value in entries.items():
+        path, _, name = str(key).rpartition("/")
+        if name in (".zarray", ".zgroup", ".zattrs") and path and isinstance(value, dict):
+            nodes.setdefault(path, {})[name] = value
+    return {"kind": "inline", "must_understand": False, "metadata": nodes}
+
+
+def consolidated_entries(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The nodes a group's consolidated metadata describes, by path below the group (zarr-
+    python's inline form in a v3 ``zarr.json``, or a v2 ``.zmetadata``); empty when none."""
+    found = doc.get("consolidated_metadata")
+    if not isinstance(found, dict) or found.get("kind", "inline") != "inline":
+        return {}
+    nodes = found.get("metadata")
+    return {k: v for k, v in nodes.items() if isinstance(k, str) and isinstance(v, dict)} if isinstance(nodes, dict) else {}
+
+
+def consolidated_node(entry: dict[str, Any], uri: str) -> dict[str, Any]:
+    """A node's document from its consolidated entry, as :func:`load_node` would read it."""
+    if ".zarray" in entry or ".zgroup" in entry:
+        attributes = entry.get(".zattrs", {})
+        if ".zarray" in entry:
+            from damacy_server.zarr.v2 import as_v3
+
+            return as_v3(entry[".zarray"], attributes, uri)
+        return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+    return entry
 
 
 def check_node(doc: dict[str, Any], uri: str) -> str:
