@@ -402,3 +402,23 @@ def test_consolidated_metadata_is_what_a_level_is_read_by(tmp_path, zarr_format,
     np.testing.assert_array_equal(damacy.read(str(tmp_path / "img.zarr"), level=1, metadata=md), data[::2, ::2])
     with pytest.raises(damacy.NotFound):
         damacy.read(str(tmp_path / "img.zarr" / "1"), metadata=damacy.ZarrMetadata())  # no group loaded first
+
+
+def test_a_malformed_zmetadata_is_a_metadata_error(tmp_path):
+    g = zarr.open_group(str(tmp_path / "g.zarr"), mode="w", zarr_format=2)
+    g.attrs["multiscales"] = [{"version": "0.4", "datasets": [{"path": "0"}]}]
+    (tmp_path / "g.zarr" / ".zmetadata").write_text('{"metadata": {}}')
+    with pytest.raises(damacy.MetadataError, match=r"\.zmetadata: expected zarr_consolidated_format 1"):
+        damacy.open_image(str(tmp_path / "g.zarr"), metadata=damacy.ZarrMetadata())
+
+
+def test_damacyd_refuses_a_storage_option_without_a_value(tmp_path):
+    import subprocess
+
+    from daemon_helpers import damacyd_command
+
+    run = subprocess.run(
+        [*damacyd_command(), "--endpoint", f"ipc://{tmp_path}/x.sock", "--storage-option", "s3://b", "region"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 2 and "'region' is not KEY=VALUE" in run.stderr
