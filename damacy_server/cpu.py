@@ -11,10 +11,12 @@ nothing else: every read reports back, every reservation is returned.
 Where the native path applies (:mod:`damacy_server.native_tasks`), a decode task is one C
 call; groups whose bytes are in the page cache are read by that call too, on a decode thread
 (see ``_read_direct``). The rest goes through numpy. A unit another batch is decoding is not
-read again: the batch waits for it (:mod:`damacy_server.inflight`).
+read again: the batch waits for it (:mod:`damacy_server.inflight`). Reads from object stores
+go to a :class:`~damacy_server.store.fetch.Fetcher` (many requests in flight on one event
+loop) and land in the same code as a file's.
 
-The module is longer than most (about 450 lines): it is the executor's task bodies (read,
-direct read, decode, cached copy, shared unit), which share its pools, budget and
+The module is longer than most (about 500 lines): it is the executor's task bodies (read,
+fetch, direct read, decode, cached copy, shared unit), which share its pools, budget and
 statistics and hand work to each other.
 """
 
