@@ -63,6 +63,9 @@ class ZarrMetadata:
         self.reader = reader
         self.cache = cache if cache is not None else MetadataCache()
         self.remote = remote
+        # the consolidated metadata of groups loaded (root -> {path below: node}); apart from
+        # the array cache, whose counters say how often arrays were parsed
+        self.consolidated: LRUCache[dict] = LRUCache(64)
 
     def store_of(self, uri: str) -> tuple[Store, str]:
         """The store that reads ``uri`` (local paths: ``reader`` when set; object-store uris:
@@ -105,16 +108,18 @@ class ZarrMetadata:
         doc = load_node(store, root, uri)
         nodes = consolidated_entries(doc)
         if nodes:
-            self.cache.arrays.put((root, "consolidated"), nodes)
+            self.consolidated.put(root, nodes)
         return doc
 
     def _consolidated(self, root: str) -> dict | None:
+        if not len(self.consolidated):
+            return None
         parent = root
         while True:
             parent, sep, _ = parent.rpartition("/")
             if not sep or not parent or parent.endswith(":/"):
                 return None
-            nodes = self.cache.arrays.get((parent, "consolidated"))
+            nodes = self.consolidated.get(parent)
             if nodes is not None:
                 entry = nodes.get(root[len(parent) + 1 :])
                 if entry is not None:

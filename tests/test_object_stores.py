@@ -422,3 +422,41 @@ def test_damacyd_refuses_a_storage_option_without_a_value(tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert run.returncode == 2 and "'region' is not KEY=VALUE" in run.stderr
+
+
+def test_the_cuda_executor_reads_object_stores_too(http, sharded):
+    """The GPU path on the host stand-in device (the kernels' host twin): an object store's
+    reads of a batch are requested together, and the batch is exact."""
+    from damacy_server.cuda import twin
+
+    if not twin.available():
+        pytest.skip("the kernels' host twin was not built (no C compiler)")
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
+
+    _, expected = sharded
+    md = damacy.ZarrMetadata()
+    damacy.read(f"{http.url}/a.zarr", metadata=md)  # metadata and shard indexes cached: the batch makes chunk reads only
+    before = len(http.statuses("/a.zarr/c/1/0"))
+    http.stall.add("/a.zarr/c/0/1")
+    boxes = [np.s_[0:12, 0:10], np.s_[0:12, 30:40], np.s_[35:47, 2:12], np.s_[20:32, 20:30]]
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(12, 10), dtype="u16")
+    executor = CudaExecutor(HostDevice(), limits=CudaLimits(max_gpu_memory_bytes=256 << 20))
+    out: dict = {}
+
+    def run():
+        with damacy.Pipeline(cfg, executor=executor, planner=damacy.ChunkPlanner(md)) as p:
+            p.push(damacy.Sample(f"{http.url}/a.zarr", b) for b in boxes)
+            out["batch"] = np.array(np.from_dlpack(p.pop()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert http.stalled.wait(30)
+        # while shard c/0/1 stalls, the batch's reads of the other shards were requested
+        wait_for(lambda: len(http.statuses("/a.zarr/c/1/0")) > before, what="the other shards' chunk requests")
+    finally:
+        http.release.set()
+        t.join(60)
+    for k, box in enumerate(boxes):
+        np.testing.assert_array_equal(out["batch"][k], expected[box])

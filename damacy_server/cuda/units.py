@@ -55,10 +55,15 @@ def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, SampleErro
     out: list[Unit] = []
     decoded_here: list[int] = []
     nbytes = 0
-    for group in plan.groups:
-        store = group.units[0].meta.store if is_remote(group.key) else reader
+    fetched = _fetch_remote(plan.groups)
+    for k, group in enumerate(plan.groups):
         try:
-            data = store.read(group.key) if group.length < 0 else store.read_range(group.key, group.offset, group.length)
+            if k in fetched:
+                data = fetched[k]
+                if isinstance(data, SampleError):
+                    raise data
+            else:
+                data = reader.read(group.key) if group.length < 0 else reader.read_range(group.key, group.offset, group.length)
         except SampleError as e:
             fail(errors, plan, samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
             continue
@@ -71,6 +76,21 @@ def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, SampleErro
             out.append(_classify(job, piece, errors, plan, decoded_here))
     stats.add("read", time.perf_counter() - t0, count=len(plan.groups), bytes_out=nbytes)
     return [u for u in out if u is not None], len(decoded_here)
+
+def _fetch_remote(groups) -> dict[int, object]:
+    """The bytes of the groups in object stores (by index in ``groups``), requested together
+    per store rather than one round trip each."""
+    by_store: dict[int, tuple[object, list[int]]] = {}
+    for k, g in enumerate(groups):
+        if is_remote(g.key):
+            store = g.units[0].meta.store
+            by_store.setdefault(id(store), (store, []))[1].append(k)
+    out: dict[int, object] = {}
+    for store, idx in by_store.values():
+        got = store.fetch_many([(groups[k].key, groups[k].offset, groups[k].length) for k in idx])
+        out.update(zip(idx, got))
+    return out
+
 
 def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here: list[int]) -> Unit | None:
     """How a unit reaches the arena. Units of one array all come in one byte order: the

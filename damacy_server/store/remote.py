@@ -30,7 +30,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, StorageError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
 from damacy_server.store.base import ByteRange, Store
 
 #: uri schemes read through obstore
@@ -192,7 +192,7 @@ class ObjectStore(Store):
 
     def read_ranges_sized(self, keys: Sequence[str], offset: int, length: int) -> list:
         """:meth:`read_range_sized` of many objects, requested all at once: per key the
-        (bytes, size), ``None`` when it does not exist, or the :class:`StorageError`."""
+        (bytes, size), ``None`` when it does not exist, or the :class:`SampleError`."""
 
         async def one(key: str):
             import obstore
@@ -202,22 +202,30 @@ class ObjectStore(Store):
                 return bytes(await got.bytes_async()), got.meta["size"]
             except FileNotFoundError:
                 return None
-            except InvalidArgument as e:
+            except SampleError as e:
                 return e
             except Exception as e:
                 if _unsatisfiable(e):
                     return await asyncio.to_thread(self.read_range_sized, key, offset, length)
                 return storage_error(e, key)
 
-        async def all_of():
-            return await asyncio.gather(*(one(k) for k in keys))
+        return _gather([one(k) for k in keys])
 
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop in this thread (the planner's, a plain caller's)
-            return asyncio.run(all_of())
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code
-            return pool.submit(asyncio.run, all_of()).result()
+    def fetch_many(self, reads: Sequence[tuple[str, int, int]], most: int = 64) -> list:
+        """:meth:`fetch` of many (key, offset, length), at most ``most`` in flight: per read
+        the bytes, ``None`` when the object does not exist, or the :class:`SampleError`."""
+        gate = None
+
+        async def one(key: str, offset: int, length: int):
+            nonlocal gate
+            gate = gate or asyncio.Semaphore(most)
+            async with gate:
+                try:
+                    return await self.fetch(key, offset, length)
+                except SampleError as e:
+                    return e
+
+        return _gather([one(*r) for r in reads])
 
     def _range(self, key: str, offset: int, length: int):
         import obstore
@@ -269,6 +277,21 @@ class ObjectStore(Store):
             if _unsatisfiable(e):
                 return b""
             raise storage_error(e, key) from None
+
+
+def _gather(coroutines: list) -> list:
+    """The results of ``coroutines`` run together on an event loop of their own (from a
+    thread running one already: on a helper thread)."""
+
+    async def all_of():
+        return await asyncio.gather(*coroutines)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread (the planner's, a plain caller's)
+        return asyncio.run(all_of())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code
+        return pool.submit(asyncio.run, all_of()).result()
 
 
 def _range_option(offset: int, length: int) -> dict:
