@@ -42,6 +42,10 @@ _LAZY = {
     "FileMetadataReader": "damacy_server.store.file",
     "FileReader": "damacy_server.store.file",
     "RemoteStores": "damacy_server.store.remote",
+    "RandomBoxes": "damacy_runtime.samplers",
+    "GridBoxes": "damacy_runtime.samplers",
+    "Shuffled": "damacy_runtime.samplers",
+    "Padding": "damacy_runtime.samplers",
 }
 
 
@@ -169,6 +173,10 @@ __all__ = [
     "QueueLimits",
     "RemotePipeline",
     "RemoteStores",
+    "RandomBoxes",
+    "GridBoxes",
+    "Shuffled",
+    "Padding",
     "EmbeddedPipeline",
     "Sample",
     "BatchFailed",

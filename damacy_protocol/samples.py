@@ -79,7 +79,7 @@ class Sample:
         return self._hash
 
     def __reduce__(self):
-        return (_rebuild, (Sample, self.uri, self.selection, self.level))
+        return (_rebuild, (type(self), self.uri, self.selection, self.level))
 
     @property
     def aabb(self) -> tuple[tuple[int | None, int | None] | EllipsisType, ...]:

@@ -82,7 +82,8 @@ class _Lease:
 @dataclass(frozen=True)
 class BatchInfo:
     """What a batch holds: ``shape`` (samples first), ``dtype`` (damacy's name), ``device``
-    ("cpu" or "cuda:k"), ``batch_id`` (0, 1, ... in push order), ``samples``, ``errors``:
+    ("cpu" or "cuda:k"), ``batch_id`` (0, 1, ... in push order), ``samples`` (``padding``:
+    the positions of those a sampler added only to even out the ranks), ``errors``:
     (index in the batch, error) of samples that were filled instead of read
     (``on_error="fill"``), ``skipped``: (sample, error) of samples dropped and replaced
     while this batch was assembled (``on_error="skip"``), ``device_ptr``: the address of
@@ -98,6 +99,14 @@ class BatchInfo:
     skipped: tuple[tuple[Any, SampleError], ...] = field(default=())
     device_ptr: int = 0
     ready_stream: int | None = None
+
+    @property
+    def padding(self) -> tuple[int, ...]:
+        """Positions in the batch of :class:`~damacy_runtime.samplers.Padding` samples
+        (repeated only so that every rank takes the same number of steps): drop them."""
+        from damacy_runtime.samplers import Padding
+
+        return tuple(i for i, s in enumerate(self.samples) if isinstance(s, Padding))
 
 
 class Batch:

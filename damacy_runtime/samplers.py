@@ -1,0 +1,270 @@
+"""Samplers: each rank's part of each epoch, as plain iterables of samples for any pipeline.
+
+Every sampler builds the epoch's *global* list from (seed, epoch) alone, the same on every
+rank and for every number of ranks, and hands rank ``r`` of ``W`` its part of it:
+
+- :class:`RandomBoxes`: ``samples_per_epoch`` boxes drawn uniformly (per array, then an
+  origin in it), rank ``r`` taking entries ``r, r + W, ...``; every rank gets
+  ``samples_per_epoch // W`` (the last ``samples_per_epoch % W`` are dropped, so ranks take
+  the same number of steps).
+- :class:`Shuffled`: a fixed list of the caller's samples in a new order each epoch; every
+  rank gets ``ceil(n / W)``, the shortest ranks repeating the first samples of the order (as
+  torch's ``DistributedSampler``), or ``n // W`` with ``drop_last``.
+- :class:`GridBoxes`: sliding windows that cover every element of every array, each window
+  once across ranks in contiguous blocks (neighbouring windows share chunks); ranks with one
+  window fewer end with a :class:`Padding` sample (the last window again), so every rank
+  takes the same number of steps: ``batch.info.padding`` lists their positions to drop.
+
+``set_epoch(e)`` picks the epoch; ``rank``/``world_size`` default to torch.distributed's
+environment (``RANK``, ``WORLD_SIZE``), else 0 and 1. ``state_dict()`` holds the sampler's
+seed, epoch and partition; the position within an epoch is the pipeline's to count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import InvalidArgument
+from damacy_protocol.samples import IndexQuery, Sample
+
+
+class Padding(Sample):
+    """A sample repeated only so that every rank takes the same number of steps (a window
+    another position of the batch or another rank already holds): drop it from results."""
+
+    __slots__ = ()
+
+
+def partition(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world size): as given, else torch.distributed's environment (``RANK``,
+    ``WORLD_SIZE``, set by torchrun), else (0, 1)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgument(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgument(f"rank must be in [0, {world_size}), got {rank!r}")
+    return rank, world_size
+
+
+def _shapes(arrays: Sequence[str] | Mapping[str, Sequence[int]], shape_of: Callable[[str], Sequence[int]] | None) -> list[tuple[str, tuple[int, ...]]]:
+    if isinstance(arrays, Mapping):
+        return [(str(u), tuple(int(n) for n in s)) for u, s in arrays.items()]
+    if isinstance(arrays, (str, os.PathLike)):
+        arrays = [arrays]
+    if shape_of is None:
+        from damacy_server.read import open_array  # the array's metadata, read here
+
+        def shape_of(uri: str) -> tuple[int, ...]:
+            return open_array(uri).shape
+
+    return [(str(u), tuple(shape_of(str(u)))) for u in arrays]
+
+
+class _Sampler:
+    def __init__(self, seed: int, rank: int | None, world_size: int | None) -> None:
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = int(seed)
+        self.rank, self.world_size = partition(rank, world_size)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration draws (its order and boxes come from (seed, epoch))."""
+        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise InvalidArgument(f"epoch must be a non-negative integer, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    def _rng(self) -> np.random.Generator:
+        return np.random.default_rng([self.seed, self.epoch])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Seed and epoch from a saved state (the partition stays this sampler's own: a job
+        restarted on another number of ranks keeps the global order)."""
+        if int(state["seed"]) != self.seed:
+            raise InvalidArgument(f"the state was saved with seed {state['seed']}, this sampler has seed {self.seed}")
+        self.set_epoch(int(state["epoch"]))
+
+    def epoch_samples(self) -> list:
+        """Every rank's samples of this epoch, in order (the global list)."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator:
+        return iter(self.rank_samples())
+
+    def rank_samples(self) -> list:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.rank_samples())
+
+
+class RandomBoxes(_Sampler):
+    """``samples_per_epoch`` boxes of ``sample_shape`` per epoch: an array drawn (by
+    ``weights``, default equal), then an origin uniform over the positions where the box
+    fits (an axis shorter than the box: origin 0, the rest padded by the pipeline).
+
+    ``arrays``: uris (their shapes read from their metadata) or {uri: shape}. ``level``: the
+    NGFF level the boxes are in (shapes then given, or read at that level)."""
+
+    def __init__(
+        self,
+        arrays: Sequence[str] | Mapping[str, Sequence[int]],
+        sample_shape: Sequence[int],
+        *,
+        seed: int,
+        samples_per_epoch: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        weights: Sequence[float] | None = None,
+        level: int | None = None,
+        shape_of: Callable[[str], Sequence[int]] | None = None,
+    ) -> None:
+        super().__init__(seed, rank, world_size)
+        if level is not None and shape_of is None and not isinstance(arrays, Mapping):
+            from damacy_server.read import open_image
+
+            def shape_of(uri: str) -> tuple[int, ...]:
+                return open_image(uri).levels[level].shape
+
+        self.arrays = _shapes(arrays, shape_of)
+        if not self.arrays:
+            raise InvalidArgument("RandomBoxes needs at least one array")
+        self.sample_shape = tuple(int(n) for n in sample_shape)
+        for uri, shape in self.arrays:
+            if len(shape) != len(self.sample_shape):
+                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=uri)
+        if not isinstance(samples_per_epoch, int) or samples_per_epoch < self.world_size:
+            raise InvalidArgument(f"samples_per_epoch must be an integer of at least world_size ({self.world_size}), got {samples_per_epoch!r}")
+        self.samples_per_epoch = samples_per_epoch
+        if weights is None:
+            self.p = None
+        else:
+            w = np.asarray(weights, dtype=np.float64)
+            if w.shape != (len(self.arrays),) or not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
+                raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all 0")
+            self.p = w / w.sum()
+        self.level = level
+
+    def epoch_samples(self) -> list[Sample]:
+        rng = self._rng()
+        n = self.samples_per_epoch
+        which = rng.choice(len(self.arrays), size=n, p=self.p)
+        room = np.array([[max(0, s - k) for s, k in zip(shape, self.sample_shape)] for _, shape in self.arrays], dtype=np.int64)
+        origins = rng.integers(0, room[which] + 1)
+        size = np.array(self.sample_shape, dtype=np.int64)
+        return [
+            Sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), level=self.level)
+            for a, o in zip(which.tolist(), origins)
+        ]
+
+    def rank_samples(self) -> list[Sample]:
+        per_rank = self.samples_per_epoch // self.world_size
+        return self.epoch_samples()[self.rank :: self.world_size][:per_rank]
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch // self.world_size
+
+
+class Shuffled(_Sampler):
+    """A fixed list of samples (``Sample``/``IndexQuery``) in a new order each epoch."""
+
+    def __init__(self, samples: Sequence[Sample | IndexQuery], *, seed: int, rank: int | None = None, world_size: int | None = None, drop_last: bool = False) -> None:
+        super().__init__(seed, rank, world_size)
+        self.samples = list(samples)
+        for s in self.samples:
+            if not isinstance(s, (Sample, IndexQuery)):
+                raise InvalidArgument(f"Shuffled takes Sample or IndexQuery objects, got {type(s).__name__}")
+        if len(self.samples) < self.world_size:
+            raise InvalidArgument(f"{len(self.samples)} samples cannot be shared by {self.world_size} ranks")
+        self.drop_last = drop_last
+
+    def epoch_samples(self) -> list:
+        order = self._rng().permutation(len(self.samples))
+        return [self.samples[i] for i in order.tolist()]
+
+    def rank_samples(self) -> list:
+        order = self.epoch_samples()
+        w = self.world_size
+        per_rank = len(order) // w if self.drop_last else math.ceil(len(order) / w)
+        if not self.drop_last:
+            order = order + order[: per_rank * w - len(order)]  # the shortest ranks repeat the first
+        return order[self.rank :: w][:per_rank]
+
+    def __len__(self) -> int:
+        n, w = len(self.samples), self.world_size
+        return n // w if self.drop_last else math.ceil(n / w)
+
+
+class GridBoxes(_Sampler):
+    """Windows of ``sample_shape`` every ``step`` (default: the shape, no overlap) along each
+    axis of each array, covering every element: with ``edge="shift"`` (default) the last
+    window of an axis is moved back to end at the array's end (it overlaps its neighbour);
+    with ``edge="pad"`` it starts on the step and reaches past the end (padded by the
+    pipeline). Windows come array by array in C order; rank ``r`` takes the ``r``-th
+    contiguous block; ranks with one window fewer end with a :class:`Padding` sample."""
+
+    def __init__(
+        self,
+        arrays: Sequence[str] | Mapping[str, Sequence[int]],
+        sample_shape: Sequence[int],
+        *,
+        step: Sequence[int] | None = None,
+        edge: str = "shift",
+        rank: int | None = None,
+        world_size: int | None = None,
+        level: int | None = None,
+        shape_of: Callable[[str], Sequence[int]] | None = None,
+    ) -> None:
+        super().__init__(0, rank, world_size)
+        self.arrays = _shapes(arrays, shape_of)
+        self.sample_shape = tuple(int(n) for n in sample_shape)
+        self.step = self.sample_shape if step is None else tuple(int(n) for n in step)
+        if len(self.step) != len(self.sample_shape) or any(s < 1 for s in self.step) or any(k < 1 for k in self.sample_shape):
+            raise InvalidArgument(f"step {self.step} must give a positive step for each of the {len(self.sample_shape)} axes")
+        if any(s > k for s, k in zip(self.step, self.sample_shape)):
+            raise InvalidArgument(f"step {self.step} is larger than sample_shape {self.sample_shape}: windows would leave gaps")
+        if edge not in ("shift", "pad"):
+            raise InvalidArgument(f"edge must be 'shift' or 'pad', got {edge!r}")
+        self.edge = edge
+        self.level = level
+        for uri, shape in self.arrays:
+            if len(shape) != len(self.sample_shape):
+                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=uri)
+
+    def _starts(self, n: int, k: int, step: int) -> list[int]:
+        if n <= k:
+            return [0]
+        starts = list(range(0, n - k + 1, step))
+        if starts[-1] + k < n:
+            starts.append(n - k if self.edge == "shift" else starts[-1] + step)
+        return starts
+
+    def epoch_samples(self) -> list[Sample]:
+        out = []
+        for uri, shape in self.arrays:
+            axes = [self._starts(n, k, s) for n, k, s in zip(shape, self.sample_shape, self.step)]
+            for origin in np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(shape)).tolist():
+                out.append(Sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), level=self.level))
+        return out
+
+    def rank_samples(self) -> list[Sample]:
+        windows = self.epoch_samples()
+        n, w = len(windows), self.world_size
+        per_rank = math.ceil(n / w)
+        start = self.rank * (n // w) + min(self.rank, n % w)
+        mine = windows[start : start + n // w + (1 if self.rank < n % w else 0)]
+        if len(mine) < per_rank:
+            last = mine[-1] if mine else windows[-1]
+            mine.append(Padding(last.uri, last.selection, level=last.level))
+        return mine

@@ -1,0 +1,143 @@
+"""Samplers: each rank's part of each epoch, checked against the one global list built from
+(seed, epoch): disjoint across ranks, complete, the same on every run, and windows that
+cover every element."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from conftest import random_data, write_array
+from zarr.codecs import ZstdCodec
+
+import damacy
+
+SHAPES = {"/data/a.zarr": (100, 80, 60), "/data/b.zarr": (40, 300, 50), "/data/c.zarr": (20, 20, 20)}
+
+
+def _boxes(samples):
+    return [(s.uri, tuple((sl.start, sl.stop) for sl in s.selection)) for s in samples]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_random_boxes_ranks_take_disjoint_strides_of_one_global_list(world):
+    ranks = [damacy.RandomBoxes(SHAPES, (16, 16, 16), seed=7, samples_per_epoch=103, rank=r, world_size=world) for r in range(world)]
+    for s in ranks:
+        s.set_epoch(3)
+    glob = _boxes(ranks[0].epoch_samples())
+    assert len(glob) == 103
+    per_rank = 103 // world
+    for r, s in enumerate(ranks):
+        mine = _boxes(list(s))
+        assert len(mine) == len(s) == per_rank
+        assert mine == glob[r::world][:per_rank]
+    positions = sorted(i for r in range(world) for i in range(r, 103, world)[:per_rank])
+    assert len(positions) == len(set(positions)) == per_rank * world  # disjoint, nothing dropped but the remainder
+    again = damacy.RandomBoxes(SHAPES, (16, 16, 16), seed=7, samples_per_epoch=103, rank=0, world_size=1)
+    again.set_epoch(3)
+    assert _boxes(again.epoch_samples()) == glob  # the same for any number of ranks
+    again.set_epoch(4)
+    assert _boxes(again.epoch_samples()) != glob
+
+
+def test_random_boxes_stay_inside_and_follow_weights():
+    s = damacy.RandomBoxes(SHAPES, (16, 32, 16), seed=1, samples_per_epoch=2000, weights=[1, 3, 0], rank=0, world_size=1)
+    boxes = _boxes(s)
+    counts = {u: sum(1 for b in boxes if b[0] == u) for u in SHAPES}
+    assert counts["/data/c.zarr"] == 0 and counts["/data/b.zarr"] > 2 * counts["/data/a.zarr"] > 0
+    for uri, box in boxes:
+        for (a, b), n, k in zip(box, SHAPES[uri], (16, 32, 16)):
+            assert b - a == k and a >= 0 and (b <= n or a == 0)
+    c_only = damacy.RandomBoxes({"/data/c.zarr": (20, 20, 20)}, (16, 32, 16), seed=1, samples_per_epoch=10)
+    assert all(box[1] == (0, 32) for _, box in _boxes(c_only))  # an axis shorter than the box: origin 0
+
+
+def test_random_boxes_read_shapes_from_metadata(tmp_path):
+    write_array(tmp_path / "v.zarr", random_data((30, 40), "uint8"), chunks=(10, 10))
+    s = damacy.RandomBoxes([str(tmp_path / "v.zarr")], (8, 8), seed=0, samples_per_epoch=5)
+    assert s.arrays == [(str(tmp_path / "v.zarr"), (30, 40))] and len(list(s)) == 5
+
+
+@pytest.mark.parametrize("world, drop_last", [(1, False), (3, False), (3, True), (4, False), (7, True)])
+def test_shuffled_covers_the_list_once_per_epoch(world, drop_last):
+    samples = [damacy.Sample("/data/a.zarr", ((i, i + 1), (0, 1), (0, 1))) for i in range(22)]
+    ranks = [damacy.Shuffled(samples, seed=5, rank=r, world_size=world, drop_last=drop_last) for r in range(world)]
+    parts = [list(s) for s in ranks]
+    assert len({len(p) for p in parts}) == 1 and len(parts[0]) == len(ranks[0])
+    seen = [x for p in parts for x in p]
+    if drop_last:
+        assert len(seen) == len(set(seen)) == (22 // world) * world
+    else:
+        assert set(seen) == set(samples)
+        assert len(seen) - len(set(seen)) == -(-22 // world) * world - 22  # only the padding repeats
+    order = ranks[0].epoch_samples()
+    ranks[0].set_epoch(1)
+    assert ranks[0].epoch_samples() != order and sorted(map(hash, ranks[0].epoch_samples())) == sorted(map(hash, order))
+
+
+@pytest.mark.parametrize("edge", ["shift", "pad"])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_grid_windows_cover_everything_each_once_across_ranks(edge, world):
+    shapes = {"/x.zarr": (37, 50), "/y.zarr": (8, 9)}
+    ranks = [damacy.GridBoxes(shapes, (16, 20), step=(12, 20), edge=edge, rank=r, world_size=world) for r in range(world)]
+    parts = [list(s) for s in ranks]
+    assert len({len(p) for p in parts}) == 1  # every rank takes the same number of steps
+    real = [s for p in parts for s in p if not isinstance(s, damacy.Padding)]
+    padding = [s for p in parts for s in p if isinstance(s, damacy.Padding)]
+    assert _boxes(real) == _boxes(ranks[0].epoch_samples())  # each window once, in order, contiguous per rank
+    assert len(padding) == len(parts[0]) * world - len(real) < world
+    for uri, shape in shapes.items():
+        cover = np.zeros(shape, dtype=np.int32)
+        for u, box in _boxes(real):
+            if u == uri:
+                assert edge == "pad" or all(b <= n or a == 0 for (a, b), n in zip(box, shape))
+                cover[tuple(slice(max(a, 0), b) for a, b in box)] += 1
+        assert cover.min() >= 1  # every element in some window
+
+
+def test_grid_refuses_gaps_and_bad_edges():
+    with pytest.raises(damacy.InvalidArgument, match="leave gaps"):
+        damacy.GridBoxes({"/x.zarr": (10,)}, (4,), step=(5,))
+    with pytest.raises(damacy.InvalidArgument, match="edge"):
+        damacy.GridBoxes({"/x.zarr": (10,)}, (4,), edge="wrap")
+
+
+def test_rank_and_world_size_come_from_torchruns_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    s = damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=0, samples_per_epoch=9)
+    assert (s.rank, s.world_size) == (2, 3)
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(damacy.InvalidArgument, match=r"rank must be in \[0, 3\)"):
+        damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=0, samples_per_epoch=9)
+
+
+def test_sampler_state_round_trips_and_checks_the_seed():
+    s = damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=3, samples_per_epoch=9, rank=0, world_size=1)
+    s.set_epoch(5)
+    t = damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=3, samples_per_epoch=9, rank=0, world_size=1)
+    t.load_state_dict(pickle.loads(pickle.dumps(s.state_dict())))
+    assert t.epoch == 5 and _boxes(t) == _boxes(s)
+    with pytest.raises(damacy.InvalidArgument, match="seed 3"):
+        damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=4, samples_per_epoch=9).load_state_dict(s.state_dict())
+
+
+def test_padding_is_marked_in_batch_info_in_every_mode(tmp_path, make):
+    data = random_data((30, 20), "uint16", seed=2)
+    write_array(tmp_path / "g.zarr", data, chunks=(10, 10), compressors=[ZstdCodec()])
+    uri = str(tmp_path / "g.zarr")
+    grid = damacy.GridBoxes([uri], (10, 10), rank=1, world_size=4)  # 6 windows: ranks 2 and 3 pad
+    rank3 = damacy.GridBoxes([uri], (10, 10), rank=3, world_size=4)
+    assert len(grid) == len(rank3) == 2
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(10, 10), dtype="u16")
+    for sampler, padded in ((grid, ()), (rank3, (1,))):
+        with make(cfg) as p:
+            p.push(sampler)
+            batch = p.pop()
+            got = np.array(np.from_dlpack(batch))
+            assert batch.info.padding == padded
+            for k, s in enumerate(batch.info.samples):
+                box = tuple(slice(sl.start, sl.stop) for sl in s.selection)
+                np.testing.assert_array_equal(got[k], data[box])
+    assert isinstance(pickle.loads(pickle.dumps(list(rank3)[1])), damacy.Padding)
