@@ -92,11 +92,13 @@ class RemotePipeline(PipelineAPI):
         self._pushes_sent = 0
         self._push_calls: deque = deque()  # pushes not yet acknowledged
         self._closed = False
+        self._pid = os.getpid()
         self._feeder: threading.Thread | None = None
         self._batch_shape = (config.samples_per_batch, *config.sample_shape)
 
     # -- input --------------------------------------------------------------------
     def push(self, samples: Iterable[Any]) -> None:
+        self._check_process()
         front.Sources.check(samples)
         self._check()
         with self._cond:
@@ -180,6 +182,7 @@ class RemotePipeline(PipelineAPI):
         """The next batch in push order; see :meth:`damacy.EmbeddedPipeline.pop`. The next
         batch is requested as soon as this one is handed out, so a pop whose batch is ready
         costs no round trip to the daemon."""
+        self._check_process()
         self._check()
         if not self._pushed:
             raise PipelineDrained("nothing was pushed")
@@ -304,6 +307,7 @@ class RemotePipeline(PipelineAPI):
     def stats(self) -> dict[str, Any]:
         """The daemon's figures (stages, caches, memory, sessions) with this session's
         counters (batches, samples, sample_errors, samples_pulled) at the top level."""
+        self._check_process()
         self._check()
         data = as_dict(self._conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats)
         mine = data.get("session", {})
@@ -314,6 +318,8 @@ class RemotePipeline(PipelineAPI):
 
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:
+        if self._forked():  # the session, sockets and mappings are the parent's
+            return
         with self._cond:
             if self._closed:
                 return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -123,6 +124,7 @@ class Pipeline(PipelineAPI):
         self.executor = executor
         self._dtype = numpy_dtype(config.dtype, "float32") if config.dtype != "native" else None
         self._closed = False
+        self._pid = os.getpid()
         spec = OutputSpec(config.samples_per_batch, tuple(config.sample_shape), self._dtype, config.on_error, config.out_of_bounds)
         self.engine = BatchEngine(
             spec,
@@ -149,6 +151,7 @@ class Pipeline(PipelineAPI):
     def push(self, samples: Iterable[Any]) -> None:
         """Queue samples (``Sample``/``IndexQuery``; any iterable, infinite generators included).
         They are pulled lazily, as room frees up, in the order pushed."""
+        self._check_process()
         front.Sources.check(samples)
         with self._cond:
             if self._closed:
@@ -248,6 +251,7 @@ class Pipeline(PipelineAPI):
         (``timeout``, default ``Config.pop_timeout_s``; ``math.inf``: no limit); a bad sample's :class:`SampleError`
         under ``on_error="raise"`` (the next pop continues).
         """
+        self._check_process()
         if timeout is None:
             timeout = self.config.pop_timeout_s
         deadline = front.deadline(timeout)
@@ -332,6 +336,8 @@ class Pipeline(PipelineAPI):
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:
         """Stop: cancel work in flight and return the memory. Idempotent, never hangs."""
+        if self._forked():  # the threads and memory are the parent's
+            return
         with self._cond:
             if self._closed:
                 return
@@ -363,6 +369,7 @@ class Pipeline(PipelineAPI):
         """Per-stage time/bytes/counts, cache hits and misses, deduplicated chunks, merged
         reads, memory and delivery counters; with a GPU executor, ``device``: its name and the
         units decoded on the host because nvCOMP does not decode their codec."""
+        self._check_process()
         counters = self.counters()
         device = getattr(self.executor, "device_stats", None)
         return {

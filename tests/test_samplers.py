@@ -141,3 +141,15 @@ def test_padding_is_marked_in_batch_info_in_every_mode(tmp_path, make):
                 box = tuple(slice(sl.start, sl.stop) for sl in s.selection)
                 np.testing.assert_array_equal(got[k], data[box])
     assert isinstance(pickle.loads(pickle.dumps(list(rank3)[1])), damacy.Padding)
+
+
+def test_the_readme_example_runs(tmp_path):
+    from test_readme import block
+
+    for name in ("a", "b"):
+        write_array(tmp_path / f"{name}.zarr", random_data((64, 96, 80), "uint16", seed=ord(name)), chunks=(32, 32, 32), compressors=[ZstdCodec()])
+    code = block("samplers").replace('"data/', f'"{tmp_path}/')
+    scope: dict = {}
+    exec(compile(code, "README samplers", "exec"), scope)
+    assert len(scope["train"]) == 64 and scope["train"].epoch == 1
+    assert len(scope["val"]) == 3 * 2 * 2 and scope["keep"]  # 3 x 2 x 2 windows, none padding on one rank
