@@ -76,6 +76,7 @@ class RemotePipeline(PipelineAPI):
             raise
         self._cond = threading.Condition()
         self._sources = front.Sources(self._cond)
+        self._progress = front.Progress()
         self._samples: dict[int, Any] = {}  # seq -> sample, for samples not yet delivered
         self._skipped: dict[int, Any] = {}  # seq -> sample dropped by the daemon, until reported
         self._seq = itertools.count()
@@ -102,7 +103,7 @@ class RemotePipeline(PipelineAPI):
         front.Sources.check(samples)
         self._check()
         with self._cond:
-            self._sources.add(samples)
+            self._sources.add(samples, self._take_restore())
             self._pushed = True
             self._push_epoch += 1
             self._final_sent = False
@@ -227,8 +228,11 @@ class RemotePipeline(PipelineAPI):
                 self._next_call = self._request_pop()
             if reply.error.seq is not None and hasattr(err, "sample"):
                 err.batch_samples = tuple(s for s in consumed if s is not None)  # type: ignore[attr-defined]
+            if not isinstance(err, PipelineDrained):
+                self._handed(None, len(consumed))
             raise err
         batch = self._batch(reply)
+        self._handed(batch)
         self._next_call = self._request_pop()
         return batch
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from damacy_runtime.batch import Batch
-from damacy_protocol.errors import DamacyError, PipelineDrained
+from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained
 
 
 class PipelineAPI(ABC):
@@ -25,6 +25,7 @@ class PipelineAPI(ABC):
     still uses."""
 
     _pid: int | None = None
+    _restore = 0
 
     def _forked(self) -> bool:
         return self._pid is not None and self._pid != os.getpid()
@@ -44,6 +45,51 @@ class PipelineAPI(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop; never hangs."""
+
+    # -- resume -------------------------------------------------------------------
+    # subclasses hold ``_sources`` (front.Sources), ``_progress`` (front.Progress) and
+    # ``_restore`` (samples of the next push to leave out) and call :meth:`_handed` for
+    # every batch (or failed batch) a pop hands out
+
+    def _handed(self, batch: Batch | None = None, consumed: int = 0) -> None:
+        if batch is None:  # a failed batch: done with at once
+            self._progress.handed(consumed, released=True)
+            return
+        ticket = self._progress.handed(len(batch.info.samples) + len(batch.info.skipped))
+        batch.on_release = lambda: self._progress.released(ticket)
+
+    def _take_restore(self) -> int:
+        skip, self._restore = self._restore, 0
+        return skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is, for an exact resume: the push (counted from 0) and the
+        number of its iterable's samples in batches released so far (a batch still held, and
+        every batch after it, counts as not seen), with the iterable's ``state_dict()`` taken
+        when it was pushed (a sampler's seed and epoch). Plain data (JSON- and
+        msgpack-able); see :meth:`load_state_dict`."""
+        self._check_process()
+        position = self._sources.position(self._progress.consumed)
+        return {
+            "version": 1,
+            "push": position["push"],
+            "offset": position["offset"],
+            "source_state": position["state"],
+            "batches": self._progress.batches,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` (from :meth:`state_dict`, maybe in another process) left
+        off: the next push leaves out the first ``state["offset"]`` samples of its iterable.
+        Push the iterable that was at ``state["push"]`` (restore a sampler from
+        ``state["source_state"]`` first) and the batches are those the first run would have
+        made, bit for bit. Only before the first push."""
+        self._check_process()
+        if not isinstance(state, dict) or state.get("version") != 1 or not isinstance(state.get("offset"), int) or state["offset"] < 0:
+            raise InvalidArgument(f"not a damacy pipeline state (version 1): {state!r}")
+        if self._sources.pushes:
+            raise InvalidArgument("load_state_dict comes before the first push")
+        self._restore = state["offset"]
 
     def batches(self, n: int | None = None) -> Iterator[Batch]:
         """Yield ``n`` batches (all, when ``n`` is None), stopping early when drained."""

@@ -120,6 +120,7 @@ class Batch:
 
     def __init__(self, slot: Slot, info: BatchInfo, numpy_dtype: np.dtype, array: Any = None) -> None:
         slot.acquire()
+        self.on_release: Callable[[], None] | None = None  # the front end's, once released
         self._lock = threading.Lock()
         self._slot: Slot | None = slot
         self._dtype = np.dtype(numpy_dtype)
@@ -231,9 +232,12 @@ class Batch:
             return
         with lock:
             slot, self._slot = self._slot, None
+            done, self.on_release = self.on_release, None
         if slot is not None:
             self._array = None  # type: ignore[assignment]
             slot.release()
+        if done is not None:
+            done()
 
     def __enter__(self) -> Batch:
         self._live()

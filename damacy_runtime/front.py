@@ -8,6 +8,7 @@ iterables are consumed or how a late pop is explained; both use these.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -31,6 +32,11 @@ class Sources:
     def __init__(self, lock: threading.Condition | threading.Lock) -> None:
         self._lock = lock
         self._queue: deque[Iterator[Any]] = deque()
+        # every push, for state_dict: [first stream position (None until pulled), samples of
+        # the iterable skipped at a restore, the iterable's own state when pushed, exhausted]
+        self.pushes: list[list[Any]] = []
+        self.pulled = 0  # samples pulled so far (stream positions 0 .. pulled - 1)
+        self._record: dict[int, list[Any]] = {}
 
     @staticmethod
     def check(samples: Iterable[Any]) -> Iterator[Any]:
@@ -39,9 +45,43 @@ class Sources:
             raise InvalidArgument(f"push takes an iterable of samples, got {type(samples).__name__}")
         return iter(samples)
 
-    def add(self, samples: Iterable[Any]) -> None:
-        """Queue an iterable (call with the lock held)."""
-        self._queue.append(self.check(samples))
+    def add(self, samples: Iterable[Any], skip: int = 0) -> None:
+        """Queue an iterable, its first ``skip`` samples left out (a restore; call with the
+        lock held)."""
+        state_of = getattr(samples, "state_dict", None)
+        state = state_of() if callable(state_of) else None
+        source = self.check(samples)
+        if skip:
+            source = itertools.islice(source, skip, None)
+        record = [None, skip, state, False]
+        self.pushes.append(record)
+        self._record[id(source)] = record
+        self._queue.append(source)
+
+    def position(self, consumed: int) -> dict[str, Any]:
+        """Where stream position ``consumed`` lies: the push (counted from 0) and how many of
+        its iterable's samples come before it, with the iterable's state when pushed."""
+        with self._lock:
+            records = [list(r) for r in self.pushes]
+            pulled = self.pulled
+        started = [j for j, r in enumerate(records) if r[0] is not None]
+        for k, j in enumerate(started):
+            start, skip, state, _ = records[j]
+            end = records[started[k + 1]][0] if k + 1 < len(started) else pulled
+            if consumed < end:
+                return {"push": j, "offset": skip + consumed - start, "state": state}
+        if not started:
+            j = 0
+        else:  # the end of the last iterable pulled from: it, or the next one when it is exhausted
+            last = started[-1]
+            start, skip, state, exhausted = records[last]
+            later = [j for j in range(last + 1, len(records)) if not records[j][3]]
+            if not exhausted or not later:
+                return {"push": last, "offset": skip + pulled - start, "state": state}
+            j = later[0]
+        if j >= len(records):
+            return {"push": j, "offset": 0, "state": None}
+        return {"push": j, "offset": records[j][1], "state": records[j][2]}
 
     def __bool__(self) -> bool:
         """Is anything left to pull (call with the lock held)?"""
@@ -75,13 +115,57 @@ class Sources:
                     sample = convert(sample)
                 except InvalidArgument as e:
                     return out, e
+            with self._lock:
+                record = self._record.get(id(source))
+                if record is not None and record[0] is None:
+                    record[0] = self.pulled
+                self.pulled += 1
             out.append(sample)
         return out, None
 
     def _drop(self, source: Iterator[Any]) -> None:
         with self._lock:
+            record = self._record.pop(id(source), None)
+            if record is not None:
+                record[3] = True
             if self._queue and self._queue[0] is source:
                 self._queue.popleft()
+
+
+class Progress:
+    """How many pulled samples the training loop is done with, for ``state_dict``: a batch
+    counts once it is released, and only after every batch handed out before it (a
+    checkpoint never passes over a batch still held); a batch whose pop raised counts at
+    once. Thread-safe; ``released`` may run inside a garbage collection."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._sizes: dict[int, int] = {}
+        self._done: set[int] = set()
+        self._handed = 0
+        self._next = 0
+        self.consumed = 0
+        self.batches = 0
+
+    def handed(self, samples: int, released: bool = False) -> int:
+        """A batch (or a failed batch) of ``samples`` pulled samples was handed out; its
+        ticket for :meth:`released`."""
+        with self._lock:
+            ticket = self._handed
+            self._handed += 1
+            self._sizes[ticket] = samples
+        if released:
+            self.released(ticket)
+        return ticket
+
+    def released(self, ticket: int) -> None:
+        with self._lock:
+            self._done.add(ticket)
+            while self._next in self._done:
+                self._done.discard(self._next)
+                self.consumed += self._sizes.pop(self._next)
+                self.batches += 1
+                self._next += 1
 
 
 def deadline(timeout: float | None) -> float | None:

@@ -136,6 +136,7 @@ class Pipeline(PipelineAPI):
         )
         self._cond = self.engine.cond  # one lock for the engine and this front end
         self._sources = front.Sources(self._cond)
+        self._progress = front.Progress()
         self._pushed = False
         self._pulling = False
         self._outstanding = 0  # samples pulled and not yet popped
@@ -156,7 +157,7 @@ class Pipeline(PipelineAPI):
         with self._cond:
             if self._closed:
                 raise InvalidArgument("push on a closed pipeline")
-            self._sources.add(samples)
+            self._sources.add(samples, self._take_restore())
             self._pushed = True
             if self._feeder is None:
                 self._feeder = threading.Thread(target=self._feed, name="damacy-feeder", daemon=True)
@@ -277,8 +278,10 @@ class Pipeline(PipelineAPI):
                     raise TimeoutError(self._waiting_for(timeout))
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
         if delivery.error is not None:
+            self._handed(None, len(getattr(delivery.error, "batch_samples", ()) or ()))
             raise delivery.error
         batch = self._batch(delivery)
+        self._handed(batch)
         with self._cond:
             self._delivered_batches += 1
             self._delivered_samples += len(delivery.samples)

@@ -1,0 +1,133 @@
+"""Exact resume: a pipeline's state, taken mid-epoch by a training loop and restored in a new
+process, gives bit for bit the batches the uninterrupted run gave after it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import random_data, write_array
+from zarr.codecs import ZstdCodec
+
+import damacy
+from damacy_runtime.front import Progress
+
+BATCH = 4
+EPOCHS = 2
+
+#: the training loop of both runs: epochs of a RandomBoxes sampler; the first run saves the
+#: state after ``stop_after`` batches of epoch 1 and goes on, the second starts from it
+LOOP = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import damacy
+
+    uris, out, endpoint, stop_after, resume = json.loads(sys.argv[1])
+    sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(6, 10, 10), dtype="u16", prepared_batches=3)
+    pipe = damacy.Pipeline(cfg, endpoint=endpoint) if endpoint else damacy.Pipeline(cfg)
+    epochs = 2
+    if resume is not None:
+        state = json.load(open(resume))
+        sampler.load_state_dict(state["source_state"])
+        pipe.load_state_dict(state)
+    seen = []
+    with pipe:
+        for epoch in range(sampler.epoch, epochs):
+            sampler.set_epoch(epoch)
+            pipe.push(sampler)
+            for k, batch in enumerate(pipe.batches(-(-len(sampler) // 4))):
+                with batch:
+                    seen.append(np.array(np.from_dlpack(batch)))
+                if resume is None and epoch == 1 and k + 1 == stop_after:
+                    state = pipe.state_dict()
+                    json.dump(state, open(out + ".state.json", "w"))
+                    mark = sum(len(x) for x in seen)
+    np.save(out, np.concatenate(seen))
+    if resume is None:
+        json.dump(mark, open(out + ".mark.json", "w"))
+    """
+)
+
+
+def test_the_readme_says_what_the_loop_does():
+    from test_readme import block
+
+    code = [line.strip() for line in block("resume").splitlines() if line.strip() and not line.strip().startswith("#")]
+    loop = LOOP.replace("  ", "")
+    for line in code:
+        assert line.split("  #")[0].strip() in loop, line
+
+
+def _run(tmp_path, uris, out, endpoint, stop_after, resume):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    args = json.dumps([uris, str(out), endpoint, stop_after, resume])
+    done = subprocess.run([sys.executable, str(script), args], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("mode", ["embedded", "daemon"])
+def test_a_restore_in_a_new_process_continues_bit_for_bit(tmp_path, mode, request):
+    uris = []
+    for k in range(2):
+        write_array(tmp_path / f"v{k}.zarr", random_data((30, 40, 50), "uint16", seed=k), chunks=(10, 16, 16), compressors=[ZstdCodec()])
+        uris.append(str(tmp_path / f"v{k}.zarr"))
+    endpoint = request.getfixturevalue("daemon").endpoint if mode == "daemon" else None
+    _run(tmp_path, uris, tmp_path / "whole.npy", endpoint, 3, None)
+    state = json.loads((tmp_path / "whole.npy.state.json").read_text())
+    assert state["push"] == 1 and state["offset"] == 3 * BATCH and state["source_state"]["epoch"] == 1
+    _run(tmp_path, uris, tmp_path / "resumed.npy", endpoint, None, str(tmp_path / "whole.npy.state.json"))
+    whole, resumed = np.load(tmp_path / "whole.npy"), np.load(tmp_path / "resumed.npy")
+    mark = json.loads((tmp_path / "whole.npy.mark.json").read_text())
+    assert mark == 26 + 3 * BATCH  # epoch 0 (26 samples), then 3 batches of epoch 1
+    assert len(resumed) == len(whole) - mark > 0
+    assert np.array_equal(resumed, whole[mark:])
+
+
+def test_a_batch_still_held_is_not_counted_as_seen(tmp_path, make):
+    write_array(tmp_path / "a.zarr", random_data((40, 10), "uint8", seed=1), chunks=(10, 10))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 10), dtype="u8", prepared_batches=3)
+    samples = [damacy.Sample(str(tmp_path / "a.zarr"), np.s_[i : i + 1, 0:10]) for i in range(20)]
+    with make(cfg) as pipe:
+        pipe.push(samples)
+        first = pipe.pop()
+        second = pipe.pop()
+        second.release()  # out of order: the first is still held
+        assert pipe.state_dict()["offset"] == 0
+        first.release()
+        assert pipe.state_dict() | {"source_state": None} == {"version": 1, "push": 0, "offset": 4, "source_state": None, "batches": 2}
+        with pytest.raises(damacy.InvalidArgument, match="before the first push"):
+            pipe.load_state_dict(pipe.state_dict())
+
+
+def test_a_restore_leaves_out_what_was_seen_and_checks_the_state(tmp_path, make):
+    data = random_data((40, 10), "uint8", seed=2)
+    write_array(tmp_path / "a.zarr", data, chunks=(10, 10))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 10), dtype="u8")
+    samples = [damacy.Sample(str(tmp_path / "a.zarr"), np.s_[i : i + 1, 0:10]) for i in range(9)]
+    with make(cfg) as pipe:
+        pipe.load_state_dict({"version": 1, "push": 0, "offset": 5, "source_state": None, "batches": 2})
+        pipe.push(samples)
+        got = [np.array(np.from_dlpack(b)) for b in pipe]
+    np.testing.assert_array_equal(np.concatenate(got)[:, 0], data[5:9])
+    with make(cfg) as pipe:
+        with pytest.raises(damacy.InvalidArgument, match="not a damacy pipeline state"):
+            pipe.load_state_dict({"offset": 3})
+
+
+def test_progress_counts_a_prefix_of_released_batches():
+    p = Progress()
+    a, b, c = p.handed(4), p.handed(4), p.handed(3)
+    p.released(c)
+    p.released(b)
+    assert p.consumed == 0
+    p.released(a)
+    assert (p.consumed, p.batches) == (11, 3)
+    p.handed(2, released=True)  # a failed batch: done with at once
+    assert p.consumed == 13
