@@ -22,7 +22,6 @@ seed, epoch and partition; the position within an epoch is the pipeline's to cou
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -75,38 +74,110 @@ class _Sampler:
         self.seed = int(seed)
         self.rank, self.world_size = partition(rank, world_size)
         self.epoch = 0
+        self.consumed: list[tuple[int, int]] = []  # positions of this epoch read before (elastic resume)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration draws (its order and boxes come from (seed, epoch))."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise InvalidArgument(f"epoch must be a non-negative integer, got {epoch!r}")
+        if int(epoch) != self.epoch:
+            self.consumed = []  # an elastic resume applies to its own epoch only
         self.epoch = int(epoch)
 
     def _rng(self) -> np.random.Generator:
         return np.random.default_rng([self.seed, self.epoch])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size}
+        return {
+            "seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
+            "consumed": [list(r) for r in self.consumed],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Seed and epoch from a saved state (the partition stays this sampler's own: a job
-        restarted on another number of ranks keeps the global order)."""
+        """Seed, epoch and the positions of the epoch read before the last partition, from a
+        saved state (this rank's, the same number of ranks; for another number see
+        :meth:`resume`)."""
+        self._check_seed(state)
+        self.set_epoch(int(state["epoch"]))
+        self.consumed = [tuple(r) for r in state.get("consumed", [])]
+
+    def _check_seed(self, state: Mapping[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
             raise InvalidArgument(f"the state was saved with seed {state['seed']}, this sampler has seed {self.seed}")
-        self.set_epoch(int(state["epoch"]))
+
+    def resume(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Elastic resume: go on with the epoch that every rank of an earlier run (of any
+        number of ranks) was in, over the samples none of them had read. ``states``: the
+        ``pipe.state_dict()`` of every earlier rank (one each; gather them at save or at
+        load). The epoch's remaining samples are then shared by this run's ranks as a fresh
+        epoch would be; push this sampler to a pipeline with no ``load_state_dict``."""
+        sources = [st.get("source_state") for st in states]
+        if not sources or any(not isinstance(x, Mapping) for x in sources):
+            raise InvalidArgument("resume takes the pipeline states of every earlier rank (with their samplers' states)")
+        world = {int(x["world_size"]) for x in sources}
+        epochs = {int(x["epoch"]) for x in sources}
+        if len(world) != 1 or len(epochs) != 1:
+            raise InvalidArgument(f"the states come from different runs or epochs (world sizes {sorted(world)}, epochs {sorted(epochs)})")
+        (old_world,) = world
+        ranks = sorted(int(x["rank"]) for x in sources)
+        if ranks != list(range(old_world)):
+            raise InvalidArgument(f"resume needs the states of all {old_world} earlier ranks, got ranks {ranks}")
+        for x in sources:
+            self._check_seed(x)
+        self.set_epoch(epochs.pop())
+        before = [tuple(r) for r in sources[0].get("consumed", [])]
+        n = len(self.epoch_samples())
+        pool = _pool(n, before)
+        seen = set(_expand(before))
+        for st, x in zip(states, sources):
+            seen.update(p for p, _ in self._share(pool, int(x["rank"]), old_world)[: int(st["offset"])])
+        self.consumed = _ranges(sorted(seen))
 
     def epoch_samples(self) -> list:
         """Every rank's samples of this epoch, in order (the global list)."""
         raise NotImplementedError
 
+    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
+        """Rank ``rank``'s part of the positions ``pool``: (position, is padding) each."""
+        raise NotImplementedError
+
+    def rank_samples(self) -> list:
+        items = self.epoch_samples()
+        out = []
+        for position, padding in self._share(_pool(len(items), self.consumed), self.rank, self.world_size):
+            s = items[position]
+            out.append(Padding(s.uri, s.selection, level=s.level) if padding else s)
+        return out
+
     def __iter__(self) -> Iterator:
         return iter(self.rank_samples())
 
-    def rank_samples(self) -> list:
-        raise NotImplementedError
-
     def __len__(self) -> int:
         return len(self.rank_samples())
+
+
+def _pool(n: int, consumed: Sequence[tuple[int, int]]) -> list[int]:
+    """The positions of an epoch of ``n`` not in the ``consumed`` ranges."""
+    if not consumed:
+        return list(range(n))
+    seen = set(_expand(consumed))
+    return [p for p in range(n) if p not in seen]
+
+
+def _expand(ranges: Sequence[tuple[int, int]]) -> Iterator[int]:
+    for a, b in ranges:
+        yield from range(a, b)
+
+
+def _ranges(positions: list[int]) -> list[tuple[int, int]]:
+    """Sorted positions as [start, stop) ranges (a prefix is one range: the state stays small)."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
 
 
 class RandomBoxes(_Sampler):
@@ -168,12 +239,11 @@ class RandomBoxes(_Sampler):
             for a, o in zip(which.tolist(), origins)
         ]
 
-    def rank_samples(self) -> list[Sample]:
-        per_rank = self.samples_per_epoch // self.world_size
-        return self.epoch_samples()[self.rank :: self.world_size][:per_rank]
+    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
+        return [(p, False) for p in pool[rank::world][: len(pool) // world]]
 
     def __len__(self) -> int:
-        return self.samples_per_epoch // self.world_size
+        return (self.samples_per_epoch - sum(b - a for a, b in self.consumed)) // self.world_size
 
 
 class Shuffled(_Sampler):
@@ -193,17 +263,15 @@ class Shuffled(_Sampler):
         order = self._rng().permutation(len(self.samples))
         return [self.samples[i] for i in order.tolist()]
 
-    def rank_samples(self) -> list:
-        order = self.epoch_samples()
-        w = self.world_size
-        per_rank = len(order) // w if self.drop_last else math.ceil(len(order) / w)
+    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
+        per_rank = len(pool) // world if self.drop_last else -(-len(pool) // world)
         if not self.drop_last:
-            order = order + order[: per_rank * w - len(order)]  # the shortest ranks repeat the first
-        return order[self.rank :: w][:per_rank]
+            pool = pool + pool[: per_rank * world - len(pool)]  # the shortest ranks repeat the first
+        return [(p, False) for p in pool[rank::world][:per_rank]]
 
     def __len__(self) -> int:
-        n, w = len(self.samples), self.world_size
-        return n // w if self.drop_last else math.ceil(n / w)
+        n, w = len(self.samples) - sum(b - a for a, b in self.consumed), self.world_size
+        return n // w if self.drop_last else -(-n // w)
 
 
 class GridBoxes(_Sampler):
@@ -258,13 +326,10 @@ class GridBoxes(_Sampler):
                 out.append(Sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), level=self.level))
         return out
 
-    def rank_samples(self) -> list[Sample]:
-        windows = self.epoch_samples()
-        n, w = len(windows), self.world_size
-        per_rank = math.ceil(n / w)
-        start = self.rank * (n // w) + min(self.rank, n % w)
-        mine = windows[start : start + n // w + (1 if self.rank < n % w else 0)]
-        if len(mine) < per_rank:
-            last = mine[-1] if mine else windows[-1]
-            mine.append(Padding(last.uri, last.selection, level=last.level))
+    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
+        n = len(pool)
+        start = rank * (n // world) + min(rank, n % world)
+        mine = [(p, False) for p in pool[start : start + n // world + (1 if rank < n % world else 0)]]
+        if len(mine) < -(-n // world) and pool:
+            mine.append((mine[-1][0] if mine else pool[-1], True))
         return mine

@@ -131,3 +131,96 @@ def test_progress_counts_a_prefix_of_released_batches():
     assert (p.consumed, p.batches) == (11, 3)
     p.handed(2, released=True)  # a failed batch: done with at once
     assert p.consumed == 13
+
+
+# -- elastic resume ----------------------------------------------------------------------
+SHAPES = {"/e/a.zarr": (60, 50), "/e/b.zarr": (33, 70)}
+
+
+def _samplers(kind, world):
+    if kind == "random":
+        return [damacy.RandomBoxes(SHAPES, (8, 8), seed=3, samples_per_epoch=61, rank=r, world_size=world) for r in range(world)]
+    if kind == "shuffled":
+        items = [damacy.Sample("/e/a.zarr", ((i, i + 1), (0, 8))) for i in range(47)]
+        return [damacy.Shuffled(items, seed=3, rank=r, world_size=world) for r in range(world)]
+    return [damacy.GridBoxes(SHAPES, (8, 8), step=(6, 8), rank=r, world_size=world) for r in range(world)]
+
+
+def _key(s):
+    return (s.uri, tuple((sl.start, sl.stop) for sl in s.selection))
+
+
+@pytest.mark.parametrize("kind", ["random", "shuffled", "grid"])
+@pytest.mark.parametrize("old, new, taken", [(2, 3, [5, 5]), (4, 2, [3, 3, 3, 3]), (4, 2, [4, 2, 3, 0]), (3, 3, [2, 1, 2])])
+def test_an_epoch_goes_on_over_another_number_of_ranks(kind, old, new, taken):
+    """N ranks read part of epoch 2 (``taken`` samples each, not necessarily in lockstep);
+    M ranks resume from their N states: every sample of the epoch read once over both runs
+    (padding and, for a shuffled list, its wrap-around repeats aside)."""
+    first = _samplers(kind, old)
+    for s in first:
+        s.set_epoch(2)
+    glob = [_key(x) for x in first[0].epoch_samples()]
+    states, seen = [], []
+    for s, k in zip(first, taken):
+        part = [x for x in s.rank_samples()][:k]
+        seen += [_key(x) for x in part if not isinstance(x, damacy.Padding)]
+        states.append({"version": 1, "push": 0, "offset": k, "source_state": s.state_dict(), "batches": 0})
+    second = _samplers(kind, new)
+    for s in second:
+        s.resume(json.loads(json.dumps(states)))  # as saved and loaded
+    assert {s.epoch for s in second} == {2} and len({len(s) for s in second}) == 1
+    rest = [_key(x) for s in second for x in s if not isinstance(x, damacy.Padding)]
+    total = seen + rest
+    if kind == "random":  # each rank drops the remainder its share leaves: at most world - 1 each time
+        assert len(total) == len(set(total)) and len(glob) - len(total) < old + new and set(total) <= set(glob)
+    elif kind == "shuffled":  # everything, repeats only where a share wraps around
+        assert set(total) == set(glob) and len(total) - len(glob) < old + new
+    else:
+        assert sorted(total) == sorted(glob)  # every window exactly once
+    second[0].set_epoch(3)  # the next epoch is whole again
+    assert len(second[0]) == len(_samplers(kind, new)[0])
+
+
+def test_resume_needs_every_rank_of_one_epoch():
+    first = _samplers("random", 2)
+    states = [{"offset": 1, "source_state": s.state_dict()} for s in first]
+    with pytest.raises(damacy.InvalidArgument, match="all 2 earlier ranks"):
+        _samplers("random", 3)[0].resume(states[:1])
+    first[1].set_epoch(1)
+    states[1]["source_state"] = first[1].state_dict()
+    with pytest.raises(damacy.InvalidArgument, match="different runs or epochs"):
+        _samplers("random", 3)[0].resume(states)
+
+
+def test_elastic_resume_through_pipelines(tmp_path):
+    """Two ranks' pipelines read part of an epoch of grid windows and save their states;
+    three resume from both states: together they deliver every window once."""
+    data = random_data((40, 36), "uint16", seed=8)
+    write_array(tmp_path / "g.zarr", data, chunks=(10, 12), compressors=[ZstdCodec()])
+    uri = str(tmp_path / "g.zarr")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 12), dtype="u16")
+
+    def grid(rank, world):
+        return damacy.GridBoxes([uri], (8, 12), step=(4, 12), rank=rank, world_size=world)
+
+    got, states = [], []
+    for rank in range(2):
+        sampler = grid(rank, 2)
+        with damacy.Pipeline(cfg) as pipe:
+            pipe.push(sampler)
+            for batch in pipe.batches(2):
+                with batch:
+                    got += [(_key(s), np.array(np.from_dlpack(batch)[k])) for k, s in enumerate(batch.info.samples)]
+            states.append(json.loads(json.dumps(pipe.state_dict())))
+    for rank in range(3):
+        sampler = grid(rank, 3)
+        sampler.resume(states)
+        with damacy.Pipeline(cfg) as pipe:
+            pipe.push(sampler)
+            for batch in pipe:
+                with batch:
+                    got += [(_key(s), np.array(np.from_dlpack(batch)[k])) for k, s in enumerate(batch.info.samples) if k not in batch.info.padding]
+    windows = [_key(s) for s in grid(0, 1).epoch_samples()]
+    assert sorted(k for k, _ in got) == sorted(windows)
+    for (uri_, box), arr in got:
+        np.testing.assert_array_equal(arr, data[tuple(slice(a, b) for a, b in box)])
