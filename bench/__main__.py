@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     rm.add_argument("--repeats", type=int, default=5)
     rm.add_argument("--readers", default="damacy,tensorstore,zarr-python")
     rm.add_argument("--json", default=None)
+    tf = sub.add_parser("transforms", help="damacy with random flips and axis orders on every sample vs the same boxes plain")
+    tf.add_argument("scenario", nargs="?", default="default", choices=sorted(SCENARIOS))
+    tf.add_argument("--data", default="bench-data")
+    tf.add_argument("--batches", type=int, default=12)
+    tf.add_argument("--repeats", type=int, default=5)
+    tf.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
@@ -100,6 +106,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown readers {unknown}; choose from {', '.join(ranks.READERS)}")
         res = ranks.main(args.scenario, args.data, args.ranks, args.epochs, cache, size, args.repeats, readers)
         out = Path(args.json) if args.json else Path("bench-results") / time.strftime("ranks-%Y%m%d-%H%M%S.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(f"\nresults: {out}")
+        return 0
+
+    if args.cmd == "transforms":
+        from bench import transforms
+
+        res = transforms.main(args.scenario, args.data, args.batches, args.repeats)
+        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("transforms-%Y%m%d-%H%M%S.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2))
         print(f"\nresults: {out}")

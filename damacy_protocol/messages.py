@@ -15,7 +15,7 @@ from damacy_protocol.config import Config
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: samples carry flip and transpose
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -65,6 +65,8 @@ class WireSample(msgspec.Struct, array_like=True):
     box: bool
     axes: list[WireEntry]
     level: int | None = None  # an NGFF image's level
+    flip: list[int] = []  # axes of the result reversed
+    transpose: list[int] | None = None  # the result's axes in this order
 
 
 class WireError(msgspec.Struct):

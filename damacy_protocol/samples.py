@@ -34,8 +34,33 @@ def _level(level: Any, uri: str) -> int | None:
     return level
 
 
-def _rebuild(cls, uri, selection, level):
-    return cls(uri, selection, level=level)
+def _rebuild(cls, uri, selection, level, flip=(), transpose=None):
+    return cls(uri, selection, level=level, flip=flip, transpose=transpose)
+
+
+def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """A sample's transform, checked as far as it can be without the array: ``flip``, the
+    axes reversed (of the selection's result, dropped axes left out); ``transpose``, the
+    result's axes in a new order (``np.transpose``'s ``axes``), applied after the flips."""
+    try:
+        axes = tuple(sorted({int(a) for a in (flip or ())}))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"flip must be a sequence of axes, got {flip!r}", uri=uri) from None
+    if any(a < 0 for a in axes) or any(isinstance(a, bool) for a in (flip or ())):
+        raise InvalidArgument(f"flip axes must be non-negative integers, got {flip!r}", uri=uri)
+    if transpose is None:
+        return axes, None
+    try:
+        order = tuple(int(a) for a in transpose)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"transpose must be a sequence of axes, got {transpose!r}", uri=uri) from None
+    if sorted(order) != list(range(len(order))):
+        raise InvalidArgument(f"transpose must be a permutation of 0..n-1, got {transpose!r}", uri=uri)
+    return axes, (None if order == tuple(range(len(order))) else order)
+
+
+def _describe_transform(flip: tuple[int, ...], transpose: tuple[int, ...] | None) -> str:
+    return (f", flip={flip}" if flip else "") + (f", transpose={transpose}" if transpose is not None else "")
 
 
 class Sample:
@@ -46,25 +71,35 @@ class Sample:
     ``level``: for an OME-NGFF image uri, the level to read (the box is in its index space;
     none: level 0).
 
+    ``flip`` (axes to reverse) and ``transpose`` (a new order of the axes) transform the
+    result as ``np.transpose(np.flip(box, flip), transpose)``, made by the copies that
+    assemble the batch (no pass of their own); the batch's ``sample_shape`` is the
+    transformed shape.
+
     Coordinates are absolute array coordinates: a box may reach outside the array (negative
     starts, stops past the end) and that part is padded with the array's fill value (or
     refused, per ``out_of_bounds``), never clipped or wrapped. An open slice bound
     (``np.s_[:, 0:64]``) means the array's own bound on that axis.
     """
 
-    __slots__ = ("uri", "selection", "level", "_hash")
+    __slots__ = ("uri", "selection", "level", "flip", "transpose", "_hash")
 
     uri: str
     selection: tuple[slice | int | EllipsisType, ...]
     level: int | None
+    flip: tuple[int, ...]
+    transpose: tuple[int, ...] | None
 
-    def __init__(self, uri: Any, box: Any, *, level: int | None = None) -> None:
+    def __init__(self, uri: Any, box: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None) -> None:
         uri = _uri(uri)
         entries = normalize(box, BOX, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
         object.__setattr__(self, "level", _level(level, uri))
-        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries), self.level)))
+        flip, transpose = _transform(flip, transpose, uri)
+        object.__setattr__(self, "flip", flip)
+        object.__setattr__(self, "transpose", transpose)
+        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries), self.level, flip, transpose)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Sample is immutable")
@@ -72,14 +107,14 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, Sample) and self.uri == other.uri and self.level == other.level
-            and key(self.selection) == key(other.selection)
+            and key(self.selection) == key(other.selection) and self.flip == other.flip and self.transpose == other.transpose
         )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (_rebuild, (type(self), self.uri, self.selection, self.level))
+        return (_rebuild, (type(self), self.uri, self.selection, self.level, self.flip, self.transpose))
 
     @property
     def aabb(self) -> tuple[tuple[int | None, int | None] | EllipsisType, ...]:
@@ -101,7 +136,7 @@ class Sample:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
-        return f"Sample({self.uri!r}, {describe(self.selection)}{level})"
+        return f"{type(self).__name__}({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose)})"
 
 
 class IndexQuery:
@@ -110,24 +145,29 @@ class IndexQuery:
     :mod:`damacy_protocol.selection`).
 
     The result is the outer product of the axes (like zarr's ``oindex``): every combination,
-    in the given order, duplicates kept. Numbers are array coordinates as in a
+    in the given order, duplicates kept; ``flip`` and ``transpose`` as for a :class:`Sample`. Numbers are array coordinates as in a
     :class:`Sample` (negative ones are before the array, not counted from the end);
     positions outside the array are padded or refused per ``out_of_bounds``.
     """
 
-    __slots__ = ("uri", "selection", "level", "_hash")
+    __slots__ = ("uri", "selection", "level", "flip", "transpose", "_hash")
 
     uri: str
     selection: tuple[slice | int | Indices | EllipsisType, ...]
     level: int | None
+    flip: tuple[int, ...]
+    transpose: tuple[int, ...] | None
 
-    def __init__(self, uri: Any, selection: Any, *, level: int | None = None) -> None:
+    def __init__(self, uri: Any, selection: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None) -> None:
         uri = _uri(uri)
         entries = normalize(selection, QUERY, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
         object.__setattr__(self, "level", _level(level, uri))
-        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries), self.level)))
+        flip, transpose = _transform(flip, transpose, uri)
+        object.__setattr__(self, "flip", flip)
+        object.__setattr__(self, "transpose", transpose)
+        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries), self.level, flip, transpose)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("IndexQuery is immutable")
@@ -135,14 +175,14 @@ class IndexQuery:
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, IndexQuery) and self.uri == other.uri and self.level == other.level
-            and key(self.selection) == key(other.selection)
+            and key(self.selection) == key(other.selection) and self.flip == other.flip and self.transpose == other.transpose
         )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (_rebuild, (IndexQuery, self.uri, self.selection, self.level))
+        return (_rebuild, (IndexQuery, self.uri, self.selection, self.level, self.flip, self.transpose))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -175,4 +215,4 @@ class IndexQuery:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
-        return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level})"
+        return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose)})"

@@ -39,7 +39,10 @@ def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
     if not isinstance(sample, (Sample, IndexQuery)):
         raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
     axes = [_entry_to_wire(e) for e in sample.selection]
-    return m.WireSample(seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes, level=sample.level)
+    return m.WireSample(
+        seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes, level=sample.level,
+        flip=list(sample.flip), transpose=None if sample.transpose is None else list(sample.transpose),
+    )
 
 
 def _entry_to_wire(e: Any) -> m.WireEntry:
@@ -65,14 +68,16 @@ def _entry_from_wire(w: m.WireEntry) -> Any:
 def sample_from_wire(w: m.WireSample) -> Sample | IndexQuery:
     """The Sample or IndexQuery a wire sample names (its checks raise as the constructors do)."""
     entries = tuple(_entry_from_wire(a) for a in w.axes)
-    return Sample(w.uri, entries, level=w.level) if w.box else IndexQuery(w.uri, entries, level=w.level)
+    kind = Sample if w.box else IndexQuery
+    return kind(w.uri, entries, level=w.level, flip=w.flip, transpose=w.transpose)
 
 
 def describe_wire(w: m.WireSample) -> str:
     """How a wire sample reads in an error message (it may not make a valid Sample)."""
     entries = tuple(_entry_from_wire(a) for a in w.axes)
     level = "" if w.level is None else f", level={w.level}"
-    return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)}{level})"
+    transform = (f", flip={tuple(w.flip)}" if w.flip else "") + (f", transpose={tuple(w.transpose)}" if w.transpose else "")
+    return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)}{level}{transform})"
 
 
 _NON_SAMPLE: dict[str, type[BaseException]] = {

@@ -141,6 +141,17 @@ class DeviceArray:
             return self._derived(self.ptr + k * self.strides[0], self.shape[1:], self.dtype, self.strides[1:])
         raise IndexError(f"device arrays take an integer or a slice, not {type(key).__name__}")
 
+    def transpose(self, axes: tuple[int, ...]) -> DeviceArray:
+        """The same memory with its axes in the order ``axes`` (as numpy's)."""
+        return self._derived(self.ptr, tuple(self.shape[a] for a in axes), self.dtype, tuple(self.strides[a] for a in axes))
+
+    def flip(self, axes: tuple[int, ...]) -> DeviceArray:
+        """The same memory read backwards along ``axes`` (negative strides, as ``np.flip``)."""
+        if not self.size:
+            return self
+        ptr = self.ptr + sum((self.shape[a] - 1) * self.strides[a] for a in axes)
+        return self._derived(ptr, self.shape, self.dtype, tuple(-st if a in axes else st for a, st in enumerate(self.strides)))
+
     def reshape(self, *shape: Any) -> DeviceArray:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])

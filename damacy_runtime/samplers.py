@@ -186,7 +186,12 @@ class RandomBoxes(_Sampler):
     fits (an axis shorter than the box: origin 0, the rest padded by the pipeline).
 
     ``arrays``: uris (their shapes read from their metadata) or {uri: shape}. ``level``: the
-    NGFF level the boxes are in (shapes then given, or read at that level)."""
+    NGFF level the boxes are in (shapes then given, or read at that level).
+
+    Transforms drawn from the same seed, made by the copies (no pass of their own): each
+    axis in ``flips`` reversed with probability 1/2; one of ``transposes`` (axis orders, the
+    identity included if wanted) per sample, the box then drawn in the array's order so that
+    its transposed shape is ``sample_shape``."""
 
     def __init__(
         self,
@@ -199,6 +204,8 @@ class RandomBoxes(_Sampler):
         world_size: int | None = None,
         weights: Sequence[float] | None = None,
         level: int | None = None,
+        flips: Sequence[int] = (),
+        transposes: Sequence[Sequence[int]] = (),
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(seed, rank, world_size)
@@ -226,18 +233,34 @@ class RandomBoxes(_Sampler):
                 raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all 0")
             self.p = w / w.sum()
         self.level = level
+        ndim = len(self.sample_shape)
+        self.flips = tuple(sorted({int(a) for a in flips}))
+        if any(not 0 <= a < ndim for a in self.flips):
+            raise InvalidArgument(f"flips {tuple(flips)} must be axes of the {ndim}-d samples")
+        self.transposes = [tuple(int(a) for a in t) for t in transposes]
+        if any(sorted(t) != list(range(ndim)) for t in self.transposes):
+            raise InvalidArgument(f"transposes must be orders of the {ndim} axes, got {list(transposes)}")
 
     def epoch_samples(self) -> list[Sample]:
         rng = self._rng()
         n = self.samples_per_epoch
         which = rng.choice(len(self.arrays), size=n, p=self.p)
-        room = np.array([[max(0, s - k) for s, k in zip(shape, self.sample_shape)] for _, shape in self.arrays], dtype=np.int64)
-        origins = rng.integers(0, room[which] + 1)
-        size = np.array(self.sample_shape, dtype=np.int64)
-        return [
-            Sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), level=self.level)
-            for a, o in zip(which.tolist(), origins)
-        ]
+        orders = rng.integers(0, len(self.transposes), size=n) if self.transposes else None
+        flipped = rng.random((n, len(self.flips))) < 0.5 if self.flips else None
+        out_shape = np.array(self.sample_shape, dtype=np.int64)
+        # per sample the box's extents in the array's axis order (its transposed shape is the sample's)
+        sizes = np.tile(out_shape, (n, 1))
+        if orders is not None:
+            inverse = np.array([np.argsort(t) for t in self.transposes], dtype=np.int64)
+            sizes = out_shape[inverse[orders]]
+        shapes = np.array([shape for _, shape in self.arrays], dtype=np.int64)
+        origins = rng.integers(0, np.maximum(0, shapes[which] - sizes) + 1)
+        out = []
+        for k, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
+            flip = tuple(ax for ax, f in zip(self.flips, flipped[k]) if f) if flipped is not None else ()
+            order = self.transposes[orders[k]] if orders is not None else None
+            out.append(Sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), level=self.level, flip=flip, transpose=order))
+        return out
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
         return [(p, False) for p in pool[rank::world][: len(pool) // world]]

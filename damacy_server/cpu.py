@@ -40,7 +40,7 @@ from damacy_server.cache import LRUCache
 from damacy_server.decode import cast_fill, check_length, decode_unit
 from damacy_server.inflight import InFlight
 from damacy_server.native_tasks import NativeTasks
-from damacy_server.plan import BatchPlan, UnitJob
+from damacy_server.plan import BatchPlan, UnitJob, sample_view
 from damacy_server.reads import ReadGroup, shrink
 from damacy_server.run import GroupState, Run, samples_of
 from damacy_server.store import is_remote
@@ -148,7 +148,7 @@ class CpuExecutor(BudgetedExecutor):
         queued under ``key`` (one per pipeline), so pipelines sharing this executor take
         turns.
         """
-        views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
+        views = [None if shape is None else sample_view(targets[i], shape, plan.transforms[i]) for i, shape in enumerate(plan.shapes)]
         run = Run(plan, views, on_done, cancelled, key, next(self._runs))
         t0 = time.perf_counter()
         for s, fill in plan.fills:

@@ -111,6 +111,8 @@ class UnitJob:
 class BatchPlan:
     samples: list[Any]
     shapes: list[tuple[int, ...] | None]  # per sample: its selection's shape (view of its slot)
+    # per sample its flip and transpose (None: none), see :func:`sample_view`
+    transforms: list[tuple[tuple[int, ...], tuple[int, ...] | None] | None]
     fills: list[tuple[int, Any]]  # (sample, fill value) to write before the copies
     groups: list[ReadGroup]
     errors: dict[int, SampleError]
@@ -220,6 +222,7 @@ class ChunkPlanner:
         t0 = time.perf_counter()
         n = len(samples)
         shapes: list[tuple[int, ...] | None] = [None] * n
+        transforms: list = [None] * n
         metas: list[ArrayMetadata | None] = [None] * n
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
@@ -234,9 +237,13 @@ class ChunkPlanner:
                     accept(meta)
                 axes = sample_axes(sample, meta, out_of_bounds)
                 shape = selection_shape(axes)
-                if not same_shape(shape, sample_shape):
-                    raise InvalidArgument(f"selects shape {shape}, the batch holds samples of shape {sample_shape}")
+                transform = transform_of(sample, len(shape))
+                out = shape if transform is None or transform[1] is None else tuple(shape[a] for a in transform[1])
+                if not same_shape(out, sample_shape):
+                    what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
+                    raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
                 shapes[i] = shape
+                transforms[i] = transform
                 acc = by_array.get(meta.root)
                 if acc is None:
                     acc = by_array[meta.root] = _ArrayRows(meta)
@@ -306,6 +313,7 @@ class ChunkPlanner:
         return BatchPlan(
             samples=list(samples),
             shapes=shapes,
+            transforms=transforms,
             fills=fills,
             groups=groups,
             errors=errors,
@@ -325,6 +333,36 @@ def _part_len(p) -> int:
 def _copy_error(e: SampleError) -> SampleError:
     """A fresh instance, so each sample's error names its own sample."""
     return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
+
+
+def transform_of(sample: Any, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
+    """A sample's (flip, transpose), checked against its result's ``ndim`` axes; None: none."""
+    flip, order = getattr(sample, "flip", ()), getattr(sample, "transpose", None)
+    if not flip and order is None:
+        return None
+    if flip and flip[-1] >= ndim:
+        raise InvalidArgument(f"flip names axis {flip[-1]}, the selection has {ndim} axes")
+    if order is not None and len(order) != ndim:
+        raise InvalidArgument(f"transpose {order} names {len(order)} axes, the selection has {ndim}")
+    return flip, order
+
+
+def sample_view(target: Any, shape: tuple[int, ...], transform: tuple | None) -> Any:
+    """Sample ``target`` (its slot's region, numpy or device memory) as the executors write
+    it: in the selection's axis order and ``shape``. A transformed sample's view is permuted
+    and reversed so that writing the selection as it is stores
+    ``np.transpose(np.flip(selection, flip), transpose)`` in the slot: the copies make the
+    transform, no pass of its own."""
+    if transform is None:
+        return target.reshape(shape)
+    flip, order = transform
+    if order is None:
+        view = target.reshape(shape)
+    else:
+        view = target.reshape(tuple(shape[a] for a in order)).transpose(tuple(int(a) for a in np.argsort(order)))
+    if not flip:
+        return view
+    return np.flip(view, flip) if isinstance(view, np.ndarray) else view.flip(flip)
 
 
 def same_shape(shape: tuple[int, ...], sample_shape: tuple[int, ...]) -> bool:

@@ -49,11 +49,12 @@ class Run:
         self.lock = threading.Lock()
         self.on_done = on_done
         self.cancelled = cancelled
-        # for the native path: the views' common dtype when every view's rows are contiguous
+        # for the native path: the views' common dtype (rows may step by any stride: a
+        # transformed sample's view is permuted or reversed, and native code scatters them)
         # (else None), and per rank the views' addresses and strides
         live = [v for v in views if v is not None]
         dtype = live[0].dtype if live else None
-        if any(v.dtype != dtype or (v.ndim and v.strides[-1] != v.itemsize) for v in live):
+        if any(v.dtype != dtype or any(st % v.itemsize for st in v.strides) for v in live):
             dtype = None
         self.dtype = dtype
         self.targets: dict[int, np.ndarray] = {}

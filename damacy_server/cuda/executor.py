@@ -39,7 +39,7 @@ from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
 from damacy_server.cuda.twin import CODES, SHUFFLE_MODES
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
-from damacy_server.plan import BatchPlan
+from damacy_server.plan import BatchPlan, sample_view
 from damacy_server.run import samples_of
 from damacy_server.slots import DeviceSlots
 from damacy_server.store.file import FileReader
@@ -177,12 +177,12 @@ class CudaExecutor(BudgetedExecutor):
         try:
             if cancelled() or self._closed:
                 return
-            views = [None if shape is None else targets[i].reshape(shape) for i, shape in enumerate(plan.shapes)]
+            views = [None if shape is None else sample_view(targets[i], shape, plan.transforms[i]) for i, shape in enumerate(plan.shapes)]
             arena = self.device.alloc(reserved)
             keep.append(arena)
             self._decode(units, arena, errors, plan, keep)
             self._before_write(targets)
-            self._fill(plan, views, keep)
+            self._fill(plan, [None if shape is None else targets[i] for i, shape in enumerate(plan.shapes)], keep)  # whole samples
             self._assemble(plan, units, arena, views, keep)
             self._after_write(targets)
         except Exception as e:  # a bug fails this batch's samples, never the executor
