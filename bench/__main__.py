@@ -45,6 +45,14 @@ def verify(scn, samples, readers) -> None:
     print(f"verified: {', '.join(readers)} agree on the first {n} samples")
 
 
+def _write(res: dict, path: str | None, prefix: str) -> int:
+    out = Path(path) if path else Path("bench-results") / time.strftime(f"{prefix}%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str))
+    print(f"\nresults: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -56,37 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--batches", type=int, default=None, help="batches per repeat (default: the scenario's)")
     run.add_argument("--readers", default="damacy,tensorstore,zarr-python")
     run.add_argument("--json", default=None, help="where to write the results (default: bench-results/<time>.json)")
-    dm = sub.add_parser("daemon", help="damacyd with 1 and 2 client processes against the embedded engine")
-    dm.add_argument("scenario", nargs="?", default="default", choices=sorted(SCENARIOS))
-    dm.add_argument("--data", default="bench-data")
-    dm.add_argument("--batches", type=int, default=12, help="batches per client")
-    dm.add_argument("--repeats", type=int, default=3)
+    def scenario_command(name: str, help: str, default: str, batches: int | None, repeats: int):
+        cmd = sub.add_parser(name, help=help)
+        cmd.add_argument("scenario", nargs="?", default=default, choices=sorted(SCENARIOS))
+        cmd.add_argument("--data", default="bench-data")
+        if batches is not None:
+            cmd.add_argument("--batches", type=int, default=batches)
+        cmd.add_argument("--repeats", type=int, default=repeats)
+        cmd.add_argument("--json", default=None)
+        return cmd
+
+    dm = scenario_command("daemon", "damacyd with 1 and 2 client processes against the embedded engine", "default", 12, 3)
     dm.add_argument("--clients", default="1,2")
-    dm.add_argument("--json", default=None)
-    rk = sub.add_parser("ranks", help="K ranks re-reading their own samples for E epochs: damacyd vs per-rank readers, same cache memory")
-    rk.add_argument("scenario", nargs="?", default="node", choices=sorted(SCENARIOS))
-    rk.add_argument("--data", default="bench-data")
+    rk = scenario_command("ranks", "K ranks re-reading their own samples for E epochs: damacyd vs per-rank readers, same cache memory", "node", None, 5)
     rk.add_argument("--ranks", type=int, default=2)
     rk.add_argument("--epochs", type=int, default=3)
     rk.add_argument("--cache", default="256M", help="cache memory on the node, for every reader")
     rk.add_argument("--data-size", default=None, help="decoded bytes the samples touch (default: twice --cache)")
-    rk.add_argument("--repeats", type=int, default=5)
     rk.add_argument("--readers", default="damacyd,embedded,tensorstore-cache,tensorstore")
-    rk.add_argument("--json", default=None)
-    rm = sub.add_parser("remote", help="the data over HTTP with Range and an injected latency: damacy vs tensorstore's http driver vs zarr-python with obstore")
-    rm.add_argument("scenario", nargs="?", default="default", choices=sorted(SCENARIOS))
-    rm.add_argument("--data", default="bench-data")
+    rm = scenario_command("remote", "the data over HTTP with Range and an injected latency: damacy vs tensorstore's http driver vs zarr-python with obstore", "default", 6, 5)
     rm.add_argument("--latency-ms", type=float, default=10.0, help="added to every request by the server")
-    rm.add_argument("--batches", type=int, default=6)
-    rm.add_argument("--repeats", type=int, default=5)
     rm.add_argument("--readers", default="damacy,tensorstore,zarr-python")
-    rm.add_argument("--json", default=None)
-    tf = sub.add_parser("transforms", help="damacy with random flips and axis orders on every sample vs the same boxes plain")
-    tf.add_argument("scenario", nargs="?", default="default", choices=sorted(SCENARIOS))
-    tf.add_argument("--data", default="bench-data")
-    tf.add_argument("--batches", type=int, default=12)
-    tf.add_argument("--repeats", type=int, default=5)
-    tf.add_argument("--json", default=None)
+    scenario_command("transforms", "damacy with random flips and axis orders on every sample vs the same boxes plain", "default", 12, 5)
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
@@ -105,42 +104,26 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"unknown readers {unknown}; choose from {', '.join(ranks.READERS)}")
         res = ranks.main(args.scenario, args.data, args.ranks, args.epochs, cache, size, args.repeats, readers)
-        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("ranks-%Y%m%d-%H%M%S.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        print(f"\nresults: {out}")
-        return 0
+        return _write(res, args.json, "ranks-")
 
     if args.cmd == "transforms":
         from bench import transforms
 
         res = transforms.main(args.scenario, args.data, args.batches, args.repeats)
-        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("transforms-%Y%m%d-%H%M%S.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        print(f"\nresults: {out}")
-        return 0
+        return _write(res, args.json, "transforms-")
 
     if args.cmd == "remote":
         from bench import remote
 
         readers = [r.strip() for r in args.readers.split(",") if r.strip()]
         res = remote.main(args.scenario, args.data, args.latency_ms, args.batches, args.repeats, readers)
-        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("remote-%Y%m%d-%H%M%S.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        print(f"\nresults: {out}")
-        return 0
+        return _write(res, args.json, "remote-")
 
     if args.cmd == "daemon":
         from bench import daemon
 
         res = daemon.main(args.scenario, args.data, args.batches, args.repeats, [int(c) for c in args.clients.split(",")])
-        out = Path(args.json) if args.json else Path("bench-results") / time.strftime("daemon-%Y%m%d-%H%M%S.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        print(f"\nresults: {out}")
-        return 0
+        return _write(res, args.json, "daemon-")
 
     names = sorted(n for n in SCENARIOS if n != "node") if "all" in args.scenarios else args.scenarios  # node: for ranks
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
