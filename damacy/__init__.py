@@ -46,6 +46,9 @@ _LAZY = {
     "GridBoxes": "damacy_runtime.samplers",
     "Shuffled": "damacy_runtime.samplers",
     "Padding": "damacy_runtime.samplers",
+    "MultiSample": "damacy_runtime.multi",
+    "MultiPipeline": "damacy_runtime.multi",
+    "MultiBatch": "damacy_runtime.multi",
 }
 
 
@@ -177,6 +180,9 @@ __all__ = [
     "GridBoxes",
     "Shuffled",
     "Padding",
+    "MultiSample",
+    "MultiPipeline",
+    "MultiBatch",
     "EmbeddedPipeline",
     "Sample",
     "BatchFailed",

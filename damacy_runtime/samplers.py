@@ -15,6 +15,12 @@ rank and for every number of ranks, and hands rank ``r`` of ``W`` its part of it
   window fewer end with a :class:`Padding` sample (the last window again), so every rank
   takes the same number of steps: ``batch.info.padding`` lists their positions to drop.
 
+``arrays`` are uris (shapes read from their metadata), ``{uri: shape}``, or groups of
+arrays read at one box, ``{name: uri}`` each (the samples are then
+:class:`~damacy_runtime.multi.MultiSample` s, for a :class:`~damacy_runtime.multi.MultiPipeline`;
+the box is drawn on the group's first array, and ``scales={name: factor}`` maps it to an array
+at another resolution).
+
 ``set_epoch(e)`` picks the epoch; ``rank``/``world_size`` default to torch.distributed's
 environment (``RANK``, ``WORLD_SIZE``), else 0 and 1. ``state_dict()`` holds the sampler's
 seed, epoch and partition; the position within an epoch is the pipeline's to count.
@@ -22,6 +28,7 @@ seed, epoch and partition; the position within an epoch is the pipeline's to cou
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -64,7 +71,42 @@ def _shapes(arrays: Sequence[str] | Mapping[str, Sequence[int]], shape_of: Calla
         def shape_of(uri: str) -> tuple[int, ...]:
             return open_array(uri).shape
 
-    return [(str(u), tuple(shape_of(str(u)))) for u in arrays]
+    out = []
+    for u in arrays:
+        if isinstance(u, Mapping):  # several arrays read at one box: the first one's shape
+            if not u:
+                raise InvalidArgument("a group of arrays names at least one")
+            out.append((dict(u), tuple(shape_of(str(next(iter(u.values())))))))
+        else:
+            out.append((str(u), tuple(shape_of(str(u)))))
+    return out
+
+
+def _sample(where: str | dict, box: tuple, scales: Mapping[str, float] | None, **kw: Any) -> Any:
+    """A sample of ``box``: of one array, or a MultiSample of a group {name: uri}."""
+    if isinstance(where, dict):
+        from damacy_runtime.multi import MultiSample
+
+        level = kw.pop("level", None)
+        return MultiSample.at(where, box, scales=scales, levels=None if level is None else dict.fromkeys(where, level), **kw)
+    return Sample(where, box, **kw)
+
+
+def _alignment(scales: Mapping[str, float] | None, sample_shape: tuple[int, ...]) -> int:
+    """The step box origins keep so that every scaled part lands on whole coordinates: 1/s
+    for each scale s < 1 (which must be 1/integer), the least common multiple of them."""
+    align = 1
+    for name, factor in (scales or {}).items():
+        if factor <= 0:
+            raise InvalidArgument(f"scales[{name!r}] must be positive, got {factor}")
+        if factor < 1:
+            inverse = round(1 / factor)
+            if abs(inverse * factor - 1) > 1e-9:
+                raise InvalidArgument(f"scales[{name!r}] = {factor}: a scale below 1 must be 1/n for a whole n")
+            align = math.lcm(align, inverse)
+    if any(k % align for k in sample_shape):
+        raise InvalidArgument(f"sample_shape {sample_shape} must be a multiple of {align} for scales {dict(scales or {})}")
+    return align
 
 
 class _Sampler:
@@ -206,9 +248,12 @@ class RandomBoxes(_Sampler):
         level: int | None = None,
         flips: Sequence[int] = (),
         transposes: Sequence[Sequence[int]] = (),
+        scales: Mapping[str, float] | None = None,
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(seed, rank, world_size)
+        self.scales = scales
+        self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         if level is not None and shape_of is None and not isinstance(arrays, Mapping):
             from damacy_server.read import open_image
 
@@ -221,7 +266,7 @@ class RandomBoxes(_Sampler):
         self.sample_shape = tuple(int(n) for n in sample_shape)
         for uri, shape in self.arrays:
             if len(shape) != len(self.sample_shape):
-                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=uri)
+                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=str(uri))
         if not isinstance(samples_per_epoch, int) or samples_per_epoch < self.world_size:
             raise InvalidArgument(f"samples_per_epoch must be an integer of at least world_size ({self.world_size}), got {samples_per_epoch!r}")
         self.samples_per_epoch = samples_per_epoch
@@ -254,12 +299,12 @@ class RandomBoxes(_Sampler):
             inverse = np.array([np.argsort(t) for t in self.transposes], dtype=np.int64)
             sizes = out_shape[inverse[orders]]
         shapes = np.array([shape for _, shape in self.arrays], dtype=np.int64)
-        origins = rng.integers(0, np.maximum(0, shapes[which] - sizes) + 1)
+        origins = rng.integers(0, np.maximum(0, shapes[which] - sizes) // self.align + 1) * self.align
         out = []
         for k, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
             flip = tuple(ax for ax, f in zip(self.flips, flipped[k]) if f) if flipped is not None else ()
             order = self.transposes[orders[k]] if orders is not None else None
-            out.append(Sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), level=self.level, flip=flip, transpose=order))
+            out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, level=self.level, flip=flip, transpose=order))
         return out
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
@@ -315,9 +360,11 @@ class GridBoxes(_Sampler):
         rank: int | None = None,
         world_size: int | None = None,
         level: int | None = None,
+        scales: Mapping[str, float] | None = None,
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(0, rank, world_size)
+        self.scales = scales
         self.arrays = _shapes(arrays, shape_of)
         self.sample_shape = tuple(int(n) for n in sample_shape)
         self.step = self.sample_shape if step is None else tuple(int(n) for n in step)
@@ -331,7 +378,7 @@ class GridBoxes(_Sampler):
         self.level = level
         for uri, shape in self.arrays:
             if len(shape) != len(self.sample_shape):
-                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=uri)
+                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=str(uri))
 
     def _starts(self, n: int, k: int, step: int) -> list[int]:
         if n <= k:
@@ -346,7 +393,7 @@ class GridBoxes(_Sampler):
         for uri, shape in self.arrays:
             axes = [self._starts(n, k, s) for n, k, s in zip(shape, self.sample_shape, self.step)]
             for origin in np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(shape)).tolist():
-                out.append(Sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), level=self.level))
+                out.append(_sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), self.scales, level=self.level))
         return out
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:

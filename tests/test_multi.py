@@ -1,0 +1,122 @@
+"""Samples of several arrays: an image, its labels at half the resolution and a mask, at one
+box, read into one batch per name, each exact against zarr-python, in both modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+from conftest import random_data, write_array
+from zarr.codecs import ZstdCodec
+
+import damacy
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("multi")
+    write_array(folder / "image.zarr", random_data((32, 48, 40), "uint16", seed=1), chunks=(8, 16, 16), compressors=[ZstdCodec()])
+    write_array(folder / "label.zarr", random_data((16, 24, 20), "uint8", seed=2), chunks=(8, 8, 10))
+    write_array(folder / "mask.zarr", random_data((32, 48, 40), "bool", seed=3), chunks=(16, 16, 20))
+    uris = {name: str(folder / f"{name}.zarr") for name in ("image", "label", "mask")}
+    return uris, {name: zarr.open_array(uri, mode="r")[...] for name, uri in uris.items()}
+
+
+def _configs(on_error="raise", **kw):
+    return {
+        "image": damacy.Config(samples_per_batch=3, sample_shape=(8, 16, 16), dtype="f32", on_error=on_error, **kw),
+        "label": damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", on_error=on_error, **kw),
+        "mask": damacy.Config(samples_per_batch=3, sample_shape=(8, 16, 16), dtype="bool", on_error=on_error, **kw),
+    }
+
+
+def _boxes(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tuple(slice(int(a), int(a) + k) for a, k in zip(2 * rng.integers(0, [12, 16, 12]), (8, 16, 16))) for _ in range(n)]
+
+
+def _half(box):
+    return tuple(slice(s.start // 2, s.stop // 2) for s in box)
+
+
+@pytest.mark.parametrize("mode", ["embedded", "daemon"])
+def test_every_array_of_a_sample_reads_exactly(arrays, mode, request):
+    uris, data = arrays
+    kw = {"endpoint": request.getfixturevalue("daemon").endpoint} if mode == "daemon" else {}
+    boxes = _boxes(7)
+    samples = [damacy.MultiSample.at(uris, b, scales={"label": 0.5}) for b in boxes]
+    got = {name: [] for name in uris}
+    with damacy.MultiPipeline(_configs(), **kw) as pipe:
+        pipe.push(samples)
+        for multi in pipe:
+            with multi:
+                assert {b.info.batch_id for _, b in multi.items()} == {multi.batch_id}
+                for name, batch in multi.items():
+                    got[name].extend(batch.copy())
+                    assert list(batch.info.samples) == [s[name] for s in samples[3 * multi.batch_id : 3 * multi.batch_id + 3]]
+    for k, box in enumerate(boxes):
+        np.testing.assert_array_equal(got["image"][k], data["image"][box].astype("f4"))
+        np.testing.assert_array_equal(got["label"][k], data["label"][_half(box)])
+        np.testing.assert_array_equal(got["mask"][k], data["mask"][box])
+
+
+def test_a_failed_part_fails_the_whole_batch_and_the_next_stays_aligned(arrays):
+    uris, data = arrays
+    boxes = _boxes(6, seed=1)
+    samples = [damacy.MultiSample.at(uris, b, scales={"label": 0.5}) for b in boxes]
+    bad = dict(samples[1].parts, label=damacy.Sample(uris["label"], np.s_[14:18, 0:8, 0:8]))  # past the label's end
+    samples[1] = damacy.MultiSample(bad)
+    with damacy.MultiPipeline(_configs(out_of_bounds="error")) as pipe:
+        pipe.push(samples)
+        with pytest.raises(damacy.OutOfBounds):
+            pipe.pop()
+        with pipe.pop() as multi:
+            assert multi.batch_id == 1
+            np.testing.assert_array_equal(multi["image"].copy()[0], data["image"][boxes[3]].astype("f4"))
+            np.testing.assert_array_equal(multi["label"].copy()[2], data["label"][_half(boxes[5])])
+
+
+def test_transforms_apply_to_every_part(arrays):
+    uris, data = arrays
+    box = _boxes(1, seed=2)[0]
+    cfgs = {name: damacy.Config(samples_per_batch=1, sample_shape=tuple(reversed(c.sample_shape)), dtype=c.dtype) for name, c in _configs().items()}
+    with damacy.MultiPipeline(cfgs) as pipe:
+        pipe.push([damacy.MultiSample.at(uris, box, scales={"label": 0.5}, flip=(1,), transpose=(2, 1, 0))])
+        with pipe.pop() as multi:
+            for name, sel in (("image", box), ("label", _half(box)), ("mask", box)):
+                want = np.transpose(np.flip(data[name][sel], 1), (2, 1, 0))
+                np.testing.assert_array_equal(multi[name].copy()[0], want.astype(multi[name].copy().dtype))
+
+
+def test_what_a_multi_pipeline_refuses(arrays):
+    uris, _ = arrays
+    with pytest.raises(damacy.InvalidArgument, match="skip"):
+        damacy.MultiPipeline(_configs(on_error="skip"))
+    cfgs = _configs()
+    cfgs["label"] = damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8))
+    with pytest.raises(damacy.InvalidArgument, match="same samples_per_batch"):
+        damacy.MultiPipeline(cfgs)
+    with pytest.raises(damacy.InvalidArgument, match="whole numbers"):
+        damacy.MultiSample.at(uris, np.s_[1:9, 0:16, 0:16], scales={"label": 0.5})
+    with damacy.MultiPipeline(_configs()) as pipe:
+        pipe.push([damacy.MultiSample({"image": damacy.Sample(uris["image"], np.s_[0:8, 0:16, 0:16])})])
+        with pytest.raises(damacy.InvalidArgument, match="MultiSamples of"):
+            pipe.pop()
+
+
+def test_samplers_draw_groups_of_arrays(arrays):
+    uris, data = arrays
+    sampler = damacy.RandomBoxes([uris], (8, 16, 16), seed=3, samples_per_epoch=6, scales={"label": 0.5}, rank=0, world_size=1)
+    drawn = list(sampler)
+    assert all(isinstance(s, damacy.MultiSample) and list(s.parts) == list(uris) for s in drawn)
+    even = [s for s in drawn if all(sl.start % 2 == 0 for sl in s["image"].selection)]
+    assert even == drawn  # origins kept even: the half-resolution labels land on whole coordinates
+    with damacy.MultiPipeline({k: damacy.Config(samples_per_batch=1, sample_shape=c.sample_shape, dtype=c.dtype) for k, c in _configs().items()}) as pipe:
+        pipe.push(even)
+        for s, multi in zip(even, pipe):
+            with multi:
+                box = tuple(slice(sl.start, sl.stop) for sl in s["image"].selection)
+                np.testing.assert_array_equal(multi["image"].copy()[0], data["image"][box].astype("f4"))
+                np.testing.assert_array_equal(multi["label"].copy()[0], data["label"][_half(box)])
+    grid = damacy.GridBoxes([{"image": uris["image"], "mask": uris["mask"]}], (8, 16, 20), rank=0, world_size=1)
+    assert len(grid) == 4 * 3 * 2 and all(set(s.parts) == {"image", "mask"} for s in grid)
