@@ -117,6 +117,7 @@ class _Sampler:
         self.rank, self.world_size = partition(rank, world_size)
         self.epoch = 0
         self.consumed: list[tuple[int, int]] = []  # positions of this epoch read before (elastic resume)
+        self.local_world_size = self.world_size  # ranks per node (see RandomBoxes' locality)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration draws (its order and boxes come from (seed, epoch))."""
@@ -132,7 +133,7 @@ class _Sampler:
     def state_dict(self) -> dict[str, Any]:
         return {
             "seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
-            "consumed": [list(r) for r in self.consumed],
+            "local_world_size": self.local_world_size, "consumed": [list(r) for r in self.consumed],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -168,8 +169,9 @@ class _Sampler:
             self._check_seed(x)
         self.set_epoch(epochs.pop())
         before = [tuple(r) for r in sources[0].get("consumed", [])]
-        n = len(self.epoch_samples())
-        pool = _pool(n, before)
+        items = self.epoch_samples()
+        old_local = int(sources[0].get("local_world_size", old_world))
+        pool = _pool(self._order(items, old_world, old_local), before)
         seen = set(_expand(before))
         for st, x in zip(states, sources):
             seen.update(p for p, _ in self._share(pool, int(x["rank"]), old_world)[: int(st["offset"])])
@@ -183,12 +185,18 @@ class _Sampler:
         """Rank ``rank``'s part of the positions ``pool``: (position, is padding) each."""
         raise NotImplementedError
 
+    def _order(self, items: list, world: int, local: int) -> list[int]:
+        """The global list's positions in the order they are shared out (the list's own,
+        unless the sampler reorders it for locality)."""
+        return list(range(len(items)))
+
     def rank_samples(self) -> list:
         items = self.epoch_samples()
         out = []
-        for position, padding in self._share(_pool(len(items), self.consumed), self.rank, self.world_size):
+        order = self._order(items, self.world_size, self.local_world_size)
+        for position, padding in self._share(_pool(order, self.consumed), self.rank, self.world_size):
             s = items[position]
-            out.append(Padding(s.uri, s.selection, level=s.level) if padding else s)
+            out.append(_padding(s) if padding else s)
         return out
 
     def __iter__(self) -> Iterator:
@@ -198,12 +206,21 @@ class _Sampler:
         return len(self.rank_samples())
 
 
-def _pool(n: int, consumed: Sequence[tuple[int, int]]) -> list[int]:
-    """The positions of an epoch of ``n`` not in the ``consumed`` ranges."""
+def _pool(order: list[int], consumed: Sequence[tuple[int, int]]) -> list[int]:
+    """The positions of an epoch, in ``order``, not in the ``consumed`` ranges."""
     if not consumed:
-        return list(range(n))
+        return order
     seen = set(_expand(consumed))
-    return [p for p in range(n) if p not in seen]
+    return [p for p in order if p not in seen]
+
+
+def _padding(s: Any) -> Any:
+    """``s`` again, marked as padding (every part of a MultiSample)."""
+    if isinstance(s, Sample):
+        return Padding(s.uri, s.selection, level=s.level, flip=s.flip, transpose=s.transpose)
+    from damacy_runtime.multi import MultiSample
+
+    return MultiSample({name: _padding(part) for name, part in s.parts.items()})
 
 
 def _expand(ranges: Sequence[tuple[int, int]]) -> Iterator[int]:
@@ -233,7 +250,16 @@ class RandomBoxes(_Sampler):
     Transforms drawn from the same seed, made by the copies (no pass of their own): each
     axis in ``flips`` reversed with probability 1/2; one of ``transposes`` (axis orders, the
     identity included if wanted) per sample, the box then drawn in the array's order so that
-    its transposed shape is ``sample_shape``."""
+    its transposed shape is ``sample_shape``.
+
+    ``locality``: the ranks of one node (``local_world_size`` of them, default torchrun's
+    ``LOCAL_WORLD_SIZE``; ranks are numbered node by node) read neighbouring boxes at the same
+    step, so the node's damacyd decodes their chunks once for all of them: the epoch's boxes
+    are sorted by array and by cell (the box origin in units of the sample shape), cut into
+    groups of ``local_world_size`` in that order, and the groups shuffled from the seed; each
+    group is one step of one node. The boxes drawn are the same, only who reads which when
+    changes (a batch then holds boxes of several groups, still spread over the data).
+    """
 
     def __init__(
         self,
@@ -249,11 +275,18 @@ class RandomBoxes(_Sampler):
         flips: Sequence[int] = (),
         transposes: Sequence[Sequence[int]] = (),
         scales: Mapping[str, float] | None = None,
+        locality: bool = False,
+        local_world_size: int | None = None,
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(seed, rank, world_size)
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
+        self.locality = bool(locality)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if local_world_size is None else local_world_size
+        if not isinstance(local, int) or local < 1 or self.world_size % local:
+            raise InvalidArgument(f"local_world_size must divide world_size ({self.world_size}), got {local!r}")
+        self.local_world_size = local
         if level is not None and shape_of is None and not isinstance(arrays, Mapping):
             from damacy_server.read import open_image
 
@@ -309,6 +342,21 @@ class RandomBoxes(_Sampler):
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
         return [(p, False) for p in pool[rank::world][: len(pool) // world]]
+
+    def _order(self, items: list, world: int, local: int) -> list[int]:
+        if not self.locality or local <= 1:
+            return list(range(len(items)))
+        rng = np.random.default_rng([self.seed, self.epoch, 1])
+        size = self.sample_shape
+
+        def cell(k: int) -> tuple:
+            s = items[k] if isinstance(items[k], Sample) else next(iter(items[k].parts.values()))
+            return (s.uri, tuple(sl.start // n for sl, n in zip(s.selection, size)))
+
+        tiebreak = rng.permutation(len(items))
+        ordered = sorted(range(len(items)), key=lambda k: (cell(k), tiebreak[k]))
+        groups = [ordered[i : i + local] for i in range(0, len(ordered), local)]
+        return [p for g in rng.permutation(len(groups)).tolist() for p in groups[g]]
 
     def __len__(self) -> int:
         return (self.samples_per_epoch - sum(b - a for a, b in self.consumed)) // self.world_size

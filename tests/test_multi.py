@@ -120,3 +120,10 @@ def test_samplers_draw_groups_of_arrays(arrays):
                 np.testing.assert_array_equal(multi["label"].copy()[0], data["label"][_half(box)])
     grid = damacy.GridBoxes([{"image": uris["image"], "mask": uris["mask"]}], (8, 16, 20), rank=0, world_size=1)
     assert len(grid) == 4 * 3 * 2 and all(set(s.parts) == {"image", "mask"} for s in grid)
+
+
+def test_padding_of_a_group_marks_every_part(arrays):
+    uris, _ = arrays
+    grid = damacy.GridBoxes([{"image": uris["image"], "mask": uris["mask"]}], (8, 16, 20), rank=4, world_size=5)  # 24 windows
+    last = list(grid)[-1]
+    assert len(grid) == 5 and all(isinstance(p, damacy.Padding) for p in last.parts.values())

@@ -153,3 +153,39 @@ def test_the_readme_example_runs(tmp_path):
     exec(compile(code, "README samplers", "exec"), scope)
     assert len(scope["train"]) == 64 and scope["train"].epoch == 1
     assert len(scope["val"]) == 3 * 2 * 2 and scope["keep"]  # 3 x 2 x 2 windows, none padding on one rank
+
+
+def test_locality_gives_a_nodes_ranks_neighbouring_boxes_at_each_step():
+    shapes = {"/d/a.zarr": (256, 256, 256), "/d/b.zarr": (256, 256, 256)}
+
+    def ranks(locality):
+        out = []
+        for r in range(4):
+            s = damacy.RandomBoxes(shapes, (32, 32, 32), seed=9, samples_per_epoch=400, rank=r, world_size=4, local_world_size=2, locality=locality)
+            s.set_epoch(1)
+            out.append(list(s))
+        return out
+
+    def cell(s):
+        return (s.uri, tuple(sl.start // 32 for sl in s.selection))
+
+    plain, local = ranks(False), ranks(True)
+    everything = sorted(_boxes(x for p in plain for x in p))
+    assert sorted(_boxes(x for p in local for x in p)) == everything  # the same boxes, read by others
+    for parts in (plain, local):
+        assert len({len(p) for p in parts}) == 1
+    shared = [sum(cell(a) == cell(b) for a, b in zip(parts[2 * n], parts[2 * n + 1])) for parts in (plain, local) for n in range(2)]
+    assert min(shared[2:]) > 5 * max(1, max(shared[:2]))  # a node's two ranks read the same cell at most steps
+    # elastic resume keeps working with the order: 4 ranks (2 nodes) -> 3 ranks on one node
+    states = [{"offset": 30, "source_state": s.state_dict()} for s in [
+        damacy.RandomBoxes(shapes, (32, 32, 32), seed=9, samples_per_epoch=400, rank=r, world_size=4, local_world_size=2, locality=True) for r in range(4)]]
+    for st in states:
+        st["source_state"]["epoch"] = 1
+    firsts = [p[:30] for p in local]
+    new = []
+    for r in range(3):
+        s = damacy.RandomBoxes(shapes, (32, 32, 32), seed=9, samples_per_epoch=400, rank=r, world_size=3, local_world_size=3, locality=True)
+        s.resume(states)
+        new += list(s)
+    read = _boxes(x for p in firsts for x in p) + _boxes(new)
+    assert len(read) == len(set(read)) and len(everything) - len(read) < 4 + 3
