@@ -9,6 +9,11 @@ gets the same cache memory C on the node:
 - ``tensorstore-cache``: K tensorstore processes with a ``cache_pool`` of C / K each;
 - ``tensorstore``: K tensorstore processes without a cache.
 
+And, for what ordering for locality does (not in the default readers): ``damacyd-sampler``,
+the K ranks sharing one ``damacy.RandomBoxes`` per epoch (the same number of samples per
+epoch, each rank every K-th), and ``damacyd-locality``, the same boxes with ``locality=True``
+(the ranks of the node read neighbouring boxes at each step).
+
 The samples are drawn until the decoded chunks they touch, over all ranks, add up to the
 data size D (by default twice C). Repeats are interleaved (every reader once, then again);
 the report gives the median aggregate samples/s, CPU ms per sample (ranks and daemon
@@ -32,7 +37,7 @@ import numpy as np
 from bench.daemon import _proc_cpu, start_daemon
 from bench.data import ensure
 
-READERS = ("damacyd", "embedded", "tensorstore-cache", "tensorstore")
+READERS = ("damacyd", "embedded", "tensorstore-cache", "tensorstore", "damacyd-sampler", "damacyd-locality")
 
 RANK = r"""
 import json, random, resource, sys, time
@@ -54,6 +59,15 @@ for epoch in range(job["epochs"]):
     epoch_samples = list(samples)
     rng.shuffle(epoch_samples)
     order.extend(epoch_samples)
+if job.get("sampler") is not None:  # the ranks share one RandomBoxes per epoch
+    kw = job["sampler"]
+    sampler = damacy.RandomBoxes({{u: tuple(s) for u, s in kw["shapes"].items()}}, tuple(kw["sample_shape"]), seed=kw["seed"],
+                                 samples_per_epoch=kw["samples_per_epoch"], rank=kw["rank"], world_size=kw["world_size"],
+                                 local_world_size=kw["world_size"], locality=kw["locality"])
+    order = []
+    for epoch in range(job["epochs"]):
+        sampler.set_epoch(epoch)
+        order.extend(sampler)
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -65,10 +79,10 @@ hits = misses = None
 print("ready", flush=True)
 sys.stdin.readline()
 t0, c0 = time.time(), cpu()
-if reader in ("damacyd", "embedded"):
+if reader.startswith("damacyd") or reader == "embedded":
     kw = {{"chunk_cache_bytes": cache}} if reader == "embedded" else {{}}
     cfg = runners.damacy_config(scn, **kw)
-    pipe = damacy.Pipeline(cfg, endpoint=job["endpoint"]) if reader == "damacyd" else damacy.EmbeddedPipeline(cfg)
+    pipe = damacy.Pipeline(cfg, endpoint=job["endpoint"]) if reader.startswith("damacyd") else damacy.EmbeddedPipeline(cfg)
     with pipe:
         pipe.push(order)
         for batch in pipe.batches():
@@ -144,11 +158,20 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
         for rep in range(repeats):
             for reader in readers:
                 endpoint = None
-                if reader == "damacyd":  # a fresh daemon each repeat: every reader starts cold
+                daemon = reader.startswith("damacyd")
+                if daemon:  # a fresh daemon each repeat: every reader starts cold
                     extra = os.environ.get("DAMACY_BENCH_DAEMON_ARGS", "").split()  # e.g. "--decode-workers 4"
                     proc, endpoint = start_daemon(data, folder, ["--chunk-cache", str(cache_bytes), *extra])
-                d0 = _proc_cpu(proc.pid) if reader == "damacyd" else 0.0
-                share = cache_bytes if reader == "damacyd" else cache_bytes // ranks
+                d0 = _proc_cpu(proc.pid) if daemon else 0.0
+                share = cache_bytes if daemon else cache_bytes // ranks
+                sampler = None
+                if reader in ("damacyd-sampler", "damacyd-locality"):
+                    meta_shape = list(scn.dataset.shape)
+                    sampler = {
+                        "shapes": {u: meta_shape for u in uris}, "sample_shape": list(scn.sample_shape), "seed": rep,
+                        "samples_per_epoch": sum(len(x) for x in samples), "world_size": ranks,
+                        "locality": reader == "damacyd-locality",
+                    }
                 jobs = [
                     json.dumps(
                         {
@@ -159,6 +182,7 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
                             "reader": reader,
                             "cache_bytes": share,
                             "endpoint": endpoint,
+                            "sampler": None if sampler is None else {**sampler, "rank": r},
                         }
                     )
                     for r in range(ranks)
@@ -177,7 +201,7 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
                     p.stdin.flush()
                 results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
                 daemon_cpu = 0.0
-                if reader == "damacyd":
+                if daemon:
                     daemon_cpu = _proc_cpu(proc.pid) - d0
                     hits, misses = _daemon_cache(endpoint)
                     proc.send_signal(signal.SIGTERM)
