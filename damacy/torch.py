@@ -118,7 +118,10 @@ class Loader(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Where training is: the epoch, and the pipeline's position within it (batches
         handed out so far). Plain data."""
-        pipe = self._pipe.state_dict() if self._pipe is not None and self._yielded else None
+        if self._pipe is not None and self._yielded and self._restore is None:
+            pipe = self._pipe.state_dict()
+        else:  # not read yet: where a restore put it, or the start
+            pipe = self._restore
         return {"epoch": self.epoch, "pipeline": pipe}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -126,8 +129,11 @@ class Loader(IterableDataset):
         arguments): the rest of that epoch, batch for batch as the first run had them."""
         self.set_epoch(int(state["epoch"]))
         pipe = state.get("pipeline")
-        if pipe is not None and pipe.get("source_state") is not None and hasattr(self.sampler, "load_state_dict"):
-            self.sampler.load_state_dict(pipe["source_state"])
+        source = None if pipe is None else pipe.get("source_state")
+        if source is not None and int(source.get("epoch", state["epoch"])) != int(state["epoch"]):
+            pipe = None  # saved after set_epoch moved on: that epoch starts from its beginning
+        elif source is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(source)
         self._restore = pipe
 
     def close(self) -> None:

@@ -69,6 +69,12 @@ class PipelineAPI(ABC):
         when it was pushed (a sampler's seed and epoch). Plain data (JSON- and
         msgpack-able); see :meth:`load_state_dict`."""
         self._check_process()
+        if self.config.on_error == "skip":
+            # a skipped sample's replacement is pulled after later batches' samples: the samples
+            # seen are no prefix of the stream, which a position cannot say
+            raise InvalidArgument('state_dict needs on_error="raise" or "fill" (with "skip", the samples a batch holds are not a prefix of the stream)')
+        if not self._sources.pushes and self._restore:  # restored, nothing pushed yet: that same place
+            return {"version": 1, "push": 0, "offset": self._restore, "source_state": None, "batches": 0}
         position = self._sources.position(self._progress.consumed)
         return {
             "version": 1,

@@ -152,6 +152,14 @@ class DeviceArray:
         ptr = self.ptr + sum((self.shape[a] - 1) * self.strides[a] for a in axes)
         return self._derived(ptr, self.shape, self.dtype, tuple(-st if a in axes else st for a, st in enumerate(self.strides)))
 
+    def expand_dims(self, axes: tuple[int, ...]) -> DeviceArray:
+        """The same memory with length-1 axes inserted at ``axes`` (as ``np.expand_dims``)."""
+        shape, strides = list(self.shape), list(self.strides)
+        for a in sorted(axes):
+            shape.insert(a, 1)
+            strides.insert(a, 0)
+        return self._derived(self.ptr, tuple(shape), self.dtype, tuple(strides))
+
     def reshape(self, *shape: Any) -> DeviceArray:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])

@@ -119,13 +119,17 @@ class MultiPipeline:
             raise InvalidArgument("MultiPipeline needs a Config per name")
         sizes = {c.samples_per_batch for c in configs.values()}
         policies = {c.on_error for c in configs.values()}
-        if len(sizes) != 1 or len(policies) != 1:
-            raise InvalidArgument("every name's Config must have the same samples_per_batch and on_error")
+        ends = {c.drop_last for c in configs.values()}
+        if len(sizes) != 1 or len(policies) != 1 or len(ends) != 1:
+            raise InvalidArgument("every name's Config must have the same samples_per_batch, on_error and drop_last")
         if "skip" in policies:
             raise InvalidArgument('on_error="skip" would drop a sample from one name\'s batch only; use "fill" or "raise"')
         import damacy
 
         self.names = list(configs)
+        # batch k's outcome per name (its Batch, or the SampleError its pop raised) while
+        # another name's pop has not answered (a timeout): the next pop completes it
+        self._pending: dict[str, Any] = {}
         self.pipes: dict[str, Any] = {}
         try:
             for name, cfg in configs.items():
@@ -136,29 +140,39 @@ class MultiPipeline:
 
     def push(self, samples: Iterable[MultiSample]) -> None:
         """Queue multi-samples (pulled lazily, as each name's pipeline has room)."""
-        split = _Split(_checked(samples, self.names), self.names)
+        state_of = getattr(samples, "state_dict", None)
+        split = _Split(_checked(samples, self.names), self.names, state_of() if callable(state_of) else None)
         for name in self.names:
             self.pipes[name].push(split.branch(name))
 
     def pop(self, timeout: float | None = None) -> MultiBatch:
-        got: dict[str, Batch] = {}
-        error: BaseException | None = None
+        """Batch k of every name. A name whose pop times out (or is interrupted) keeps the
+        others' batch k for the next pop, so names never get out of step; a name whose
+        batch k failed fails batch k of all (raised once every name has answered)."""
         for name in self.names:
+            if name in self._pending:
+                continue
             try:
-                got[name] = self.pipes[name].pop(timeout)
+                self._pending[name] = self.pipes[name].pop(timeout)
+            except SampleError as e:
+                self._pending[name] = e
             except PipelineDrained:
+                self._let_go()
                 raise
-            except SampleError as e:  # this name's batch failed: the others' batch goes too
-                error = error or e
-            except BaseException as e:
-                for b in got.values():
-                    b.release()
-                raise e
-        if error is not None:
-            for b in got.values():
-                b.release()
-            raise error
-        return MultiBatch(got)
+        got, self._pending = self._pending, {}
+        errors = [v for v in got.values() if isinstance(v, SampleError)]
+        if errors:
+            for v in got.values():
+                if isinstance(v, Batch):
+                    v.release()
+            raise errors[0]
+        return MultiBatch({name: got[name] for name in self.names})
+
+    def _let_go(self) -> None:
+        for v in self._pending.values():
+            if isinstance(v, Batch):
+                v.release()
+        self._pending = {}
 
     def batches(self, n: int | None = None) -> Iterator[MultiBatch]:
         for _ in itertools.count() if n is None else range(n):
@@ -182,6 +196,8 @@ class MultiPipeline:
         return {name: pipe.stats() for name, pipe in self.pipes.items()}
 
     def close(self) -> None:
+        if getattr(self, "_pending", None):
+            self._let_go()
         for pipe in getattr(self, "pipes", {}).values():
             pipe.close()
 
@@ -197,14 +213,18 @@ class _Split:
     pipeline's thread (``itertools.tee`` is not safe across threads): a part waits in its
     name's queue until that pipeline pulls it."""
 
-    def __init__(self, source: Iterator[MultiSample], names: list[str]) -> None:
+    def __init__(self, source: Iterator[MultiSample], names: list[str], state: Any = None) -> None:
         self._source = source
+        self.state = state  # the pushed iterable's state_dict() (a sampler's), for each branch
         self._queues: dict[str, deque] = {name: deque() for name in names}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._done = False
 
-    def branch(self, name: str) -> Iterator[Any]:
+    def branch(self, name: str) -> _Branch:
+        return _Branch(self._parts(name), self.state)
+
+    def _parts(self, name: str) -> Iterator[Any]:
         queue = self._queues[name]
         while True:
             with self._lock:
@@ -225,6 +245,21 @@ class _Split:
                         q.append(item)
                 item = queue.popleft()
             yield item[name]
+
+
+class _Branch:
+    """One name's parts, with the pushed iterable's state (what a pipeline's state_dict
+    records of the iterable it was pushed)."""
+
+    def __init__(self, parts: Iterator[Any], state: Any) -> None:
+        self._parts = parts
+        self._state = state
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._parts
+
+    def state_dict(self) -> Any:
+        return self._state
 
 
 def _checked(samples: Iterable[Any], names: list[str]) -> Iterator[MultiSample]:

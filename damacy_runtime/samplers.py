@@ -381,8 +381,9 @@ class Shuffled(_Sampler):
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
         per_rank = len(pool) // world if self.drop_last else -(-len(pool) // world)
-        if not self.drop_last:
-            pool = pool + pool[: per_rank * world - len(pool)]  # the shortest ranks repeat the first
+        if not self.drop_last and pool:  # the shortest ranks repeat the first (cyclically: a short pool after a resume)
+            need = per_rank * world - len(pool)
+            pool = pool + (pool * -(-need // len(pool)))[:need]
         return [(p, False) for p in pool[rank::world][:per_rank]]
 
     def __len__(self) -> int:
@@ -413,11 +414,14 @@ class GridBoxes(_Sampler):
     ) -> None:
         super().__init__(0, rank, world_size)
         self.scales = scales
+        self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.arrays = _shapes(arrays, shape_of)
         self.sample_shape = tuple(int(n) for n in sample_shape)
         self.step = self.sample_shape if step is None else tuple(int(n) for n in step)
         if len(self.step) != len(self.sample_shape) or any(s < 1 for s in self.step) or any(k < 1 for k in self.sample_shape):
             raise InvalidArgument(f"step {self.step} must give a positive step for each of the {len(self.sample_shape)} axes")
+        if any(st % self.align for st in self.step):
+            raise InvalidArgument(f"step {self.step} must be a multiple of {self.align} for scales {dict(scales or {})}")
         if any(s > k for s, k in zip(self.step, self.sample_shape)):
             raise InvalidArgument(f"step {self.step} is larger than sample_shape {self.sample_shape}: windows would leave gaps")
         if edge not in ("shift", "pad"):
@@ -433,7 +437,10 @@ class GridBoxes(_Sampler):
             return [0]
         starts = list(range(0, n - k + 1, step))
         if starts[-1] + k < n:
-            starts.append(n - k if self.edge == "shift" else starts[-1] + step)
+            shifted = n - k
+            # a scaled part must start on a whole coordinate: else the last window reaches past the end
+            fits = self.edge == "shift" and shifted % self.align == 0
+            starts.append(shifted if fits else starts[-1] + step)
         return starts
 
     def epoch_samples(self) -> list[Sample]:

@@ -235,10 +235,14 @@ class ChunkPlanner:
                 metas[i] = meta
                 if accept is not None:
                     accept(meta)
-                axes = sample_axes(sample, meta, out_of_bounds)
+                if isinstance(sample, (Sample, IndexQuery)):
+                    axes, drop = resolve(sample.selection, meta.shape, out_of_bounds)
+                else:
+                    axes, drop = sample_axes(sample, meta, out_of_bounds), []
                 shape = selection_shape(axes)
-                transform = transform_of(sample, len(shape))
-                out = shape if transform is None or transform[1] is None else tuple(shape[a] for a in transform[1])
+                transform = transform_of(sample, shape, drop)
+                result = tuple(n for a, n in enumerate(shape) if a not in drop)
+                out = shape if transform is None or transform[1] is None else tuple(result[a] for a in transform[1])
                 if not same_shape(out, sample_shape):
                     what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
@@ -335,16 +339,18 @@ def _copy_error(e: SampleError) -> SampleError:
     return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
 
 
-def transform_of(sample: Any, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
-    """A sample's (flip, transpose), checked against its result's ``ndim`` axes; None: none."""
+def transform_of(sample: Any, shape: tuple[int, ...], drop: Sequence[int]) -> tuple | None:
+    """A sample's (flip, transpose, dropped axes), checked against the axes of its result
+    (``shape`` without the ``drop`` ped ones, which integers select); None: none."""
     flip, order = getattr(sample, "flip", ()), getattr(sample, "transpose", None)
     if not flip and order is None:
         return None
+    ndim = len(shape) - len(drop)
     if flip and flip[-1] >= ndim:
         raise InvalidArgument(f"flip names axis {flip[-1]}, the selection has {ndim} axes")
     if order is not None and len(order) != ndim:
         raise InvalidArgument(f"transpose {order} names {len(order)} axes, the selection has {ndim}")
-    return flip, order
+    return flip, order, tuple(drop)
 
 
 def sample_view(target: Any, shape: tuple[int, ...], transform: tuple | None) -> Any:
@@ -355,14 +361,17 @@ def sample_view(target: Any, shape: tuple[int, ...], transform: tuple | None) ->
     transform, no pass of its own."""
     if transform is None:
         return target.reshape(shape)
-    flip, order = transform
+    flip, order, drop = transform
+    result = tuple(n for a, n in enumerate(shape) if a not in drop)  # the axes the sample has
     if order is None:
-        view = target.reshape(shape)
+        view = target.reshape(result)
     else:
-        view = target.reshape(tuple(shape[a] for a in order)).transpose(tuple(int(a) for a in np.argsort(order)))
-    if not flip:
-        return view
-    return np.flip(view, flip) if isinstance(view, np.ndarray) else view.flip(flip)
+        view = target.reshape(tuple(result[a] for a in order)).transpose(tuple(int(a) for a in np.argsort(order)))
+    if flip:
+        view = np.flip(view, flip) if isinstance(view, np.ndarray) else view.flip(flip)
+    if drop:  # the axes an integer selects, back as length-1 axes
+        view = np.expand_dims(view, tuple(drop)) if isinstance(view, np.ndarray) else view.expand_dims(tuple(drop))
+    return view
 
 
 def same_shape(shape: tuple[int, ...], sample_shape: tuple[int, ...]) -> bool:

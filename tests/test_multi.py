@@ -127,3 +127,24 @@ def test_padding_of_a_group_marks_every_part(arrays):
     grid = damacy.GridBoxes([{"image": uris["image"], "mask": uris["mask"]}], (8, 16, 20), rank=4, world_size=5)  # 24 windows
     last = list(grid)[-1]
     assert len(grid) == 5 and all(isinstance(p, damacy.Padding) for p in last.parts.values())
+
+
+def test_a_timed_out_name_keeps_the_others_in_step_and_state_carries_the_sampler(arrays):
+    uris, data = arrays
+    cfgs = _configs()
+    cfgs["label"] = damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", prepared_batches=1)
+    sampler = damacy.RandomBoxes([uris], (8, 16, 16), seed=5, samples_per_epoch=9, scales={"label": 0.5}, rank=0, world_size=1)
+    drawn = list(sampler)
+    with damacy.MultiPipeline(cfgs) as pipe:
+        pipe.push(sampler)
+        first = pipe.pop()
+        with pytest.raises(TimeoutError):
+            pipe.pop(timeout=1)  # the label's only slot is held by batch 0
+        first.release()
+        with pipe.pop() as second:
+            for name in ("image", "label"):
+                assert list(second[name].info.samples) == [s[name] for s in drawn[3:6]]
+            box = tuple(slice(sl.start, sl.stop) for sl in drawn[3]["image"].selection)
+            np.testing.assert_array_equal(second["label"].copy()[0], data["label"][_half(box)])
+        state = pipe.state_dict()
+    assert state["image"]["source_state"]["seed"] == 5 and state["label"]["offset"] == 6

@@ -460,3 +460,9 @@ def test_the_cuda_executor_reads_object_stores_too(http, sharded):
         t.join(60)
     for k, box in enumerate(boxes):
         np.testing.assert_array_equal(out["batch"][k], expected[box])
+
+
+def test_an_azure_container_at_account_uri_is_not_taken_for_credentials():
+    assert normalized("abfss://data@account.dfs.core.windows.net/a.zarr") == "abfss://data@account.dfs.core.windows.net/a.zarr"
+    with pytest.raises(damacy.InvalidArgument, match="credentials"):
+        normalized("abfss://user:secret@account.dfs.core.windows.net/a.zarr")

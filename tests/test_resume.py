@@ -224,3 +224,38 @@ def test_elastic_resume_through_pipelines(tmp_path):
     assert sorted(k for k, _ in got) == sorted(windows)
     for (uri_, box), arr in got:
         np.testing.assert_array_equal(arr, data[tuple(slice(a, b) for a, b in box)])
+
+
+def test_a_short_pool_after_a_resume_still_gives_every_rank_the_same_steps():
+    items = [damacy.Sample("/e/a.zarr", ((i, i + 1), (0, 8))) for i in range(12)]
+    old = damacy.Shuffled(items, seed=1, rank=0, world_size=1)
+    states = [{"offset": 11, "source_state": old.state_dict()}]
+    parts = []
+    for r in range(4):
+        s = damacy.Shuffled(items, seed=1, rank=r, world_size=4)
+        s.resume(states)
+        parts.append(list(s))
+    assert [len(p) for p in parts] == [1, 1, 1, 1] and {_key(p[0]) for p in parts} == {_key(old.epoch_samples()[11])}
+
+
+def test_state_before_the_first_push_and_refused_with_skip(tmp_path, make):
+    write_array(tmp_path / "a.zarr", random_data((10, 10), "uint8", seed=1), chunks=(5, 5))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 10), dtype="u8")
+    with make(cfg) as pipe:
+        pipe.load_state_dict({"version": 1, "push": 0, "offset": 3, "source_state": None, "batches": 1})
+        assert pipe.state_dict()["offset"] == 3  # saved again before anything was read: the same place
+    with make(damacy.Config(samples_per_batch=2, sample_shape=(1, 10), dtype="u8", on_error="skip")) as pipe:
+        with pytest.raises(damacy.InvalidArgument, match='needs on_error="raise" or "fill"'):
+            pipe.state_dict()
+
+
+def test_grid_windows_of_a_scaled_group_land_on_whole_coordinates():
+    grid = damacy.GridBoxes([{"image": "/g/i.zarr", "label": "/g/l.zarr"}], (4, 4), scales={"label": 0.5}, shape_of=lambda u: (9, 9))
+    windows = list(grid)
+    assert all(sl.start % 2 == 0 for w in windows for sl in w["image"].selection)
+    cover = np.zeros((9, 9), int)
+    for w in windows:
+        cover[tuple(slice(sl.start, min(sl.stop, 9)) for sl in w["image"].selection)] += 1
+    assert cover.min() >= 1  # the unaligned edge window reaches past the end instead of moving back
+    with pytest.raises(damacy.InvalidArgument, match="multiple of 2"):
+        damacy.GridBoxes([{"image": "/g/i.zarr", "label": "/g/l.zarr"}], (4, 4), step=(3, 4), scales={"label": 0.5}, shape_of=lambda u: (9, 9))

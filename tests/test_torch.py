@@ -141,3 +141,18 @@ def test_the_readme_example_runs(tmp_path):
     exec(compile(block("torch").replace('"data/', f'"{tmp_path}/'), "README torch", "exec"), scope)
     assert scope["x"].shape == (4, 32, 64, 64) and scope["state"]["epoch"] == 1
     assert scope["state"]["pipeline"]["offset"] == 64
+
+
+def test_a_checkpoint_after_set_epoch_starts_that_epoch_whole(volume):
+    uri, _ = volume
+    loader, _ = _loader(uri)
+    loader.set_epoch(0)
+    first = [x.clone() for x in loader]
+    loader.set_epoch(1)
+    state = loader.state_dict()  # taken between epochs, after moving on
+    loader.close()
+    again, _ = _loader(uri)
+    again.load_state_dict(state)
+    assert again.state_dict()["epoch"] == 1
+    assert sum(1 for _ in again) == len(first)  # epoch 1 whole, not skipped
+    again.close()

@@ -116,3 +116,14 @@ def test_random_boxes_draw_transforms_from_the_seed(volume):
         got = _run(pipe, drawn)
     for k, x in enumerate(drawn):
         np.testing.assert_array_equal(got[k], _expected(data, tuple(x.selection), x.flip, x.transpose))
+
+
+def test_transform_axes_are_the_results_not_the_arrays(volume, make):
+    """An integer drops its axis: flip and transpose count the axes the sample has."""
+    uri, data = volume
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 6), dtype="f32")
+    samples = [damacy.Sample(uri, np.s_[1, 0:6, 3:11], flip=(1,), transpose=(1, 0)), damacy.Sample(uri, np.s_[2:8, 5, 0:8], flip=(0,), transpose=(1, 0))]
+    with make(cfg) as pipe:
+        got = _run(pipe, samples)
+    np.testing.assert_array_equal(got[0], np.transpose(np.flip(data[1, 0:6, 3:11], 1)).astype("f4"))
+    np.testing.assert_array_equal(got[1], np.transpose(np.flip(data[2:8, 5, 0:8], 0)).astype("f4"))

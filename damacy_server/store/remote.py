@@ -73,7 +73,8 @@ def normalized(uri: str) -> str:
         raise InvalidArgument("the uri names no bucket or host", uri=uri)
     if parts.query or parts.fragment:
         raise InvalidArgument("a storage uri takes no query or fragment", uri=uri)
-    if "@" in parts.netloc:
+    if "@" in parts.netloc and not (scheme in ("abfs", "abfss") and ":" not in parts.netloc.split("@")[0]):
+        # (abfs[s]://container@account.dfs.core.windows.net names a container, not a user)
         raise InvalidArgument("credentials do not go in the uri (use the environment or storage options)", uri=uri)
     path = parts.path.rstrip("/")
     for segment in path.split("/")[1:]:
@@ -190,24 +191,33 @@ class ObjectStore(Store):
                 return None if size is None else (b"", size)
             raise storage_error(e, key) from None
 
-    def read_ranges_sized(self, keys: Sequence[str], offset: int, length: int) -> list:
-        """:meth:`read_range_sized` of many objects, requested all at once: per key the
-        (bytes, size), ``None`` when it does not exist, or the :class:`SampleError`."""
+    def read_ranges_sized(self, keys: Sequence[str], offset: int, length: int, most: int = 64) -> list:
+        """:meth:`read_range_sized` of many objects, requested together (at most ``most`` in
+        flight): per key the (bytes, size), ``None`` when it does not exist, or the
+        :class:`SampleError`."""
+
+        gate = None
 
         async def one(key: str):
             import obstore
 
-            try:
-                got = await obstore.get_async(self._store, self.path(key), options={"range": _range_option(offset, length)})
-                return bytes(await got.bytes_async()), got.meta["size"]
-            except FileNotFoundError:
-                return None
-            except SampleError as e:
-                return e
-            except Exception as e:
-                if _unsatisfiable(e):
+            nonlocal gate
+            gate = gate or asyncio.Semaphore(most)
+            async with gate:
+                try:
+                    got = await obstore.get_async(self._store, self.path(key), options={"range": _range_option(offset, length)})
+                    return bytes(await got.bytes_async()), got.meta["size"]
+                except FileNotFoundError:
+                    return None
+                except SampleError as e:
+                    return e
+                except Exception as e:
+                    if not _unsatisfiable(e):
+                        return storage_error(e, key)
+                try:
                     return await asyncio.to_thread(self.read_range_sized, key, offset, length)
-                return storage_error(e, key)
+                except SampleError as e:
+                    return e
 
         return _gather([one(k) for k in keys])
 
