@@ -4,6 +4,7 @@ caches, show its stats."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,9 +46,13 @@ def ping(endpoint, timeout):
     from damacy_runtime.probe import ping as probe
 
     endpoint = endpoint or default_endpoint()
+    hint = "start one with `damacyd --allow-root DIR`, or set DAMACY_ENDPOINT"
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        click.echo(f"no damacyd at {endpoint}: the socket file does not exist ({hint})", err=True)
+        sys.exit(1)
     t0 = time.perf_counter()
     if not probe(endpoint, timeout):
-        click.echo(f"no damacyd answers at {endpoint}", err=True)
+        click.echo(f"no damacyd answers at {endpoint} ({hint})", err=True)
         sys.exit(1)
     click.echo(f"damacyd at {endpoint} answered in {(time.perf_counter() - t0) * 1e3:.1f} ms")
 

@@ -177,7 +177,14 @@ class Daemon:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._waker.fd, zmq.POLLIN)
         next_check = time.monotonic() + 0.5
-        log.info("damacyd serving %s (pid %d)", self.endpoint, os.getpid())
+        o = self.options
+        log.info(
+            "damacyd serving %s (pid %d): roots %s, prefixes %s; memory %d MiB, chunk cache %d MiB; "
+            "%d readers, %d decoders; native decode path %s",
+            self.endpoint, os.getpid(), ", ".join(self.roots) or "none", ", ".join(self.remote.allow or []) or "none",
+            o.memory_bytes >> 20, o.chunk_cache_bytes >> 20, o.io_workers, o.decode_workers,
+            "on" if self.executor.native is not None else "off (numpy)",
+        )
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(250))

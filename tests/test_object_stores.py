@@ -319,6 +319,8 @@ def test_damacyd_serves_allowed_prefixes_only(s3, sharded, tmp_path_factory):
             errors = dict(batch.info.errors)
         np.testing.assert_array_equal(got[0], expected[8:12, 9:13])
         assert list(errors) == [1] and "outside the daemon's allowed prefixes" in str(errors[1])
+        started = d.log_path.read_text()  # the start-up line says what it serves and how
+        assert f"prefixes s3://{bucket}/allowed" in started and "roots none" in started and "native decode path" in started
         options = {f"s3://{bucket}": {"region": "x"}}
         with pytest.raises(damacy.InvalidArgument, match="storage_options applies to embedded pipelines"):
             damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(4, 4), storage_options=options), endpoint=d.endpoint)
