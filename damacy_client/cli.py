@@ -101,17 +101,28 @@ def _fmt_bytes(n):
         n /= 1024
 
 
-def render(stats) -> str:
+def render(stats, before=None, seconds: float | None = None) -> str:
+    """The daemon's figures as text; with ``before`` (the figures ``seconds`` earlier) the
+    rates since then too (``--watch``)."""
     d = stats["daemon"]
-    lines = [f"damacyd pid {d['pid']} at {d['endpoint']}, up {d['uptime_s']:.0f} s, serving {', '.join(d['allow_roots'] + d.get('allow_prefixes', [])) or 'no paths'}"]
+    rated = before is not None and seconds
+    lines = [
+        time.strftime("%Y-%m-%d %H:%M:%S")
+        + f"  damacyd pid {d['pid']} at {d['endpoint']}, up {d['uptime_s']:.0f} s, serving {', '.join(d['allow_roots'] + d.get('allow_prefixes', [])) or 'no paths'}"
+    ]
     mem = stats["memory"]
     lines.append(
         f"memory: {_fmt_bytes(mem['in_use_bytes'])} in use of {_fmt_bytes(mem['budget_bytes'])} "
         f"(slots {_fmt_bytes(mem['slot_bytes'])}, peak {_fmt_bytes(mem['peak_bytes'])}), chunk cache {_fmt_bytes(mem['chunk_cache_bytes'])}"
     )
-    lines.append(f"{'stage':10} {'count':>10} {'seconds':>10} {'in':>12} {'out':>12}")
+    lines.append(f"{'stage':10} {'count':>10} {'seconds':>10} {'in':>12} {'out':>12}" + (f" {'count/s':>10} {'out/s':>12} {'busy':>6}" if rated else ""))
     for name, s in stats["stages"].items():
-        lines.append(f"{name:10} {s['count']:10d} {s['seconds']:10.3f} {_fmt_bytes(s['bytes_in']):>12} {_fmt_bytes(s['bytes_out']):>12}")
+        line = f"{name:10} {s['count']:10d} {s['seconds']:10.3f} {_fmt_bytes(s['bytes_in']):>12} {_fmt_bytes(s['bytes_out']):>12}"
+        if rated:
+            b = before["stages"].get(name, {"count": 0, "seconds": 0.0, "bytes_out": 0})
+            busy = (s["seconds"] - b["seconds"]) / seconds  # threads busy in this stage, on average
+            line += f" {(s['count'] - b['count']) / seconds:10.1f} {_fmt_bytes((s['bytes_out'] - b['bytes_out']) / seconds):>10}/s {busy:6.2f}"
+        lines.append(line)
     caches = dict(stats["cache"])
     if stats.get("chunk_cache"):
         caches["chunks"] = stats["chunk_cache"]
@@ -121,9 +132,13 @@ def render(stats) -> str:
         lines.append(f"cache {name}: {c['entries']} entries, hit rate {rate} ({c['hits']} hits, {c['misses']} misses)")
     sessions = [s for s in stats["sessions"] if not s.get("control")]
     lines.append(f"sessions: {len(sessions)}")
+    earlier = {s["session"]: s for s in (before or {}).get("sessions", [])}
     for s in sessions:
+        rate = ""
+        if rated and s["session"] in earlier:
+            rate = f", {(s['samples'] - earlier[s['session']]['samples']) / seconds:.1f} samples/s"
         lines.append(
-            f"  {s['session']} pid {s['pid']} rank {s['rank']}: {s['batches']} batches, {s['samples']} samples, "
+            f"  {s['session']} pid {s['pid']} rank {s['rank']}: {s['batches']} batches, {s['samples']} samples{rate}, "
             f"{s['held_batches']} held, {s['samples_per_batch']} x {tuple(s['sample_shape'])} {s['dtype']}"
         )
     return "\n".join(lines)
@@ -137,6 +152,7 @@ def render(stats) -> str:
 def stats(endpoint, as_json, watch, interval):
     """Per-stage timings, cache hit rates, sessions and memory of the daemon."""
     conn = _connect(endpoint)
+    before, then = None, None
     try:
         while True:
             try:
@@ -144,9 +160,11 @@ def stats(endpoint, as_json, watch, interval):
             except DamacyError as e:
                 click.echo(f"damacy: {e}", err=True)
                 sys.exit(1)
+            now = time.monotonic()
             if watch and not as_json:
                 click.clear()
-            click.echo(json.dumps(data, indent=2) if as_json else render(data))
+            click.echo(json.dumps(data, indent=2) if as_json else render(data, before, None if then is None else now - then))
+            before, then = data, now
             if not watch:
                 return
             time.sleep(interval)

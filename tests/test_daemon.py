@@ -405,3 +405,21 @@ def test_a_socket_folder_others_may_write_is_not_trusted(tmp_path):
     folder.chmod(0o777)
     with pytest.raises(damacy.InvalidArgument, match="not a private folder"):
         check_private_folder(str(folder))
+
+
+def test_stats_watch_shows_rates_since_the_last_refresh(cached_daemon):
+    import copy
+
+    from damacy_client.cli import render
+
+    before = stats(cached_daemon.endpoint)
+    after = copy.deepcopy(before)
+    name = next(iter(after["stages"]))
+    after["stages"][name]["count"] += 10
+    after["stages"][name]["seconds"] += 1.0
+    after["stages"][name]["bytes_out"] += 4 << 20
+    text = render(after, before, 2.0)
+    row = next(line for line in text.splitlines() if line.startswith(name))
+    assert "count/s" in text and "busy" in text
+    assert " 5.0 " in row and "2.0 MiB/s" in row and row.endswith(" 0.50")  # 10 in 2 s, 4 MiB in 2 s, half a thread busy
+    assert "count/s" not in render(after)  # a single snapshot: totals only
