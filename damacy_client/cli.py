@@ -70,6 +70,7 @@ def warm(endpoint, uris, shard_indexes, chunks):
 
     def progress(msg):
         nonlocal bar
+        state["total"] = msg.total
         if bar is None and msg.total:
             bar = click.progressbar(length=msg.total, label="warming", file=sys.stderr)
             bar.__enter__()
@@ -77,9 +78,12 @@ def warm(endpoint, uris, shard_indexes, chunks):
             bar.update(msg.done - state["done"])
             state["done"] = msg.done
 
+    cache = None
     try:
         call = conn.request(lambda i: m.Warm(id=i, uris=list(uris), shard_indexes=shard_indexes, chunks=chunks), on_progress=progress)
         reply = call.wait(None, "warm")
+        if chunks and not isinstance(reply, m.Failed):
+            cache = conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
@@ -87,7 +91,15 @@ def warm(endpoint, uris, shard_indexes, chunks):
     if isinstance(reply, m.Failed):
         click.echo(f"damacy: {error_from_wire(reply.error)}", err=True)
         sys.exit(1)
-    click.echo(f"warmed {reply.arrays} array(s), {reply.shard_indexes} shard index(es), {reply.chunks} chunk(s)")
+    click.echo(f"warmed {reply.arrays} array(s), {reply.shard_indexes} shard index(es) newly read, {reply.chunks} chunk(s)")
+    total = state.get("total", 0)
+    if cache is not None and cache.chunk_cache is not None and (cache.chunk_cache.entries < reply.chunks or reply.chunks < total):
+        click.echo(
+            f"warning: the chunk cache holds {cache.chunk_cache.entries} chunk(s) now ({_fmt_bytes(cache.memory.chunk_cache_bytes)}); "
+            f"{reply.chunks} of the arrays' {total} chunks were cached, the rest did not fit "
+            "(start damacyd with a larger --chunk-cache to keep them all)",
+            err=True,
+        )
     for e in reply.errors:
         click.echo(f"  error: {error_from_wire(e)}", err=True)
     if reply.errors:

@@ -423,3 +423,16 @@ def test_stats_watch_shows_rates_since_the_last_refresh(cached_daemon):
     assert "count/s" in text and "busy" in text
     assert " 5.0 " in row and "2.0 MiB/s" in row and row.endswith(" 0.50")  # 10 in 2 s, 4 MiB in 2 s, half a thread busy
     assert "count/s" not in render(after)  # a single snapshot: totals only
+
+
+def test_warm_says_when_the_chunk_cache_kept_less_than_it_warmed(tmp_path_factory, data):
+    small = DaemonProcess(tmp_path_factory.mktemp("small-cache"), [data], ["--chunk-cache", "64K"])
+    try:
+        env = {**os.environ, "DAMACY_ENDPOINT": small.endpoint}
+        out = subprocess.run(["damacy", "warm", str(data / "vol.zarr"), "--chunks"], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        held = stats(small.endpoint)["chunk_cache"]["entries"]
+        assert 0 < held < 128 and f"the chunk cache holds {held} chunk(s) now" in out.stderr
+        assert f"{held} of the arrays' 128 chunks were cached" in out.stderr and "larger --chunk-cache" in out.stderr
+    finally:
+        assert small.stop() == 0, small.log_path.read_text()
