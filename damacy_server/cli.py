@@ -75,9 +75,12 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level):
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True, help="json: one object a line (time, level, event, session, pid, rank, uri, error).")
+def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format):
     """Serve Zarr batches to every training process on this node."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s damacyd[%(process)d] %(levelname)s %(message)s")
+    from damacy_server.logs import setup
+
+    setup(log_level, log_format)
     # the daemon does no linear algebra: no BLAS thread pool (its threads spin after start)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from damacy_server.service import Daemon, DaemonOptions

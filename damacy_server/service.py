@@ -97,6 +97,7 @@ class Daemon:
         roots = [os.path.realpath(r) for r in options.allow_roots]
         self.roots = roots
         self.remote = RemoteStores(options.storage_options, allow=options.allow_prefixes)
+        self._refusals_logged: set[str] = set()  # causes of refused samples already logged
         if not roots and not options.allow_prefixes:
             log.warning("no --allow-root or --allow-prefix given: every sample will be refused until damacyd serves data")
         self.metadata = ZarrMetadata(
@@ -184,6 +185,7 @@ class Daemon:
             self.endpoint, os.getpid(), ", ".join(self.roots) or "none", ", ".join(self.remote.allow or []) or "none",
             o.memory_bytes >> 20, o.chunk_cache_bytes >> 20, o.io_workers, o.decode_workers,
             "on" if self.executor.native is not None else "off (numpy)",
+            extra={"event": "start"},
         )
         try:
             while not self._stop.is_set():
@@ -239,7 +241,7 @@ class Daemon:
             msg = conn.receive(data)
         except ProtocolError as e:
             self.malformed += 1
-            log.warning("protocol error from a client: %s", e)
+            log.warning("protocol error from a client: %s", e, extra={"event": "protocol_error", "error": type(e).__name__})
             self.post(identity, m.encode(m.Failed(reply_to=m.request_id(data) or 0, error=error_to_wire(e))))
             if conn.state is State.FAILED and session is not None:
                 self.end_session(session, "protocol version mismatch")
@@ -252,7 +254,8 @@ class Daemon:
             peer = peer_of(frame, self.endpoint)
             refused = self._refuse(peer)
             if refused:
-                log.warning("refused a client (pid %d, %s): %s", msg.pid, peer or "credentials unknown", refused)
+                log.warning("refused a client (pid %d, %s): %s", msg.pid, peer or "credentials unknown", refused,
+                            extra={"event": "refused_client", "client_pid": msg.pid, "rank": msg.rank})
                 conn.state = State.FAILED
                 self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(DamacyError(refused)))))
                 return
@@ -282,13 +285,15 @@ class Daemon:
             try:
                 session = Session(self, identity, conn, msg, peer)
             except Exception as e:  # a bad config, no memory left, no room in /dev/shm...
-                log.warning("refused a session of pid %d: %s", msg.pid, e)
+                log.warning("refused a session of pid %d: %s", msg.pid, e,
+                            extra={"event": "refused_session", "client_pid": msg.pid, "rank": msg.rank, "error": type(e).__name__})
                 err = e if isinstance(e, DamacyError) else DamacyError(f"cannot start a session: {type(e).__name__}: {e}")
                 self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(err))))
                 return
             with self._sessions_lock:
                 self.sessions[identity] = session
-            log.info("session %s: pid %s rank %s, %s", session.sid, msg.pid, msg.rank, peer or "peer credentials unknown")
+            log.info("session %s: pid %s rank %s, %s", session.sid, msg.pid, msg.rank, peer or "peer credentials unknown",
+                     extra={"event": "session_start", "session": session.sid, "client_pid": msg.pid, "rank": msg.rank})
             self.post(identity, conn.welcome(session.welcome(msg.id)))
         finally:
             with self._sessions_lock:
@@ -306,7 +311,8 @@ class Daemon:
         with self._sessions_lock:
             if self.sessions.get(session.identity) is session:
                 del self.sessions[session.identity]
-        log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why)
+        log.info("session %s (pid %s) ended: %s", session.sid, session.pid, why,
+                 extra={"event": "session_end", "session": session.sid, "client_pid": session.pid})
         session.close()
 
     def gpu_executor(self, uuid: str) -> Any:
@@ -406,7 +412,7 @@ class Daemon:
         self.ctx.term()
         cleanup_endpoint(self.options)
         self._waker.close()
-        log.info("damacyd stopped")
+        log.info("damacyd stopped", extra={"event": "stop"})
 
     # -- services -------------------------------------------------------------------
     def _session_list(self) -> list[Session]:
@@ -422,7 +428,16 @@ class Daemon:
         except (SampleError, ValueError, TypeError, OverflowError) as e:
             if not isinstance(e, SampleError):
                 e = InvalidArgument(f"{type(e).__name__}: {e}")
+            self._log_refusal(w.uri, e)
             return BadSample(w.uri, e.with_context(uri=w.uri), describe_wire(w))
+
+    def _log_refusal(self, uri: str, e: SampleError) -> None:
+        """A refused sample, logged once per cause (its reason), not once per sample."""
+        cause = e.reason
+        if cause in self._refusals_logged or len(self._refusals_logged) >= 1024:
+            return
+        self._refusals_logged.add(cause)
+        log.warning("refused %s: %s (said once per cause)", uri, cause, extra={"event": "refused_path", "uri": uri, "error": type(e).__name__})
 
     def stats(self, session: Session | None = None) -> st.DaemonStats:
         ex = self.executor

@@ -436,3 +436,23 @@ def test_warm_says_when_the_chunk_cache_kept_less_than_it_warmed(tmp_path_factor
         assert f"{held} of the arrays' 128 chunks were cached" in out.stderr and "larger --chunk-cache" in out.stderr
     finally:
         assert small.stop() == 0, small.log_path.read_text()
+
+
+def test_json_logs_name_events_and_say_a_refused_path_once(tmp_path_factory, data):
+    d = DaemonProcess(tmp_path_factory.mktemp("json-logs"), [data], ["--log-format", "json", "--log-level", "info"])
+    try:
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, dtype="u16", on_error="fill")
+        with damacy.Pipeline(cfg, endpoint=d.endpoint) as pipe:
+            pipe.push([damacy.Sample("/etc/passwd", tuple((0, n) for n in BOX)), damacy.Sample("/etc/passwd", tuple((0, n) for n in BOX))])
+            with pipe.pop() as batch:
+                assert len(batch.info.errors) == 2
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()
+    lines = [json.loads(line) for line in d.log_path.read_text().splitlines() if line.strip()]
+    events = [x["event"] for x in lines]
+    assert all({"time", "level", "event", "message", "pid"} <= set(x) for x in lines)
+    assert events[0] == "start" and "session_start" in events and "session_end" in events and events[-1] == "stop"
+    refused = [x for x in lines if x["event"] == "refused_path"]
+    assert len(refused) == 1 and refused[0]["uri"] == "/etc/passwd" and refused[0]["error"] == "InvalidArgument"
+    start = next(x for x in lines if x["event"] == "session_start")
+    assert start["client_pid"] == os.getpid() and start["session"]
