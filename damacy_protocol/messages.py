@@ -15,7 +15,7 @@ from damacy_protocol.config import Config
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 6  # 6: samples carry flip and transpose
+PROTOCOL_VERSION = 7  # 6: samples carry flip and transpose; 7: and normalize
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -67,6 +67,7 @@ class WireSample(msgspec.Struct, array_like=True):
     level: int | None = None  # an NGFF image's level
     flip: list[int] = []  # axes of the result reversed
     transpose: list[int] | None = None  # the result's axes in this order
+    normalize: tuple[float, float] | None = None  # (offset, scale): (x - offset) * scale
 
 
 class WireError(msgspec.Struct):

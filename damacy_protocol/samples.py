@@ -4,11 +4,13 @@ they travel to the daemon as they are."""
 
 from __future__ import annotations
 
+import math
 from types import EllipsisType
 from typing import Any
 
 from damacy_protocol.errors import InvalidArgument
-from damacy_protocol.selection import BOX, QUERY, Indices, describe, key, normalize
+from damacy_protocol.selection import BOX, QUERY, Indices, describe, key
+from damacy_protocol.selection import normalize as normalize_selection
 
 
 def _uri(uri: Any) -> str:
@@ -34,8 +36,23 @@ def _level(level: Any, uri: str) -> int | None:
     return level
 
 
-def _rebuild(cls, uri, selection, level, flip=(), transpose=None):
-    return cls(uri, selection, level=level, flip=flip, transpose=transpose)
+def _rebuild(cls, uri, selection, level, flip=(), transpose=None, normalize=None):
+    return cls(uri, selection, level=level, flip=flip, transpose=transpose, normalize=normalize)
+
+
+def normalize_pair(normalize: Any, uri: str | None = None) -> tuple[float, float] | None:
+    """A sample's intensity normalisation ``(offset, scale)``: the output is
+    ``(x - offset) * scale``, fused into the cast (see the README's numeric contract)."""
+    if normalize is None:
+        return None
+    try:
+        offset, scale = normalize
+        pair = (float(offset), float(scale))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"normalize must be a pair (offset, scale) of numbers, got {normalize!r}", uri=uri) from None
+    if isinstance(offset, bool) or isinstance(scale, bool) or not all(math.isfinite(v) for v in pair):
+        raise InvalidArgument(f"normalize must be a pair of finite numbers (offset, scale), got {normalize!r}", uri=uri)
+    return pair
 
 
 def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -59,8 +76,11 @@ def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tu
     return axes, (None if order == tuple(range(len(order))) else order)
 
 
-def _describe_transform(flip: tuple[int, ...], transpose: tuple[int, ...] | None) -> str:
-    return (f", flip={flip}" if flip else "") + (f", transpose={transpose}" if transpose is not None else "")
+def _describe_transform(flip: tuple[int, ...], transpose: tuple[int, ...] | None, normalize: tuple[float, float] | None = None) -> str:
+    return (
+        (f", flip={flip}" if flip else "") + (f", transpose={transpose}" if transpose is not None else "")
+        + (f", normalize={normalize}" if normalize is not None else "")
+    )
 
 
 class Sample:
@@ -76,30 +96,38 @@ class Sample:
     assemble the batch (no pass of their own); the batch's ``sample_shape`` is the
     transformed shape.
 
+    ``normalize=(offset, scale)``: the sample's values become ``(x - offset) * scale``
+    (``scale = 1 / std`` standardises), computed in the cast that writes the batch (no pass
+    of its own); the batch's dtype must be a float type (see the README's numeric contract).
+
     Coordinates are absolute array coordinates: a box may reach outside the array (negative
     starts, stops past the end) and that part is padded with the array's fill value (or
     refused, per ``out_of_bounds``), never clipped or wrapped. An open slice bound
     (``np.s_[:, 0:64]``) means the array's own bound on that axis.
     """
 
-    __slots__ = ("uri", "selection", "level", "flip", "transpose", "_hash")
+    __slots__ = ("uri", "selection", "level", "flip", "transpose", "normalize", "_hash")
 
     uri: str
     selection: tuple[slice | int | EllipsisType, ...]
     level: int | None
     flip: tuple[int, ...]
     transpose: tuple[int, ...] | None
+    normalize: tuple[float, float] | None
 
-    def __init__(self, uri: Any, box: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None) -> None:
+    def __init__(
+        self, uri: Any, box: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None, normalize: Any = None
+    ) -> None:
         uri = _uri(uri)
-        entries = normalize(box, BOX, uri)
+        entries = normalize_selection(box, BOX, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
         object.__setattr__(self, "level", _level(level, uri))
         flip, transpose = _transform(flip, transpose, uri)
         object.__setattr__(self, "flip", flip)
         object.__setattr__(self, "transpose", transpose)
-        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries), self.level, flip, transpose)))
+        object.__setattr__(self, "normalize", normalize_pair(normalize, uri))
+        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries), self.level, flip, transpose, self.normalize)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Sample is immutable")
@@ -108,13 +136,14 @@ class Sample:
         return (
             isinstance(other, Sample) and self.uri == other.uri and self.level == other.level
             and key(self.selection) == key(other.selection) and self.flip == other.flip and self.transpose == other.transpose
+            and self.normalize == other.normalize
         )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (_rebuild, (type(self), self.uri, self.selection, self.level, self.flip, self.transpose))
+        return (_rebuild, (type(self), self.uri, self.selection, self.level, self.flip, self.transpose, self.normalize))
 
     @property
     def aabb(self) -> tuple[tuple[int | None, int | None] | EllipsisType, ...]:
@@ -136,7 +165,7 @@ class Sample:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
-        return f"{type(self).__name__}({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose)})"
+        return f"{type(self).__name__}({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
 
 
 class IndexQuery:
@@ -145,29 +174,35 @@ class IndexQuery:
     :mod:`damacy_protocol.selection`).
 
     The result is the outer product of the axes (like zarr's ``oindex``): every combination,
-    in the given order, duplicates kept; ``flip`` and ``transpose`` as for a :class:`Sample`. Numbers are array coordinates as in a
+    in the given order, duplicates kept; ``flip``, ``transpose`` and ``normalize`` as for a
+    :class:`Sample`. Numbers are array coordinates as in a
     :class:`Sample` (negative ones are before the array, not counted from the end);
     positions outside the array are padded or refused per ``out_of_bounds``.
     """
 
-    __slots__ = ("uri", "selection", "level", "flip", "transpose", "_hash")
+    __slots__ = ("uri", "selection", "level", "flip", "transpose", "normalize", "_hash")
 
     uri: str
     selection: tuple[slice | int | Indices | EllipsisType, ...]
     level: int | None
     flip: tuple[int, ...]
     transpose: tuple[int, ...] | None
+    normalize: tuple[float, float] | None
 
-    def __init__(self, uri: Any, selection: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None) -> None:
+    def __init__(
+        self, uri: Any, selection: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None,
+        normalize: Any = None,
+    ) -> None:
         uri = _uri(uri)
-        entries = normalize(selection, QUERY, uri)
+        entries = normalize_selection(selection, QUERY, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
         object.__setattr__(self, "level", _level(level, uri))
         flip, transpose = _transform(flip, transpose, uri)
         object.__setattr__(self, "flip", flip)
         object.__setattr__(self, "transpose", transpose)
-        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries), self.level, flip, transpose)))
+        object.__setattr__(self, "normalize", normalize_pair(normalize, uri))
+        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries), self.level, flip, transpose, self.normalize)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("IndexQuery is immutable")
@@ -176,13 +211,14 @@ class IndexQuery:
         return (
             isinstance(other, IndexQuery) and self.uri == other.uri and self.level == other.level
             and key(self.selection) == key(other.selection) and self.flip == other.flip and self.transpose == other.transpose
+            and self.normalize == other.normalize
         )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (_rebuild, (IndexQuery, self.uri, self.selection, self.level, self.flip, self.transpose))
+        return (_rebuild, (IndexQuery, self.uri, self.selection, self.level, self.flip, self.transpose, self.normalize))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -215,4 +251,4 @@ class IndexQuery:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
-        return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose)})"
+        return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"

@@ -42,6 +42,7 @@ def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
     return m.WireSample(
         seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes, level=sample.level,
         flip=list(sample.flip), transpose=None if sample.transpose is None else list(sample.transpose),
+        normalize=sample.normalize,
     )
 
 
@@ -69,14 +70,17 @@ def sample_from_wire(w: m.WireSample) -> Sample | IndexQuery:
     """The Sample or IndexQuery a wire sample names (its checks raise as the constructors do)."""
     entries = tuple(_entry_from_wire(a) for a in w.axes)
     kind = Sample if w.box else IndexQuery
-    return kind(w.uri, entries, level=w.level, flip=w.flip, transpose=w.transpose)
+    return kind(w.uri, entries, level=w.level, flip=w.flip, transpose=w.transpose, normalize=w.normalize)
 
 
 def describe_wire(w: m.WireSample) -> str:
     """How a wire sample reads in an error message (it may not make a valid Sample)."""
     entries = tuple(_entry_from_wire(a) for a in w.axes)
     level = "" if w.level is None else f", level={w.level}"
-    transform = (f", flip={tuple(w.flip)}" if w.flip else "") + (f", transpose={tuple(w.transpose)}" if w.transpose else "")
+    transform = (
+        (f", flip={tuple(w.flip)}" if w.flip else "") + (f", transpose={tuple(w.transpose)}" if w.transpose else "")
+        + (f", normalize={tuple(w.normalize)}" if w.normalize is not None else "")
+    )
     return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)}{level}{transform})"
 
 

@@ -55,14 +55,21 @@ class MultiSample:
         return f"MultiSample({self.parts!r})"
 
     @classmethod
-    def at(cls, uris: Mapping[str, str], box: Any, *, scales: Mapping[str, float] | None = None, levels: Mapping[str, int] | None = None, **transform: Any) -> MultiSample:
+    def at(
+        cls, uris: Mapping[str, str], box: Any, *, scales: Mapping[str, float] | None = None, levels: Mapping[str, int] | None = None,
+        normalize: Mapping[str, tuple[float, float]] | None = None, **transform: Any,
+    ) -> MultiSample:
         """The same box of every array in ``uris``: per name a :class:`Sample` of ``box``,
         its coordinates multiplied by ``scales[name]`` (e.g. 0.5 for labels stored at half
-        the resolution: they must land on whole numbers) and read at ``levels[name]``;
-        ``flip``/``transpose`` apply to every part."""
+        the resolution: they must land on whole numbers), read at ``levels[name]`` and
+        normalised by ``normalize[name]`` = (offset, scale); ``flip``/``transpose`` apply to
+        every part."""
+        unknown = set(normalize or ()) - set(uris)
+        if unknown:
+            raise InvalidArgument(f"normalize names {sorted(unknown)}, the sample's arrays are {sorted(uris)}")
         parts = {}
         for name, uri in uris.items():
-            s = Sample(uri, box, level=(levels or {}).get(name), **transform)
+            s = Sample(uri, box, level=(levels or {}).get(name), normalize=(normalize or {}).get(name), **transform)
             factor = (scales or {}).get(name)
             if factor is not None:
                 scaled = []
@@ -73,7 +80,7 @@ class MultiSample:
                     if a != int(a) or b != int(b):
                         raise InvalidArgument(f"{name}: the box scaled by {factor} is not on whole numbers ({a}, {b})", uri=uri)
                     scaled.append((int(a), int(b)))
-                s = Sample(uri, tuple(scaled), level=s.level, flip=s.flip, transpose=s.transpose)
+                s = Sample(uri, tuple(scaled), level=s.level, flip=s.flip, transpose=s.transpose, normalize=s.normalize)
             parts[name] = s
         return cls(parts)
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import InvalidArgument
-from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.samples import IndexQuery, Sample, normalize_pair
 
 
 class Padding(Sample):
@@ -82,14 +82,37 @@ def _shapes(arrays: Sequence[str] | Mapping[str, Sequence[int]], shape_of: Calla
     return out
 
 
-def _sample(where: str | dict, box: tuple, scales: Mapping[str, float] | None, **kw: Any) -> Any:
-    """A sample of ``box``: of one array, or a MultiSample of a group {name: uri}."""
+def _sample(where: str | dict, box: tuple, scales: Mapping[str, float] | None, normalize: Any = None, **kw: Any) -> Any:
+    """A sample of ``box``: of one array, or a MultiSample of a group {name: uri};
+    ``normalize`` as the samplers take it (see :func:`_check_normalize`)."""
     if isinstance(where, dict):
         from damacy_runtime.multi import MultiSample
 
         level = kw.pop("level", None)
-        return MultiSample.at(where, box, scales=scales, levels=None if level is None else dict.fromkeys(where, level), **kw)
-    return Sample(where, box, **kw)
+        return MultiSample.at(
+            where, box, scales=scales, levels=None if level is None else dict.fromkeys(where, level), normalize=normalize, **kw
+        )
+    if isinstance(normalize, Mapping):
+        normalize = normalize.get(where)
+    return Sample(where, box, normalize=normalize, **kw)
+
+
+def _check_normalize(normalize: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> Any:
+    """A sampler's ``normalize``: one (offset, scale) for every array, {uri: (offset, scale)}
+    for arrays given by uri (those left out are not normalised), or {name: (offset, scale)}
+    for groups of arrays. Checked here, so a wrong key fails at once."""
+    if normalize is None:
+        return None
+    groups = [where for where, _ in arrays if isinstance(where, dict)]
+    if not isinstance(normalize, Mapping):
+        if groups:
+            raise InvalidArgument("for groups of arrays, normalize is {name: (offset, scale)}")
+        return normalize_pair(normalize)
+    known = set().union(*(set(g) for g in groups)) if groups else {where for where, _ in arrays}
+    unknown = set(normalize) - known
+    if unknown:
+        raise InvalidArgument(f"normalize names {sorted(map(str, unknown))}, which are not among the {'names' if groups else 'arrays'}")
+    return {key: normalize_pair(pair) for key, pair in normalize.items()}
 
 
 def _alignment(scales: Mapping[str, float] | None, sample_shape: tuple[int, ...]) -> int:
@@ -217,7 +240,7 @@ def _pool(order: list[int], consumed: Sequence[tuple[int, int]]) -> list[int]:
 def _padding(s: Any) -> Any:
     """``s`` again, marked as padding (every part of a MultiSample)."""
     if isinstance(s, Sample):
-        return Padding(s.uri, s.selection, level=s.level, flip=s.flip, transpose=s.transpose)
+        return Padding(s.uri, s.selection, level=s.level, flip=s.flip, transpose=s.transpose, normalize=s.normalize)
     from damacy_runtime.multi import MultiSample
 
     return MultiSample({name: _padding(part) for name, part in s.parts.items()})
@@ -259,6 +282,10 @@ class RandomBoxes(_Sampler):
     groups of ``local_world_size`` in that order, and the groups shuffled from the seed; each
     group is one step of one node. The boxes drawn are the same, only who reads which when
     changes (a batch then holds boxes of several groups, still spread over the data).
+
+    ``normalize``: (offset, scale) for every array, {uri: (offset, scale)} per array, or
+    {name: (offset, scale)} for groups; the samples' values become ``(x - offset) * scale``
+    in the cast (see :class:`~damacy_protocol.samples.Sample`).
     """
 
     def __init__(
@@ -277,6 +304,7 @@ class RandomBoxes(_Sampler):
         scales: Mapping[str, float] | None = None,
         locality: bool = False,
         local_world_size: int | None = None,
+        normalize: Any = None,
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(seed, rank, world_size)
@@ -296,6 +324,7 @@ class RandomBoxes(_Sampler):
         self.arrays = _shapes(arrays, shape_of)
         if not self.arrays:
             raise InvalidArgument("RandomBoxes needs at least one array")
+        self.normalize = _check_normalize(normalize, self.arrays)
         self.sample_shape = tuple(int(n) for n in sample_shape)
         for uri, shape in self.arrays:
             if len(shape) != len(self.sample_shape):
@@ -337,7 +366,7 @@ class RandomBoxes(_Sampler):
         for k, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
             flip = tuple(ax for ax, f in zip(self.flips, flipped[k]) if f) if flipped is not None else ()
             order = self.transposes[orders[k]] if orders is not None else None
-            out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, level=self.level, flip=flip, transpose=order))
+            out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=order))
         return out
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
@@ -397,7 +426,8 @@ class GridBoxes(_Sampler):
     window of an axis is moved back to end at the array's end (it overlaps its neighbour);
     with ``edge="pad"`` it starts on the step and reaches past the end (padded by the
     pipeline). Windows come array by array in C order; rank ``r`` takes the ``r``-th
-    contiguous block; ranks with one window fewer end with a :class:`Padding` sample."""
+    contiguous block; ranks with one window fewer end with a :class:`Padding` sample.
+    ``normalize`` as for :class:`RandomBoxes`."""
 
     def __init__(
         self,
@@ -410,12 +440,14 @@ class GridBoxes(_Sampler):
         world_size: int | None = None,
         level: int | None = None,
         scales: Mapping[str, float] | None = None,
+        normalize: Any = None,
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(0, rank, world_size)
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.arrays = _shapes(arrays, shape_of)
+        self.normalize = _check_normalize(normalize, self.arrays)
         self.sample_shape = tuple(int(n) for n in sample_shape)
         self.step = self.sample_shape if step is None else tuple(int(n) for n in step)
         if len(self.step) != len(self.sample_shape) or any(s < 1 for s in self.step) or any(k < 1 for k in self.sample_shape):
@@ -448,7 +480,7 @@ class GridBoxes(_Sampler):
         for uri, shape in self.arrays:
             axes = [self._starts(n, k, s) for n, k, s in zip(shape, self.sample_shape, self.step)]
             for origin in np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(shape)).tolist():
-                out.append(_sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), self.scales, level=self.level))
+                out.append(_sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), self.scales, self.normalize, level=self.level))
         return out
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:

@@ -10,6 +10,13 @@ where numpy's result is platform-defined or rounded twice:
   the type's minimum or maximum (CUDA's saturating conversions; numpy's is undefined);
 - f64, 32- and 64-bit integers to bf16: rounded once to nearest even (ml_dtypes rounds
   through f32, twice).
+
+Intensity normalisation, ``(x - offset) * scale`` fused into the cast (:func:`normalize`),
+is defined for float outputs only. It computes in f32 (f64 for an f64 output): ``x``,
+``offset`` and ``scale`` are each rounded once to that type (nearest even), the difference
+and the product each rounded once (never a fused multiply-add), and the result is stored as
+that type's value is (to f16 and bf16 rounded to nearest even). A NaN stays a NaN (its
+payload is not kept: GPUs make arithmetic NaNs canonical).
 """
 
 from __future__ import annotations
@@ -47,6 +54,27 @@ def convert(arr, dtype) -> np.ndarray:
         if flat.dtype.kind in "iu":
             flat = _int_to_f64_odd(flat)
         return _f64_to_f32_odd(flat.astype(np.float64)).astype(dtype).reshape(arr.shape)
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The type normalisation computes in for an output of ``dtype`` (a float type)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f" and dtype != BF16:
+        raise ValueError(f"normalisation writes a float type, not {dtype}")
+    return np.dtype(np.float64) if dtype.newbyteorder("=") == np.float64 else np.dtype(np.float32)
+
+
+def normalize(arr, dtype, offset: float, scale: float) -> np.ndarray:
+    """``(arr - offset) * scale`` as ``dtype`` under the contract (a new array, native byte
+    order): in :func:`compute_dtype`, each step rounded once."""
+    arr = np.asarray(arr)
+    ct = compute_dtype(dtype)
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = arr.astype(ct)
+        y = (x - ct.type(offset)) * ct.type(scale)
+        return y.astype(np.dtype(dtype).newbyteorder("="))
 
 
 def _saturate(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:

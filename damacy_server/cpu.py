@@ -152,7 +152,7 @@ class CpuExecutor(BudgetedExecutor):
         run = Run(plan, views, on_done, cancelled, key, next(self._runs))
         t0 = time.perf_counter()
         for s, fill in plan.fills:
-            views[s][...] = cast_fill(fill, views[s].dtype)
+            views[s][...] = cast_fill(fill, views[s].dtype, plan.norm(s))
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
         cached = plan.cached
@@ -228,7 +228,7 @@ class CpuExecutor(BudgetedExecutor):
                 if error is not None:
                     run.fail(samples_of((u,)), error)
                 elif missing and not (run.cancelled() or self._closed):
-                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value, run.plan.norms)
             except Exception as e:
                 run.crash([u], e)
             finally:
@@ -255,7 +255,7 @@ class CpuExecutor(BudgetedExecutor):
                 data = store.read_range(u.key, u.offset, u.nbytes)
             with np.errstate(invalid="ignore", over="ignore"):
                 if data is None:
-                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value, run.plan.norms)
                     return
                 check_length(u.meta, data, u.nbytes, u.unit, u.key)
                 self._apply(run, u, decode_unit(u.meta, memoryview(data), u.unit, u.key))
@@ -268,7 +268,7 @@ class CpuExecutor(BudgetedExecutor):
 
     def _apply(self, run: Run, u: UnitJob, arr: np.ndarray) -> int:
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
-        return optable.copy_rows(u.rows, u.table.ndim, u.table.pool, run.views, arr)
+        return optable.copy_rows(u.rows, u.table.ndim, u.table.pool, run.views, arr, run.plan.norms)
 
     def _copy_cached(self, run: Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
         """Copy units found in the chunk cache: those of one plan table in one native call
@@ -414,7 +414,7 @@ class CpuExecutor(BudgetedExecutor):
             if data is None:
                 # a chunk that was never written: its regions read as the fill value
                 for u in group.units:
-                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value)
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value, run.plan.norms)
                     if u.shared is not None:
                         self.inflight.settle(u.shared, missing=True)
                 return

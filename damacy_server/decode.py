@@ -22,9 +22,12 @@ def decode_unit(meta: ArrayMetadata, data, unit: tuple[int, ...], key: str) -> n
         raise DecodeError(str(e) or type(e).__name__, uri=meta.uri, path=key, chunk=unit) from e
 
 
-def cast_fill(value, dtype: np.dtype) -> np.ndarray:
+def cast_fill(value, dtype: np.dtype, norm: tuple[float, float] | None = None) -> np.ndarray:
     """A fill value (of the array's dtype) converted to the output dtype as any element is
-    (:mod:`damacy_server.contract`: NaN to an integer type is 0, not an exception)."""
+    (:mod:`damacy_server.contract`: NaN to an integer type is 0, not an exception), and
+    normalised as the sample's elements are when ``norm`` = (offset, scale) is given."""
+    if norm is not None:
+        return contract.normalize(np.asarray(value), dtype, *norm)
     return contract.convert(np.asarray(value), dtype)
 
 

@@ -219,6 +219,7 @@ class BatchEngine:
             capacity=executor.inflight_capacity,
             cache=executor.chunk_cache,
             accept=self._accept_native if spec.dtype is None else None,
+            dtype=spec.dtype,
         )
         self.executor.stats.add("plan", plan.seconds, count=len(samples))
         with self.cond:
@@ -269,7 +270,11 @@ class BatchEngine:
             pending.errors[pos] = err
             if policy == "fill":
                 meta = plan.metas[i]
-                self.executor.fill(targets[i], cast_fill(meta.fill_value if meta is not None else 0, targets[i].dtype))
+                # normalised as its elements would be (not when the sample failed for wanting a non-float batch)
+                norm = getattr(plan.samples[i], "normalize", None)
+                dtype = targets[i].dtype
+                norm = norm if dtype.kind == "f" or dtype.name == "bfloat16" else None
+                self.executor.fill(targets[i], cast_fill(meta.fill_value if meta is not None else 0, dtype, norm))
             elif policy == "skip":
                 pending.holes.append(pos)
         if policy == "skip" and pending.holes:

@@ -102,7 +102,7 @@ class NativeTasks:
         table = optable.build(units)
         targets = run.targets.get(table.ndim)
         if targets is None:
-            targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim))
+            targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim, run.plan.norms))
         return table, targets
 
     def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:

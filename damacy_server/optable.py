@@ -63,33 +63,43 @@ def _op(row: list[int], ndim: int, pool: np.ndarray) -> SliceCopy | CopyOp:
     return CopyOp(dst_parts, src_parts)
 
 
-def copy_rows(rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], arr: np.ndarray) -> int:
+def copy_rows(
+    rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], arr: np.ndarray, norms: Sequence = ()
+) -> int:
     """Make the copies of ``rows`` (a unit's) from its decoded array ``arr`` into
     ``targets[sample]``, converted under damacy's numeric contract (numpy's casts, but for
-    the pairs where :mod:`damacy_server.contract` defines what numpy does not); returns the
-    bytes written."""
+    the pairs where :mod:`damacy_server.contract` defines what numpy does not), and
+    normalised for the samples with ``norms[sample]`` = (offset, scale); returns the bytes
+    written."""
     written = 0
+    raw = arr
     if len(rows) and contract.differs(arr.dtype, targets[int(rows[0, 1])].dtype):
         arr = contract.convert(arr, targets[int(rows[0, 1])].dtype)
     for row in rows.tolist():
         target = targets[row[1]]
-        written += _op(row, ndim, pool).apply(target, arr) * target.itemsize
+        norm = norms[row[1]] if norms else None
+        if norm is None:
+            written += _op(row, ndim, pool).apply(target, arr) * target.itemsize
+        else:
+            convert = lambda piece, t=target.dtype, o=norm[0], s=norm[1]: contract.normalize(piece, t, o, s)  # noqa: E731
+            written += _op(row, ndim, pool).apply(target, raw, convert) * target.itemsize
     return written
 
 
-def fill_rows(rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], value) -> None:
-    """Write ``value`` (cast to each target's dtype) where the copies of ``rows`` would write
-    (a unit that was never written reads as the fill value)."""
+def fill_rows(rows: np.ndarray, ndim: int, pool: np.ndarray, targets: Sequence[np.ndarray], value, norms: Sequence = ()) -> None:
+    """Write ``value`` (cast to each target's dtype, normalised per ``norms`` as in
+    :func:`copy_rows`) where the copies of ``rows`` would write (a unit that was never
+    written reads as the fill value)."""
     for row in rows.tolist():
         target = targets[row[1]]
-        _op(row, ndim, pool).fill(target, cast_fill(value, target.dtype))
+        _op(row, ndim, pool).fill(target, cast_fill(value, target.dtype, norms[row[1]] if norms else None))
 
 
-def apply(table: OpTable, decoded: list[np.ndarray], targets: Sequence[np.ndarray]) -> None:
+def apply(table: OpTable, decoded: list[np.ndarray], targets: Sequence[np.ndarray], norms: Sequence = ()) -> None:
     """Every copy of ``table``: ``targets[sample][dst] = decoded[unit - base][src]``."""
     with np.errstate(invalid="ignore", over="ignore"):
         ops = table.ops
         units = ops[:, 0] - table.base
         bounds = np.flatnonzero(np.diff(units)) + 1
         for part in np.split(ops, bounds) if len(ops) else []:
-            copy_rows(part, table.ndim, table.pool, targets, decoded[int(part[0, 0]) - table.base])
+            copy_rows(part, table.ndim, table.pool, targets, decoded[int(part[0, 0]) - table.base], norms)

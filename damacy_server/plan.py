@@ -123,6 +123,11 @@ class BatchPlan:
     seconds: float = 0.0
     # units found in the executor's chunk cache, with their decoded arrays (not in groups)
     cached: list[tuple[UnitJob, np.ndarray]] = field(default_factory=list)
+    # per sample its normalisation (offset, scale), fused into the cast (None: none)
+    norms: list[tuple[float, float] | None] = field(default_factory=list)
+
+    def norm(self, i: int) -> tuple[float, float] | None:
+        return self.norms[i] if self.norms else None
 
 
 class _ArrayRows:
@@ -214,15 +219,19 @@ class ChunkPlanner:
         capacity: int | None = None,
         cache: LRUCache | None = None,
         accept: Callable[[ArrayMetadata], None] | None = None,
+        dtype: np.dtype | None = None,
     ) -> BatchPlan:
         """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
         flight) merged reads that would not fit are split again; with its chunk ``cache``,
         units found there leave their reads and come with their arrays (``plan.cached``).
-        ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's)."""
+        ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's).
+        ``dtype``: the batch's (None: the array's own), which a normalised sample needs to
+        be a float type."""
         t0 = time.perf_counter()
         n = len(samples)
         shapes: list[tuple[int, ...] | None] = [None] * n
         transforms: list = [None] * n
+        norms: list = [None] * n
         metas: list[ArrayMetadata | None] = [None] * n
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
@@ -246,8 +255,12 @@ class ChunkPlanner:
                 if not same_shape(out, sample_shape):
                     what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
+                norm = getattr(sample, "normalize", None)
+                if norm is not None:
+                    _check_normalized(dtype if dtype is not None else meta.dtype)
                 shapes[i] = shape
                 transforms[i] = transform
+                norms[i] = norm
                 acc = by_array.get(meta.root)
                 if acc is None:
                     acc = by_array[meta.root] = _ArrayRows(meta)
@@ -318,6 +331,7 @@ class ChunkPlanner:
             samples=list(samples),
             shapes=shapes,
             transforms=transforms,
+            norms=norms if any(x is not None for x in norms) else [],
             fills=fills,
             groups=groups,
             errors=errors,
@@ -337,6 +351,14 @@ def _part_len(p) -> int:
 def _copy_error(e: SampleError) -> SampleError:
     """A fresh instance, so each sample's error names its own sample."""
     return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
+
+
+def _check_normalized(dtype: np.dtype) -> None:
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f" and dtype.name != "bfloat16":
+        raise InvalidArgument(
+            f"normalize writes a float type (float16, bfloat16, float32, float64), the batch's dtype is {dtype.name}"
+        )
 
 
 def transform_of(sample: Any, shape: tuple[int, ...], drop: Sequence[int]) -> tuple | None:

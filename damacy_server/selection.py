@@ -156,10 +156,11 @@ class SliceCopy:
         self.dst = dst
         self.src = src
 
-    def apply(self, target: np.ndarray, arr: np.ndarray) -> int:
-        """Copy (with the cast to the target's dtype); returns the elements copied."""
+    def apply(self, target: np.ndarray, arr: np.ndarray, convert=None) -> int:
+        """Copy (with the cast to the target's dtype, or ``convert(piece)``); returns the
+        elements copied."""
         piece = arr[self.src]
-        target[self.dst] = piece
+        target[self.dst] = piece if convert is None else convert(piece)
         return piece.size
 
     def fill(self, target: np.ndarray, value: np.ndarray) -> None:
@@ -196,13 +197,13 @@ class CopyOp:
             rest = [k for k in range(len(dst_parts)) if k not in dst_arrays]
             self.transpose = tuple(dst_arrays + rest)
 
-    def apply(self, target: np.ndarray, arr: np.ndarray) -> int:
+    def apply(self, target: np.ndarray, arr: np.ndarray, convert=None) -> int:
         piece = arr[self.src]
         for axis, idx in self.takes:
             piece = piece.take(idx, axis=axis)
         if self.transpose is not None:
             piece = piece.transpose(self.transpose)
-        target[self.dst] = piece
+        target[self.dst] = piece if convert is None else convert(piece)
         return piece.size
 
     def fill(self, target: np.ndarray, value: np.ndarray) -> None:

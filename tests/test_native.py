@@ -147,7 +147,7 @@ def test_half_and_bfloat_rounding_edges():
     for name, code, ref in (("f16", 9, np.float16), ("bf16", 12, ml_dtypes.bfloat16)):
         out = np.zeros(len(values), dtype=ref)
         ops = np.array([[0, 0, 0, 0, len(values)]], dtype=np.int64)
-        targets = np.array([[out.__array_interface__["data"][0], 1, len(out)]], dtype=np.int64)
+        targets = np.array([[out.__array_interface__["data"][0], 1, len(out), 0, 0, 0]], dtype=np.int64)
         shape = np.array([len(values)], dtype=np.int64)
         assert _assemble.run(values.tobytes(), 0, _SPAN(values.nbytes), ops.tobytes(), 0, targets.tobytes(), shape.tobytes(), 10, code, 0, 0, values.nbytes, b"")[0] == []
         with np.errstate(over="ignore", invalid="ignore"):
@@ -290,7 +290,7 @@ def test_ops_outside_their_unit_are_refused():
 
     data = np.arange(16, dtype="f4")
     out = np.zeros(8, dtype="f4")
-    targets = np.array([[out.__array_interface__["data"][0], 1, 8]], dtype=np.int64)
+    targets = np.array([[out.__array_interface__["data"][0], 1, 8, 0, 0, 0]], dtype=np.int64)
     shape = np.array([16], dtype=np.int64)
     for row, pool in (([0, 0, 12, 0, 8], []), ([0, 0, -1, 0, 2], [3, 99]), ([0, 0, -5, 0, 2], [1, 2]), ([0, 0, 0, -2, 4], [0, 1, 2])):
         ops = np.array([row], dtype=np.int64)
@@ -324,7 +324,7 @@ def test_op_tables_out_of_unit_order_and_spans_past_the_data():
 
     data = np.arange(16, dtype="f4")
     out = np.zeros(16, dtype="f4")
-    targets = np.array([[out.__array_interface__["data"][0], 1, 16]], dtype=np.int64)
+    targets = np.array([[out.__array_interface__["data"][0], 1, 16, 0, 0, 0]], dtype=np.int64)
     shape = np.array([8], dtype=np.int64)
     spans = np.array([[0, 32], [32, 32]], dtype=np.int64)
     ops = np.array([[1, 0, 0, 8, 8], [0, 0, 0, 0, 8]], dtype=np.int64)  # unit 1's op first

@@ -27,16 +27,17 @@ _Thread_local int damacy_twin_fault;
 int damacy_twin_assemble(int64_t grid, int64_t block, const int64_t *rows, int64_t n_rows, int ndim,
                          const int64_t *pool, int64_t pool_len, const char *const *unit_ptr, int64_t n_units,
                          const int64_t *unit_shape, int src_dtype, int swap, char *const *out_ptr, int64_t n_samples,
-                         const int64_t *out_shape, const int64_t *out_strides, int out_dtype) {
+                         const int64_t *out_shape, const int64_t *out_strides, int out_dtype, const double *norm) {
     TWIN_LAUNCH(grid, block,
                 damacy_assemble(rows, n_rows, ndim, pool, pool_len, unit_ptr, n_units, unit_shape, src_dtype, swap,
-                                out_ptr, n_samples, out_shape, out_strides, out_dtype));
+                                out_ptr, n_samples, out_shape, out_strides, out_dtype, norm));
 }
 
 int damacy_twin_fill(int64_t grid, int64_t block, const int64_t *samples, int64_t n_fill, const char *fill_values,
-                     int src_dtype, int swap, char *const *out_ptr, int64_t n_samples, int64_t count, int out_dtype) {
+                     int src_dtype, int swap, char *const *out_ptr, int64_t n_samples, int64_t count, int out_dtype,
+                     const double *norm) {
     TWIN_LAUNCH(grid, block,
-                damacy_fill(samples, n_fill, fill_values, src_dtype, swap, out_ptr, n_samples, count, out_dtype));
+                damacy_fill(samples, n_fill, fill_values, src_dtype, swap, out_ptr, n_samples, count, out_dtype, norm));
 }
 
 int damacy_twin_convert(int64_t grid, int64_t block, const char *src, int src_dtype, int swap, char *out, int out_dtype,

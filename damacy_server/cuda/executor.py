@@ -37,7 +37,7 @@ from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, St
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
-from damacy_server.cuda.twin import CODES, SHUFFLE_MODES
+from damacy_server.cuda.twin import CODES, SHUFFLE_MODES, norm_table
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
 from damacy_server.plan import BatchPlan, sample_view
 from damacy_server.run import samples_of
@@ -334,13 +334,14 @@ class CudaExecutor(BudgetedExecutor):
                 values[k, : src.itemsize] = src.reshape(1).view(np.uint8)
             out_ptr = np.array([self.device.output_pointer(views[s]) for s, _ in members], dtype=np.uint64)
             order = np.arange(len(members), dtype=np.int64)
-            addrs = self._tables([order, values, out_ptr], keep)
+            norm = norm_table([plan.norm(s) for s, _ in members])
+            addrs = self._tables([order, values, out_ptr] + ([] if norm is None else [norm]), keep)
             swap = int(not src_dtype.isnative and src_dtype.itemsize > 1)
             self.device.launch(
                 "fill", len(members), BLOCK,
                 (np.uint64(addrs[0]), np.int64(len(members)), np.uint64(addrs[1]), np.int32(CODES[src_dtype.newbyteorder("=")]),
                  np.int32(swap), np.uint64(addrs[2]), np.int64(len(members)), np.int64(count),
-                 np.int32(CODES[views[members[0][0]].dtype])),
+                 np.int32(CODES[views[members[0][0]].dtype]), np.uint64(0 if norm is None else addrs[3])),
             )
 
     def _assemble(self, plan: BatchPlan, units: list[Unit], arena: DeviceBuffer, views: list, keep: list) -> None:
@@ -378,13 +379,15 @@ class CudaExecutor(BudgetedExecutor):
             swap = int(not stored.isnative and stored.itemsize > 1)
             pool = table.pool if len(table.pool) else np.zeros(1, dtype=np.int64)
             unit_shape = np.array(meta.layout.leaf.spec.shape, dtype=np.int64)
+            norm = norm_table(plan.norms) if plan.norms else None
             host = [np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(pool, dtype=np.int64), unit_ptr, unit_shape, out_ptr, out_shape, out_strides]
-            addrs = self._tables(host, keep)
+            addrs = self._tables(host + ([] if norm is None else [norm]), keep)
             self.device.launch(
                 "assemble", len(rows), BLOCK,
                 (np.uint64(addrs[0]), np.int64(len(rows)), np.int32(table.ndim), np.uint64(addrs[1]), np.int64(len(pool)),
                  np.uint64(addrs[2]), np.int64(len(unit_ptr)), np.uint64(addrs[3]), np.int32(src_code), np.int32(swap),
-                 np.uint64(addrs[4]), np.int64(len(views)), np.uint64(addrs[5]), np.uint64(addrs[6]), np.int32(CODES[first.dtype])),
+                 np.uint64(addrs[4]), np.int64(len(views)), np.uint64(addrs[5]), np.uint64(addrs[6]), np.int32(CODES[first.dtype]),
+                 np.uint64(0 if norm is None else addrs[7])),
             )
             written += int(np.prod(rows[:, 2 + 2 * table.ndim :], axis=1).sum()) * first.itemsize
         self.stats.add("assemble", time.perf_counter() - t0, count=len(units), bytes_out=written)

@@ -49,8 +49,8 @@ def _load() -> ctypes.CDLL:
 
         lib = ctypes.CDLL(_twin.__file__)
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.damacy_twin_assemble.argtypes = [i64, i64, p, i64, i, p, i64, p, i64, p, i, i, p, i64, p, p, i]
-        lib.damacy_twin_fill.argtypes = [i64, i64, p, i64, p, i, i, p, i64, i64, i]
+        lib.damacy_twin_assemble.argtypes = [i64, i64, p, i64, i, p, i64, p, i64, p, i, i, p, i64, p, p, i, p]
+        lib.damacy_twin_fill.argtypes = [i64, i64, p, i64, p, i, i, p, i64, i64, i, p]
         lib.damacy_twin_convert.argtypes = [i64, i64, p, i, i, p, i, i64]
         lib.damacy_twin_unshuffle.argtypes = [i64, i64, p, p, p, i64, i64, i]
         for f in (lib.damacy_twin_assemble, lib.damacy_twin_fill, lib.damacy_twin_convert, lib.damacy_twin_unshuffle):
@@ -68,6 +68,14 @@ def dtype_code(dtype: np.dtype) -> tuple[int, int]:
 
 def _addr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+def norm_table(norms: Sequence[tuple[float, float] | None]) -> np.ndarray | None:
+    """The kernels' ``norm`` argument: per entry (flag, offset, scale) as f64, None when no
+    entry normalises."""
+    if not any(n is not None for n in norms):
+        return None
+    return np.array([(0.0, 0.0, 0.0) if n is None else (1.0, n[0], n[1]) for n in norms], dtype=np.float64)
 
 
 def _check(fault: int, what: str) -> None:
@@ -90,10 +98,12 @@ def assemble(
     pool: np.ndarray,
     units: Sequence[np.ndarray],
     outputs: Sequence[np.ndarray],
+    norms: Sequence[tuple[float, float] | None] = (),
 ) -> None:
     """Run the assembly kernel: copy-table ``rows`` (unit positions index ``units``, samples
     index ``outputs``) from the decoded ``units`` (one array's: one shape, one dtype) into
-    ``outputs`` (one dtype, as many axes as the table, each its own shape and strides)."""
+    ``outputs`` (one dtype, as many axes as the table, each its own shape and strides),
+    normalised per ``norms[sample]`` (offset, scale) where given."""
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     pool = np.ascontiguousarray(pool, dtype=np.int64)
     units = [np.ascontiguousarray(u) for u in units]
@@ -106,17 +116,18 @@ def assemble(
     out_shape = np.array([o.shape for o in outputs], dtype=np.int64).reshape(-1)
     out_strides = np.array([[s // o.itemsize for s in o.strides] for o in outputs], dtype=np.int64).reshape(-1)
     src_code, swap = dtype_code(units[0].dtype) if units else (0, 0)
+    norm = norm_table(norms)
     fault = _load().damacy_twin_assemble(
         len(rows), BLOCK, _addr(rows), len(rows), ndim, _addr(pool), len(pool), _addr(unit_ptr), len(units),
         _addr(unit_shape), src_code, swap, _addr(out_ptr), len(outputs), _addr(out_shape), _addr(out_strides),
-        CODES[first.dtype.newbyteorder("=")],
+        CODES[first.dtype.newbyteorder("=")], None if norm is None else _addr(norm),
     )
     _check(fault, "assemble")
 
 
-def fill(samples: Sequence[int], values: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
+def fill(samples: Sequence[int], values: np.ndarray, outputs: Sequence[np.ndarray], norms: Sequence = ()) -> None:
     """Run the fill kernel: ``outputs[samples[k]]`` (contiguous) all set to ``values[k]``
-    (in the array's dtype) converted to the outputs' dtype."""
+    (in the array's dtype) converted to the outputs' dtype, normalised per ``norms[k]``."""
     samples_ = np.array(samples, dtype=np.int64)
     packed = np.zeros((len(samples_), 8), dtype=np.uint8)
     raw = np.ascontiguousarray(values).view(np.uint8).reshape(len(samples_), -1)
@@ -124,9 +135,10 @@ def fill(samples: Sequence[int], values: np.ndarray, outputs: Sequence[np.ndarra
     out_ptr = np.array([_addr(o) for o in outputs], dtype=np.uint64)
     code, swap = dtype_code(values.dtype)
     first = outputs[0]
+    norm = norm_table(norms)
     fault = _load().damacy_twin_fill(
         len(samples_), BLOCK, _addr(samples_), len(samples_), _addr(packed), code, swap, _addr(out_ptr), len(outputs),
-        first.size, CODES[first.dtype.newbyteorder("=")],
+        first.size, CODES[first.dtype.newbyteorder("=")], None if norm is None else _addr(norm),
     )
     _check(fault, "fill")
 

@@ -143,16 +143,21 @@ def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
     return NativeKernel(codec, src, dst, swap, np.asarray(leaf.spec.shape, dtype=np.int64), leaf.spec.nbytes, stored)
 
 
-def targets(views: list, ndim: int) -> np.ndarray:
+def targets(views: list, ndim: int, norms=()) -> np.ndarray:
     """Per sample the destination's address, strides (elements) and shape, for ops of rank
-    ``ndim`` (samples of another rank, or without a view, get a zero row, which native code
-    refuses to write to)."""
-    out = np.zeros((len(views), 1 + 2 * ndim), dtype=np.int64)
+    ``ndim``, then its normalisation: a flag and the f64 bits of offset and scale
+    (``norms[sample]``, None: none). Samples of another rank, or without a view, get a zero
+    row, which native code refuses to write to."""
+    out = np.zeros((len(views), 4 + 2 * ndim), dtype=np.int64)
     for s, view in enumerate(views):
         if view is not None and view.ndim == ndim:
             out[s, 0] = view.__array_interface__["data"][0]
             out[s, 1 : 1 + ndim] = [st // view.itemsize for st in view.strides]
-            out[s, 1 + ndim :] = view.shape
+            out[s, 1 + ndim : 1 + 2 * ndim] = view.shape
+            norm = norms[s] if norms else None
+            if norm is not None:
+                out[s, 1 + 2 * ndim] = 1
+                out[s, 2 + 2 * ndim :] = np.array(norm, dtype=np.float64).view(np.int64)
     return out
 
 

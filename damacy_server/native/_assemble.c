@@ -169,16 +169,19 @@ LOAD_INT(double, uint64_t, bswap64)
 static inline float load_half(const char *p, int swap) { return half_to_float(load_uint16_t(p, swap)); }
 static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p != 0; }
 
-typedef void (*row_fn)(const char *src, char *dst, Py_ssize_t n, int swap);
-typedef void (*gather_fn)(const char *src, const int64_t *index, char *dst, Py_ssize_t n, int swap);
+/* nm: the sample's normalisation (offset, scale) for the normalising rows (NROW), ignored by
+ * the others */
+typedef void (*row_fn)(const char *src, char *dst, Py_ssize_t n, int swap, const double *nm);
+typedef void (*gather_fn)(const char *src, const int64_t *index, char *dst, Py_ssize_t n, int swap, const double *nm);
 typedef void (*scatter_fn)(const char *src, int64_t src_start, const int64_t *src_index, char *dst,
-                           const int64_t *dst_index, Py_ssize_t n, int swap);
+                           const int64_t *dst_index, Py_ssize_t n, int swap, const double *nm);
 
 /* One row: n elements from contiguous src to contiguous dst; the byte-order test is out of
  * the loop so the common case vectorises. _g: element i comes from src[index[i]]; _s: element
  * i goes to dst[dst_index[i]], from src[s0 + i] or src[src_index[i]]. */
 #define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR)                                            \
-    static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap) { \
+    static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap, const double *nm) { \
+        (void)nm;                                                                      \
         DT *out = (DT *)d;                                                             \
         if (swap) {                                                                    \
             for (Py_ssize_t i = 0; i < n; i++) {                                       \
@@ -192,7 +195,9 @@ typedef void (*scatter_fn)(const char *src, int64_t src_start, const int64_t *sr
             }                                                                          \
         }                                                                              \
     }                                                                                  \
-    static void __attribute__((unused)) NAME##_g(const char *s, const int64_t *ix, char *d, Py_ssize_t n, int swap) { \
+    static void __attribute__((unused)) NAME##_g(const char *s, const int64_t *ix, char *d, Py_ssize_t n, int swap, \
+                                                 const double *nm) {                   \
+        (void)nm;                                                                      \
         DT *out = (DT *)d;                                                             \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
             DT v = (DT)(EXPR(LOAD(s + ix[i] * (SRC_SIZE), swap)));                     \
@@ -200,10 +205,49 @@ typedef void (*scatter_fn)(const char *src, int64_t src_start, const int64_t *sr
         }                                                                              \
     }                                                                                  \
     static void __attribute__((unused)) NAME##_s(const char *s, int64_t s0, const int64_t *six, char *d,      \
-                                                 const int64_t *dix, Py_ssize_t n, int swap) {              \
+                                                 const int64_t *dix, Py_ssize_t n, int swap, const double *nm) { \
+        (void)nm;                                                                      \
         DT *out = (DT *)d;                                                             \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
             DT v = (DT)(EXPR(LOAD(s + (six ? six[i] : s0 + i) * (SRC_SIZE), swap)));    \
+            memcpy(out + dix[i], &v, sizeof(DT));                                      \
+        }                                                                              \
+    }
+
+/* Normalising rows: (x - offset) * scale in CT (float for f32/f16/bf16 outputs, double for
+ * f64), as convert.cuh's normalize_value defines it: TO_CT converts an element to CT
+ * (rounded once), each operation rounded once, STORE writes CT to the output type. */
+#define NROW(NAME, LOAD, SRC_SIZE, CT, TO_CT, SUB, MUL, DT, STORE)                     \
+    static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap, const double *nm) { \
+        const CT o = TO_CT(nm[0]), k = TO_CT(nm[1]);                                   \
+        DT *out = (DT *)d;                                                             \
+        if (swap) {                                                                    \
+            for (Py_ssize_t i = 0; i < n; i++) {                                       \
+                DT v = STORE(MUL(SUB(TO_CT(LOAD(s + i * (SRC_SIZE), 1)), o), k));       \
+                memcpy(out + i, &v, sizeof(DT));                                       \
+            }                                                                          \
+        } else {                                                                       \
+            for (Py_ssize_t i = 0; i < n; i++) {                                       \
+                DT v = STORE(MUL(SUB(TO_CT(LOAD(s + i * (SRC_SIZE), 0)), o), k));       \
+                memcpy(out + i, &v, sizeof(DT));                                       \
+            }                                                                          \
+        }                                                                              \
+    }                                                                                  \
+    static void __attribute__((unused)) NAME##_g(const char *s, const int64_t *ix, char *d, Py_ssize_t n, int swap, \
+                                                 const double *nm) {                   \
+        const CT o = TO_CT(nm[0]), k = TO_CT(nm[1]);                                   \
+        DT *out = (DT *)d;                                                             \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            DT v = STORE(MUL(SUB(TO_CT(LOAD(s + ix[i] * (SRC_SIZE), swap)), o), k));    \
+            memcpy(out + i, &v, sizeof(DT));                                           \
+        }                                                                              \
+    }                                                                                  \
+    static void __attribute__((unused)) NAME##_s(const char *s, int64_t s0, const int64_t *six, char *d,      \
+                                                 const int64_t *dix, Py_ssize_t n, int swap, const double *nm) { \
+        const CT o = TO_CT(nm[0]), k = TO_CT(nm[1]);                                   \
+        DT *out = (DT *)d;                                                             \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            DT v = STORE(MUL(SUB(TO_CT(LOAD(s + (six ? six[i] : s0 + i) * (SRC_SIZE), swap)), o), k)); \
             memcpy(out + dix[i], &v, sizeof(DT));                                      \
         }                                                                              \
     }
@@ -244,6 +288,34 @@ ROWS_FOR(f2, load_half, 2)
 ROWS_FOR(f4, load_float, 4)
 ROWS_FOR(f8, load_double, 8)
 
+/* to the compute type: integers and f32 by a C conversion (in range, rounded once), f64 by
+ * convert.cuh's f64_to_f32 (a C conversion of an out-of-range double is undefined) */
+#define TO_F32(v) _Generic((v), double: f64_to_f32, default: to_f32_plain)(v)
+static inline float to_f32_plain(float v) { return v; }
+#define TO_F64(v) ((double)(v))
+#define F32_SUB(a, b) DAMACY_FSUB(a, b)
+#define F32_MUL(a, b) DAMACY_FMUL(a, b)
+#define F64_SUB(a, b) DAMACY_DSUB(a, b)
+#define F64_MUL(a, b) DAMACY_DMUL(a, b)
+#define KEEP(v) (v)
+#define NROWS_FOR(SRC, LOAD, SIZE)                                                     \
+    NROW(SRC##_norm_f4, LOAD, SIZE, float, TO_F32, F32_SUB, F32_MUL, float, KEEP)      \
+    NROW(SRC##_norm_f2, LOAD, SIZE, float, TO_F32, F32_SUB, F32_MUL, uint16_t, float_to_half) \
+    NROW(SRC##_norm_bf, LOAD, SIZE, float, TO_F32, F32_SUB, F32_MUL, uint16_t, float_to_bf16) \
+    NROW(SRC##_norm_f8, LOAD, SIZE, double, TO_F64, F64_SUB, F64_MUL, double, KEEP)
+NROWS_FOR(b1, load_bool, 1)
+NROWS_FOR(i1, load_int8_t, 1)
+NROWS_FOR(u1, load_uint8_t, 1)
+NROWS_FOR(i2, load_int16_t, 2)
+NROWS_FOR(u2, load_uint16_t, 2)
+NROWS_FOR(i4, load_int32_t, 4)
+NROWS_FOR(u4, load_uint32_t, 4)
+NROWS_FOR(i8, load_int64_t, 8)
+NROWS_FOR(u8, load_uint64_t, 8)
+NROWS_FOR(f2, load_half, 2)
+NROWS_FOR(f4, load_float, 4)
+NROWS_FOR(f8, load_double, 8)
+
 /* [src][dst]: a row copy, a gather from an index list and a scatter to one; NONE where
  * numpy's semantics differ or are undefined (left to numpy) */
 typedef struct {
@@ -272,6 +344,15 @@ static conv_t CONV[T_COUNT][T_COUNT] = {
     {K(f8, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f8, f4), K(f8, f8), NONE},
 };
 
+/* [src]: the normalising conversions to each float output (any other output: NONE) */
+#define NK(S, D) {S##_norm_##D, S##_norm_##D##_g, S##_norm_##D##_s}
+#define NORM_TABLE(S) \
+    {NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, NK(S, f2), NK(S, f4), NK(S, f8), NK(S, bf)}
+static conv_t NCONV[T_COUNT][T_COUNT] = {
+    NORM_TABLE(b1), NORM_TABLE(i1), NORM_TABLE(u1), NORM_TABLE(i2), NORM_TABLE(u2), NORM_TABLE(i4), NORM_TABLE(u4),
+    NORM_TABLE(i8), NORM_TABLE(u8), NORM_TABLE(f2), NORM_TABLE(f4), NORM_TABLE(f8),
+};
+
 /* ---- the task ----------------------------------------------------------------------- */
 typedef struct {
     const char *src;  /* encoded bytes */
@@ -293,7 +374,8 @@ static inline int64_t src_coord(const int64_t *pool, int64_t start, int64_t i) {
 #define PIECE 1024
 static void copy_box_strided(const char *chunk, const int64_t *src_strides, int ndim, int src_size, char *dst_base,
                              const int64_t *dst_strides, int dst_size, const int64_t *src_start, const int64_t *dst_start,
-                             const int64_t *extent, const int64_t *pool, gather_fn gather, scatter_fn scatter, int swap) {
+                             const int64_t *extent, const int64_t *pool, gather_fn gather, scatter_fn scatter, int swap,
+                             const double *nm) {
     int inner = -1;
     for (int a = ndim - 1; a >= 0; a--)
         if ((dst_strides[a] == 1 || dst_strides[a] == -1) && dst_start[a] >= 0) {
@@ -324,19 +406,19 @@ static void copy_box_strided(const char *chunk, const int64_t *src_strides, int 
                 if (step == 1) {
                     if (!once)
                         for (Py_ssize_t i = 0; i < m; i++) src_at[i] = src_coord(pool, src_start[inner], off + i) * src_strides[inner];
-                    gather(chunk + so * src_size, src_at, dst_base + (dof + first) * dst_size, m, swap);
+                    gather(chunk + so * src_size, src_at, dst_base + (dof + first) * dst_size, m, swap, nm);
                 } else {  /* the line's last element is at the lowest address */
                     if (!once)
                         for (Py_ssize_t i = 0; i < m; i++)
                             src_at[i] = src_coord(pool, src_start[inner], off + m - 1 - i) * src_strides[inner];
-                    gather(chunk + so * src_size, src_at, dst_base + (dof - (first + m - 1)) * dst_size, m, swap);
+                    gather(chunk + so * src_size, src_at, dst_base + (dof - (first + m - 1)) * dst_size, m, swap, nm);
                 }
             } else {
                 for (Py_ssize_t i = 0; i < m; i++) {
                     src_at[i] = src_coord(pool, src_start[line], off + i) * src_strides[line];
                     dst_at[i] = src_coord(pool, dst_start[line], off + i) * dst_strides[line];
                 }
-                scatter(chunk + so * src_size, 0, src_at, dst_base + dof * dst_size, dst_at, m, swap);
+                scatter(chunk + so * src_size, 0, src_at, dst_base + dof * dst_size, dst_at, m, swap, nm);
             }
         }
         int a = ndim - 1;
@@ -355,7 +437,7 @@ static void copy_box_strided(const char *chunk, const int64_t *src_strides, int 
 static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int src_size, char *dst_base,
                      const int64_t *dst_strides, int dst_size, const int64_t *src_start, const int64_t *dst_start,
                      const int64_t *extent, const int64_t *pool, row_fn row, gather_fn gather, scatter_fn scatter,
-                     int swap) {
+                     int swap, const double *nm) {
     int64_t src_strides[MAX_NDIM];
     int64_t s = 1;
     for (int a = ndim - 1; a >= 0; a--) {
@@ -363,7 +445,7 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
         s *= unit_shape[a];
     }
     if (ndim == 0) {
-        row(chunk, dst_base, 1, swap);
+        row(chunk, dst_base, 1, swap, nm);
         return;
     }
     int64_t idx[MAX_NDIM] = {0};
@@ -373,7 +455,7 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
         if (extent[a] <= 0) return;
     if (dst_strides[last] != 1) {
         copy_box_strided(chunk, src_strides, ndim, src_size, dst_base, dst_strides, dst_size, src_start, dst_start, extent,
-                         pool, gather, scatter, swap);
+                         pool, gather, scatter, swap, nm);
         return;
     }
     for (;;) {
@@ -385,13 +467,13 @@ static void copy_box(const char *chunk, const int64_t *unit_shape, int ndim, int
         if (dst_start[last] < 0) {
             const int64_t *six = src_start[last] >= 0 ? NULL : pool - src_start[last] - 1;
             scatter(chunk + so * src_size, src_start[last], six, dst_base + dof * dst_size, pool - dst_start[last] - 1, n,
-                    swap);
+                    swap, nm);
         } else if (src_start[last] >= 0) {
             dof += dst_start[last] * dst_strides[last];
-            row(chunk + (so + src_start[last]) * src_size, dst_base + dof * dst_size, n, swap);
+            row(chunk + (so + src_start[last]) * src_size, dst_base + dof * dst_size, n, swap, nm);
         } else {
             dof += dst_start[last] * dst_strides[last];
-            gather(chunk + so * src_size, pool - src_start[last] - 1, dst_base + dof * dst_size, n, swap);
+            gather(chunk + so * src_size, pool - src_start[last] - 1, dst_base + dof * dst_size, n, swap, nm);
         }
         int a = last - 1;
         while (a >= 0) {
@@ -446,6 +528,9 @@ static int blosc_frame_ok(const unsigned char *p, Py_ssize_t len, Py_ssize_t nby
     return 1;
 }
 
+/* a target row: address, strides, shape, then the normalisation flag, offset and scale (f64 bits) */
+#define TARGET_WIDTH(ndim) (4 + 2 * (ndim))
+
 /* One decode task: the units' encoded bytes, the op table and where the copies go. */
 typedef struct {
     Py_buffer spans, ops, targets, shape, pool, keep;
@@ -491,7 +576,15 @@ static int task_prepare(task_t *t) {
     }
     t->width = 2 + 3 * (Py_ssize_t)t->ndim;
     t->n_ops = t->ops.len / (Py_ssize_t)(8 * t->width);
-    t->n_targets = t->targets.len / (Py_ssize_t)(8 * (1 + 2 * t->ndim));
+    t->n_targets = t->targets.len / (Py_ssize_t)(8 * TARGET_WIDTH(t->ndim));
+    /* a normalising target needs the normalising conversion (float outputs) */
+    const int64_t *tgs = (const int64_t *)t->targets.buf;
+    for (Py_ssize_t k = 0; k < t->n_targets; k++) {
+        if (tgs[k * TARGET_WIDTH(t->ndim) + 1 + 2 * t->ndim] && !NCONV[t->src_type][t->dst_type].row) {
+            PyErr_SetString(PyExc_ValueError, "normalisation writes float outputs only");
+            return -1;
+        }
+    }
     /* the unit's elements must be what the decoded bytes hold */
     const int64_t *unit_shape = (const int64_t *)t->shape.buf;
     int64_t elements = 1;
@@ -583,6 +676,7 @@ static void task_assemble(task_t *t) {
     const int64_t base = t->base;
     const int64_t *keep = t->keep.len ? (const int64_t *)t->keep.buf : NULL;
     long long encoded = 0, elements = 0;
+    const int src_type = t->src_type, dst_type = t->dst_type;
     row_fn row = CONV[t->src_type][t->dst_type].row;
     gather_fn gather = CONV[t->src_type][t->dst_type].gather;
     scatter_fn scatter = CONV[t->src_type][t->dst_type].scatter;
@@ -611,7 +705,7 @@ static void task_assemble(task_t *t) {
             const int64_t *o = ops + q * width;
             int64_t lo = 0, last = 0, empty = 0;
             /* the target: a sample with a view, whose shape bounds the destination side */
-            const int64_t *tg = (o[1] >= 0 && o[1] < n_targets) ? targets + o[1] * (1 + 2 * ndim) : NULL;
+            const int64_t *tg = (o[1] >= 0 && o[1] < n_targets) ? targets + o[1] * TARGET_WIDTH(ndim) : NULL;
             if (!tg || tg[0] == 0) {
                 status[u] = E_OPS;
                 break;
@@ -740,9 +834,17 @@ static void task_assemble(task_t *t) {
         while (op < n_ops && ops[op * width] - base == u) {
             const int64_t *o = ops + op * width;
             if (status[u] == OK) {
-                const int64_t *t = targets + o[1] * (1 + 2 * ndim); /* checked above */
-                copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                         o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, scatter, swap);
+                const int64_t *t = targets + o[1] * TARGET_WIDTH(ndim); /* checked above */
+                if (t[1 + 2 * ndim]) {
+                    const conv_t *nc = &NCONV[src_type][dst_type]; /* checked in task_prepare */
+                    double nm[2];
+                    memcpy(nm, t + 2 + 2 * ndim, sizeof nm);
+                    copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
+                             o + 2 + ndim, o + 2 + 2 * ndim, pool, nc->row, nc->gather, nc->scatter, swap, nm);
+                } else {
+                    copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
+                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, scatter, swap, NULL);
+                }
                 long long n = 1;
                 for (int a = 0; a < ndim; a++) n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
                 elements += n;
@@ -807,8 +909,9 @@ static PyObject *task_run(task_t *t) {
  *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
  *        units are numbered from base (the first span); a negative start -(k + 1), on either
  *        side, means the index list pool[k : k + extent]
- *   targets: int64 array (n_targets, 1 + 2 * ndim): address (0: no target), strides in
- *        elements, shape; every destination is checked against the shape
+ *   targets: int64 array (n_targets, 4 + 2 * ndim): address (0: no target), strides in
+ *        elements, shape; every destination is checked against the shape; then a flag
+ *        (nonzero: normalise) and the f64 bits of offset and scale
  *   keep: empty, or int64 array (n_units): per unit 0, or the address of decoded_nbytes
  *        bytes the unit is decoded into whole (a chunk cache entry; valid only when the
  *        unit is not among the failures)

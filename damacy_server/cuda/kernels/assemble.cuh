@@ -10,7 +10,8 @@
  * is at out_ptr[s], of shape out_shape[s * ndim ...] with strides out_strides[s * ndim ...]
  * (elements; samples of one batch may differ there, as 2-d slices of a volume along
  * different axes do). No two rows write the same output element (the host checks it:
- * damacy_server/cuda/tables.py).
+ * damacy_server/cuda/tables.py). `norm`, when not NULL, holds per sample three f64s: a flag
+ * (nonzero: normalise), the offset and the scale (convert.cuh, normalize_value).
  */
 #ifndef DAMACY_ASSEMBLE_CUH
 #define DAMACY_ASSEMBLE_CUH
@@ -35,7 +36,8 @@ DAMACY_FN int dtype_size(int dt) {
 DAMACY_KERNEL damacy_assemble(
     const int64_t *rows, int64_t n_rows, int ndim, const int64_t *pool, int64_t pool_len,
     const char *const *unit_ptr, int64_t n_units, const int64_t *unit_shape, int src_dtype, int swap,
-    char *const *out_ptr, int64_t n_samples, const int64_t *out_shape, const int64_t *out_strides, int out_dtype)
+    char *const *out_ptr, int64_t n_samples, const int64_t *out_shape, const int64_t *out_strides, int out_dtype,
+    const double *norm)
 {
     int64_t r = DAMACY_BLOCK;
     if (r >= n_rows) return;
@@ -48,6 +50,7 @@ DAMACY_KERNEL damacy_assemble(
     const char *unit = unit_ptr[pos];
     char *out = out_ptr[sample];
     const int64_t *shape = out_shape + sample * ndim, *strides = out_strides + sample * ndim;
+    const double *nm = norm && norm[3 * sample] != 0.0 ? norm + 3 * sample + 1 : 0;
     for (int64_t e = DAMACY_THREAD; e < total; e += DAMACY_BLOCK_DIM) {
         /* element e of the piece: the last axis fastest */
         int64_t rest = e, src = 0, dst = 0, src_stride = 1;
@@ -65,22 +68,25 @@ DAMACY_KERNEL damacy_assemble(
             dst += dc * strides[a];
         }
         damacy_value v = load_value(unit + src * src_size, src_dtype, swap);
+        if (nm) v = normalize_value(v, out_dtype, nm[0], nm[1]);
         store_value(out + dst * out_size, out_dtype, v);
     }
 }
 
 /* Fill samples with their fill value (given in the source dtype, byte order `swap`),
- * converted as any element: one block per listed sample, `count` elements each (the
- * sample's part of a contiguous slot). Runs before the assembly, on the same stream. */
+ * converted (and normalised per `norm`, indexed as `samples`) as any element: one block per
+ * listed sample, `count` elements each (the sample's part of a contiguous slot). Runs
+ * before the assembly, on the same stream. */
 DAMACY_KERNEL damacy_fill(
     const int64_t *samples, int64_t n_fill, const char *fill_values, int src_dtype, int swap,
-    char *const *out_ptr, int64_t n_samples, int64_t count, int out_dtype)
+    char *const *out_ptr, int64_t n_samples, int64_t count, int out_dtype, const double *norm)
 {
     int64_t k = DAMACY_BLOCK;
     if (k >= n_fill) return;
     int64_t s = samples[k];
     DAMACY_CHECK(s >= 0 && s < n_samples);
     damacy_value v = load_value(fill_values + k * 8, src_dtype, swap);
+    if (norm && norm[3 * k] != 0.0) v = normalize_value(v, out_dtype, norm[3 * k + 1], norm[3 * k + 2]);
     int out_size = dtype_size(out_dtype);
     char *out = out_ptr[s];
     for (int64_t e = DAMACY_THREAD; e < count; e += DAMACY_BLOCK_DIM) store_value(out + e * out_size, out_dtype, v);

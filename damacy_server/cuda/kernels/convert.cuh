@@ -21,6 +21,12 @@
  *                      0x7fc0 with its sign.
  *   -> bool            nonzero (NaN included) -> 1.
  *
+ * Intensity normalisation, (x - offset) * scale fused into the conversion, writes float
+ * types only. It computes in f32 (f64 for an f64 output): x, offset and scale are each
+ * converted to that type (rounded once to nearest even), the difference and the product
+ * each rounded once (no fused multiply-add), and the result stored as a value of that type
+ * is. A NaN stays a NaN; its payload is not kept.
+ *
  * Every conversion below is explicit code on bits or on values known to be in range: no C
  * cast of a value that can be out of its target's range (undefined in C, saturating on the
  * GPU), so the host twin computes what the GPU computes.
@@ -268,6 +274,32 @@ DAMACY_FN double int_to_f64(damacy_value v) {
     return (double)v.i;
 }
 
+/* the value as f32, rounded once (the conversion to an f32 output) */
+DAMACY_FN float value_f32(damacy_value v) {
+    if (v.kind == 0) {
+        if (v.is_signed) { int64_t s; DAMACY_MEMCPY(&s, &v.i, 8); return (float)s; }
+        return (float)v.i;
+    }
+    if (v.kind == 2) return bits_f32(v.bits);
+    if (v.kind == 1) return f16_to_f32((uint16_t)v.bits);
+    return f64_to_f32(v.f);
+}
+
+/* ---- intensity normalisation -------------------------------------------------------- */
+/* (v - offset) * scale in the output's compute type, as an f32 (or f64) value to store */
+DAMACY_FN damacy_value normalize_value(damacy_value v, int out_dtype, double offset, double scale) {
+    damacy_value r;
+    r.is_signed = 0; r.i = 0; r.bits = 0; r.f = 0.0;
+    if (out_dtype == DT_F8) {
+        r.kind = 3;
+        r.f = DAMACY_DMUL(DAMACY_DSUB(v.kind == 0 ? int_to_f64(v) : v.f, offset), scale);
+    } else {
+        r.kind = 2;
+        r.bits = f32_bits(DAMACY_FMUL(DAMACY_FSUB(value_f32(v), f64_to_f32(offset)), f64_to_f32(scale)));
+    }
+    return r;
+}
+
 /* ---- one output element ------------------------------------------------------------- */
 DAMACY_FN void store_value(char *q, int dt, damacy_value v) {
     switch (dt) {
@@ -277,16 +309,7 @@ DAMACY_FN void store_value(char *q, int dt, damacy_value v) {
         return;
     }
     case DT_F4: {
-        float f;
-        if (v.kind == 0) {
-            if (v.is_signed) { int64_t s; DAMACY_MEMCPY(&s, &v.i, 8); f = (float)s; } else f = (float)v.i;
-        } else if (v.kind == 2) {
-            f = bits_f32(v.bits);
-        } else if (v.kind == 1) {
-            f = f16_to_f32((uint16_t)v.bits);
-        } else {
-            f = f64_to_f32(v.f);
-        }
+        float f = value_f32(v);
         DAMACY_MEMCPY(q, &f, 4);
         return;
     }

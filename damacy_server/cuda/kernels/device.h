@@ -37,6 +37,11 @@ typedef unsigned long long uint64_t;
 #define DAMACY_CHECK(cond) ((void)0)
 /* memcpy is built into device code (NVRTC knows no __builtin_memcpy) */
 #define DAMACY_MEMCPY(d, s, n) memcpy((d), (s), (n))
+/* arithmetic rounded once per operation, never contracted into a fused multiply-add */
+#define DAMACY_FSUB(a, b) __fsub_rn((a), (b))
+#define DAMACY_FMUL(a, b) __fmul_rn((a), (b))
+#define DAMACY_DSUB(a, b) __dsub_rn((a), (b))
+#define DAMACY_DMUL(a, b) __dmul_rn((a), (b))
 #else
 #include <stdint.h>
 #include <string.h>
@@ -58,6 +63,12 @@ extern _Thread_local int damacy_twin_fault;
         }                                                                                  \
     } while (0)
 #define DAMACY_MEMCPY(d, s, n) memcpy((d), (s), (n))
+/* x86-64 and aarch64 evaluate float in float (FLT_EVAL_METHOD 0); ISO C modes do not
+ * contract (a - b) * c, which is no multiply-add anyway */
+#define DAMACY_FSUB(a, b) ((float)(a) - (float)(b))
+#define DAMACY_FMUL(a, b) ((float)(a) * (float)(b))
+#define DAMACY_DSUB(a, b) ((double)(a) - (double)(b))
+#define DAMACY_DMUL(a, b) ((double)(a) * (double)(b))
 #endif
 
 #endif
