@@ -286,6 +286,14 @@ class RandomBoxes(_Sampler):
     ``normalize``: (offset, scale) for every array, {uri: (offset, scale)} per array, or
     {name: (offset, scale)} for groups; the samples' values become ``(x - offset) * scale``
     in the cast (see :class:`~damacy_protocol.samples.Sample`).
+
+    ``foreground``: where the content is, per array a mask (a numpy array, or the uri of an
+    array read once here; nonzero is foreground) of any shape, each mask element standing
+    for the box of the array it scales to (a label map at a coarse level serves). Given as a
+    list beside ``arrays`` (None: no mask) or {uri: mask}. With probability
+    ``foreground_fraction`` (default 1) a box of a masked array is centred on a point drawn
+    uniformly from its foreground (then moved inside the array, if it reached out), else
+    drawn as above: nnU-Net's foreground oversampling. A mask without foreground is refused.
     """
 
     def __init__(
@@ -305,6 +313,8 @@ class RandomBoxes(_Sampler):
         locality: bool = False,
         local_world_size: int | None = None,
         normalize: Any = None,
+        foreground: Sequence[Any] | Mapping[str, Any] | None = None,
+        foreground_fraction: float = 1.0,
         shape_of: Callable[[str], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(seed, rank, world_size)
@@ -347,6 +357,10 @@ class RandomBoxes(_Sampler):
         self.transposes = [tuple(int(a) for a in t) for t in transposes]
         if any(sorted(t) != list(range(ndim)) for t in self.transposes):
             raise InvalidArgument(f"transposes must be orders of the {ndim} axes, got {list(transposes)}")
+        self.foreground = _foreground(foreground, self.arrays)
+        if not isinstance(foreground_fraction, (int, float)) or not 0.0 <= foreground_fraction <= 1.0:
+            raise InvalidArgument(f"foreground_fraction must be a probability (0 to 1), got {foreground_fraction!r}")
+        self.foreground_fraction = float(foreground_fraction)
 
     def epoch_samples(self) -> list[Sample]:
         rng = self._rng()
@@ -362,6 +376,8 @@ class RandomBoxes(_Sampler):
             sizes = out_shape[inverse[orders]]
         shapes = np.array([shape for _, shape in self.arrays], dtype=np.int64)
         origins = rng.integers(0, np.maximum(0, shapes[which] - sizes) // self.align + 1) * self.align
+        if self.foreground is not None:  # drawn only when masks are given: other seeds' boxes stay as they were
+            self._centre_on_foreground(rng, which, origins, sizes, shapes)
         out = []
         for k, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
             flip = tuple(ax for ax, f in zip(self.flips, flipped[k]) if f) if flipped is not None else ()
@@ -369,8 +385,59 @@ class RandomBoxes(_Sampler):
             out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=order))
         return out
 
+    def _centre_on_foreground(self, rng: np.random.Generator, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
+        """Move the boxes chosen by ``foreground_fraction`` to centre on foreground (in place)."""
+        chosen = rng.random(len(which)) < self.foreground_fraction
+        for a, (cells, mask_shape) in enumerate(self.foreground):
+            if cells is None:
+                continue
+            ks = np.flatnonzero(chosen & (which == a))
+            if not len(ks):
+                continue
+            shape = shapes[a]
+            cell = cells[rng.integers(0, len(cells), size=len(ks))]  # a foreground element each
+            extent = shape / mask_shape  # of the array per mask element
+            point = np.floor((cell + rng.random((len(ks), len(shape)))) * extent).astype(np.int64)
+            size = sizes[ks]
+            top = np.maximum(0, shape - size) // self.align
+            origins[ks] = np.clip((point - size // 2) // self.align, 0, top) * self.align
+
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
         return [(p, False) for p in pool[rank::world][: len(pool) // world]]
+
+
+def _foreground(foreground: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> list[tuple[np.ndarray | None, np.ndarray]] | None:
+    """Per array (the foreground elements' coordinates, the mask's shape), or None."""
+    if foreground is None:
+        return None
+    if isinstance(foreground, Mapping):
+        keys = {str(where) for where, _ in arrays if not isinstance(where, dict)}
+        unknown = set(map(str, foreground)) - keys
+        if unknown:
+            raise InvalidArgument(f"foreground names {sorted(unknown)}, which are not among the arrays")
+        masks = [None if isinstance(where, dict) else foreground.get(where) for where, _ in arrays]
+    else:
+        masks = list(foreground)
+        if len(masks) != len(arrays):
+            raise InvalidArgument(f"foreground lists {len(masks)} masks for {len(arrays)} arrays")
+    out: list[tuple[np.ndarray | None, np.ndarray]] = []
+    for (where, shape), mask in zip(arrays, masks):
+        name = str(next(iter(where.values())) if isinstance(where, dict) else where)
+        if mask is None:
+            out.append((None, np.zeros(0)))
+            continue
+        if isinstance(mask, (str, os.PathLike)):
+            from damacy_server.read import read
+
+            mask = read(os.fspath(mask))
+        mask = np.asarray(mask)
+        if mask.ndim != len(shape):
+            raise InvalidArgument(f"the foreground mask has {mask.ndim} axes, the array {len(shape)}", uri=name)
+        cells = np.argwhere(mask != 0)
+        if not len(cells):
+            raise InvalidArgument("the foreground mask has no foreground", uri=name)
+        out.append((cells, np.array(mask.shape, dtype=np.float64)))
+    return out if any(cells is not None for cells, _ in out) else None
 
     def _order(self, items: list, world: int, local: int) -> list[int]:
         if not self.locality or local <= 1:

@@ -189,3 +189,59 @@ def test_locality_gives_a_nodes_ranks_neighbouring_boxes_at_each_step():
         new += list(s)
     read = _boxes(x for p in firsts for x in p) + _boxes(new)
     assert len(read) == len(set(read)) and len(everything) - len(read) < 4 + 3
+
+
+def _centre(s):
+    return np.array([(e.start + e.stop) // 2 for e in s.selection])
+
+
+def test_foreground_masks_centre_boxes_on_foreground(tmp_path):
+    shape, box = (64, 128, 96), (16, 32, 32)
+    mask = np.zeros((8, 16, 12), dtype=np.uint8)  # one element per 8x8x8 of the array
+    mask[3, 10, 2:4] = 1  # array region [24:32, 80:88, 16:32]
+    kw = dict(seed=2, samples_per_epoch=200)
+    drawn = list(damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[mask], **kw))
+    for s in drawn:
+        c = _centre(s)
+        assert 24 <= c[0] < 32 + 1 and 80 <= c[1] < 88 + 1 and 16 <= c[2] < 32 + 1, s  # centred there (+-1: an even box's centre)
+        assert all(0 <= e.start and e.stop <= n for e, n in zip(s.selection, shape))  # and inside the array
+    assert len({tuple(_centre(s)) for s in drawn}) > 50  # anywhere in the foreground, not one box
+    assert drawn == list(damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground={"/d/a.zarr": mask}, **kw))  # same seed, same boxes
+
+    # a fraction of them: the others uniform; an array without a mask as before
+    half = list(damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[mask], foreground_fraction=0.3, **kw))
+    on = sum(bool(24 <= _centre(s)[0] <= 32 and 80 <= _centre(s)[1] <= 88 and 16 <= _centre(s)[2] <= 32) for s in half)
+    assert 30 <= on <= 100  # 0.3 of 200 drawn (plus uniform boxes landing there by chance), a fixed seed
+    plain = damacy.RandomBoxes({"/d/a.zarr": shape, "/d/b.zarr": shape}, box, **kw)
+    masked_b = damacy.RandomBoxes({"/d/a.zarr": shape, "/d/b.zarr": shape}, box, foreground={"/d/b.zarr": mask}, **kw)
+    assert [s for s in plain if s.uri.endswith("a.zarr")] != [] and all(
+        s == t for s, t in zip(plain, masked_b) if s.uri.endswith("a.zarr")
+    )  # a's boxes are unchanged: the masks draw only after the uniform draw
+    assert list(plain) == list(damacy.RandomBoxes({"/d/a.zarr": shape, "/d/b.zarr": shape}, box, foreground=[None, None], **kw))
+
+    # a mask read from an array (labels at a coarse level), written by zarr-python
+    write_array(tmp_path / "mask.zarr", mask, chunks=(4, 8, 6))
+    from_uri = list(damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[str(tmp_path / "mask.zarr")], **kw))
+    assert from_uri == drawn
+
+    with pytest.raises(damacy.InvalidArgument, match="no foreground"):
+        damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[np.zeros((4, 4, 4))], **kw)
+    with pytest.raises(damacy.InvalidArgument, match="2 axes, the array 3"):
+        damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[np.ones((4, 4))], **kw)
+    with pytest.raises(damacy.InvalidArgument, match="not among the arrays"):
+        damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground={"/d/c.zarr": mask}, **kw)
+    with pytest.raises(damacy.InvalidArgument, match="probability"):
+        damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[mask], foreground_fraction=1.5, **kw)
+    with pytest.raises(damacy.InvalidArgument, match="2 masks for 1 arrays"):
+        damacy.RandomBoxes({"/d/a.zarr": shape}, box, foreground=[mask, mask], **kw)
+
+
+def test_foreground_boxes_near_an_edge_stay_inside_and_keep_scaled_parts_whole():
+    shape = (40, 40)
+    mask = np.zeros((40, 40), dtype=bool)
+    mask[0, 39] = True  # a corner: the box centred there reaches out, and is moved in
+    group = [{"image": "/d/i.zarr", "label": "/d/l.zarr"}]
+    s = damacy.RandomBoxes(group, (8, 8), seed=1, samples_per_epoch=20, foreground=[mask], scales={"label": 0.5}, shape_of=lambda u: shape)
+    for m in s:
+        assert m["image"].selection == (slice(0, 8), slice(32, 40))  # inside, on even origins
+        assert m["label"].selection == (slice(0, 4), slice(16, 20))
