@@ -262,6 +262,40 @@ def _ranges(positions: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _foreground(foreground: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> list[tuple[np.ndarray | None, np.ndarray]] | None:
+    """Per array (the foreground elements' coordinates, the mask's shape), or None."""
+    if foreground is None:
+        return None
+    if isinstance(foreground, Mapping):
+        keys = {str(where) for where, _ in arrays if not isinstance(where, dict)}
+        unknown = set(map(str, foreground)) - keys
+        if unknown:
+            raise InvalidArgument(f"foreground names {sorted(unknown)}, which are not among the arrays")
+        masks = [None if isinstance(where, dict) else foreground.get(where) for where, _ in arrays]
+    else:
+        masks = list(foreground)
+        if len(masks) != len(arrays):
+            raise InvalidArgument(f"foreground lists {len(masks)} masks for {len(arrays)} arrays")
+    out: list[tuple[np.ndarray | None, np.ndarray]] = []
+    for (where, shape), mask in zip(arrays, masks):
+        name = str(next(iter(where.values())) if isinstance(where, dict) else where)
+        if mask is None:
+            out.append((None, np.zeros(0)))
+            continue
+        if isinstance(mask, (str, os.PathLike)):
+            from damacy_server.read import read
+
+            mask = read(os.fspath(mask))
+        mask = np.asarray(mask)
+        if mask.ndim != len(shape):
+            raise InvalidArgument(f"the foreground mask has {mask.ndim} axes, the array {len(shape)}", uri=name)
+        cells = np.argwhere(mask != 0)
+        if not len(cells):
+            raise InvalidArgument("the foreground mask has no foreground", uri=name)
+        out.append((cells, np.array(mask.shape, dtype=np.float64)))
+    return out if any(cells is not None for cells, _ in out) else None
+
+
 class RandomBoxes(_Sampler):
     """``samples_per_epoch`` boxes of ``sample_shape`` per epoch: an array drawn (by
     ``weights``, default equal), then an origin uniform over the positions where the box
@@ -405,39 +439,6 @@ class RandomBoxes(_Sampler):
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
         return [(p, False) for p in pool[rank::world][: len(pool) // world]]
 
-
-def _foreground(foreground: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> list[tuple[np.ndarray | None, np.ndarray]] | None:
-    """Per array (the foreground elements' coordinates, the mask's shape), or None."""
-    if foreground is None:
-        return None
-    if isinstance(foreground, Mapping):
-        keys = {str(where) for where, _ in arrays if not isinstance(where, dict)}
-        unknown = set(map(str, foreground)) - keys
-        if unknown:
-            raise InvalidArgument(f"foreground names {sorted(unknown)}, which are not among the arrays")
-        masks = [None if isinstance(where, dict) else foreground.get(where) for where, _ in arrays]
-    else:
-        masks = list(foreground)
-        if len(masks) != len(arrays):
-            raise InvalidArgument(f"foreground lists {len(masks)} masks for {len(arrays)} arrays")
-    out: list[tuple[np.ndarray | None, np.ndarray]] = []
-    for (where, shape), mask in zip(arrays, masks):
-        name = str(next(iter(where.values())) if isinstance(where, dict) else where)
-        if mask is None:
-            out.append((None, np.zeros(0)))
-            continue
-        if isinstance(mask, (str, os.PathLike)):
-            from damacy_server.read import read
-
-            mask = read(os.fspath(mask))
-        mask = np.asarray(mask)
-        if mask.ndim != len(shape):
-            raise InvalidArgument(f"the foreground mask has {mask.ndim} axes, the array {len(shape)}", uri=name)
-        cells = np.argwhere(mask != 0)
-        if not len(cells):
-            raise InvalidArgument("the foreground mask has no foreground", uri=name)
-        out.append((cells, np.array(mask.shape, dtype=np.float64)))
-    return out if any(cells is not None for cells, _ in out) else None
 
     def _order(self, items: list, world: int, local: int) -> list[int]:
         if not self.locality or local <= 1:
