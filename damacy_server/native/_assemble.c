@@ -607,12 +607,14 @@ static int task_prepare(task_t *t) {
     }
     /* ops must be grouped by unit, in unit order, and name only the units given */
     const int64_t *ops = (const int64_t *)t->ops.buf;
+    int64_t prev = 0;
     for (Py_ssize_t q = 0; q < t->n_ops; q++) {
-        int64_t u = ops[q * t->width] - t->base;
-        if (u < 0 || u >= t->n_units || (q && u < ops[(q - 1) * t->width] - t->base)) {
+        int64_t u;
+        if (__builtin_sub_overflow(ops[q * t->width], (int64_t)t->base, &u) || u < 0 || u >= t->n_units || u < prev) {
             PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
             return -1;
         }
+        prev = u;
     }
     if (t->keep.len != 0 && t->keep.len != t->n_units * 8) {
         PyErr_SetString(PyExc_ValueError, "keep needs one address (or 0) per unit");

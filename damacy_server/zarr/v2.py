@@ -51,7 +51,10 @@ def as_v3(zarray: dict[str, Any], attributes: dict[str, Any], uri: str) -> dict[
     codecs: list[dict[str, Any]] = []
     if order == "F" and len(shape) > 1:
         codecs.append({"name": "transpose", "configuration": {"order": list(range(len(shape)))[::-1]}})
-    for f in zarray.get("filters") or []:
+    filters = zarray.get("filters")
+    if filters is not None and not isinstance(filters, list):
+        raise MetadataError(f".zarray: filters must be a list or null, got {filters!r}", uri=uri)
+    for f in filters or []:
         codecs.append(_filter(f, uri))
     codecs.append({"name": "bytes", "configuration": {"endian": endian}} if endian else {"name": "bytes"})
     if zarray["compressor"] is not None:
@@ -95,10 +98,12 @@ def _compressor(config: Any, dtype: str, uri: str) -> dict[str, Any]:
     rest = {k: v for k, v in config.items() if k != "id"}
     if cid == "blosc":
         shuffle = rest.get("shuffle", 1)
+        if not isinstance(shuffle, int) or isinstance(shuffle, bool) or shuffle not in _BLOSC_SHUFFLES:
+            raise MetadataError(f".zarray: blosc shuffle must be -1, 0, 1 or 2, got {shuffle!r}", uri=uri)
         rest = {
             "cname": rest.get("cname", "lz4"),
             "clevel": rest.get("clevel", 5),
-            "shuffle": _BLOSC_SHUFFLES.get(shuffle, "shuffle"),
+            "shuffle": _BLOSC_SHUFFLES[shuffle],
             "typesize": np.dtype(dtype).itemsize,
             "blocksize": rest.get("blocksize", 0),
         }

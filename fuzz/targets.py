@@ -1,0 +1,313 @@
+"""Fuzz targets: properties that every input must satisfy, driven by hypothesis.
+
+Each target is a function ``check(data)`` taking one generated input, and a strategy
+(``STRATEGIES[name]``) that generates it. The rule is the same for all of them: an input
+ends in a result or a clear damacy error (a :class:`damacy.DamacyError`, or ``ValueError``
+for the native extension's table checks), never another exception, a crash, a hang or a
+sanitizer report. Where an input is valid the result is also checked against a reference.
+
+The tests (``tests/test_fuzz.py``) run each target for a short while in CI; ``python -m
+fuzz TARGET --minutes N`` runs it for long, optionally with the native extensions built
+under AddressSanitizer and UndefinedBehaviorSanitizer (``--sanitize``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+import damacy
+
+_counter = itertools.count()
+
+# -- JSON mutations ------------------------------------------------------------------------------
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12), st.sampled_from(["", "uint8", "float32", ">u2", "<f8", "|b1", "zstd", "blosc", "bytes", "C", "F", "default", "v2", "regular", "sharding_indexed", "NaN", "Infinity", "0x7fc00000"]),
+)
+_json = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=10), inner, max_size=5)), max_leaves=12)
+
+
+def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+@st.composite
+def mutated_json(draw, base: dict) -> bytes:
+    """``base`` with a few of its values (at any depth) replaced, removed or extended, or the
+    document's bytes cut or flipped."""
+    doc = json.loads(json.dumps(base))
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(doc)
+        path = draw(st.sampled_from(paths))
+        action = draw(st.sampled_from(["replace", "delete", "add"]))
+        if not path:
+            if action == "replace":
+                doc = draw(_json)
+            continue
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        key = path[-1]
+        if action == "delete":
+            del parent[key]
+        elif action == "add" and isinstance(parent, dict):
+            parent[draw(st.text(max_size=10))] = draw(_json)
+        else:
+            parent[key] = draw(_json)
+    data = json.dumps(doc, allow_nan=True).encode()
+    cut = draw(st.one_of(st.none(), st.integers(0, len(data))))
+    if cut is not None and draw(st.booleans()):
+        data = data[:cut]
+    return data
+
+
+V3 = {
+    "zarr_format": 3, "node_type": "array", "shape": [6, 8], "data_type": "uint16",
+    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
+    "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+    "fill_value": 7,
+    "codecs": [{"name": "sharding_indexed", "configuration": {
+        "chunk_shape": [2, 2], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 0, "checksum": False}}],
+        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}], "index_location": "end"}}],
+    "attributes": {},
+}
+V2 = {
+    "zarr_format": 2, "shape": [6, 8], "chunks": [4, 4], "dtype": "<u2", "fill_value": 7, "order": "C",
+    "compressor": {"id": "zstd", "level": 1}, "filters": [{"id": "delta", "dtype": "<u2"}], "dimension_separator": ".",
+}
+
+
+def _scratch() -> Path:
+    root = Path(os.environ.get("DAMACY_FUZZ_DIR") or Path(tempfile.gettempdir()) / f"damacy-fuzz-{os.getpid()}")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _open_and_read(uri: str) -> None:
+    """Open and read a corner of the array: a result or a damacy error."""
+    metadata = damacy.ZarrMetadata()  # nothing cached across inputs
+    try:
+        meta = metadata.array(uri)
+        if all(0 < n for n in meta.shape) and meta.ndim:
+            damacy.read(uri, tuple(slice(0, 1) for _ in meta.shape), metadata=metadata)
+    except damacy.DamacyError:
+        pass
+
+
+def check_zarr_json_v3(doc: bytes) -> None:
+    folder = _scratch() / f"v3-{next(_counter)}"
+    folder.mkdir()
+    try:
+        (folder / "zarr.json").write_bytes(doc)
+        _open_and_read(str(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_zarr_json_v2(doc: bytes) -> None:
+    folder = _scratch() / f"v2-{next(_counter)}"
+    folder.mkdir()
+    try:
+        (folder / ".zarray").write_bytes(doc)
+        _open_and_read(str(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- shard indexes and Blosc frames ---------------------------------------------------------------
+
+_SHARDED: dict[str, Any] = {}
+
+
+def sharded_array() -> tuple[Path, np.ndarray, bytes]:
+    """A sharded array written by zarr-python (once per process): (folder, data, one shard's bytes)."""
+    if not _SHARDED:
+        import zarr
+        from zarr.codecs import ZstdCodec
+
+        folder = _scratch() / "sharded-base"
+        shutil.rmtree(folder, ignore_errors=True)
+        data = np.arange(6 * 8, dtype="uint16").reshape(6, 8) * 3
+        arr = zarr.create_array(str(folder), shape=data.shape, chunks=(2, 2), shards=(4, 4), dtype=data.dtype, compressors=[ZstdCodec()], fill_value=7)
+        arr[...] = data
+        shard = folder / "c" / "0" / "0"
+        _SHARDED.update(folder=folder, data=data, shard=shard.read_bytes())
+    return _SHARDED["folder"], _SHARDED["data"], _SHARDED["shard"]
+
+
+@st.composite
+def mutated_bytes(draw, base: bytes, tail: int | None = None) -> bytes:
+    """``base`` with bytes overwritten (in its last ``tail`` bytes when given), cut or extended."""
+    data = bytearray(base)
+    lo = max(0, len(data) - tail) if tail else 0
+    for _ in range(draw(st.integers(0, 6))):
+        if len(data) > lo:
+            i = draw(st.integers(lo, len(data) - 1))
+            data[i] = draw(st.integers(0, 255))
+    how = draw(st.sampled_from(["keep", "keep", "cut", "extend"]))
+    if how == "cut":
+        data = data[: draw(st.integers(0, len(data)))]
+    elif how == "extend":
+        data += draw(st.binary(max_size=32))
+    return bytes(data)
+
+
+def check_shard_index(shard: bytes) -> None:
+    folder, data, original = sharded_array()
+    copy = _scratch() / f"shard-{next(_counter)}"
+    shutil.copytree(folder, copy)
+    try:
+        (copy / "c" / "0" / "0").write_bytes(shard)
+        try:
+            got = damacy.read(str(copy), metadata=damacy.ZarrMetadata())
+        except damacy.DamacyError:
+            assert shard != original, "the unmodified shard failed"
+            return
+        if shard == original:
+            assert np.array_equal(got, data)
+        else:  # whatever a mutated index says, the other shards read as written
+            assert np.array_equal(got[:, 4:], data[:, 4:]) and np.array_equal(got[4:, :4], data[4:, :4])
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def blosc_frames() -> list[tuple[bytes, np.ndarray]]:
+    import numcodecs
+
+    rng = np.random.default_rng(5)
+    out = []
+    for cname, shuffle, dtype in (("lz4", 1, "u2"), ("zstd", 2, "f4"), ("blosclz", 0, "u1"), ("zlib", 1, "i8")):
+        values = (rng.poisson(40, size=700) + np.arange(700) % 5).astype(dtype)
+        out.append((numcodecs.Blosc(cname=cname, clevel=5, shuffle=shuffle, blocksize=256).encode(values), values))
+    return out
+
+
+_FRAMES = []
+
+
+def _frames():
+    if not _FRAMES:
+        _FRAMES.extend(blosc_frames())
+    return _FRAMES
+
+
+@st.composite
+def mutated_frame(draw) -> tuple[int, bytes]:
+    k = draw(st.integers(0, 3))
+    return k, draw(mutated_bytes(_frames()[k][0]))
+
+
+def check_blosc_frame(item: tuple[int, bytes]) -> None:
+    """A frame through both of damacy's Blosc decoders: Python's (numcodecs' C-Blosc after
+    damacy's frame checks) and the native loop (its own checks, then blosc_getitem)."""
+    from damacy_server import native
+    from damacy_server.zarr.codecs.base import CorruptData
+    from damacy_server.zarr.codecs.blosc import BloscCodec
+
+    k, frame = item
+    original, values = _frames()[k]
+    try:
+        out = BloscCodec("lz4", 5, "shuffle", None).decode(frame, values.nbytes)
+        if frame == original:
+            assert bytes(out) == values.tobytes()
+    except CorruptData:  # the codec's error (the unit's decoder names the chunk and file with it)
+        assert frame != original
+    if not native.available() or not native._blosc_available():
+        return
+    from damacy_server.native import _assemble
+
+    n = len(values)
+    out = np.full(n + 16, 0xAB, dtype=np.uint8).view(np.uint8)
+    dst = np.zeros(n, dtype=values.dtype)
+    guard = np.zeros(64, dtype=np.uint8)
+    ops = np.array([[0, 0, 0, 0, n]], dtype=np.int64)
+    targets = native.targets([dst], 1)
+    failures = _assemble.run(frame, 0, np.array([[0, len(frame)]], dtype=np.int64), ops, 0, targets, np.array([n], dtype=np.int64),
+                             native.dtype_code(values.dtype), native.dtype_code(values.dtype), 0, native.CODEC_BLOSC, values.nbytes, b"")[0]
+    if frame == original:
+        assert failures == [] and np.array_equal(dst, values)
+    del out, guard
+
+
+# -- the native extension's copy tables -----------------------------------------------------------
+
+@st.composite
+def copy_tables(draw) -> dict:
+    ndim = draw(st.integers(1, 3))
+    unit_shape = draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim))
+    n_units = draw(st.integers(1, 3))
+    n_targets = draw(st.integers(1, 3))
+    big = st.one_of(st.integers(-8, 12), st.integers(-(2**63), 2**63 - 1))
+    rows = draw(st.lists(st.lists(big, min_size=2 + 3 * ndim, max_size=2 + 3 * ndim), max_size=6))
+    valid = draw(st.booleans())
+    if valid:  # mostly in range: units and targets that exist, small extents
+        for r in rows:
+            r[0] = draw(st.integers(0, n_units - 1))
+            r[1] = draw(st.integers(0, n_targets - 1))
+        rows.sort(key=lambda r: r[0])
+    pool = draw(st.lists(st.integers(-3, 10), max_size=8))
+    out_shapes = [draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)) for _ in range(n_targets)]
+    spans = draw(st.lists(st.tuples(st.integers(-2, 64), st.integers(-2, 64)), min_size=n_units, max_size=n_units))
+    dtypes = draw(st.sampled_from([("uint16", "float32"), ("uint8", "uint8"), ("float32", "float16"), ("int16", "int64")]))
+    norm = draw(st.booleans()) and dtypes[1].startswith("float")
+    return dict(ndim=ndim, unit_shape=unit_shape, rows=rows, pool=pool, out_shapes=out_shapes, spans=spans, dtypes=dtypes, norm=norm, base=draw(st.integers(-1, 2)))
+
+
+GUARD = 64
+
+
+def check_copy_table(t: dict) -> None:
+    """Random op tables through ``_assemble.run``: a ValueError (the tables refused), or
+    failures for the units they cannot copy; never a write outside a target."""
+    from damacy_server import native
+
+    if not native.available():
+        return
+    from damacy_server.native import _assemble
+
+    src, dst = np.dtype(t["dtypes"][0]), np.dtype(t["dtypes"][1])
+    unit_elems = int(np.prod(t["unit_shape"]))
+    data = np.arange(unit_elems * 4, dtype=src).tobytes()
+    outs, arenas = [], []
+    for shape in t["out_shapes"]:
+        size = int(np.prod(shape)) * dst.itemsize
+        arena = np.full(size + 2 * GUARD, 0x5A, dtype=np.uint8)
+        arenas.append(arena)
+        outs.append(arena[GUARD : GUARD + size].view(dst).reshape(shape))
+    targets = native.targets(outs, t["ndim"], [(1.0, 0.5) if t["norm"] else None] * len(outs))
+    try:
+        _assemble.run(
+            data, 0, np.array(t["spans"], dtype=np.int64), np.array(t["rows"], dtype=np.int64).reshape(-1, 2 + 3 * t["ndim"]),
+            t["base"], targets, np.array(t["unit_shape"], dtype=np.int64), native.dtype_code(src), native.dtype_code(dst), 0,
+            native.CODEC_RAW, unit_elems * src.itemsize, np.array(t["pool"], dtype=np.int64), b"",
+        )
+    except ValueError:
+        pass
+    for arena in arenas:
+        assert np.all(arena[:GUARD] == 0x5A) and np.all(arena[len(arena) - GUARD :] == 0x5A), "a write outside its target"
+
+
+STRATEGIES = {
+    "zarr_json_v3": (st.deferred(lambda: mutated_json(V3)), check_zarr_json_v3),
+    "zarr_json_v2": (st.deferred(lambda: mutated_json(V2)), check_zarr_json_v2),
+    "shard_index": (st.deferred(lambda: mutated_bytes(sharded_array()[2], tail=4 * 16 + 4)), check_shard_index),
+    "blosc_frame": (st.deferred(mutated_frame), check_blosc_frame),
+    "copy_table": (st.deferred(copy_tables), check_copy_table),
+}
