@@ -70,3 +70,18 @@ def test_truncated_and_corrupt_frames_are_errors():
     bad[16:20] = (10**6).to_bytes(4, "little")  # the first block starts far outside
     with pytest.raises(CorruptData, match="outside"):
         parse_frame(bytes(bad))
+
+
+def test_the_python_decoder_checks_the_frame_before_c_blosc_reads_it():
+    """C-Blosc 1 follows a frame's block offsets unchecked: a corrupt one must be refused
+    by damacy's frame check first (a CorruptData, never a read out of the buffer)."""
+    import struct
+
+    from damacy_server.zarr.codecs.blosc import BloscCodec
+
+    data = np.arange(4096, dtype="u4")
+    frame = bytearray(numcodecs.Blosc(cname="lz4", clevel=5, shuffle=1, blocksize=4096).encode(data))
+    assert BloscCodec("lz4", 5, "shuffle", 4).decode(bytes(frame), data.nbytes) == data.tobytes()
+    struct.pack_into("<i", frame, 16 + 4, 1 << 30)  # the second block's start, far past the end
+    with pytest.raises(CorruptData, match="points outside the frame"):
+        BloscCodec("lz4", 5, "shuffle", 4).decode(bytes(frame), data.nbytes)

@@ -54,6 +54,7 @@ class BloscCodec(BytesBytesCodec):
             raise CorruptData(f"blosc: header says {cbytes} compressed bytes, the chunk has {len(data)}")
         if decoded_size is not None and nbytes != decoded_size:
             raise CorruptData(f"blosc: header says {nbytes} decoded bytes, expected {decoded_size}")
+        parse_frame(data)  # every block's streams inside the frame: C-Blosc 1 reads them unchecked
         try:
             out = _blosc.decompress(data)
         except Exception as e:  # corruption is reported as RuntimeError/ValueError
