@@ -68,6 +68,8 @@ class SessionFigures(_Figures):
     sample_errors: int = 0
     samples_pulled: int = 0
     held_batches: int = 0
+    slot_waits: int = 0  # times a full batch of samples waited for a free slot (the client held them all)
+    queued_samples: int = 0  # pushed, waiting for a slot
     slot_bytes: int = 0
     samples_per_batch: int = 0
     sample_shape: list[int] = []

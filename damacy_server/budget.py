@@ -141,9 +141,10 @@ class StageStats:
     copied by the native path count under "decode" and again under "native"; reads that
     decode threads made themselves from the page cache under "read" and again under "direct";
     units a batch took from another batch's decode (see :mod:`damacy_server.inflight`) under
-    "shared" (their decoded bytes out, no seconds of their own)."""
+    "shared" (their decoded bytes out, no seconds of their own); chunks ``damacy warm`` put in
+    the chunk cache under "warm" (their reads and decodes under "read" and "decode")."""
 
-    STAGES = ("plan", "read", "direct", "decode", "assemble", "native", "shared")
+    STAGES = ("plan", "read", "direct", "decode", "assemble", "native", "shared", "warm")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -76,7 +76,9 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True, help="json: one object a line (time, level, event, session, pid, rank, uri, error).")
-def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format):
+@click.option("--slow-batch-s", type=click.FloatRange(0), default=10.0, show_default=True, help="Log a batch that takes longer than this from its start to ready (event slow_batch); 0: never.")
+@click.option("--metrics", "metrics", default=None, metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default).")
+def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
     """Serve Zarr batches to every training process on this node."""
     from damacy_server.logs import setup
 
@@ -113,16 +115,33 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         socket_group=socket_group,
         curve_secret_key=secret,
         heartbeat_timeout_s=heartbeat_timeout,
+        slow_batch_s=slow_batch_s,
         max_slots_per_session=max_slots_per_session,
         max_message_bytes=max_message_size,
         allow_uids=_ids(allow_uids, lambda n: pwd.getpwnam(n).pw_uid, "uid"),
         allow_gids=_ids(allow_gids, lambda n: grp.getgrnam(n).gr_gid, "gid"),
     )
+    if metrics is not None:
+        from damacy_server.metrics import parse_address
+
+        try:
+            parse_address(metrics)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--metrics") from None
     try:
         daemon = Daemon(options)
     except DamacyError as e:
         click.echo(f"damacyd: {e}", err=True)
         sys.exit(2)
+    if metrics is not None:
+        from damacy_server.metrics import serve
+
+        try:
+            daemon.metrics_server, _ = serve(daemon, metrics)
+        except OSError as e:
+            click.echo(f"damacyd: --metrics {metrics}: {e.strerror or e}", err=True)
+            daemon.shutdown()
+            sys.exit(2)
 
     def stop(signum, frame):
         logging.getLogger("damacyd").info("signal %d: draining and stopping", signum)

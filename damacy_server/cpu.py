@@ -128,6 +128,10 @@ class CpuExecutor(BudgetedExecutor):
         self._fetcher: Fetcher | None = None
         self._fetcher_lock = threading.Lock()
 
+    def queue_depths(self) -> dict[str, int]:
+        """Tasks waiting for a thread: reads and decodes."""
+        return {"io": self._io.queued(), "decode": self._decode.queued()}
+
     # -- execution ----------------------------------------------------------------
     def execute(
         self,

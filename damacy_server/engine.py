@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class Delivery:
     error: BaseException | None = None
     dtype: np.dtype | None = None
     skipped: list[tuple[Any, SampleError]] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0  # from its start to ready (the front end may call a batch slow)
 
 
 class Patch:
@@ -71,6 +73,7 @@ class _Pending:
         self.holes: list[int] = []  # positions whose sample failed, to refill (on_error="skip")
         self.skipped: list[tuple[Any, SampleError]] = []
         self.dtype: np.dtype | None = None
+        self.started = time.monotonic()
 
 
 _SKIPPED = object()  # the delivery of a batch whose samples were all skipped: passed over
@@ -340,6 +343,7 @@ class BatchEngine:
             delivery = Delivery(
                 pending.batch_id, pending.slot, pending.samples, errors, dtype=pending.dtype, skipped=pending.skipped
             )
+        delivery.seconds = time.monotonic() - pending.started
         with self.cond:
             self.sample_errors += len(errors)
         self._deliver(delivery)

@@ -1,9 +1,10 @@
 """damacyd's logs: text for people (the default) or one JSON object a line for machines
 (``--log-format json``): ``time``, ``level``, ``event`` (a stable name: ``start``,
-``session_start``, ``session_end``, ``refused_client``, ``refused_session``,
-``refused_path``, ``protocol_error``, ``stop``, or ``log`` for the rest), ``message``,
-``pid``, and where they apply ``session``, ``client_pid``, ``rank``, ``uri``, ``error``
-(the exception's type)."""
+``metrics``, ``session_start``, ``session_end``, ``reclaimed`` (a dead or silent client's
+session, before its ``session_end``), ``slow_batch``, ``refused_client``,
+``refused_session``, ``refused_path``, ``protocol_error``, ``stop``, or ``log`` for the
+rest), ``message``, ``pid``, and where they apply ``session``, ``client_pid``, ``rank``,
+``uri``, ``error`` (the exception's type), ``batch`` and ``seconds``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import logging
 import time
 
 #: the record attributes a log call may set through ``extra=`` and that JSON lines carry
-FIELDS = ("event", "session", "client_pid", "rank", "uri", "error")
+FIELDS = ("event", "session", "client_pid", "rank", "uri", "error", "batch", "seconds")
 
 
 class JsonFormatter(logging.Formatter):

@@ -17,6 +17,8 @@ all act on the daemon's one state, owned by the loop thread.)
 
 from __future__ import annotations
 
+import collections
+
 import gc
 import logging
 import os
@@ -85,6 +87,7 @@ class DaemonOptions:
     allow_uids: list[int] = field(default_factory=list)
     allow_gids: list[int] = field(default_factory=list)
     gpu_memory_bytes: int = 4 << 30  # per GPU: device slots plus each batch's decode arena
+    slow_batch_s: float = 10.0  # a batch longer than this from its start to ready is logged (0: never)
 
 
 class Daemon:
@@ -146,6 +149,11 @@ class Daemon:
         self.endpoint = options.endpoint
         self.malformed = 0
         self.received = 0  # messages read from the socket
+        # totals since start, all sessions (ended ones included): what --metrics exports
+        self._totals_lock = threading.Lock()
+        self._totals = {"sessions_started": 0, "batches": 0, "samples": 0}
+        self._errors: collections.Counter[str] = collections.Counter()  # failed samples by error type
+        self.metrics_server = None
 
     # -- plumbing -----------------------------------------------------------------
     def post(self, identity: bytes, payload: bytes) -> None:
@@ -305,6 +313,8 @@ class Daemon:
         for session in sessions:
             why = session.dead(now, self.options.heartbeat_timeout_s)
             if why:
+                log.warning("reclaiming session %s (pid %s): %s", session.sid, session.pid, why,
+                            extra={"event": "reclaimed", "session": session.sid, "client_pid": session.pid, "rank": session.rank})
                 self.end_session(session, why)
 
     def end_session(self, session: Session, why: str) -> None:
@@ -396,6 +406,11 @@ class Daemon:
             )
 
     def shutdown(self) -> None:
+        if self.metrics_server is not None:
+            server, thread = self.metrics_server
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
         with self._sessions_lock:
             sessions = list(self.sessions.values())
             self.sessions.clear()
@@ -438,6 +453,28 @@ class Daemon:
             return
         self._refusals_logged.add(cause)
         log.warning("refused %s: %s (said once per cause)", uri, cause, extra={"event": "refused_path", "uri": uri, "error": type(e).__name__})
+
+    def count_delivery(self, batches: int, samples: int, errors: list[BaseException]) -> None:
+        """A session handed out ``batches`` holding ``samples``, and these samples failed."""
+        with self._totals_lock:
+            self._totals["batches"] += batches
+            self._totals["samples"] += samples
+            for e in errors:
+                self._errors[type(e).__name__] += 1
+
+    def count_session(self) -> None:
+        with self._totals_lock:
+            self._totals["sessions_started"] += 1
+
+    def totals(self) -> dict[str, Any]:
+        """Daemon-wide totals since start: sessions started, batches and samples delivered,
+        failed samples by error type."""
+        with self._totals_lock:
+            return {**self._totals, "errors": dict(self._errors)}
+
+    def queue_depths(self) -> dict[str, int]:
+        """Tasks waiting for a thread, per pool."""
+        return {"plan": self.plan_pool.queued(), **self.executor.queue_depths()}
 
     def stats(self, session: Session | None = None) -> st.DaemonStats:
         ex = self.executor

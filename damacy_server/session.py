@@ -98,6 +98,8 @@ class Session:
         self.pushed = 0
         self.delivered_batches = 0
         self.delivered_samples = 0
+        self.slot_waits = 0  # times a full batch of samples waited for a free slot
+        self._slot_blocked = False
         self.config: Config | None = None
         self.engine: BatchEngine | None = None  # a control session (the CLI) has none
         if hello.config is not None:
@@ -132,6 +134,7 @@ class Session:
                 plan_pool=daemon.plan_pool,
                 what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
             )
+            daemon.count_session()
 
     def _unmapped(self) -> bool:
         """Whether the client no longer maps a GPU session's slots: it said so, or its process
@@ -213,6 +216,10 @@ class Session:
                 continue
             self.in_engine += n
             engine.start(samples)
+        blocked = bool(self.queue) and (len(self.queue) >= cfg.samples_per_batch or self.final) and not engine.free_slots()
+        if blocked and not self._slot_blocked:
+            self.slot_waits += 1
+        self._slot_blocked = blocked
         while self.pops:
             pop = self.pops[0]
             if self.dropped:  # skipped samples free credits at once (their batch may wait for replacements)
@@ -263,10 +270,21 @@ class Session:
             first = err.batch_errors[0][0] if isinstance(err, SampleError) and err.batch_errors else None
             seq = self._seq(first) if first is not None else None
             consumed = [self._seq(s) for s in err.batch_samples] if isinstance(err, (SampleError, BatchFailed)) else []
+            failed = [e for _, e in err.batch_errors] if isinstance(err, SampleError) and err.batch_errors else [err]
+            self.daemon.count_delivery(0, 0, failed)
             return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=consumed)
         self.lent[d.batch_id] = d.slot  # the engine's hold passes to the client until it releases
         self.delivered_batches += 1
         self.delivered_samples += len(d.samples)
+        self.daemon.count_delivery(1, len(d.samples), [e for _, e in d.errors] + [e for _, e in d.skipped])
+        slow = self.daemon.options.slow_batch_s
+        if slow and d.seconds > slow:
+            log.warning(
+                "session %s: batch %d took %.1f s from its start to ready (%d samples, %d failed; --slow-batch-s %g)",
+                self.sid, d.batch_id, d.seconds, len(d.samples), len(d.errors), slow,
+                extra={"event": "slow_batch", "session": self.sid, "client_pid": self.pid, "rank": self.rank,
+                       "batch": d.batch_id, "seconds": round(d.seconds, 3)},
+            )
         errors = [error_to_wire(err, seq=self.seqs.get(id(d.samples[i]))) for i, err in d.errors]
         skipped = [error_to_wire(err, seq=self._seq(s)) for s, err in d.skipped]  # seqs reported before
         return m.BatchReady(
@@ -325,6 +343,8 @@ class Session:
             sample_errors=self.engine.sample_errors,
             samples_pulled=self.pushed,
             held_batches=len(self.lent),
+            slot_waits=self.slot_waits,
+            queued_samples=len(self.queue),
             slot_bytes=self.engine.slot_bytes,
             samples_per_batch=self.config.samples_per_batch,
             sample_shape=list(self.config.sample_shape),

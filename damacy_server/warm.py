@@ -89,7 +89,7 @@ def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progre
             try:
                 locs = daemon.metadata.locate(meta, arr)
                 if chunks:
-                    out["chunks"] += _load_chunks(meta, units, locs, cache)
+                    out["chunks"] += _load_chunks(meta, units, locs, cache, daemon.executor.stats)
                 out["errors"].extend(locs.errors.values())
             except SampleError as e:
                 out["errors"].append(e)
@@ -99,7 +99,9 @@ def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progre
     return out
 
 
-def _load_chunks(meta, units, locs, cache) -> int:
+def _load_chunks(meta, units, locs, cache, stats) -> int:
+    """Read and decode ``units`` into the chunk cache; the work counts in the stage figures
+    as a stream's does ("read", "decode"), and under "warm" (chunks cached, their bytes)."""
     n = 0
     for k, unit in enumerate(units):
         if locs.missing[k] or k in locs.errors:
@@ -108,12 +110,19 @@ def _load_chunks(meta, units, locs, cache) -> int:
         if not cache.would_admit((meta.root, unit), meta.layout.leaf.spec.nbytes):
             continue  # a full cache keeps what it holds (see LRUCache's admission rule)
         offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
+        t0 = time.perf_counter()
         data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
+        t1 = time.perf_counter()
+        stats.add("read", t1 - t0, bytes_out=len(data) if data else 0)
         if data is None:
             continue
         check_length(meta, data, nbytes, unit, key)
         arr = decode_unit(meta, data, unit, key)
         arr = np.array(arr)
         arr.flags.writeable = False
-        n += cache.put((meta.root, unit), arr)
+        stats.add("decode", time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
+        cached = cache.put((meta.root, unit), arr)
+        if cached:
+            stats.add("warm", 0.0, bytes_out=arr.nbytes)
+        n += cached
     return n

@@ -53,6 +53,11 @@ class WorkerPool:
             heapq.heappush(q, (priority, next(self._order), fn, args))
             self._cond.notify()
 
+    def queued(self) -> int:
+        """Tasks waiting for a worker."""
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
+
     def _take(self):
         with self._cond:
             while not self._ring:

@@ -456,3 +456,38 @@ def test_json_logs_name_events_and_say_a_refused_path_once(tmp_path_factory, dat
     assert len(refused) == 1 and refused[0]["uri"] == "/etc/passwd" and refused[0]["error"] == "InvalidArgument"
     start = next(x for x in lines if x["event"] == "session_start")
     assert start["client_pid"] == os.getpid() and start["session"]
+
+
+def test_json_logs_name_slow_batches_and_reclaimed_clients(tmp_path_factory, data):
+    folder = tmp_path_factory.mktemp("json-events")
+    d = DaemonProcess(folder, [data], ["--log-format", "json", "--log-level", "info", "--slow-batch-s", "0.000001"])
+    client = None
+    try:
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, dtype="u16")
+        box = tuple((0, n) for n in BOX)
+        with damacy.Pipeline(cfg, endpoint=d.endpoint) as pipe:
+            pipe.push([damacy.Sample(str(data / "vol.zarr"), box)] * 2)
+            with pipe.pop():
+                pass
+        code = (
+            "import damacy, sys, time\n"
+            f"p = damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(2, 2)), endpoint={d.endpoint!r})\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n"
+        )
+        client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "ready"
+        client.kill()  # SIGKILL: no goodbye
+        client.wait()
+
+        def events():
+            return [json.loads(line) for line in d.log_path.read_text().splitlines() if line.strip()]
+
+        reclaimed = wait_for(lambda: [x for x in events() if x["event"] == "reclaimed"], what="the reclaimed event")
+        assert reclaimed[0]["client_pid"] == client.pid and "gone" in reclaimed[0]["message"]
+        slow = [x for x in events() if x["event"] == "slow_batch"]
+        assert slow and slow[0]["batch"] == 0 and slow[0]["seconds"] >= 0 and slow[0]["client_pid"] == os.getpid()
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+        assert d.stop() == 0, d.log_path.read_text()
