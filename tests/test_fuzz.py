@@ -117,8 +117,9 @@ def test_the_wire_protocol_fuzzed_against_a_real_damacyd(tmp_path):
 
 def test_what_fuzzing_found_stays_fixed(tmp_path):
     """Regressions: a v2 .zarray whose filters are not a list, or whose blosc shuffle is not
-    one of Blosc's, was a TypeError (not a MetadataError); an op table's unit number at the
-    bottom of int64 overflowed when the native checks subtracted the base (UBSan)."""
+    one of Blosc's, was a TypeError (not a MetadataError); a Blosc frame of 0-byte items
+    divided by zero in the frame check; an op table's unit number at the bottom of int64
+    overflowed when the native checks subtracted the base (UBSan)."""
     import json
 
     import numpy as np
@@ -134,6 +135,17 @@ def test_what_fuzzing_found_stays_fixed(tmp_path):
         (folder / ".zarray").write_text(json.dumps({**base, **change}))
         with pytest.raises(damacy.MetadataError, match=words):
             damacy.open_array(str(folder))
+
+    # a Blosc frame whose header says items of 0 bytes: a ZeroDivisionError in the frame check
+    from damacy_server.zarr.codecs.base import CorruptData
+    from damacy_server.zarr.codecs.blosc import BloscCodec, parse_frame
+
+    frame = bytearray(__import__("numcodecs").Blosc(cname="lz4", shuffle=1).encode(np.arange(300, dtype="u2")))
+    frame[3] = 0  # typesize
+    with pytest.raises(CorruptData, match="items of 0 bytes"):
+        parse_frame(bytes(frame))
+    with pytest.raises(CorruptData):
+        BloscCodec("lz4", 5, "shuffle", 2).decode(bytes(frame), 600)
 
     from damacy_server import native
 

@@ -115,6 +115,8 @@ def parse_frame(data: Buffer) -> BloscFrame:
     version, _, flags, typesize, _, blocksize, _ = HEADER.unpack_from(data)
     if cbytes != len(data):
         raise CorruptData(f"blosc: header says {cbytes} compressed bytes, the chunk has {len(data)}")
+    if typesize < 1 or nbytes < 0:
+        raise CorruptData(f"blosc: header says items of {typesize} bytes, {nbytes} bytes in all")
     fmt = (flags & 0xE0) >> 5
     if fmt not in FORMATS:
         raise CorruptData(f"blosc: unknown compressor format {fmt}")
