@@ -151,7 +151,8 @@ def render(stats, before=None, seconds: float | None = None) -> str:
             rate = f", {(s['samples'] - earlier[s['session']]['samples']) / seconds:.1f} samples/s"
         lines.append(
             f"  {s['session']} pid {s['pid']} rank {s['rank']}: {s['batches']} batches, {s['samples']} samples{rate}, "
-            f"{s['held_batches']} held, {s['samples_per_batch']} x {tuple(s['sample_shape'])} {s['dtype']}"
+            f"{s['held_batches']} held, {s.get('queued_samples', 0)} queued, {s.get('slot_waits', 0)} slot waits, "
+            f"{s['samples_per_batch']} x {tuple(s['sample_shape'])} {s['dtype']}"
         )
     return "\n".join(lines)
 

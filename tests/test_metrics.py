@@ -103,3 +103,22 @@ def test_metrics_addresses_default_to_loopback(text, want):
     from damacy_server.metrics import parse_address
 
     assert parse_address(text) == want
+
+
+def test_a_client_holding_every_slot_shows_as_slot_waits(tmp_path):
+    data = random_data((16, 16), "uint16", seed=5)
+    write_array(tmp_path / "a.zarr", data, chunks=(8, 8))
+    proc = DaemonProcess(tmp_path, [tmp_path], extra=["--metrics", "0"])
+    try:
+        url = metrics_url(proc)
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 8), dtype="uint16", prepared_batches=1, pop_timeout_s=60)
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push([damacy.Sample(str(tmp_path / "a.zarr"), np.s_[r : r + 8, 0:8]) for r in (0, 8)] * 4)
+            me = pipe.stats()["session"]["session"]
+            key = (("pid", str(__import__("os").getpid())), ("rank", ""), ("session", me))
+            with pipe.pop():  # held: the one slot is the client's, the next batch waits for it
+                wait_for(lambda: scrape(url).get(("damacy_session_slot_waits_total", key), 0) >= 1, what="a slot wait")
+                assert scrape(url)[("damacy_session_held_batches", key)] == 1
+                assert scrape(url)[("damacy_session_queued_samples", key)] > 0
+    finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
