@@ -56,10 +56,16 @@ def convert(arr, dtype) -> np.ndarray:
         return _f64_to_f32_odd(flat.astype(np.float64)).astype(dtype).reshape(arr.shape)
 
 
+def is_float(dtype) -> bool:
+    """Whether ``dtype`` is a float type (bf16 included): what normalisation may write."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype == BF16
+
+
 def compute_dtype(dtype) -> np.dtype:
     """The type normalisation computes in for an output of ``dtype`` (a float type)."""
     dtype = np.dtype(dtype)
-    if dtype.kind != "f" and dtype != BF16:
+    if not is_float(dtype):
         raise ValueError(f"normalisation writes a float type, not {dtype}")
     return np.dtype(np.float64) if dtype.newbyteorder("=") == np.float64 else np.dtype(np.float32)
 

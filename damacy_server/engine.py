@@ -31,6 +31,7 @@ import numpy as np
 
 from damacy_protocol.errors import BatchFailed, InvalidArgument, SampleError
 from damacy_runtime.batch import Slot
+from damacy_server import contract
 from damacy_server.decode import cast_fill
 from damacy_server.slots import HostSlots, OutputSpec, SlotMemory
 
@@ -276,7 +277,7 @@ class BatchEngine:
                 # normalised as its elements would be (not when the sample failed for wanting a non-float batch)
                 norm = getattr(plan.samples[i], "normalize", None)
                 dtype = targets[i].dtype
-                norm = norm if dtype.kind == "f" or dtype.name == "bfloat16" else None
+                norm = norm if contract.is_float(dtype) else None
                 self.executor.fill(targets[i], cast_fill(meta.fill_value if meta is not None else 0, dtype, norm))
             elif policy == "skip":
                 pending.holes.append(pos)

@@ -22,6 +22,7 @@ import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_server import contract
 from damacy_server.cache import LRUCache
 from damacy_server.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
 from damacy_server.resolve import ZarrMetadata
@@ -355,7 +356,7 @@ def _copy_error(e: SampleError) -> SampleError:
 
 def _check_normalized(dtype: np.dtype) -> None:
     dtype = np.dtype(dtype)
-    if dtype.kind != "f" and dtype.name != "bfloat16":
+    if not contract.is_float(dtype):
         raise InvalidArgument(
             f"normalize writes a float type (float16, bfloat16, float32, float64), the batch's dtype is {dtype.name}"
         )
