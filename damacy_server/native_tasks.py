@@ -39,17 +39,17 @@ class NativeTasks:
             return None
         kernel = run.kernels.get(id(meta), False)  # the run holds its metas: ids are stable
         if kernel is False:
-            kernel = run.kernels[id(meta)] = self._kernel(meta, run.dtype)
+            kernel = run.kernels[id(meta)] = self._kernel(meta, run.dtype, run.all_normalized)
         return kernel
 
-    def _kernel(self, meta, dtype: np.dtype) -> native.NativeKernel | None:
+    def _kernel(self, meta, dtype: np.dtype, normalized: bool) -> native.NativeKernel | None:
         per_meta = self._kernels.get(meta)  # keyed by the metadata object: a reloaded array gets its own
         if per_meta is None:
             per_meta = self._kernels.setdefault(meta, {})
-        key = (dtype.str, dtype.name)
+        key = (dtype.str, dtype.name, normalized)
         kernel = per_meta.get(key, False)
         if kernel is False:
-            kernel = per_meta[key] = native.kernel_for(meta, dtype)
+            kernel = per_meta[key] = native.kernel_for(meta, dtype, normalized)
         return kernel
 
     # -- the three sources --------------------------------------------------------------

@@ -36,7 +36,7 @@ class Run:
 
     __slots__ = (
         "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "order", "dtype", "targets",
-        "kernels",
+        "kernels", "all_normalized",
     )
 
     def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
@@ -57,6 +57,11 @@ class Run:
         if any(v.dtype != dtype or any(st % v.itemsize for st in v.strides) for v in live):
             dtype = None
         self.dtype = dtype
+        # every sample with a view normalises: the native path may use casts only its
+        # normalising rows offer
+        self.all_normalized = bool(live) and bool(plan.norms) and all(
+            plan.norms[i] is not None for i, v in enumerate(views) if v is not None
+        )
         self.targets: dict[int, np.ndarray] = {}
         self.kernels: dict[int, Any] = {}  # id(meta) -> native kernel or None, for this run
 

@@ -101,16 +101,23 @@ def test_the_native_loop_equals_the_contract(src):
     swap = int(not src.isnative and src.itemsize > 1)
     for out in FLOAT_OUT:
         code = native.dtype_code(_dtype(out))
-        if not _assemble.supports(native.dtype_code(src), code):
-            continue  # left to numpy's path (tested through pipelines below)
+        assert _assemble.supports(native.dtype_code(src), code, True)  # every source to every float output, normalised
+        plain_too = _assemble.supports(native.dtype_code(src), code)  # else the plain cast is numpy's (tested below)
         for norm in NORMS:
             got, plain = np.zeros(n, dtype=_dtype(out)), np.zeros(n, dtype=_dtype(out))
-            targets = native.targets([got, plain], 1, [norm, None])
-            failed = _assemble.run(values.tobytes(), 0, np.array([[0, values.nbytes]], dtype=np.int64).tobytes(), ops.tobytes(), 0,
+            targets = native.targets([got, plain] if plain_too else [got], 1, [norm, None])
+            failed = _assemble.run(values.tobytes(), 0, np.array([[0, values.nbytes]], dtype=np.int64).tobytes(), (ops if plain_too else ops[:1]).tobytes(), 0,
                                    targets.tobytes(), shape.tobytes(), native.dtype_code(src), code, swap, 0, values.nbytes, b"")[0]
             assert failed == []
             _assert_same(got, contract.normalize(values, _dtype(out), *norm), f"{src} -> {out} {norm}")
-            _assert_same(plain, contract.convert(values, _dtype(out)), f"{src} -> {out} unnormalised")
+            if plain_too:
+                _assert_same(plain, contract.convert(values, _dtype(out)), f"{src} -> {out} unnormalised")
+            else:  # a plain target of this pair is refused, never written
+                with pytest.raises(ValueError, match="only for normalised targets"):
+                    _assemble.run(values.tobytes(), 0, np.array([[0, values.nbytes]], dtype=np.int64).tobytes(), ops.tobytes(), 0,
+                                  native.targets([got, plain], 1, [norm, None]).tobytes(), shape.tobytes(), native.dtype_code(src), code, swap, 0,
+                                  values.nbytes, b"")
+                assert not plain.view(np.uint8).any()
     # an integer or bool output is refused, never written
     out = np.zeros(n, dtype=np.bool_)
     targets = native.targets([out], 1, [(0.0, 1.0)])
@@ -260,3 +267,29 @@ def test_the_readme_example_runs(tmp_path):
     assert scope["x"].shape == (8, 32, 64, 64)
     for k, s in enumerate(drawn):
         _assert_same(scope["x"][k], contract.normalize(padded_selection(data, s.selection), np.float32, -1000.0, 1 / 2000))
+
+
+@pytest.mark.parametrize("out", ["bfloat16", "float16"])
+def test_casts_the_native_loop_offers_only_normalised_take_it_when_every_sample_normalises(tmp_path, out):
+    """f64 -> bf16/f16 is numpy's without normalisation (the plain cast would round twice
+    through f32); normalised, every step is the contract's own, so the native loop takes the
+    batch when all its samples normalise, and numpy's path when one does not."""
+    data = random_data((16, 24), "float64", seed=13)
+    write_array(tmp_path / "d.zarr", data, chunks=(8, 8), compressors=[ZstdCodec()])
+    uri = str(tmp_path / "d.zarr")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 12), dtype=out)
+    for plain_too, native_expected in ((False, True), (True, False)):
+        samples = [damacy.Sample(uri, np.s_[0:8, 0:12], normalize=(1.5, 0.25)),
+                   damacy.Sample(uri, np.s_[5:13, 9:21], normalize=None if plain_too else (-2.0, 3.0))]
+        executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=True))
+        with damacy.Pipeline(cfg, executor=executor) as pipe:
+            pipe.push(samples)
+            with pipe.pop() as b:
+                got = b.copy()
+            native_units = pipe.stats()["stages"].get("native", {}).get("count", 0)
+        executor.close()
+        assert (native_units > 0) == native_expected
+        for k, s in enumerate(samples):
+            box = padded_selection(data, s.selection)
+            want = contract.convert(box, _dtype(out)) if s.normalize is None else contract.normalize(box, _dtype(out), *s.normalize)
+            _assert_same(got[k], want, f"sample {k}")

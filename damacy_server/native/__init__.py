@@ -116,8 +116,10 @@ class NativeKernel:
     stored: np.dtype  # of a decoded unit (a chunk cache entry)
 
 
-def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
-    """The native kernel for units of ``meta`` cast to ``out_dtype``, or None (Python path)."""
+def kernel_for(meta, out_dtype: np.dtype, normalized: bool = False) -> NativeKernel | None:
+    """The native kernel for units of ``meta`` cast to ``out_dtype``, or None (Python path).
+    ``normalized``: every target normalises, so the normalising conversion suffices (it
+    covers pairs the plain one leaves to numpy, such as f64 to bf16)."""
     if _assemble is None:
         return None
     from damacy_server.zarr.codecs.bytes import BytesCodec
@@ -136,7 +138,7 @@ def kernel_for(meta, out_dtype: np.dtype) -> NativeKernel | None:
         return None
     stored = leaf.a2b.stored_dtype(meta.dtype)
     src, dst = dtype_code(stored), dtype_code(out_dtype)
-    if src is None or dst is None or not _assemble.supports(src, dst):
+    if src is None or dst is None or not (_assemble.supports(src, dst) or (normalized and _assemble.supports(src, dst, True))):
         return None
     native_order = "<" if sys.byteorder == "little" else ">"
     swap = stored.itemsize > 1 and stored.byteorder not in ("=", "|", native_order)

@@ -569,8 +569,9 @@ static int task_prepare(task_t *t) {
         PyErr_NoMemory();
         return -1;
     }
+    /* the plain conversion, or the normalising one when every target normalises (checked below) */
     if (t->src_type < 0 || t->src_type >= T_COUNT || t->dst_type < 0 || t->dst_type >= T_COUNT ||
-        !CONV[t->src_type][t->dst_type].row || t->ndim > MAX_NDIM) {
+        !(CONV[t->src_type][t->dst_type].row || NCONV[t->src_type][t->dst_type].row) || t->ndim > MAX_NDIM) {
         PyErr_SetString(PyExc_ValueError, "unsupported cast or rank for the native path");
         return -1;
     }
@@ -580,8 +581,13 @@ static int task_prepare(task_t *t) {
     /* a normalising target needs the normalising conversion (float outputs) */
     const int64_t *tgs = (const int64_t *)t->targets.buf;
     for (Py_ssize_t k = 0; k < t->n_targets; k++) {
-        if (tgs[k * TARGET_WIDTH(t->ndim) + 1 + 2 * t->ndim] && !NCONV[t->src_type][t->dst_type].row) {
+        const int64_t *tg = tgs + k * TARGET_WIDTH(t->ndim);
+        if (tg[1 + 2 * t->ndim] && !NCONV[t->src_type][t->dst_type].row) {
             PyErr_SetString(PyExc_ValueError, "normalisation writes float outputs only");
+            return -1;
+        }
+        if (tg[0] && !tg[1 + 2 * t->ndim] && !CONV[t->src_type][t->dst_type].row) {
+            PyErr_SetString(PyExc_ValueError, "this cast is native only for normalised targets");
             return -1;
         }
     }
@@ -1162,10 +1168,12 @@ static PyObject *run_file(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* supports(src, dst, normalized=0): whether the cast (or, normalized, the normalising one) is offered */
 static PyObject *supports(PyObject *self, PyObject *args) {
-    int src_type, dst_type;
-    if (!PyArg_ParseTuple(args, "ii", &src_type, &dst_type)) return NULL;
-    int ok = src_type >= 0 && src_type < T_COUNT && dst_type >= 0 && dst_type < T_COUNT && CONV[src_type][dst_type].row;
+    int src_type, dst_type, normalized = 0;
+    if (!PyArg_ParseTuple(args, "ii|p", &src_type, &dst_type, &normalized)) return NULL;
+    int ok = src_type >= 0 && src_type < T_COUNT && dst_type >= 0 && dst_type < T_COUNT &&
+             (normalized ? NCONV[src_type][dst_type].row : CONV[src_type][dst_type].row);
     return PyBool_FromLong(ok);
 }
 
@@ -1260,7 +1268,7 @@ static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
     {"run_decoded", run_decoded, METH_VARARGS, "Copy the boxes of units already decoded into the targets, without the GIL."},
     {"run_file", run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},
-    {"supports", supports, METH_VARARGS, "Whether the cast from one dtype code to another is offered."},
+    {"supports", supports, METH_VARARGS, "Whether the cast (or with normalized=True the normalising one) from one dtype code to another is offered."},
     {"check_lz4", check_lz4, METH_VARARGS, "None, or why an LZ4 block does not decode to exactly the given size."},
     {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},
     {"use_blosc", use_blosc, METH_VARARGS, "Take blosc_getitem from the C-Blosc library at the given path."},
