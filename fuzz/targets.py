@@ -111,24 +111,23 @@ def _open_and_read(uri: str) -> None:
         pass
 
 
-def check_zarr_json_v3(doc: bytes) -> None:
-    folder = _scratch() / f"v3-{next(_counter)}"
+def _check_document(name: str, doc: bytes) -> None:
+    """``doc`` as an array's metadata file ``name`` (zarr.json, .zarray), opened and read."""
+    folder = _scratch() / f"doc-{next(_counter)}"
     folder.mkdir()
     try:
-        (folder / "zarr.json").write_bytes(doc)
+        (folder / name).write_bytes(doc)
         _open_and_read(str(folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_zarr_json_v3(doc: bytes) -> None:
+    _check_document("zarr.json", doc)
 
 
 def check_zarr_json_v2(doc: bytes) -> None:
-    folder = _scratch() / f"v2-{next(_counter)}"
-    folder.mkdir()
-    try:
-        (folder / ".zarray").write_bytes(doc)
-        _open_and_read(str(folder))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    _check_document(".zarray", doc)
 
 
 # -- shard indexes and Blosc frames ---------------------------------------------------------------
