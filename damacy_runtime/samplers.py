@@ -271,7 +271,8 @@ def _foreground(foreground: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> l
         unknown = set(map(str, foreground)) - keys
         if unknown:
             raise InvalidArgument(f"foreground names {sorted(unknown)}, which are not among the arrays")
-        masks = [None if isinstance(where, dict) else foreground.get(where) for where, _ in arrays]
+        by_uri = {str(k): v for k, v in foreground.items()}
+        masks = [None if isinstance(where, dict) else by_uri.get(str(where)) for where, _ in arrays]
     else:
         masks = list(foreground)
         if len(masks) != len(arrays):
@@ -328,6 +329,8 @@ class RandomBoxes(_Sampler):
     ``foreground_fraction`` (default 1) a box of a masked array is centred on a point drawn
     uniformly from its foreground (then moved inside the array, if it reached out), else
     drawn as above: nnU-Net's foreground oversampling. A mask without foreground is refused.
+    The sampler keeps the coordinates of every foreground element: give a coarse mask (a label
+    map's low level), not a full-resolution one.
     """
 
     def __init__(

@@ -15,8 +15,9 @@ Intensity normalisation, ``(x - offset) * scale`` fused into the cast (:func:`no
 is defined for float outputs only. It computes in f32 (f64 for an f64 output): ``x``,
 ``offset`` and ``scale`` are each rounded once to that type (nearest even), the difference
 and the product each rounded once (never a fused multiply-add), and the result is stored as
-that type's value is (to f16 and bf16 rounded to nearest even). A NaN stays a NaN (its
-payload is not kept: GPUs make arithmetic NaNs canonical).
+that type's value is (to f16 and bf16 rounded to nearest even). A NaN stays a NaN, its sign
+and payload not kept (a GPU's arithmetic makes every NaN its canonical one, the CPU's keeps
+them).
 """
 
 from __future__ import annotations

@@ -90,6 +90,7 @@ class BatchEngine:
         memory: SlotMemory | None = None,
         *,
         on_change: Callable[[], None] | None = None,
+        on_errors: Callable[[list[SampleError]], None] | None = None,
         plan_pool: Any = None,
         what: str = "",
     ) -> None:
@@ -98,6 +99,7 @@ class BatchEngine:
         self.spec = spec
         self.planner = planner
         self.executor = executor
+        self._on_errors = on_errors  # told of each failed sample once (skipped and refilled ones too)
         if memory is None:
             memory = executor.slot_memory() or HostSlots()  # where the executor's batches go
         self.memory = memory
@@ -269,6 +271,11 @@ class BatchEngine:
             pending.slot.release()
             return
         policy = self.spec.on_error
+        if errors:
+            with self.cond:
+                self.sample_errors += len(errors)
+            if self._on_errors is not None:
+                self._on_errors(list(errors.values()))
         for i, err in errors.items():
             pos = positions[i]
             pending.errors[pos] = err
@@ -345,8 +352,6 @@ class BatchEngine:
                 pending.batch_id, pending.slot, pending.samples, errors, dtype=pending.dtype, skipped=pending.skipped
             )
         delivery.seconds = time.monotonic() - pending.started
-        with self.cond:
-            self.sample_errors += len(errors)
         self._deliver(delivery)
 
     def _deliver(self, delivery: Delivery) -> None:

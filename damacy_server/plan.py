@@ -258,7 +258,7 @@ class ChunkPlanner:
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
                 norm = getattr(sample, "normalize", None)
                 if norm is not None:
-                    _check_normalized(dtype if dtype is not None else meta.dtype)
+                    _check_normalized(dtype if dtype is not None else meta.dtype, norm)
                 shapes[i] = shape
                 transforms[i] = transform
                 norms[i] = norm
@@ -354,12 +354,18 @@ def _copy_error(e: SampleError) -> SampleError:
     return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
 
 
-def _check_normalized(dtype: np.dtype) -> None:
+def _check_normalized(dtype: np.dtype, norm: tuple[float, float]) -> None:
+    """A normalised sample needs a float batch, and an offset and scale its compute type holds."""
     dtype = np.dtype(dtype)
     if not contract.is_float(dtype):
         raise InvalidArgument(
             f"normalize writes a float type (float16, bfloat16, float32, float64), the batch's dtype is {dtype.name}"
         )
+    ct = contract.compute_dtype(dtype)
+    info = np.finfo(ct)
+    for name, v in zip(("offset", "scale"), norm):
+        if abs(v) > float(info.max) or (v != 0 and abs(v) < float(info.smallest_subnormal)):
+            raise InvalidArgument(f"normalize's {name} {v!r} is outside what {ct.name} holds (normalisation into {dtype.name} computes in {ct.name})")
 
 
 def transform_of(sample: Any, shape: tuple[int, ...], drop: Sequence[int]) -> tuple | None:

@@ -454,11 +454,15 @@ class Daemon:
         self._refusals_logged.add(cause)
         log.warning("refused %s: %s (said once per cause)", uri, cause, extra={"event": "refused_path", "uri": uri, "error": type(e).__name__})
 
-    def count_delivery(self, batches: int, samples: int, errors: list[BaseException]) -> None:
-        """A session handed out ``batches`` holding ``samples``, and these samples failed."""
+    def count_delivery(self, batches: int, samples: int) -> None:
+        """A session handed out ``batches`` holding ``samples``."""
         with self._totals_lock:
             self._totals["batches"] += batches
             self._totals["samples"] += samples
+
+    def count_errors(self, errors: list[BaseException]) -> None:
+        """Samples that failed (each once, whatever the session's on_error does with them)."""
+        with self._totals_lock:
             for e in errors:
                 self._errors[type(e).__name__] += 1
 

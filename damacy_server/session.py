@@ -131,6 +131,7 @@ class Session:
                 cfg.prepared_batches,
                 self.slots,
                 on_change=lambda: daemon.wake(self),
+                on_errors=daemon.count_errors,
                 plan_pool=daemon.plan_pool,
                 what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
             )
@@ -216,10 +217,7 @@ class Session:
                 continue
             self.in_engine += n
             engine.start(samples)
-        blocked = bool(self.queue) and (len(self.queue) >= cfg.samples_per_batch or self.final) and not engine.free_slots()
-        if blocked and not self._slot_blocked:
-            self.slot_waits += 1
-        self._slot_blocked = blocked
+        self._note_slot_wait(engine)
         while self.pops:
             pop = self.pops[0]
             if self.dropped:  # skipped samples free credits at once (their batch may wait for replacements)
@@ -230,6 +228,7 @@ class Session:
                 self.pops.popleft()
                 self.in_engine -= len(delivery.samples)
                 self.reply(self._delivered(pop, delivery))
+                self._note_slot_wait(engine)
             elif self._drained(pop):
                 self.pops.popleft()
                 consumed, self.discarded = self.discarded, []
@@ -238,6 +237,18 @@ class Session:
                 self.reply(m.Failed(reply_to=pop.id, error=error_to_wire(err), consumed=consumed))
             else:
                 return
+
+    def _note_slot_wait(self, engine: BatchEngine) -> None:
+        """Count a slot wait when a full batch of samples starts waiting because the client
+        holds every slot (not while slots are busy being assembled)."""
+        cfg = self.config
+        blocked = (
+            bool(self.queue) and (len(self.queue) >= cfg.samples_per_batch or self.final)
+            and not engine.free_slots() and len(self.lent) >= engine.slot_count
+        )
+        if blocked and not self._slot_blocked:
+            self.slot_waits += 1
+        self._slot_blocked = blocked
 
     def _refill(self, engine: BatchEngine) -> None:
         """on_error="skip": the next pushed samples take the dropped ones' places (waiting for
@@ -270,13 +281,13 @@ class Session:
             first = err.batch_errors[0][0] if isinstance(err, SampleError) and err.batch_errors else None
             seq = self._seq(first) if first is not None else None
             consumed = [self._seq(s) for s in err.batch_samples] if isinstance(err, (SampleError, BatchFailed)) else []
-            failed = [e for _, e in err.batch_errors] if isinstance(err, SampleError) and err.batch_errors else [err]
-            self.daemon.count_delivery(0, 0, failed)
+            if not isinstance(err, SampleError):  # a batch that failed as a whole (its sample errors are counted as they happen)
+                self.daemon.count_errors([err] * max(1, len(consumed)))
             return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=consumed)
         self.lent[d.batch_id] = d.slot  # the engine's hold passes to the client until it releases
         self.delivered_batches += 1
         self.delivered_samples += len(d.samples)
-        self.daemon.count_delivery(1, len(d.samples), [e for _, e in d.errors] + [e for _, e in d.skipped])
+        self.daemon.count_delivery(1, len(d.samples))
         slow = self.daemon.options.slow_batch_s
         if slow and d.seconds > slow:
             log.warning(

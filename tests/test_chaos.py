@@ -178,8 +178,12 @@ def test_a_killed_daemon_fails_every_client_and_a_restarted_one_serves(volume, t
             p.push(samples * 50)
             with p.pop():
                 pass
-        dead_pid = proc.pid  # (its segments' names are unlinked once the clients mapped them)
+        dead_pid = proc.pid
         proc.kill()  # SIGKILL mid-stream
+        # the names of its slots were unlinked once the clients mapped them; one it had made for a
+        # session still connecting would stay: stand one in, the next daemon must remove it
+        stale = Path("/dev/shm") / f"damacy-{dead_pid}-{os.urandom(4).hex()}-0"
+        stale.write_bytes(b"\0" * 4096)
         for p in pipes:  # every client raises DaemonUnavailable (after the heartbeat timeout), none hangs
             with pytest.raises(damacy.DaemonUnavailable):
                 for _ in range(1000):
@@ -187,7 +191,7 @@ def test_a_killed_daemon_fails_every_client_and_a_restarted_one_serves(volume, t
                         pass
             p.close()
         replacement = DaemonProcess(tmp_path, [folder])
-        assert not shm_segments(dead_pid)  # the new daemon removed what the dead one left
+        assert not stale.exists() and not shm_segments(dead_pid)  # the new daemon removed what the dead one left
         streamer = Streamer(replacement.endpoint, uri, data)
         streamer.start()
         wait_for(lambda: streamer.batches >= 6 or streamer.error, timeout=120, what="batches from the restarted daemon")

@@ -119,7 +119,9 @@ def test_what_fuzzing_found_stays_fixed(tmp_path):
     """Regressions: a v2 .zarray whose filters are not a list, or whose blosc shuffle is not
     one of Blosc's, was a TypeError (not a MetadataError); a Blosc frame of 0-byte items
     divided by zero in the frame check; an op table's unit number at the bottom of int64
-    overflowed when the native checks subtracted the base (UBSan)."""
+    overflowed when the native checks subtracted the base (UBSan; the wrapped value was refused
+    too, so only ``python -m fuzz copy_table --sanitize`` tells the two apart: this checks the
+    refusal)."""
     import json
 
     import numpy as np

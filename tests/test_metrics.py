@@ -116,6 +116,8 @@ def test_a_client_holding_every_slot_shows_as_slot_waits(tmp_path):
             pipe.push([damacy.Sample(str(tmp_path / "a.zarr"), np.s_[r : r + 8, 0:8]) for r in (0, 8)] * 4)
             me = pipe.stats()["session"]["session"]
             key = (("pid", str(__import__("os").getpid())), ("rank", ""), ("session", me))
+            wait_for(lambda: scrape(url).get(("damacy_session_queued_samples", key), 0) > 0, what="samples queued behind the first batch")
+            assert scrape(url)[("damacy_session_slot_waits_total", key)] == 0  # the slot is busy, not the client's
             with pipe.pop():  # held: the one slot is the client's, the next batch waits for it
                 wait_for(lambda: scrape(url).get(("damacy_session_slot_waits_total", key), 0) >= 1, what="a slot wait")
                 assert scrape(url)[("damacy_session_held_batches", key)] == 1

@@ -85,7 +85,7 @@ def test_the_kernel_twin_equals_the_contract(src):
         _assert_same(filled, contract.normalize(np.repeat(values[3:4], 5), _dtype(out), 2.0, 0.5), f"fill {src} -> {out}")
 
 
-@pytest.mark.parametrize("src", ["int8", "uint8", "int16", "uint16", ">u2", "int32", "uint64", "float16", "float32", ">f8", "float64"])
+@pytest.mark.parametrize("src", ["bool", "int8", "uint8", "int16", "uint16", ">u2", "int32", "uint32", "int64", "uint64", "float16", "float32", ">f8", "float64"])
 def test_the_native_loop_equals_the_contract(src):
     from damacy_server import native
 
@@ -119,11 +119,11 @@ def test_the_native_loop_equals_the_contract(src):
                                   values.nbytes, b"")
                 assert not plain.view(np.uint8).any()
     # an integer or bool output is refused, never written
-    out = np.zeros(n, dtype=np.bool_)
+    out = np.zeros(n, dtype=np.int32 if src == np.bool_ else np.bool_)  # a cast the plain rows offer
     targets = native.targets([out], 1, [(0.0, 1.0)])
     with pytest.raises(ValueError, match="float outputs"):
         _assemble.run(values.tobytes(), 0, np.array([[0, values.nbytes]], dtype=np.int64).tobytes(), ops[:1].tobytes(), 0,
-                      targets.tobytes(), shape.tobytes(), native.dtype_code(src), 0, swap, 0, values.nbytes, b"")
+                      targets.tobytes(), shape.tobytes(), native.dtype_code(src), native.dtype_code(out.dtype), swap, 0, values.nbytes, b"")
     assert not out.any()
 
 
@@ -205,6 +205,41 @@ def test_a_normalised_sample_needs_a_float_batch(volumes, make):
             (i, err), = b.info.errors
             assert i == 0 and isinstance(err, damacy.InvalidArgument) and "normalize writes a float type" in str(err) and "uint16" in str(err)
             assert np.array_equal(b.numpy()[1], data[2:4, 0:3, 0:4])
+
+
+def test_index_lists_on_both_sides_take_the_normalising_gather_and_scatter(volumes):
+    """An unsorted list along the last axis spanning chunks: each unit's elements go to
+    scattered positions (the native scatter rows), a flip makes strided gathers."""
+    uri, data, _ = volumes["u16"]
+    sel = ([7, 2, 2, 15], [19, 1, 20, 2, 13, 0, 23])
+    queries = [damacy.IndexQuery(uri, (3,) + sel, normalize=(100.0, 0.5)), damacy.IndexQuery(uri, (9,) + sel, normalize=(7.0, -2.0), flip=(0, 1))]
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=True))
+    with damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(4, 7), dtype="float32"), executor=executor) as pipe:
+        pipe.push(queries)
+        with pipe.pop() as b:
+            got = b.copy()
+        assert pipe.stats()["stages"]["native"]["count"] > 0
+    executor.close()
+    for k, q in enumerate(queries):
+        box = data[q.selection[0]][np.ix_(*sel)]
+        _assert_same(got[k], contract.normalize(np.flip(box, q.flip) if q.flip else box, np.float32, *q.normalize))
+
+
+def test_an_offset_or_scale_the_compute_type_cannot_hold_fails_the_sample(volumes):
+    uri, data, _ = volumes["u16"]
+    box = np.s_[0:2, 0:3, 0:4]
+    for dtype, ok in (("float32", False), ("bfloat16", False), ("float64", True)):
+        cfg = damacy.Config(samples_per_batch=3, sample_shape=(2, 3, 4), dtype=dtype, on_error="fill")
+        with damacy.Pipeline(cfg) as pipe:
+            pipe.push([damacy.Sample(uri, box, normalize=(1e39, 1.0)), damacy.Sample(uri, box, normalize=(0.0, 1e-46)), damacy.Sample(uri, box, normalize=(0.0, 0.0))])
+            with pipe.pop() as b:
+                errors = dict(b.info.errors)
+                got = b.copy()
+        if ok:
+            assert errors == {}
+        else:
+            assert set(errors) == {0, 1} and "offset 1e+39 is outside what float32 holds" in str(errors[0]) and "scale 1e-46" in str(errors[1])
+        assert np.all(got[2].astype("f8") == 0)  # a zero scale is a constant batch, not an error
 
 
 def test_normalize_is_checked_and_travels(volumes):

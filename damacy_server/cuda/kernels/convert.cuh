@@ -25,7 +25,8 @@
  * types only. It computes in f32 (f64 for an f64 output): x, offset and scale are each
  * converted to that type (rounded once to nearest even), the difference and the product
  * each rounded once (no fused multiply-add), and the result stored as a value of that type
- * is. A NaN stays a NaN; its payload is not kept.
+ * is. A NaN stays a NaN; its sign and payload are not kept (the GPU's arithmetic makes it
+ * canonical, the CPU's keeps them).
  *
  * Every conversion below is explicit code on bits or on values known to be in range: no C
  * cast of a value that can be out of its target's range (undefined in C, saturating on the
