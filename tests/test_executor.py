@@ -46,14 +46,14 @@ def test_an_unexpected_error_fails_its_samples_only(volume, monkeypatch):
     real = SliceCopy.apply
     calls = []
 
-    def flaky(self, target, arr):
+    def flaky(self, target, arr, convert=None):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return real(self, target, arr)
+        return real(self, target, arr, convert)
 
     monkeypatch.setattr(SliceCopy, "apply", flaky)
-    monkeypatch.setattr("damacy_server.native.kernel_for", lambda meta, dtype: None)  # the Python path
+    monkeypatch.setattr("damacy_server.native.kernel_for", lambda meta, dtype, normalized=False: None)  # the Python path
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 64, 64), on_error="fill", pop_timeout_s=30, lookahead_samples=2)
     with damacy.Pipeline(cfg) as p:
         p.push([damacy.Sample(uri, np.s_[0:8, :, :]), damacy.Sample(uri, np.s_[8:16, :, :]), damacy.Sample(uri, np.s_[16:24, :, :])])
