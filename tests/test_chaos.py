@@ -197,6 +197,8 @@ def test_a_killed_daemon_fails_every_client_and_a_restarted_one_serves(volume, t
         wait_for(lambda: streamer.batches >= 6 or streamer.error, timeout=120, what="batches from the restarted daemon")
         streamer.finish()
     finally:
+        if proc.proc.poll() is None:  # the test failed before the kill: leave no daemon behind
+            proc.kill()
         if replacement is not None:
             assert replacement.stop() == 0, replacement.log_path.read_text()[-3000:]
 
