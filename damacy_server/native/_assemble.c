@@ -178,79 +178,48 @@ typedef void (*scatter_fn)(const char *src, int64_t src_start, const int64_t *sr
 
 /* One row: n elements from contiguous src to contiguous dst; the byte-order test is out of
  * the loop so the common case vectorises. _g: element i comes from src[index[i]]; _s: element
- * i goes to dst[dst_index[i]], from src[s0 + i] or src[src_index[i]]. */
-#define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR)                                            \
+ * i goes to dst[dst_index[i]], from src[s0 + i] or src[src_index[i]]. SETUP is a statement
+ * run once per call (the normalising rows' constants from nm), VALUE(A, B, x) the output
+ * element of a loaded element x. */
+#define ROW_FAMILY(NAME, LOAD, SRC_SIZE, DT, SETUP, VALUE, A, B)                       \
     static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap, const double *nm) { \
-        (void)nm;                                                                      \
+        SETUP;                                                                         \
         DT *out = (DT *)d;                                                             \
         if (swap) {                                                                    \
             for (Py_ssize_t i = 0; i < n; i++) {                                       \
-                DT v = (DT)(EXPR(LOAD(s + i * (SRC_SIZE), 1)));                        \
+                DT v = VALUE(A, B, LOAD(s + i * (SRC_SIZE), 1));                       \
                 memcpy(out + i, &v, sizeof(DT));                                       \
             }                                                                          \
         } else {                                                                       \
             for (Py_ssize_t i = 0; i < n; i++) {                                       \
-                DT v = (DT)(EXPR(LOAD(s + i * (SRC_SIZE), 0)));                        \
+                DT v = VALUE(A, B, LOAD(s + i * (SRC_SIZE), 0));                       \
                 memcpy(out + i, &v, sizeof(DT));                                       \
             }                                                                          \
         }                                                                              \
     }                                                                                  \
     static void __attribute__((unused)) NAME##_g(const char *s, const int64_t *ix, char *d, Py_ssize_t n, int swap, \
                                                  const double *nm) {                   \
-        (void)nm;                                                                      \
+        SETUP;                                                                         \
         DT *out = (DT *)d;                                                             \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            DT v = (DT)(EXPR(LOAD(s + ix[i] * (SRC_SIZE), swap)));                     \
+            DT v = VALUE(A, B, LOAD(s + ix[i] * (SRC_SIZE), swap));                    \
             memcpy(out + i, &v, sizeof(DT));                                           \
         }                                                                              \
     }                                                                                  \
     static void __attribute__((unused)) NAME##_s(const char *s, int64_t s0, const int64_t *six, char *d,      \
                                                  const int64_t *dix, Py_ssize_t n, int swap, const double *nm) { \
-        (void)nm;                                                                      \
+        SETUP;                                                                         \
         DT *out = (DT *)d;                                                             \
         for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            DT v = (DT)(EXPR(LOAD(s + (six ? six[i] : s0 + i) * (SRC_SIZE), swap)));    \
+            DT v = VALUE(A, B, LOAD(s + (six ? six[i] : s0 + i) * (SRC_SIZE), swap));   \
             memcpy(out + dix[i], &v, sizeof(DT));                                      \
         }                                                                              \
     }
 
-/* Normalising rows: (x - offset) * scale in CT (float for f32/f16/bf16 outputs, double for
- * f64), as convert.cuh's normalize_value defines it: TO_CT converts an element to CT
- * (rounded once), each operation rounded once, STORE writes CT to the output type. */
-#define NROW(NAME, LOAD, SRC_SIZE, CT, TO_CT, SUB, MUL, DT, STORE)                     \
-    static void __attribute__((unused)) NAME(const char *s, char *d, Py_ssize_t n, int swap, const double *nm) { \
-        const CT o = TO_CT(nm[0]), k = TO_CT(nm[1]);                                   \
-        DT *out = (DT *)d;                                                             \
-        if (swap) {                                                                    \
-            for (Py_ssize_t i = 0; i < n; i++) {                                       \
-                DT v = STORE(MUL(SUB(TO_CT(LOAD(s + i * (SRC_SIZE), 1)), o), k));       \
-                memcpy(out + i, &v, sizeof(DT));                                       \
-            }                                                                          \
-        } else {                                                                       \
-            for (Py_ssize_t i = 0; i < n; i++) {                                       \
-                DT v = STORE(MUL(SUB(TO_CT(LOAD(s + i * (SRC_SIZE), 0)), o), k));       \
-                memcpy(out + i, &v, sizeof(DT));                                       \
-            }                                                                          \
-        }                                                                              \
-    }                                                                                  \
-    static void __attribute__((unused)) NAME##_g(const char *s, const int64_t *ix, char *d, Py_ssize_t n, int swap, \
-                                                 const double *nm) {                   \
-        const CT o = TO_CT(nm[0]), k = TO_CT(nm[1]);                                   \
-        DT *out = (DT *)d;                                                             \
-        for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            DT v = STORE(MUL(SUB(TO_CT(LOAD(s + ix[i] * (SRC_SIZE), swap)), o), k));    \
-            memcpy(out + i, &v, sizeof(DT));                                           \
-        }                                                                              \
-    }                                                                                  \
-    static void __attribute__((unused)) NAME##_s(const char *s, int64_t s0, const int64_t *six, char *d,      \
-                                                 const int64_t *dix, Py_ssize_t n, int swap, const double *nm) { \
-        const CT o = TO_CT(nm[0]), k = TO_CT(nm[1]);                                   \
-        DT *out = (DT *)d;                                                             \
-        for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            DT v = STORE(MUL(SUB(TO_CT(LOAD(s + (six ? six[i] : s0 + i) * (SRC_SIZE), swap)), o), k)); \
-            memcpy(out + dix[i], &v, sizeof(DT));                                      \
-        }                                                                              \
-    }
+/* the plain rows: numpy's cast (EXPR, then the C conversion to DT) */
+#define SETUP_PLAIN (void)nm
+#define PLAIN_VALUE(T, EXPR, x) ((T)(EXPR(x)))
+#define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR) ROW_FAMILY(NAME, LOAD, SRC_SIZE, DT, SETUP_PLAIN, PLAIN_VALUE, DT, EXPR)
 
 #define AS_IS(v) (v)
 #define AS_BOOL(v) ((v) != 0)
@@ -288,21 +257,24 @@ ROWS_FOR(f2, load_half, 2)
 ROWS_FOR(f4, load_float, 4)
 ROWS_FOR(f8, load_double, 8)
 
-/* to the compute type: integers and f32 by a C conversion (in range, rounded once), f64 by
- * convert.cuh's f64_to_f32 (a C conversion of an out-of-range double is undefined) */
+/* Normalising rows: (x - offset) * scale in f32 (f64 for f64 outputs), as convert.cuh's
+ * normalize_value defines it: the element, the offset and the scale each converted to that
+ * type (rounded once), each operation rounded once, then STORE to the output type. To f32:
+ * integers and f32 by a C conversion (in range, rounded once), f64 by convert.cuh's
+ * f64_to_f32 (a C conversion of an out-of-range double is undefined). */
 #define TO_F32(v) _Generic((v), double: f64_to_f32, default: to_f32_plain)(v)
 static inline float to_f32_plain(float v) { return v; }
 #define TO_F64(v) ((double)(v))
-#define F32_SUB(a, b) DAMACY_FSUB(a, b)
-#define F32_MUL(a, b) DAMACY_FMUL(a, b)
-#define F64_SUB(a, b) DAMACY_DSUB(a, b)
-#define F64_MUL(a, b) DAMACY_DMUL(a, b)
+#define SETUP_F32 const float o = TO_F32(nm[0]), k = TO_F32(nm[1])
+#define SETUP_F64 const double o = TO_F64(nm[0]), k = TO_F64(nm[1])
+#define F32_VALUE(STORE, unused, x) STORE(DAMACY_FMUL(DAMACY_FSUB(TO_F32(x), o), k))
+#define F64_VALUE(STORE, unused, x) STORE(DAMACY_DMUL(DAMACY_DSUB(TO_F64(x), o), k))
 #define KEEP(v) (v)
 #define NROWS_FOR(SRC, LOAD, SIZE)                                                     \
-    NROW(SRC##_norm_f4, LOAD, SIZE, float, TO_F32, F32_SUB, F32_MUL, float, KEEP)      \
-    NROW(SRC##_norm_f2, LOAD, SIZE, float, TO_F32, F32_SUB, F32_MUL, uint16_t, float_to_half) \
-    NROW(SRC##_norm_bf, LOAD, SIZE, float, TO_F32, F32_SUB, F32_MUL, uint16_t, float_to_bf16) \
-    NROW(SRC##_norm_f8, LOAD, SIZE, double, TO_F64, F64_SUB, F64_MUL, double, KEEP)
+    ROW_FAMILY(SRC##_norm_f4, LOAD, SIZE, float, SETUP_F32, F32_VALUE, KEEP, _)        \
+    ROW_FAMILY(SRC##_norm_f2, LOAD, SIZE, uint16_t, SETUP_F32, F32_VALUE, float_to_half, _) \
+    ROW_FAMILY(SRC##_norm_bf, LOAD, SIZE, uint16_t, SETUP_F32, F32_VALUE, float_to_bf16, _) \
+    ROW_FAMILY(SRC##_norm_f8, LOAD, SIZE, double, SETUP_F64, F64_VALUE, KEEP, _)
 NROWS_FOR(b1, load_bool, 1)
 NROWS_FOR(i1, load_int8_t, 1)
 NROWS_FOR(u1, load_uint8_t, 1)
