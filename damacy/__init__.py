@@ -17,6 +17,7 @@ from damacy_protocol.errors import (
     PipelineDrained,
     ProtocolError,
     SampleError,
+    SlotsHeld,
     StorageError,
     UnsupportedError,
 )
@@ -198,6 +199,7 @@ __all__ = [
     "PipelineDrained",
     "ProtocolError",
     "SampleError",
+    "SlotsHeld",
     "StorageError",
     "UnsupportedError",
     "ZarrMetadata",

@@ -36,9 +36,6 @@ from damacy_runtime.batch import Batch, Slot
 log = logging.getLogger("damacy")
 
 PUSH_CHUNK = 256  # samples per push message at most
-#: when every slot is held by this process, how long a pop waits for the daemon to say the
-#: stream is drained before it says the slots are held
-HELD_GRACE_S = 1.0
 
 
 class RemotePipeline(PipelineAPI):
@@ -198,16 +195,14 @@ class RemotePipeline(PipelineAPI):
             call, self._next_call = self._next_call, None
             if call is None:
                 call = self._request_pop()
-            if not call.event.is_set() and self._held() >= self.config.prepared_batches:
+            if not call.event.is_set() and self._held() >= self.config.prepared_batches and not self._all_delivered():
                 # every slot is held here: no batch can come until one is released, so say so
-                # now (a drained stream is still answered, at once, by the daemon)
-                left = front.time_left(deadline)
-                if not call.event.wait(HELD_GRACE_S if left is None else min(left, HELD_GRACE_S)):
-                    self._next_call = call
-                    raise TimeoutError(self._waiting_for(timeout))
+                # now (a stream with nothing left to deliver is answered, drained, at once)
+                self._next_call = call
+                raise front.slots_held(self.config.prepared_batches)
             if not call.event.wait(front.time_left(deadline)):
                 self._next_call = call  # its answer will serve the next pop
-                raise TimeoutError(self._waiting_for(timeout))
+                raise self._waiting_for(timeout)
             if call.error is not None:
                 raise call.error
             reply = call.reply
@@ -236,7 +231,12 @@ class RemotePipeline(PipelineAPI):
         self._next_call = self._request_pop()
         return batch
 
-    def _waiting_for(self, timeout: float) -> str:
+    def _all_delivered(self) -> bool:
+        """Every sample pushed so far was delivered (or dropped) and no pushed iterable is left."""
+        with self._cond:
+            return not self._sources and not self._samples
+
+    def _waiting_for(self, timeout: float) -> TimeoutError:
         slots = self.config.prepared_batches
         held = self._held()
         with self._cond:
@@ -246,7 +246,7 @@ class RemotePipeline(PipelineAPI):
                 why = front.SLOTS_HELD
             else:
                 why = front.WORKING
-        return front.timeout_message(self._next_batch, timeout, why, slots, where=" in damacyd")
+        return front.pop_timeout(self._next_batch, timeout, why, slots, where=" in damacyd")
 
     def _consumed(self, msg: m.Consumed) -> None:
         """The daemon dropped samples (skipped): they free room for new ones."""

@@ -48,13 +48,13 @@ class SampleError(DamacyError):
     def _message(self) -> str:
         parts = []
         if self.sample is not None:
-            parts.append(f"sample {self.sample}")
+            parts.append(f"sample {_shown(self.sample)}")
         elif self.uri is not None:
-            parts.append(self.uri)
+            parts.append(_shown(self.uri))
         if self.chunk is not None:
             parts.append(f"chunk {list(self.chunk)}")
         if self.path is not None and self.path != self.uri:
-            parts.append(f"file {self.path}")
+            parts.append(f"file {_shown(self.path)}")
         where = ", ".join(parts)
         return f"{where}: {self.reason}" if where else self.reason
 
@@ -69,6 +69,12 @@ class SampleError(DamacyError):
 
     def __reduce__(self):
         return (_rebuild, (type(self), to_wire(self)))
+
+
+def _shown(text: str) -> str:
+    """``text`` as a message shows it: a NUL (which no path holds, and which ends a C string
+    or a log line early) escaped; the attributes keep the text as given."""
+    return text.replace("\0", "\\0") if "\0" in text else text
 
 
 class NotFound(SampleError):
@@ -110,6 +116,13 @@ class BatchFailed(DamacyError):
 
 class PipelineDrained(DamacyError):
     """``pop()`` was called with nothing pushed, or after every pushed sample was delivered."""
+
+
+class SlotsHeld(DamacyError, TimeoutError):
+    """``pop()`` cannot get a batch because every batch slot is held by batches that were not
+    released, or by arrays exported from them. Raised at once, whatever the timeout (no
+    batch can come until the caller lets one go); a :class:`TimeoutError`, as pops that
+    wait out their timeout raise."""
 
 
 class BudgetExceeded(DamacyError):

@@ -1,5 +1,5 @@
 """The front half both pipelines share: what was pushed, pulled lazily; pop deadlines and
-their messages; the BatchInfo a batch carries.
+their errors; the BatchInfo a batch carries.
 
 The embedded pipeline (:mod:`damacy_server.pipeline`) and the daemon client
 (:mod:`damacy_client.client`) differ in where batches are made, not in how the caller's
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from damacy_protocol.config import Config
-from damacy_protocol.errors import InvalidArgument
+from damacy_protocol.errors import InvalidArgument, SlotsHeld
 from damacy_runtime.batch import BatchInfo
 
 
@@ -183,15 +183,26 @@ WAITING_FOR_INPUT = "input"
 WORKING = "working"
 
 
-def timeout_message(batch_id: int, timeout: float, why: str, slots: int, in_use: int | None = None, where: str = "") -> str:
-    """The TimeoutError text of a pop that waited ``timeout`` seconds for batch ``batch_id``."""
-    what = f"no batch {batch_id} within {timeout}s"
+def slots_held(slots: int) -> SlotsHeld:
+    """What a pop raises, at once, when every one of the ``slots`` batch slots is held by
+    the caller."""
+    return SlotsHeld(
+        f"all {slots} batch slots are held by batches that were not released, or by arrays exported from them "
+        "(np.from_dlpack, torch.from_dlpack): no batch can be assembled until one is let go. Release each batch "
+        "(`with batch:` or batch.release()) and drop the arrays made from it; to keep data, take batch.copy()"
+    )
+
+
+def pop_timeout(batch_id: int, timeout: float, why: str, slots: int, in_use: int | None = None, where: str = "") -> TimeoutError:
+    """The error of a pop that waited ``timeout`` seconds for batch ``batch_id``, because of
+    ``why`` (every slot held: :func:`slots_held`, whatever the wait)."""
     if why == SLOTS_HELD:
-        return f"{what}: all {slots} batch slots are held by batches (or arrays exported from them) that were not released"
+        return slots_held(slots)
+    what = f"no batch {batch_id} within {timeout}s"
     if why == WAITING_FOR_INPUT:
-        return f"{what}: waiting for the pushed iterable to yield samples"
+        return TimeoutError(f"{what}: waiting for the pushed iterable to yield samples")
     busy = "" if in_use is None else f" ({in_use} slots in use)"
-    return f"{what}: its reads and decodes are still running{where}{busy}"
+    return TimeoutError(f"{what}: its reads and decodes are still running{where}{busy}")
 
 
 def batch_info(

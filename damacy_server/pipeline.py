@@ -248,8 +248,10 @@ class Pipeline(PipelineAPI):
         """The next batch in push order (use it as a context manager).
 
         Raises :class:`PipelineDrained` at once when nothing was pushed or everything pushed
-        has been delivered; :class:`TimeoutError` when no batch is ready in time
-        (``timeout``, default ``Config.pop_timeout_s``; ``math.inf``: no limit); a bad sample's :class:`SampleError`
+        has been delivered; :class:`SlotsHeld` at once when every batch slot is held by
+        batches not released (or arrays exported from them); :class:`TimeoutError` when no
+        batch is ready in time (``timeout``, default ``Config.pop_timeout_s``; ``math.inf``:
+        no limit); a bad sample's :class:`SampleError`
         under ``on_error="raise"`` (the next pop continues).
         """
         self._check_process()
@@ -272,10 +274,10 @@ class Pipeline(PipelineAPI):
                 if self._drained():
                     raise PipelineDrained(f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted")
                 if self._all_slots_held():  # nothing can come until the caller lets a batch go
-                    raise TimeoutError(self._waiting_for(timeout))
+                    raise front.slots_held(self.engine.slot_count)
                 left = front.time_left(deadline)
                 if left is not None and left <= 0:
-                    raise TimeoutError(self._waiting_for(timeout))
+                    raise self._waiting_for(timeout)
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
         if delivery.error is not None:
             self._handed(None, len(getattr(delivery.error, "batch_samples", ()) or ()))
@@ -309,7 +311,7 @@ class Pipeline(PipelineAPI):
             and not engine.patches_waiting()
         )
 
-    def _waiting_for(self, timeout: float) -> str:
+    def _waiting_for(self, timeout: float) -> TimeoutError:
         engine = self.engine
         nothing_started = engine.delivered_ids >= engine.started_ids
         free = engine.free_slots()
@@ -319,7 +321,7 @@ class Pipeline(PipelineAPI):
             why = front.WAITING_FOR_INPUT
         else:
             why = front.WORKING
-        return front.timeout_message(engine.delivered_ids, timeout, why, engine.slot_count, engine.slot_count - free)
+        return front.pop_timeout(engine.delivered_ids, timeout, why, engine.slot_count, engine.slot_count - free)
 
     @property
     def closed(self) -> bool:

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+import damacy
 from damacy_protocol.config import Config
 from damacy_protocol.errors import InvalidArgument
 from damacy_runtime import front
@@ -58,7 +59,11 @@ def test_batch_info_and_timeout_messages():
     info = front.batch_info(cfg, 3, "uint16", 7, ["s0", "s1", "s2"])
     assert info.shape == (3, 2, 3) and info.dtype == "uint16" and info.batch_id == 7 and info.samples == ("s0", "s1", "s2")
     assert front.batch_info(Config(samples_per_batch=4, sample_shape=(2,)), 4, "uint16", 0, []).dtype == "f32"
-    assert front.timeout_message(3, 0.5, front.SLOTS_HELD, 2).endswith("all 2 batch slots are held by batches (or arrays exported from them) that were not released")
-    assert "yield samples" in front.timeout_message(3, 0.5, front.WAITING_FOR_INPUT, 2)
-    assert front.timeout_message(3, 0.5, front.WORKING, 2, 1, " in damacyd") == "no batch 3 within 0.5s: its reads and decodes are still running in damacyd (1 slots in use)"
+    held = front.pop_timeout(3, 0.5, front.SLOTS_HELD, 2)
+    assert isinstance(held, damacy.SlotsHeld) and isinstance(held, TimeoutError)
+    assert str(held).startswith("all 2 batch slots are held by batches that were not released, or by arrays exported")
+    assert "batch.copy()" in str(held) and "within" not in str(held)
+    late = front.pop_timeout(3, 0.5, front.WAITING_FOR_INPUT, 2)
+    assert type(late) is TimeoutError and "yield samples" in str(late)
+    assert str(front.pop_timeout(3, 0.5, front.WORKING, 2, 1, " in damacyd")) == "no batch 3 within 0.5s: its reads and decodes are still running in damacyd (1 slots in use)"
     assert front.deadline(None) is None and front.deadline(float("inf")) is None and front.time_left(None) is None

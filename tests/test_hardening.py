@@ -222,14 +222,18 @@ def test_fifo_samples_do_not_block_the_daemons_readers(tmp_path, fresh):
 
 def test_a_nul_byte_in_a_uri_is_that_samples_invalid_argument(served, fresh):
     root, data = fresh
-    with pytest.raises(damacy.InvalidArgument, match="NUL"):
-        damacy.read(str(root / "vol\0.zarr"), FIRST)
+    bad = str(root / "vol\0.zarr")
+    with pytest.raises(damacy.InvalidArgument, match="NUL") as raised:
+        damacy.read(bad, FIRST)
+    # the error keeps the real uri; only its message escapes the NUL
+    assert raised.value.uri == bad and "\0" not in str(raised.value) and "vol\\0.zarr" in str(raised.value)
     good = damacy.Sample(str(root / "vol.zarr"), FIRST)
     with damacy.Pipeline(fill_cfg(n=3), endpoint=served.endpoint) as pipe:
         pipe.push([good, damacy.Sample(str(root / "v\0l.zarr"), FIRST), good])
         with pipe.pop() as b:
             (i, err), = b.info.errors
             assert i == 1 and isinstance(err, damacy.InvalidArgument) and "NUL" in str(err)
+            assert err.uri == str(root / "v\0l.zarr") and "\0" not in str(err)
             x = np.from_dlpack(b)
             assert np.array_equal(x[0], data[FIRST]) and np.array_equal(x[2], data[FIRST])
     conn = control(served.endpoint)

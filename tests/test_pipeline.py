@@ -323,37 +323,48 @@ def test_pop_timeout_names_what_it_waited_for(store, make):
         p.pop(timeout=10).release()
 
 
-def test_held_slots_are_named_in_the_timeout(store, make):
-    uri, _ = store[1]["u16"]
-    with make(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:
-        p.push(damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(5))
-        first = p.pop()
-        with pytest.raises(TimeoutError, match="held by batches"):
-            p.pop(timeout=0.5)
-        first.release()
-        p.pop(timeout=10).release()
+def _pop_outcome(p, timeout):
+    """What ``p.pop(timeout)`` raises (or returns), run in a thread that must finish well
+    before any timeout given here runs out."""
+    outcome = []
+    finished = threading.Event()
+
+    def pop():
+        try:
+            outcome.append(p.pop(timeout))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+        finished.set()
+
+    threading.Thread(target=pop, daemon=True).start()
+    assert finished.wait(60), f"pop(timeout={timeout}) waited although every slot was held"
+    return outcome[0]
 
 
-def test_pop_says_at_once_when_every_slot_is_held(store, make):
+def test_pop_says_at_once_that_every_slot_is_held_whatever_the_timeout(store, make):
     uri, _ = store[1]["u16"]
-    with make(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:  # pop_timeout_s: the default
+    with make(config(n=1, prepared_batches=1, lookahead_samples=1)) as p:  # pop_timeout_s: 30
         p.push(damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(4))
-        kept = p.pop().numpy()  # an exported array keeps the only slot
-        outcome = []
-        finished = threading.Event()
-
-        def pop():
-            try:
-                p.pop()
-            except TimeoutError as e:
-                outcome.append(e)
-            finished.set()
-
-        threading.Thread(target=pop, daemon=True).start()
-        assert finished.wait(60), "pop waited out its timeout although every slot was held"
-        assert "held by batches" in str(outcome[0])
+        first = p.pop()
+        for timeout in (None, 300.0, float("inf")):
+            err = _pop_outcome(p, timeout)
+            assert isinstance(err, damacy.SlotsHeld) and isinstance(err, TimeoutError), repr(err)
+            text = str(err)
+            assert "all 1 batch slots are held by batches that were not released, or by arrays exported" in text
+            assert "batch.copy()" in text and "within" not in text
+        first.release()
+        kept = p.pop(timeout=30).numpy()  # an exported array keeps the only slot as well
+        assert isinstance(_pop_outcome(p, 300.0), damacy.SlotsHeld)
         del kept
         p.pop(timeout=30).release()  # the slot is free again: the stream goes on
+    with make(config(n=2, prepared_batches=1, lookahead_samples=2)) as p:
+        p.push([damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(3)])
+        p.pop(timeout=30).release()
+        last = p.pop(timeout=30)  # the short last batch: the input is known to be exhausted
+        assert len(last.info.samples) == 1
+        # nothing is left to deliver: drained, not "held", though the only slot is held
+        assert isinstance(_pop_outcome(p, 300.0), damacy.PipelineDrained)
+        last.release()
 
 
 def test_batch_copy_is_an_array_of_its_own(store, make):

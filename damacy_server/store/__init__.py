@@ -32,7 +32,7 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
     if not text:
         raise InvalidArgument("the uri is empty")
     if "\0" in text:
-        raise InvalidArgument("the uri contains a NUL byte", uri=text.replace("\0", "\\0"))
+        raise InvalidArgument("the uri contains a NUL byte", uri=text)
     parsed = urlparse(text)
     scheme = parsed.scheme.lower()
     if scheme == "file":

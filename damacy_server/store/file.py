@@ -219,7 +219,7 @@ class FileStore(Store):
 
 def _check_name(key: str) -> None:
     if "\0" in key:
-        raise InvalidArgument(f"the path {key!r} contains a NUL byte", path=key.replace("\0", "\\0"))
+        raise InvalidArgument(f"the path {key!r} contains a NUL byte", path=key)
 
 
 def _check_regular(fd: int, key: str) -> None:
