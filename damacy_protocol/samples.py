@@ -83,10 +83,38 @@ def _describe_transform(flip: tuple[int, ...], transpose: tuple[int, ...] | None
     )
 
 
+def _aabb_selection(aabb: Any, uri: str) -> tuple[Any, ...]:
+    """The selection of an ``aabb``: a sequence (list, tuple or an (n, 2) array) of per-axis
+    ``(start, stop)`` pairs or slices (``...`` for the axes not named), always a box, never
+    index lists."""
+    if isinstance(aabb, slice):
+        aabb = (aabb,)
+    elif type(aabb).__name__ == "ndarray" and getattr(aabb, "ndim", 0) == 2 and aabb.shape[1] == 2:
+        aabb = aabb.tolist()
+    if not isinstance(aabb, (list, tuple)):
+        raise InvalidArgument(f"aabb must be a sequence of per-axis (start, stop) pairs or slices, got {aabb!r}", uri=uri)
+    entries: list[Any] = []
+    for axis, e in enumerate(aabb):
+        if isinstance(e, slice) or e is Ellipsis:
+            entries.append(e)
+        elif isinstance(e, (list, tuple)) and len(e) == 2:
+            entries.append(slice(*e))
+        elif type(e).__name__ == "ndarray" and getattr(e, "shape", None) == (2,):
+            entries.append(slice(*e.tolist()))
+        else:
+            raise InvalidArgument(f"aabb axis {axis}: expected a (start, stop) pair or a slice, got {e!r}", uri=uri)
+    return tuple(entries)
+
+
 class Sample:
     """A box of the array at ``uri``: per axis ``(start, stop)``, a slice or an integer (the
     axis is dropped), in a tuple (``np.s_[...]``); ``...`` stands for the axes not named and
     fewer entries select the rest whole (see :mod:`damacy_protocol.selection`).
+
+    ``aabb=``: the box as the seed API writes it, a list (or tuple) of per-axis ``(start,
+    stop)`` pairs or slices: ``Sample(uri=uri, aabb=[(0, 64), (0, 256), (0, 256)])``. Always a
+    box (a list given as the selection is an index list, which only an :class:`IndexQuery`
+    takes).
 
     ``level``: for an OME-NGFF image uri, the level to read (the box is in its index space;
     none: level 0).
@@ -116,10 +144,18 @@ class Sample:
     normalize: tuple[float, float] | None
 
     def __init__(
-        self, uri: Any, box: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None, normalize: Any = None
+        self, uri: Any, selection: Any = None, *, aabb: Any = None, level: int | None = None, flip: Any = (),
+        transpose: Any = None, normalize: Any = None,
     ) -> None:
         uri = _uri(uri)
-        entries = normalize_selection(box, BOX, uri)
+        if aabb is not None:
+            if selection is not None:
+                raise InvalidArgument("a Sample takes a selection or aabb=, not both", uri=uri)
+            entries = normalize_selection(_aabb_selection(aabb, uri), BOX, uri)
+        elif selection is None:
+            raise InvalidArgument("a Sample needs its box: a selection (np.s_[...]) or aabb=[(start, stop), ...]", uri=uri)
+        else:
+            entries = normalize_selection(selection, BOX, uri)
         object.__setattr__(self, "uri", uri)
         object.__setattr__(self, "selection", entries)
         object.__setattr__(self, "level", _level(level, uri))

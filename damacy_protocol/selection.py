@@ -130,7 +130,8 @@ def _list(e: Any, where: str, kind: str, uri: str | None) -> Entry:
     if kind == BOX:
         raise InvalidArgument(
             f"{where}: a Sample is a box, per axis (start, stop) or a slice in a tuple; "
-            f"a list selects indices (an IndexQuery's), got {_short(e)}",
+            f"a list selects indices (an IndexQuery's), got {_short(e)}; a list of (start, stop) pairs is "
+            "Sample(uri, aabb=[...])",
             uri=uri,
         )
     arr = e if isinstance(e, np.ndarray) else np.asarray(list(e))
