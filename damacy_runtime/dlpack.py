@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from damacy_runtime.extensions import optional
+
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT, KDL_COMPLEX, KDL_BOOL = 0, 1, 2, 4, 5, 6
 VERSION = (1, 0)
@@ -82,12 +84,10 @@ def _delete(address: int | None) -> None:
         entry[-1]()
 
 
-try:  # the C deleter and capsule destructor (see _dlpack.c)
-    from damacy_runtime import _dlpack
-except ModuleNotFoundError as e:  # built without a C compiler: ctypes callbacks, which a consumer
-    if e.name != "damacy_runtime._dlpack":  # failing with an error pending, or freeing without the GIL, upsets
-        raise
-    _dlpack = None
+# the C deleter and capsule destructor (see _dlpack.c); None: built without a C compiler, and
+# ctypes callbacks stand in (which a consumer failing with an error pending, or freeing
+# without the GIL, upsets)
+_dlpack = optional("damacy_runtime._dlpack")
 
 if _dlpack is not None:
     _dlpack.set_release(_delete)

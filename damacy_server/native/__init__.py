@@ -17,15 +17,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from damacy_runtime.extensions import optional
+
 if TYPE_CHECKING:  # annotations only: the file store imports this package, and optable imports it back
     from damacy_server import optable
 
-try:
-    from damacy_server.native import _assemble
-except ModuleNotFoundError as e:  # built without a C compiler: the Python path does all the work
-    if e.name != "damacy_server.native._assemble":
-        raise
-    _assemble = None
+_assemble = optional("damacy_server.native._assemble")  # None: built without a C compiler
 
 #: dtype codes of _assemble.c
 _CODES = {

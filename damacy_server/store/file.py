@@ -28,14 +28,10 @@ from collections.abc import Sequence
 
 from damacy_protocol.checks import Count, checked
 from damacy_protocol.errors import InvalidArgument, StorageError
+from damacy_runtime.extensions import optional
 from damacy_server.store.base import ByteRange, Store
 
-try:
-    from damacy_server.native import _assemble as _native
-except ModuleNotFoundError as e:  # built without a C compiler (any other import error is a bug)
-    if e.name != "damacy_server.native._assemble":
-        raise
-    _native = None
+_native = optional("damacy_server.native._assemble")  # None: built without a C compiler
 
 _MISSING = (FileNotFoundError, NotADirectoryError)
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
