@@ -65,6 +65,13 @@ class LRUCache(Generic[V]):
             self.hits += 1
             return item[0]
 
+    def peek(self, key: Hashable) -> V | None:
+        """The value under ``key`` (None: none) without counting a lookup or touching its
+        place in the order."""
+        with self._lock:
+            item = self._data.get(key)
+        return None if item is None else item[0]
+
     def _count(self, key: Hashable) -> None:
         freq = self._freq
         freq[key] = freq.get(key, 0) + 1

@@ -237,11 +237,15 @@ class ChunkPlanner:
         errors: dict[int, SampleError] = {}
         fills: list[tuple[int, Any]] = []
         by_array: dict[str, _ArrayRows] = {}
+        # every array the batch names, those not cached read together (ZarrMetadata.arrays)
+        found = self.metadata.arrays((s.uri, getattr(s, "level", None)) for s in samples if not isinstance(s, BadSample))
         for i, sample in enumerate(samples):
             try:
                 if isinstance(sample, BadSample):
                     raise sample.error
-                meta = self.metadata.array(sample.uri, level=getattr(sample, "level", None))
+                meta = found[(sample.uri, getattr(sample, "level", None))]
+                if isinstance(meta, SampleError):
+                    raise _copy_error(meta) from meta.__cause__
                 metas[i] = meta
                 if accept is not None:
                     accept(meta)

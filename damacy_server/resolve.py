@@ -8,7 +8,12 @@ LRU caches.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +25,9 @@ from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import ArrayMetadata, check_node, consolidated_entries, consolidated_node, load_node, parse_array_metadata
 from damacy_server.zarr.ngff import Image, Level, image_multiscale, multiscale_path, parse_axes, transforms
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class MetadataCache:
@@ -56,16 +64,69 @@ class UnitLocations:
             raise self.errors[min(self.errors)]
 
 
+#: metadata and shard-index reads in flight while planning, when the reader does not say
+DEFAULT_CONCURRENCY = 64
+
+
 class ZarrMetadata:
-    """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``."""
+    """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``.
+
+    While a batch is planned, the ``zarr.json`` files of the arrays it names and the outer
+    shard indexes it needs that are not cached yet are read up to ``reader.concurrency``
+    (``FileMetadataReader(concurrency=64)``) at a time: local files on that many threads,
+    object stores as that many requests in flight."""
 
     def __init__(self, reader: Store | None = None, cache: MetadataCache | None = None, remote: RemoteStores | None = None) -> None:
         self.reader = reader
         self.cache = cache if cache is not None else MetadataCache()
         self.remote = remote
+        self.concurrency: int = getattr(reader, "concurrency", DEFAULT_CONCURRENCY)
         # the consolidated metadata of groups loaded (root -> {path below: node}); apart from
         # the array cache, whose counters say how often arrays were parsed
         self.consolidated: LRUCache[dict] = LRUCache(64)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
+
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``fn`` of each item, at most :attr:`concurrency` at once (here, for one item or a
+        concurrency of 1). ``fn`` returns its errors rather than raising them."""
+        if self.concurrency <= 1 or len(items) < 2:
+            return [fn(x) for x in items]
+        with self._pool_lock:
+            if self._pool is None or self._pool_pid != os.getpid():  # none yet, or made before a fork
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="damacy-metadata")
+                self._pool_pid = os.getpid()
+            pool = self._pool
+        return list(pool.map(fn, items))
+
+    def arrays(self, requests: Iterable[tuple[str, int | None]]) -> dict[tuple[str, int | None], ArrayMetadata | SampleError]:
+        """:meth:`array` of each distinct ``(uri, level)``: the metadata, or the error loading
+        it raised. Those not cached yet are loaded concurrently (see the class)."""
+        wanted = list(dict.fromkeys(requests))
+        cold = [r for r in wanted if not self._cached(*r)]
+        out: dict[tuple[str, int | None], ArrayMetadata | SampleError] = {}
+        if len(cold) > 1:
+            out.update(zip(cold, self._map(self._array_or_error, cold)))
+        for r in wanted:
+            if r not in out:
+                out[r] = self._array_or_error(r)
+        return out
+
+    def _array_or_error(self, request: tuple[str, int | None]) -> ArrayMetadata | SampleError:
+        try:
+            return self.array(*request)
+        except SampleError as e:
+            return e
+
+    def _cached(self, uri: str, level: int | None) -> bool:
+        """Is the metadata :meth:`array` would load for ``(uri, level)`` cached (a glance: no
+        counter moves, nothing is read)?"""
+        try:
+            _, root = self.store_of(uri)
+        except SampleError:
+            return True  # refused by name: nothing to read
+        return self.cache.arrays.peek(root if level is None else (root, "ngff-image")) is not None
 
     def store_of(self, uri: str) -> tuple[Store, str]:
         """The store that reads ``uri`` (local paths: ``reader`` when set; object-store uris:
@@ -260,16 +321,26 @@ class ZarrMetadata:
 
     def _prefetch_indexes(self, meta: ArrayMetadata, keys: list[str]) -> dict[str, object] | None:
         """The (index bytes, object size) of the outer shards among ``keys`` not yet cached,
-        requested all at once when the store is remote (one round trip for all, not one
-        each); ``None`` (missing) or the exception per key."""
-        fetch_many = getattr(meta.store, "read_ranges_sized", None)
-        if not meta.layout.levels or fetch_many is None or len(keys) < 2:
+        read :attr:`concurrency` at a time (an object store's requests together, in one
+        round trip's time rather than one each); ``None`` (missing) or the exception per key."""
+        if not meta.layout.levels or len(keys) < 2:
             return None
-        want = [k for k in keys if self.cache.shard_indexes.get((k, 0, 0)) is None]
+        want = [k for k in keys if self.cache.shard_indexes.peek((k, 0, 0)) is None]
         if len(want) < 2:
             return None
         start, length = meta.layout.levels[0].index_range()
-        return dict(zip(want, fetch_many(want, start, length)))
+        store = meta.store
+        fetch_many = getattr(store, "read_ranges_sized", None)
+        if fetch_many is not None:
+            return dict(zip(want, fetch_many(want, start, length, most=self.concurrency)))
+
+        def one(key: str) -> object:
+            try:
+                return store.read_range_sized(key, start, length)
+            except SampleError as e:
+                return e
+
+        return dict(zip(want, self._map(one, want)))
 
     def shard_index(
         self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...],

@@ -57,7 +57,8 @@ class RangeServer:
 
     ``fail[path] = [500, 500]`` answers the next requests for ``path`` with those statuses
     first; a path in ``stall`` is answered only once ``release`` is set. ``requests`` logs
-    (method, path, status) of every request answered or stalled."""
+    (method, path, status) of every request answered or stalled; ``suffix_peak`` is the
+    most suffix-range requests (``bytes=-n``: shard indexes at the end) in flight at once."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -67,6 +68,7 @@ class RangeServer:
         self.stalled = threading.Event()
         self.requests: list[tuple[str, str, int]] = []
         self.lock = threading.Lock()
+        self.suffix_inflight = self.suffix_peak = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,10 +81,17 @@ class RangeServer:
                 self._answer(body=False)
 
             def do_GET(self) -> None:
+                suffix = (self.headers.get("Range") or "").strip().startswith("bytes=-")
+                with server.lock:
+                    server.suffix_inflight += suffix
+                    server.suffix_peak = max(server.suffix_peak, server.suffix_inflight)
                 try:
                     self._answer(body=True)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (a timeout under test)
+                finally:
+                    with server.lock:
+                        server.suffix_inflight -= suffix
 
             def _answer(self, body: bool) -> None:
                 path = unquote(urlsplit(self.path).path)

@@ -347,6 +347,26 @@ def test_shard_indexes_of_a_remote_array_are_requested_together(http, sharded):
     np.testing.assert_array_equal(out["data"], expected)
 
 
+def test_the_metadata_readers_concurrency_is_the_window_of_index_requests(http, sharded):
+    """FileMetadataReader(concurrency=2): the planner keeps two shard-index requests in
+    flight, never more (all four shards' stall until two are waiting)."""
+    _, expected = sharded
+    http.stall.update(f"/a.zarr/c/{k}" for k in ("0/0", "0/1", "1/0", "1/1"))
+    uri = f"{http.url}/a.zarr"
+    md = damacy.ZarrMetadata(reader=damacy.FileMetadataReader(concurrency=2))
+    damacy.open_array(uri, metadata=md)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(data=damacy.read(uri, metadata=md)))
+    t.start()
+    try:
+        wait_for(lambda: sum(1 for r in http.requests if r[2] == 0) >= 2, what="two index requests waiting")
+    finally:
+        http.release.set()
+        t.join(60)
+    np.testing.assert_array_equal(out["data"], expected)
+    assert http.suffix_peak == 2
+
+
 def test_the_readme_example_runs(s3, tmp_path):
     from test_readme import block
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 from conftest import random_data, write_array
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
@@ -127,3 +128,83 @@ def test_file_store_ranges(tmp_path):
     assert s.size(str(f)) == 100 and s.exists(str(f))
     assert s.read(str(tmp_path / "missing")) is None and s.read_range(str(tmp_path / "missing"), 0, 1) is None
     assert s.size(str(tmp_path / "missing")) is None
+
+
+class InFlight(damacy.FileMetadataReader):
+    """A metadata reader that counts its reads in flight. After :meth:`together`, the next
+    ``k`` reads wait for each other (so they must run at once, or the barrier breaks)."""
+
+    def __init__(self, concurrency: int) -> None:
+        super().__init__(concurrency=concurrency)
+        self._lock = threading.Lock()
+        self.now = self.peak = self.calls = 0
+        self._barrier: threading.Barrier | None = None
+        self._first = 0
+
+    def together(self, k: int) -> None:
+        self.peak = 0
+        self._barrier = threading.Barrier(k, timeout=60) if k > 1 else None
+        self._first = self.calls
+
+    def _counted(self, read, *args):
+        with self._lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.calls += 1
+            wait = self._barrier is not None and self.calls - self._first <= self._barrier.parties
+        try:
+            if wait:
+                self._barrier.wait()
+            return read(*args)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+    def read(self, key):
+        return self._counted(super().read, key)
+
+    def read_range_sized(self, key, offset, length):
+        return self._counted(super().read_range_sized, key, offset, length)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_metadata_reader_concurrency_is_the_planners_reads_in_flight(tmp_path, concurrency):
+    """FileMetadataReader(concurrency=k): the zarr.json files of a batch's arrays, then the
+    outer shard indexes of its samples, are read k at a time (one after another for 1)."""
+    serializer = ShardingCodec(chunk_shape=(4, 8, 8), codecs=[LE, ZstdCodec(level=1)], index_codecs=[LE, Crc32cCodec()])
+    arrays = []
+    for k in range(8):
+        data = random_data((8, 32, 64), "uint16", seed=k)
+        write_array(tmp_path / f"a{k}", data, chunks=(8, 16, 16), serializer=serializer)
+        arrays.append((str(tmp_path / f"a{k}"), data))
+
+    def pipeline(reader, n):
+        return damacy.Pipeline(
+            planner=damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=reader), limits=damacy.PlanLimits()),
+            executor=damacy.CpuExecutor(reader=damacy.FileReader(workers=2), limits=damacy.CpuLimits(decode_workers=2)),
+            output=damacy.BatchSpec(samples=n, shape=(8, 32, 64), dtype="u16"),
+            queues=damacy.QueueLimits(lookahead_samples=n, prepared_batches=1),
+        )
+
+    # eight arrays in one batch: eight zarr.json reads (each sample's 8 shard indexes are
+    # then one array's own, read together too)
+    reader = InFlight(concurrency)
+    reader.together(concurrency)
+    with pipeline(reader, 8) as pipe:
+        pipe.push(damacy.Sample(uri=uri, aabb=[(0, 8), (0, 32), (0, 64)]) for uri, _ in arrays)
+        with pipe.pop() as batch:
+            x = np.from_dlpack(batch)
+            for j, (_, data) in enumerate(arrays):
+                assert np.array_equal(x[j], data)
+    assert reader.peak == concurrency
+    assert reader.calls == 8 + 8 * 8  # each zarr.json and each shard index once
+
+    # one array, one sample cutting 8 shards: their indexes are read k at a time
+    reader = InFlight(concurrency)
+    md = damacy.ZarrMetadata(reader=reader)
+    md.array(arrays[0][0])
+    assert reader.calls == 1
+    reader.together(concurrency)
+    got = damacy.read(arrays[0][0], np.s_[:, :, :], metadata=md)
+    assert np.array_equal(got, arrays[0][1]) and reader.calls == 1 + 8
+    assert reader.peak == concurrency

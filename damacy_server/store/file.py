@@ -275,10 +275,18 @@ def _pread_exact(fd: int, length: int, offset: int) -> bytes:
 
 
 class FileMetadataReader(FileStore):
-    """The store used for ``zarr.json`` files and shard indexes (read while planning)."""
+    """The store used for ``zarr.json`` files and shard indexes (read while planning).
 
-    def __init__(self, roots: list[str] | None = None) -> None:
+    ``concurrency``: how many of those reads are in flight at once while a batch is planned
+    (the arrays' metadata and the outer shard indexes not cached yet; see
+    :class:`~damacy_server.resolve.ZarrMetadata`): the planner's local reads run on that many
+    threads, and its grouped requests to object stores keep that many in flight. 1 reads
+    one after another, in the planning thread."""
+
+    def __init__(self, concurrency: int = 64, *, roots: list[str] | None = None) -> None:
         super().__init__(roots)
+        checked("FileMetadataReader", "concurrency", concurrency, Count)
+        self.concurrency = concurrency
 
 
 class FileReader(FileStore):
