@@ -4,6 +4,7 @@ bit; the kernels compiled by nvcc when it is installed."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import subprocess
@@ -222,6 +223,59 @@ def test_overlapping_rows_are_refused_before_a_launch():
     with pytest.raises(tables.OverlappingCopies, match="same element"):
         tables.check_disjoint(rows, ndim, np.zeros(0, np.int64), [(8, 8)])
     tables.check_disjoint(rows[:1], ndim, np.zeros(0, np.int64), [(8, 8)])  # one row alone is fine
+
+
+def _writes(rows, ndim, pool, shapes):
+    """Every element's number of writes, per sample (None: a row writes outside)."""
+    counts = [np.zeros(shape, dtype=np.int64) for shape in shapes]
+    for row in rows:
+        axes = [np.arange(s, s + e) if s >= 0 else pool[-s - 1 : -s - 1 + e] for s, e in zip(row[2 + ndim : 2 + 2 * ndim], row[2 + 2 * ndim :])]
+        if any(len(p) and (p.min() < 0 or p.max() >= n) for p, n in zip(axes, shapes[row[1]])):
+            return None
+        np.add.at(counts[row[1]], np.ix_(*axes), 1)
+    return counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_disjointness_check_agrees_with_counting_every_write(data):
+    """Grids of pieces (what the planner makes), grids with a piece repeated or moved, rows
+    of any boxes, index lists with repeats: refused exactly when some element is written
+    twice or a row writes outside."""
+    ndim = data.draw(st.integers(1, 3))
+    shapes = [tuple(data.draw(st.integers(1, 6)) for _ in range(ndim)) for _ in range(2)]
+    pool: list[int] = []
+    rows = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        sample = data.draw(st.integers(0, 1))
+        starts, extents = [], []
+        for a in range(ndim):
+            n = shapes[sample][a]
+            if data.draw(st.booleans()):  # a range
+                start = data.draw(st.integers(0, n))
+                extents.append(data.draw(st.integers(1, n + 1 - min(start, n - 1))))
+                starts.append(start)
+            else:  # an index list into the pool
+                at = data.draw(st.lists(st.integers(0, n), min_size=1, max_size=4))
+                starts.append(-(len(pool) + 1))
+                extents.append(len(at))
+                pool.extend(at)
+        rows.append([0, sample, *([0] * ndim), *starts, *extents])
+    if data.draw(st.booleans()):  # a grid over one sample: the pieces per axis, every combination
+        cuts = [sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=2)) if n > 1 else [])) for n in shapes[0]]
+        pieces = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, shapes[0])]
+        rows = [[0, 0, *([0] * ndim), *(lo for lo, _ in combo), *(hi - lo for lo, hi in combo)] for combo in itertools.product(*pieces)]
+        if data.draw(st.booleans()):
+            rows.append(list(rows[data.draw(st.integers(0, len(rows) - 1))]))  # one piece twice
+    rows = np.array(rows, dtype=np.int64)
+    pool_ = np.array(pool or [0], dtype=np.int64)
+    counts = _writes(rows, ndim, pool_, shapes)
+    fine = counts is not None and all(c.max(initial=0) <= 1 for c in counts)
+    if fine:
+        tables.check_disjoint(rows, ndim, pool_, shapes)
+    else:
+        with pytest.raises(tables.OverlappingCopies):
+            tables.check_disjoint(rows, ndim, pool_, shapes)
 
 
 def test_fill_converts_like_any_element():

@@ -26,18 +26,43 @@ def _axis_positions(start: int, extent: int, pool: np.ndarray) -> np.ndarray:
 
 def check_disjoint(rows: np.ndarray, ndim: int, pool: np.ndarray, out_shapes: Sequence[tuple[int, ...]]) -> None:
     """Raise :class:`OverlappingCopies` when two rows (or one row twice) write one element
-    of a sample, or a row writes outside its sample."""
-    written: dict[int, np.ndarray] = {}
-    for row in np.asarray(rows, dtype=np.int64):
-        sample = int(row[1])
+    of a sample, or a row writes outside its sample.
+
+    It runs before every assembly launch, so it costs what the table's size does, not what
+    the batch's does: the planner's rows of a sample form a grid (per axis, the pieces of
+    the units the sample cuts, which are disjoint), so per axis the distinct destination
+    pieces are checked to be disjoint and in bounds, and then two rows overlap exactly when
+    they take the same piece on every axis. A table that is not such a grid (no planner
+    makes one) is checked element by element."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
+        return
+    samples = rows[:, 1]
+    for sample in np.unique(samples).tolist():
+        mine = rows[samples == sample]
         shape = tuple(out_shapes[sample])
-        axes = [_axis_positions(int(row[2 + ndim + a]), int(row[2 + 2 * ndim + a]), pool) for a in range(ndim)]
-        if any(len(p) and (p.min() < 0 or p.max() >= n) for p, n in zip(axes, shape)):
-            raise OverlappingCopies(f"a row writes outside sample {sample} of shape {shape}")
-        counts = written.get(sample)
-        if counts is None:
-            counts = written[sample] = np.zeros(shape, dtype=np.uint8)
-        mesh = np.ix_(*axes) if ndim else ()
-        np.add.at(counts, mesh, 1)
-        if counts.max(initial=0) > 1:
+        if len(shape) != ndim:
+            raise OverlappingCopies(f"rows of {ndim} axes write sample {sample} of shape {shape}")
+        pieces = np.empty((len(mine), ndim), dtype=np.int64)
+        grid = True
+        for a in range(ndim):
+            spans, pieces[:, a] = np.unique(mine[:, [2 + ndim + a, 2 + 2 * ndim + a]], axis=0, return_inverse=True)
+            positions = [_axis_positions(start, extent, pool) for start, extent in spans.tolist()]
+            at = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+            if len(at) and (at.min() < 0 or at.max() >= shape[a]):
+                raise OverlappingCopies(f"a row writes outside sample {sample} of shape {shape}")
+            grid = grid and len(np.unique(at)) == len(at)
+        if not grid:
+            _count_writes(mine, ndim, pool, sample, shape)
+        elif len(np.unique(pieces, axis=0)) != len(pieces):
             raise OverlappingCopies(f"two copies write the same element of sample {sample}")
+
+
+def _count_writes(rows: np.ndarray, ndim: int, pool: np.ndarray, sample: int, shape: tuple[int, ...]) -> None:
+    """The exact check of one sample's rows (in bounds already): count every element's writes."""
+    counts = np.zeros(shape, dtype=np.int32)
+    for row in rows:
+        axes = [_axis_positions(int(row[2 + ndim + a]), int(row[2 + 2 * ndim + a]), pool) for a in range(ndim)]
+        np.add.at(counts, np.ix_(*axes) if ndim else (), 1)
+    if counts.max(initial=0) > 1:
+        raise OverlappingCopies(f"two copies write the same element of sample {sample}")
