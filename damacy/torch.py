@@ -80,9 +80,9 @@ class Loader(IterableDataset):
 
     def _pipeline(self):
         if self._pipe is None:
-            import damacy
+            from damacy.pipeline import Pipeline
 
-            self._pipe = damacy.Pipeline(self.config, endpoint=self.endpoint) if self.endpoint else damacy.Pipeline(self.config)
+            self._pipe = Pipeline(self.config, endpoint=self.endpoint) if self.endpoint else Pipeline(self.config)
         return self._pipe
 
     def __iter__(self):

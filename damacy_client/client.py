@@ -25,7 +25,7 @@ from damacy_client.transport import Connection, Call
 from damacy_protocol import messages as m
 from damacy_protocol.stats import as_dict
 from damacy_protocol.config import Config
-from damacy_protocol.devices import device_uuid
+from damacy_runtime.devices import device_uuid
 from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError

@@ -14,7 +14,6 @@ from typing import Any, Literal
 import msgspec
 
 from damacy_protocol.checks import Count, Seconds, Size, checked, default_decode_workers
-from damacy_protocol.devices import check_device
 from damacy_protocol.dtypes import canonical_dtype
 from damacy_protocol.errors import InvalidArgument
 
@@ -27,8 +26,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
 
     - ``samples_per_batch``, ``sample_shape``, ``dtype``: what a batch is (``dtype``: f32, bf16,
       f16, f64, u8, u16, u32, u64, i8, i16, i32, i64, bool or native).
-    - ``device``: ``None`` for host memory, or the index of a CUDA device on this machine (a
-      Config naming one that is not there is refused when it is made).
+    - ``device``: ``None`` for host memory, or the index of a CUDA device (a pipeline made with
+      a Config naming one that this machine does not have is refused when it is made).
     - ``max_memory_bytes``: host memory for batch slots plus chunk data in flight; never exceeded.
     - ``lookahead_samples``: samples pulled and in flight before their batch is popped
       (default: two batches); at least ``samples_per_batch``.
@@ -93,8 +92,6 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
                 f"Config.lookahead_samples ({self.lookahead_samples}) must be at least samples_per_batch "
                 f"({self.samples_per_batch}): a batch is planned as a whole"
             )
-        if self.device is not None:
-            check_device(self.device)
         cpus = os.cpu_count() or 1
         if self.io_workers is None:
             set_(self, "io_workers", max(4, cpus))

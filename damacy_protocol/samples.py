@@ -204,6 +204,14 @@ class Sample:
         return f"{type(self).__name__}({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
 
 
+class Padding(Sample):
+    """A sample repeated only so that every rank takes the same number of steps (a window
+    another position of the batch or another rank already holds): drop it from results
+    (``BatchInfo.padding`` names its positions)."""
+
+    __slots__ = ()
+
+
 class IndexQuery:
     """An index selection of the array at ``uri``: per axis an index list, a range (with a
     step), an integer (the axis is dropped) or ``...``, in a tuple (see

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import SampleError
+from damacy_protocol.samples import Padding
 from damacy_runtime import dlpack
 from damacy_runtime.device import LEGACY_DEFAULT_STREAM, DeviceArray
 
@@ -102,10 +103,8 @@ class BatchInfo:
 
     @property
     def padding(self) -> tuple[int, ...]:
-        """Positions in the batch of :class:`~damacy_runtime.samplers.Padding` samples
+        """Positions in the batch of :class:`~damacy_protocol.samples.Padding` samples
         (repeated only so that every rank takes the same number of steps): drop them."""
-        from damacy_runtime.samplers import Padding
-
         return tuple(i for i, s in enumerate(self.samples) if isinstance(s, Padding))
 
 

@@ -93,7 +93,7 @@ def pin(array: np.ndarray) -> bool:
 def _load() -> Pinner | None:
     if os.environ.get("DAMACY_PIN_HOST_SLOTS", "0") != "1":
         return None
-    from damacy_protocol.devices import cuda_devices, standin
+    from damacy_runtime.devices import cuda_devices, standin
 
     if standin() is not None or cuda_devices()[0] == 0:
         return None

@@ -14,7 +14,7 @@ import click
 
 from damacy_protocol.errors import DamacyError
 from damacy_protocol.checks import default_decode_workers
-from damacy_protocol.endpoint import default_endpoint
+from damacy_runtime.endpoint import default_endpoint
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

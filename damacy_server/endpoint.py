@@ -1,7 +1,7 @@
 """Where damacyd listens, and who may connect.
 
 The default endpoint is the node's ``ipc:///tmp/damacy-UID/damacyd.sock`` (the same for every
-process of the user; see :mod:`damacy_protocol.endpoint`), overridden by ``DAMACY_ENDPOINT``
+process of the user; see :mod:`damacy_runtime.endpoint`), overridden by ``DAMACY_ENDPOINT``
 or ``--endpoint``. The ipc socket file is
 owner-only unless ``--socket-mode``/``--socket-group`` widen it (the slots' shared-memory
 segments follow). A TCP endpoint binds only to loopback unless CURVE keys are given.
@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import zmq
 
-from damacy_protocol.endpoint import check_private_folder, node_endpoint
+from damacy_runtime.endpoint import check_private_folder, node_endpoint
 from damacy_protocol.errors import InvalidArgument
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}

@@ -431,10 +431,11 @@ class _SwitchInterval:
 def _cuda_executor(config: Config):
     """The executor of ``Config(device=k)``: reads on the host, decodes and assembles on GPU k
     into device slots (CuPy, nvCOMP; the extras ``damacy[cuda12]`` / ``damacy[cuda13]``)."""
-    from damacy_protocol.devices import standin
+    from damacy_runtime.devices import check_device, standin
     from damacy_server.cuda.device import CupyDevice, HostDevice
     from damacy_server.cuda.executor import CudaExecutor, CudaLimits
 
+    check_device(config.device)
     try:
         # DAMACY_DEVICE_STANDIN (tests): GPU 0 is the host stand-in (host memory, the twin)
         device = HostDevice() if standin() is not None else CupyDevice(config.device)

@@ -125,9 +125,9 @@ def _hermetic_pipelines(request, monkeypatch):
     """damacy.Pipeline(cfg) uses a damacyd running at the node's default endpoint: a user's own
     daemon must not take the tests' pipelines (only tests marked node_daemon look for one)."""
     if request.node.get_closest_marker("node_daemon") is None:
-        import damacy
+        from damacy import pipeline
 
-        monkeypatch.setattr(damacy, "_node_daemon", lambda: None)
+        monkeypatch.setattr(pipeline, "_node_daemon", lambda: None)
         monkeypatch.delenv("DAMACY_ENDPOINT", raising=False)
 
 

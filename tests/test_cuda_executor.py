@@ -160,15 +160,21 @@ def test_a_batch_larger_than_the_device_budget_fails_its_samples(arrays, monkeyp
         gpu.close()
 
 
-def test_a_config_naming_a_missing_gpu_is_refused_when_made():
-    from damacy_protocol.devices import cuda_devices
+def test_a_pipeline_naming_a_missing_gpu_is_refused_when_made(tmp_path):
+    """A Config is a plain value (made anywhere, sent anywhere); the pipeline made with it
+    checks that this machine has the GPU it names, embedded and through a daemon alike."""
+    from damacy_runtime.devices import cuda_devices
 
     count, _ = cuda_devices()
+    missing = damacy.Config(samples_per_batch=1, sample_shape=(2,), device=count)
     if count == 0:
         with pytest.raises(damacy.InvalidArgument, match="Config.device=0: no CUDA device is available"):
-            damacy.Config(samples_per_batch=1, sample_shape=(2,), device=0)
-    with pytest.raises(damacy.InvalidArgument, match="CUDA device"):
-        damacy.Config(samples_per_batch=1, sample_shape=(2,), device=count)
+            damacy.Pipeline(missing, embedded=True)
+        with pytest.raises(damacy.InvalidArgument, match="no CUDA device is available"):
+            damacy.Pipeline(missing, endpoint=f"ipc://{tmp_path}/nobody.sock")
+    else:
+        with pytest.raises(damacy.InvalidArgument, match=f"this machine has {count} CUDA device"):
+            damacy.Pipeline(missing, embedded=True)
     assert damacy.Config(samples_per_batch=1, sample_shape=(2,)).device is None
 
 

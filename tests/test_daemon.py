@@ -361,7 +361,7 @@ print(loaded)
 def test_pipeline_finds_the_node_daemon_whatever_the_environment(tmp_path, data, monkeypatch):
     import damacy_client.client
     import damacy_server.pipeline
-    from damacy_protocol.endpoint import check_private_folder, node_endpoint
+    from damacy_runtime.endpoint import check_private_folder, node_endpoint
 
     endpoint = node_endpoint()
     if ping(endpoint, 0.5):
@@ -397,7 +397,7 @@ def test_pipeline_finds_the_node_daemon_whatever_the_environment(tmp_path, data,
 
 
 def test_a_socket_folder_others_may_write_is_not_trusted(tmp_path):
-    from damacy_protocol.endpoint import check_private_folder
+    from damacy_runtime.endpoint import check_private_folder
 
     folder = tmp_path / "sock"
     folder.mkdir(mode=0o700)
@@ -410,7 +410,7 @@ def test_a_socket_folder_others_may_write_is_not_trusted(tmp_path):
 def test_stats_watch_shows_rates_since_the_last_refresh(cached_daemon):
     import copy
 
-    from damacy_client.cli import render
+    from damacy.cli import render
 
     before = stats(cached_daemon.endpoint)
     after = copy.deepcopy(before)

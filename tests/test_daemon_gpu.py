@@ -22,7 +22,7 @@ from daemon_helpers import DaemonProcess, wait_for
 from test_device_batches import Consumer
 
 import damacy
-from damacy_protocol.devices import STANDIN_ENV
+from damacy_runtime.devices import STANDIN_ENV
 
 zarr = pytest.importorskip("zarr")
 

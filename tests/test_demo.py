@@ -15,7 +15,7 @@ from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
-from damacy_client import demo
+from damacy import demo
 
 
 def damacy_command() -> list[str]:

@@ -329,7 +329,7 @@ def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
     """The README's GPU quick start, shapes scaled down: Config(device=0) alone builds the
     CUDA executor and device slots (GPU 0 is the stand-in here); without CuPy the error says
     which extra to install."""
-    from damacy_protocol.devices import STANDIN_ENV
+    from damacy_runtime.devices import STANDIN_ENV
     from damacy_server import pipeline as pipeline_module
     from damacy_server.cuda.executor import CudaExecutor
 
@@ -348,6 +348,7 @@ def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
         raise ModuleNotFoundError("No module named 'cupy'")
 
     monkeypatch.delenv(STANDIN_ENV)
+    monkeypatch.setattr("damacy_runtime.devices.check_device", lambda device, what="": None)  # a machine with GPU 0
     monkeypatch.setattr("damacy_server.cuda.device.CupyDevice", no_cupy)
     with pytest.raises(damacy.InvalidArgument, match=r"needs CuPy and nvCOMP: pip install 'damacy\[cuda13\]'"):
         pipeline_module._cuda_executor(cfg)

@@ -103,7 +103,7 @@ def test_a_slot_that_cannot_be_pinned_still_serves_batches(volume, caplog):
 
 
 def test_pinning_is_asked_for_and_needs_a_device_and_a_loaded_runtime(monkeypatch):
-    from damacy_protocol import devices
+    from damacy_runtime import devices
 
     monkeypatch.setattr(devices, "cuda_devices", lambda: (1, ""))
     monkeypatch.delenv("DAMACY_PIN_HOST_SLOTS", raising=False)

@@ -24,7 +24,7 @@ from pipeline_helpers import expected_box, out_dtype, same
 from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
-from damacy_protocol.devices import STANDIN_ENV, cuda_devices
+from damacy_runtime.devices import STANDIN_ENV, cuda_devices
 
 SEEDS = Path(os.environ.get("DAMACY_SEEDS", Path(__file__).resolve().parents[2] / "shared" / "seeds"))
 SEED = SEEDS / "000_25899fea03a8d15c.txt"

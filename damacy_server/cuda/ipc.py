@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol import messages as m
-from damacy_protocol.devices import device_index, standin, standin_log
+from damacy_runtime.devices import device_index, standin, standin_log
 from damacy_protocol.errors import InvalidArgument
 from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
 from damacy_server.cuda.device import CupyDevice, HostDevice

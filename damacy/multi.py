@@ -21,6 +21,7 @@ from damacy_protocol.config import Config
 from damacy_protocol.errors import InvalidArgument, PipelineDrained, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime.batch import Batch
+from damacy.pipeline import Pipeline
 
 
 class MultiSample:
@@ -131,8 +132,6 @@ class MultiPipeline:
             raise InvalidArgument("every name's Config must have the same samples_per_batch, on_error and drop_last")
         if "skip" in policies:
             raise InvalidArgument('on_error="skip" would drop a sample from one name\'s batch only; use "fill" or "raise"')
-        import damacy
-
         self.names = list(configs)
         # batch k's outcome per name (its Batch, or the SampleError its pop raised) while
         # another name's pop has not answered (a timeout): the next pop completes it
@@ -140,7 +139,7 @@ class MultiPipeline:
         self.pipes: dict[str, Any] = {}
         try:
             for name, cfg in configs.items():
-                self.pipes[name] = damacy.Pipeline(cfg, **pipeline_kw)
+                self.pipes[name] = Pipeline(cfg, **pipeline_kw)
         except BaseException:
             self.close()
             raise

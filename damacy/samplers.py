@@ -17,7 +17,7 @@ rank and for every number of ranks, and hands rank ``r`` of ``W`` its part of it
 
 ``arrays`` are uris (shapes read from their metadata), ``{uri: shape}``, or groups of
 arrays read at one box, ``{name: uri}`` each (the samples are then
-:class:`~damacy_runtime.multi.MultiSample` s, for a :class:`~damacy_runtime.multi.MultiPipeline`;
+:class:`~damacy.multi.MultiSample` s, for a :class:`~damacy.multi.MultiPipeline`;
 the box is drawn on the group's first array, and ``scales={name: factor}`` maps it to an array
 at another resolution).
 
@@ -36,14 +36,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import InvalidArgument
-from damacy_protocol.samples import IndexQuery, Sample, normalize_pair
-
-
-class Padding(Sample):
-    """A sample repeated only so that every rank takes the same number of steps (a window
-    another position of the batch or another rank already holds): drop it from results."""
-
-    __slots__ = ()
+from damacy_protocol.samples import IndexQuery, Padding, Sample, normalize_pair
 
 
 def partition(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -86,7 +79,7 @@ def _sample(where: str | dict, box: tuple, scales: Mapping[str, float] | None, n
     """A sample of ``box``: of one array, or a MultiSample of a group {name: uri};
     ``normalize`` as the samplers take it (see :func:`_check_normalize`)."""
     if isinstance(where, dict):
-        from damacy_runtime.multi import MultiSample
+        from damacy.multi import MultiSample
 
         level = kw.pop("level", None)
         return MultiSample.at(
@@ -241,7 +234,7 @@ def _padding(s: Any) -> Any:
     """``s`` again, marked as padding (every part of a MultiSample)."""
     if isinstance(s, Sample):
         return Padding(s.uri, s.selection, level=s.level, flip=s.flip, transpose=s.transpose, normalize=s.normalize)
-    from damacy_runtime.multi import MultiSample
+    from damacy.multi import MultiSample
 
     return MultiSample({name: _padding(part) for name, part in s.parts.items()})
 

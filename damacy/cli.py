@@ -42,7 +42,7 @@ def main():
 @click.option("--timeout", type=float, default=2.0, show_default=True)
 def ping(endpoint, timeout):
     """Check that damacyd answers."""
-    from damacy_protocol.endpoint import default_endpoint
+    from damacy_runtime.endpoint import default_endpoint
     from damacy_runtime.probe import ping as probe
 
     endpoint = endpoint or default_endpoint()
@@ -199,7 +199,7 @@ def demo(uri, endpoint, batches, batch_size, size, data_dir):
 
     Without URI, a sharded, zstd-compressed volume is written once (into --data-dir) and
     streamed; with URI, that Zarr array (v3 or v2, or an NGFF image) is."""
-    from damacy_client import demo as d
+    from damacy import demo as d
 
     try:
         if uri is None:

@@ -130,23 +130,26 @@ def _stage_line(stats: dict) -> str:
 def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.stdout) -> dict:
     """Stream ``batches`` batches of random boxes of ``uri``; print a live line, then a
     summary. Returns the figures."""
-    import damacy
+    from damacy_protocol.config import Config
+    from damacy_protocol.samples import Sample
+    from damacy_server.read import open_array
+    from damacy.pipeline import Pipeline
 
-    meta = damacy.open_array(uri)
+    meta = open_array(uri)
     box = tuple(min(n, b) for n, b in zip(meta.shape, (64, 128, 128) if meta.ndim == 3 else (64,) * meta.ndim))
     rng = np.random.default_rng(0)
     samples = [
-        damacy.Sample(uri, tuple((a, a + b) for a, b in zip((int(rng.integers(0, n - b + 1)) for n, b in zip(meta.shape, box)), box)))
+        Sample(uri, tuple((a, a + b) for a, b in zip((int(rng.integers(0, n - b + 1)) for n, b in zip(meta.shape, box)), box)))
         for _ in range(batches * batch_size)
     ]
-    cfg = damacy.Config(samples_per_batch=batch_size, sample_shape=box, dtype="f32")
+    cfg = Config(samples_per_batch=batch_size, sample_shape=box, dtype="f32")
     where = f"damacyd at {endpoint}" if endpoint else "embedded"
     print(f"streaming {batches} batches of {batch_size} x {box} float32 from {uri} ({where})", file=out)
     t0 = time.perf_counter()
     first = None
     done = 0
     nbytes = 0
-    with damacy.Pipeline(cfg, endpoint=endpoint) as pipe:
+    with Pipeline(cfg, endpoint=endpoint) as pipe:
         pipe.push(samples)
         for batch in pipe.batches():
             with batch:

@@ -1,0 +1,94 @@
+"""``damacy.Pipeline``: the node's damacyd when one answers, else the engine in this process.
+
+The choice is made once per pipeline, from ``endpoint=``/``embedded=``, ``$DAMACY_ENDPOINT``
+and the node's default socket, and logged once per process (logger "damacy", level INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from damacy_protocol.config import Config
+from damacy_protocol.errors import DaemonUnavailable, InvalidArgument
+from damacy_runtime.api import PipelineAPI
+
+log = logging.getLogger("damacy")
+
+_chosen: set[str] = set()  # what Pipeline() chose, logged once per process
+
+
+def _say_once(what: str) -> None:
+    if what not in _chosen:
+        _chosen.add(what)
+        log.info("damacy: %s", what)
+
+
+def _node_daemon() -> str | None:
+    """The node's default endpoint when a damacyd answers there (in a folder of this user's
+    own), else None."""
+    from damacy_runtime.endpoint import check_private_folder, node_endpoint
+
+    endpoint = node_endpoint()
+    path = endpoint[len("ipc://") :]
+    if not os.path.exists(path):
+        return None
+    try:
+        check_private_folder(os.path.dirname(path))
+    except InvalidArgument as e:
+        _say_once(f"not using the socket at {path}: {e}")
+        return None
+    from damacy_runtime.probe import ping
+
+    return endpoint if ping(endpoint, 0.5) else None
+
+
+class _AnyPipeline(type):
+    """``isinstance(p, damacy.Pipeline)`` holds for both kinds (they share PipelineAPI)."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, PipelineAPI)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return isinstance(sub, type) and issubclass(sub, PipelineAPI)
+
+
+class Pipeline(metaclass=_AnyPipeline):
+    """A streaming pipeline: run by the node's damacyd when one answers, else embedded here.
+
+    ``Pipeline(config)`` uses the damacyd at ``$DAMACY_ENDPOINT`` when that is set, else the
+    one at the node's default endpoint (``ipc:///tmp/damacy-UID/damacyd.sock``) when it
+    answers, else runs the engine in this process; the choice is logged once (logger
+    "damacy", level INFO). ``endpoint=...`` asks for that daemon; ``embedded=True`` runs here
+    whatever answers, ``embedded=False`` requires a daemon. Composed from parts
+    (``planner=..., executor=..., output=..., queues=...``) it is always embedded. Both kinds
+    behave the same.
+    """
+
+    def __new__(cls, config: Config | None = None, *, endpoint: str | None = None, embedded: bool | None = None, **parts):
+        return _make_pipeline(config, endpoint, embedded, parts)
+
+
+def _make_pipeline(config: Config | None, endpoint: str | None, embedded: bool | None, parts: dict):
+    if embedded and endpoint is not None:
+        raise InvalidArgument("a pipeline is embedded or has an endpoint, not both")
+    if parts and (endpoint is not None or embedded is False):
+        raise InvalidArgument(f"a daemon pipeline takes a Config only, not {sorted(parts)}")
+    if not parts and not embedded:
+        if endpoint is None:
+            endpoint = os.environ.get("DAMACY_ENDPOINT") or _node_daemon()
+        if endpoint is None and embedded is False:
+            from damacy_runtime.endpoint import node_endpoint
+
+            raise DaemonUnavailable(f"no damacyd answers at {node_endpoint()} (and DAMACY_ENDPOINT is not set)")
+    if endpoint is not None:
+        from damacy_client.client import RemotePipeline
+
+        pipe = RemotePipeline(config, endpoint)
+        _say_once(f"using damacyd at {pipe.endpoint}")
+        return pipe
+    from damacy_server.pipeline import Pipeline as EmbeddedPipeline
+
+    if not parts and not embedded:
+        _say_once("no damacyd answers at the node's endpoint: running embedded")
+    return EmbeddedPipeline(config, **parts)
