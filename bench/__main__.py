@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "ranks":
         from bench import ranks
-        from damacy_server.cli import parse_size
+        from damacy_server.daemon.cli import parse_size
 
         cache = parse_size(args.cache)
         size = parse_size(args.data_size) if args.data_size else 2 * cache

@@ -1,6 +1,6 @@
 """The embedded pipeline: samples in, ready batches out, while the caller trains.
 
-A front end over the batch engine (:mod:`damacy_server.engine`): a feeder thread pulls
+A front end over the batch engine (:mod:`damacy_server.engine.batches`): a feeder thread pulls
 samples lazily from what was pushed (never more than ``lookahead_samples`` ahead of what was
 popped) and starts a batch whenever the engine has a free slot; the engine plans it and the
 executor assembles it in the background. ``pop`` returns the batches in push order. A bad
@@ -24,12 +24,12 @@ from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained
 from damacy_runtime import front
 from damacy_runtime.api import PipelineAPI
 from damacy_runtime.batch import Batch
-from damacy_server.cpu import CpuExecutor, CpuLimits
-from damacy_server.engine import BatchEngine, Delivery, Patch
-from damacy_server.slots import OutputSpec, SlotMemory
-from damacy_server.plan import BatchSpec, ChunkPlanner
-from damacy_server.reads import PlanLimits
-from damacy_server.resolve import MetadataCache, ZarrMetadata
+from damacy_server.cpu.executor import CpuExecutor, CpuLimits
+from damacy_server.engine.batches import BatchEngine, Delivery, Patch
+from damacy_server.engine.slots import OutputSpec, SlotMemory
+from damacy_server.plan.planner import BatchSpec, ChunkPlanner
+from damacy_server.plan.reads import PlanLimits
+from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
 from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 

@@ -13,12 +13,12 @@ import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import InvalidArgument, SampleError
-from damacy_server.cpu import CpuExecutor
-from damacy_server.plan import ChunkPlanner, Selected
-from damacy_server.reads import PlanLimits
-from damacy_server.resolve import ZarrMetadata
+from damacy_server.cpu.executor import CpuExecutor
+from damacy_server.plan.planner import ChunkPlanner, Selected
+from damacy_server.plan.reads import PlanLimits
+from damacy_server.plan.resolve import ZarrMetadata
 from damacy_protocol.selection import READ, normalize
-from damacy_server.selection import resolve, selection_shape
+from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
 
 #: one read is one request: small merged reads, so its units decode on all decode threads

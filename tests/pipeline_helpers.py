@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from damacy_protocol.dtypes import numpy_dtype
-from damacy_server.contract import convert
+from damacy_server.decode.contract import convert
 
 
 def expected_box(oracle, aabb, out_dtype) -> np.ndarray:

@@ -150,7 +150,7 @@ def test_a_batch_larger_than_the_device_budget_fails_its_samples(arrays, monkeyp
 
     uri, _ = arrays["zstd-u16"]
     plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, np.s_[0:12, 0:16, 0:20])], (12, 16, 20))
-    monkeypatch.setattr("damacy_server.budget.MIN_INFLIGHT_BYTES", 1024)
+    monkeypatch.setattr("damacy_server.engine.budget.MIN_INFLIGHT_BYTES", 1024)
     gpu = CudaExecutor(HostDevice(), limits=CudaLimits(max_gpu_memory_bytes=1 << 20))
     try:
         gpu.reserve_slots((1 << 20) - 4096, "slots")  # 4 KiB left: less than the batch's units

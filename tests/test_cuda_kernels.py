@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
-from damacy_server import contract
-from damacy_server.contract import edge_values
+from damacy_server.decode import contract
+from damacy_server.decode.contract import edge_values
 from damacy_server.cuda import tables, twin
 from damacy_server.zarr.codecs.blosc import unshuffle_block
 
@@ -156,7 +156,7 @@ def arrays(tmp_path_factory):
 
 def _assemble_with_twin(plan, out_dtype) -> list[np.ndarray]:
     """What the GPU executor does with a plan: fill, then one assembly launch per table."""
-    from damacy_server.decode import decode_unit
+    from damacy_server.decode.chunks import decode_unit
     from damacy_server.store.file import FileReader
 
     reader = FileReader()

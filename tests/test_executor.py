@@ -11,8 +11,8 @@ from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
-from damacy_server.budget import MIN_INFLIGHT_BYTES, MemoryBudget, Reservation
-from damacy_server.selection import SliceCopy
+from damacy_server.engine.budget import MIN_INFLIGHT_BYTES, MemoryBudget, Reservation
+from damacy_server.plan.selection import SliceCopy
 
 
 @pytest.fixture

@@ -101,8 +101,8 @@ def open_rule(request, monkeypatch):
     from damacy_server.store import file
 
     if request.param == "python":
-        monkeypatch.setattr(file, "_native", None)
-    elif file._native is None:
+        monkeypatch.setattr(file, "_open_checked", None)
+    elif file._open_checked is None:
         pytest.skip("the native extension is not built")
     return request.param
 

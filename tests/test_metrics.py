@@ -100,7 +100,7 @@ def test_metrics_are_off_by_default_and_a_bad_address_is_refused(tmp_path):
 
 @pytest.mark.parametrize("text,want", [("9400", ("127.0.0.1", 9400)), (":9400", ("127.0.0.1", 9400)), ("0.0.0.0:1", ("0.0.0.0", 1)), ("[::1]:80", ("::1", 80))])
 def test_metrics_addresses_default_to_loopback(text, want):
-    from damacy_server.metrics import parse_address
+    from damacy_server.daemon.metrics import parse_address
 
     assert parse_address(text) == want
 

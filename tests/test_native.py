@@ -400,7 +400,7 @@ def test_decode_threads_read_page_cached_groups_themselves(tmp_path):
 
 
 def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch):
-    from damacy_server import cpu
+    from damacy_server.cpu import executor as cpu
 
     uri, data = _sharded(tmp_path)
     calls = []
@@ -423,7 +423,7 @@ def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
     import errno
     import os
 
-    from damacy_server import optable
+    from damacy_server.cpu import optable
     from damacy_server.store import FileStore
 
     uri, data = _sharded(tmp_path)
@@ -516,7 +516,7 @@ def test_truncated_shard_read_directly_falls_back_and_is_reported(tmp_path):
 def test_direct_reads_of_whole_objects_and_empty_files(tmp_path):
     import os
 
-    from damacy_server import optable
+    from damacy_server.cpu import optable
 
     data = random_data((8, 12), "uint16", 5)
     write_array(tmp_path / "w", data, chunks=(4, 6), compressors=[ZstdCodec(level=1)])
@@ -603,7 +603,7 @@ def test_arrays_with_huge_chunk_grids(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "first", ["damacy_server.cuda.executor", "damacy_server.decode", "damacy_server.plan", "damacy_server.store", "damacy", "damacy_server.service"]
+    "first", ["damacy_server.cuda.executor", "damacy_server.decode.chunks", "damacy_server.plan.planner", "damacy_server.store", "damacy", "damacy_server.daemon.service"]
 )
 def test_the_native_path_is_found_whichever_module_is_imported_first(first):
     """A circular import once made the file store take the extension for missing (and read
@@ -612,6 +612,6 @@ def test_the_native_path_is_found_whichever_module_is_imported_first(first):
     import subprocess
     import sys
 
-    code = f"import {first}\nfrom damacy_server.store import file\nfrom damacy_server import native\nassert file._native is not None and native.available()"
+    code = f"import {first}\nfrom damacy_server.store import file\nfrom damacy_server import native\nassert file._open_checked is not None and native.available()"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -13,7 +13,7 @@ from conftest import padded_selection, random_data, write_array
 from zarr.codecs import BloscCodec, ZstdCodec
 
 import damacy
-from damacy_server import contract
+from damacy_server.decode import contract
 from damacy_server.cuda import twin
 
 NORMS = [(0.0, 1.0), (1000.0, 1 / 3), (-2.5, 0.1), (0.1, 7.0), (3e4, -1e-3)]

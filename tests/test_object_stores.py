@@ -252,7 +252,7 @@ def test_prefixes_are_checked_on_every_key():
 def test_remote_reads_merge_across_larger_gaps():
     from types import SimpleNamespace
 
-    from damacy_server.reads import PlanLimits, merge_reads
+    from damacy_server.plan.reads import PlanLimits, merge_reads
 
     def job(key, offset):
         return SimpleNamespace(key=key, offset=offset, nbytes=1000)

@@ -7,8 +7,8 @@ from conftest import random_data, write_array
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
-from damacy_server import optable
-from damacy_server.decode import decode_unit
+from damacy_server.cpu import optable
+from damacy_server.decode.chunks import decode_unit
 
 
 def test_op_table_reproduces_the_batch(tmp_path):

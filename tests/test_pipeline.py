@@ -17,7 +17,7 @@ from pipeline_helpers import expected_box, out_dtype, same
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import damacy
-from damacy_server.contract import convert
+from damacy_server.decode.contract import convert
 
 LE = BytesCodec(endian="little")
 SHAPE = (30, 40, 50)

@@ -33,15 +33,15 @@ import numpy as np
 from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import DecodeError, SampleError
 from damacy_runtime.device import DeviceArray
-from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
+from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
 from damacy_server.cuda.twin import CODES, SHUFFLE_MODES, norm_table
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
-from damacy_server.plan import BatchPlan, sample_view
-from damacy_server.run import samples_of
-from damacy_server.slots import DeviceSlots
+from damacy_server.plan.planner import BatchPlan, sample_view
+from damacy_server.cpu.run import samples_of
+from damacy_server.engine.slots import DeviceSlots
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 

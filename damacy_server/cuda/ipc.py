@@ -21,7 +21,6 @@ the order each side follows (see ``damacy_client.ipc``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +32,8 @@ from damacy_protocol.errors import InvalidArgument
 from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
 from damacy_server.cuda.device import CupyDevice, HostDevice
 from damacy_server.cuda.executor import CudaExecutor, CudaLimits
-from damacy_server.shm import Segment
-from damacy_server.slots import SlotMemory
+from damacy_server.engine.shm import Segment
+from damacy_server.engine.slots import SlotMemory, SlotSharing
 from damacy_server.store.file import FileReader
 
 log = logging.getLogger("damacyd")
@@ -85,21 +84,20 @@ class StandinIpcDevice(HostDevice):
 class IpcSlots(SlotMemory):
     """A device session's slots (see module); ``infos`` are what the Welcome sends."""
 
-    def __init__(self, daemon: Any, sid: str, executor: Any, unmapped: Callable[[], bool]) -> None:
-        self.daemon = daemon  # its shared-memory rule and retiring list
+    def __init__(self, prefix: str, sharing: SlotSharing, executor: Any, unmapped: Callable[[], bool]) -> None:
+        self.prefix = prefix  # slot k is named {prefix}-{k}
+        self.sharing = sharing  # the daemon's shared-memory rule and retiring
         self.executor = executor
         self.device = executor.device
-        self.sid = sid
         self._unmapped = unmapped  # whether the client no longer maps the slots
         self.infos: list[m.SlotInfo] = []
         self.segments: list[Segment] = []  # the stand-in's (unlinked once the client mapped them)
         self._owned: list[tuple[Any, int]] = []  # (what frees it, bytes)
 
     def allocate(self, index: int, nbytes: int) -> DeviceArray:
-        name = f"damacy-{os.getpid()}-{self.sid}-{index}"
+        name = f"{self.prefix}-{index}"
         if isinstance(self.device, StandinIpcDevice):
-            options = self.daemon.options
-            seg = Segment(name, nbytes, options.socket_mode, self.daemon.segment_gid)
+            seg = Segment(name, nbytes, self.sharing.mode, self.sharing.gid)
             self.segments.append(seg)
             ready, free = StandinEvent(f"{name}.ready"), StandinEvent(f"{name}.free")
             array = DeviceArray(seg.array.ctypes.data, (nbytes,), np.uint8, self.device, seg, sync=IpcSync(ready, free))
@@ -127,14 +125,14 @@ class IpcSlots(SlotMemory):
             if isinstance(self.device, StandinIpcDevice):
                 for seg in segments:
                     standin_log("daemon", "free", seg.name)
-                self.daemon.retire(segments, release)
+                self.sharing.retire(segments, release)
                 return
             self.device.synchronize()
             for ptr, nbytes in owned:
                 self.device.ipc_free(ptr)
                 release(nbytes)
 
-        self.daemon.retire_when(self._unmapped, lambda: self.executor.after_device_work(free))
+        self.sharing.retire_when(self._unmapped, lambda: self.executor.after_device_work(free))
 
 def gpu_executor(uuid: str, roots: list[str], options: Any) -> Any:
     """The executor of damacyd's sessions on the GPU named ``uuid`` (``options``: the

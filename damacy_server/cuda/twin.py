@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from damacy_server.contract import BF16
+from damacy_server.decode.contract import BF16
 
 #: dtype codes of the kernels (convert.cuh: DT_BOOL ... DT_BF16), by numpy dtype
 CODES: dict[np.dtype, int] = {

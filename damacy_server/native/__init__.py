@@ -13,16 +13,17 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from damacy_runtime.extensions import optional
 
-if TYPE_CHECKING:  # annotations only: the file store imports this package, and optable imports it back
-    from damacy_server import optable
-
 _assemble = optional("damacy_server.native._assemble")  # None: built without a C compiler
+
+#: ``open_checked(path, flags, roots) -> (fd, error code, size)``: a file opened under the
+#: file store's confinement rule, in C (see :mod:`damacy_server.store.file`); None: not built
+open_checked = _assemble.open_checked if _assemble is not None else None
 
 #: dtype codes of _assemble.c
 _CODES = {
@@ -41,6 +42,19 @@ _CODES = {
 }
 CODEC_RAW, CODEC_ZSTD, CODEC_BLOSC = 0, 1, 2
 MAX_NDIM = 8
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """The copies a native call makes (built from a plan's copy table by
+    :func:`damacy_server.cpu.optable.build`): rows as in the plan's table, but for the unit
+    number in the first column, counted from ``base``."""
+
+    ops: np.ndarray  # int64 (n_ops, 2 + 3 * ndim)
+    ndim: int
+    pool: np.ndarray  # int64: the index lists the rows point to
+    base: int  # the unit number of the first unit (units are numbered base, base + 1, ...)
+    spans: np.ndarray  # int64 (n_units, 2): each unit's offset in its object and length (-1: whole)
 
 
 class Status(enum.IntEnum):
@@ -167,7 +181,7 @@ RUN_FILE_MAX = _assemble.RUN_FILE_MAX if _assemble is not None else 0
 _NO_KEEP = np.zeros(0, dtype=np.int64)
 
 
-def _task(kernel: NativeKernel, table: optable.OpTable, targets: np.ndarray, keep: np.ndarray | None = None) -> tuple:
+def _task(kernel: NativeKernel, table: OpTable, targets: np.ndarray, keep: np.ndarray | None = None) -> tuple:
     return (
         table.spans,
         table.ops,
@@ -189,7 +203,7 @@ def run_file(
     where: tuple[str, int, bytes | None],
     offset: int,
     length: int,
-    table: optable.OpTable,
+    table: OpTable,
     targets: np.ndarray,
     keep: np.ndarray | None = None,
 ) -> tuple[int, list[Failure] | None, int, int, int, int]:
@@ -206,7 +220,7 @@ def run_file(
 
 
 def run(
-    kernel: NativeKernel, data, offset: int, table: optable.OpTable, targets: np.ndarray, keep: np.ndarray | None = None
+    kernel: NativeKernel, data, offset: int, table: OpTable, targets: np.ndarray, keep: np.ndarray | None = None
 ) -> tuple[list[Failure], int, int]:
     """Decode the units of ``table`` from ``data`` (bytes read from ``offset`` of their
     object) and make every copy into ``targets`` (from :func:`targets`). Returns (failures,
@@ -236,7 +250,7 @@ def decoded_source(kernel: NativeKernel, arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: optable.OpTable, targets: np.ndarray) -> tuple[list[Failure], int, int]:
+def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: OpTable, targets: np.ndarray) -> tuple[list[Failure], int, int]:
     """As :func:`run` for units already decoded: ``sources`` holds each unit's address (from
     :func:`decoded_source`; the caller keeps the arrays alive through the call)."""
     failures, encoded, elements = _assemble.run_decoded(sources, *_task(kernel, table, targets))

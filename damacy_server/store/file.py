@@ -28,10 +28,10 @@ from collections.abc import Sequence
 
 from damacy_protocol.checks import Count, checked
 from damacy_protocol.errors import InvalidArgument, StorageError
-from damacy_runtime.extensions import optional
+from damacy_server import native
 from damacy_server.store.base import ByteRange, Store
 
-_native = optional("damacy_server.native._assemble")  # None: built without a C compiler
+_open_checked = native.open_checked  # the rule in C; None: built without a C compiler
 
 _MISSING = (FileNotFoundError, NotADirectoryError)
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -90,8 +90,8 @@ class FileStore(Store):
         """(descriptor open for reading, size) of a regular file, ``None`` when there is no
         such file, :class:`InvalidArgument` outside the roots, :class:`StorageError` otherwise."""
         _check_name(key)
-        if _native is not None:
-            fd, code, size = _native.open_checked(key, _FLAGS, self._roots_blob)
+        if _open_checked is not None:
+            fd, code, size = _open_checked(key, _FLAGS, self._roots_blob)
             if fd >= 0:
                 return fd, size
             if code in (errno.ENOENT, errno.ENOTDIR):
@@ -279,7 +279,7 @@ class FileMetadataReader(FileStore):
 
     ``concurrency``: how many of those reads are in flight at once while a batch is planned
     (the arrays' metadata and the outer shard indexes not cached yet; see
-    :class:`~damacy_server.resolve.ZarrMetadata`): the planner's local reads run on that many
+    :class:`~damacy_server.plan.resolve.ZarrMetadata`): the planner's local reads run on that many
     threads, and its grouped requests to object stores keep that many in flight. 1 reads
     one after another, in the planning thread."""
 

@@ -1,9 +1,10 @@
 """Batch slots: what an engine assembles (OutputSpec) and where its slots live (SlotMemory).
 
-Host memory for an embedded pipeline (:class:`HostSlots`), POSIX shared memory for a
-daemon session (``damacy_server.session.ShmSlots``), a GPU's memory for an embedded
-pipeline with ``Config(device=k)`` (:class:`DeviceSlots`). An engine allocates its slots
-once and reuses them for every batch it assembles.
+Host memory for an embedded pipeline (:class:`HostSlots`), POSIX shared memory a client
+maps for a daemon session (:class:`ShmSlots`), a GPU's memory for an embedded pipeline with
+``Config(device=k)`` (:class:`DeviceSlots`; a daemon session's GPU slots are shared over
+CUDA IPC: ``damacy_server.cuda.ipc.IpcSlots``). An engine allocates its slots once and reuses
+them for every batch it assembles.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from damacy_runtime import pinning
+from damacy_server.engine.shm import Segment
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,38 @@ class DeviceSlots(SlotMemory):
     def close(self, release: Callable[[int], None]) -> None:
         release(self._nbytes)
         self._nbytes = 0
+
+
+@dataclass(frozen=True)
+class SlotSharing:
+    """How a daemon shares slot memory with its clients' processes: segments made with the
+    socket's ``mode`` and ``gid``; ``retire(segments, release)`` unmaps each segment as soon
+    as no task writes into it any more and calls ``release(nbytes)`` then;
+    ``retire_when(ready, free)`` runs ``free()`` once ``ready()`` says so."""
+
+    mode: int
+    gid: int | None
+    retire: Callable[[list[Segment], Callable[[int], None]], None]
+    retire_when: Callable[[Callable[[], bool], Callable[[], None]], None]
+
+
+class ShmSlots(SlotMemory):
+    """POSIX shared-memory segments (files under /dev/shm, named ``{prefix}-{index}``) that a
+    client process maps: a daemon session's slots. Closing hands them to the daemon's
+    retiring (see :class:`SlotSharing`); their bytes stay in the budget until unmapped."""
+
+    def __init__(self, prefix: str, sharing: SlotSharing) -> None:
+        self.prefix = prefix
+        self.sharing = sharing
+        self.segments: list[Segment] = []
+
+    def allocate(self, index: int, nbytes: int) -> np.ndarray:
+        # claimed (and zeroed) by the file system at creation; its pages are mapped into this
+        # process as the decode threads first write them, in parallel, as in embedded mode
+        seg = Segment(f"{self.prefix}-{index}", nbytes, self.sharing.mode, self.sharing.gid)
+        self.segments.append(seg)
+        return seg.array
+
+    def close(self, release: Callable[[int], None]) -> None:
+        segments, self.segments = self.segments, []
+        self.sharing.retire(segments, release)

@@ -2,7 +2,7 @@
 
 The daemon owns what ranks share: the metadata and shard-index caches, the decoded-chunk
 cache, the I/O, decode and planning pools, the memory budget, and one CUDA executor per GPU
-its sessions ask for. Each client connection is a :class:`~damacy_server.session.Session`
+its sessions ask for. Each client connection is a :class:`~damacy_server.daemon.session.Session`
 driving a batch engine of its own (its queue, lookahead, error policy and batch slots in
 POSIX shared memory, or in GPU memory shared over CUDA IPC); batches are handed over as
 (slot, batch id) and read in the client without a copy.
@@ -17,8 +17,6 @@ all act on the daemon's one state, owned by the loop thread.)
 
 from __future__ import annotations
 
-import collections
-
 import gc
 import logging
 import os
@@ -26,7 +24,6 @@ import queue
 import resource
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -43,14 +40,17 @@ from damacy_protocol.errors import (
     SampleError,
 )
 from damacy_runtime.waker import Waker
-from damacy_server.cpu import CpuExecutor, CpuLimits
+from damacy_server.cpu.executor import CpuExecutor, CpuLimits
 from damacy_server.cuda.ipc import gpu_executor
-from damacy_server.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
-from damacy_server.plan import BadSample, ChunkPlanner
-from damacy_server.reads import PlanLimits
-from damacy_server.resolve import MetadataCache, ZarrMetadata
-from damacy_server.session import Session
-from damacy_server.shm import Segment, remove_stale
+from damacy_server.daemon.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
+from damacy_server.daemon.host import Totals
+from damacy_server.daemon.options import DaemonOptions
+from damacy_server.plan.planner import BadSample, ChunkPlanner
+from damacy_server.plan.reads import PlanLimits
+from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
+from damacy_server.daemon.session import Session
+from damacy_server.engine.shm import Segment, remove_stale
+from damacy_server.engine.slots import SlotSharing
 from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool
@@ -66,32 +66,9 @@ MESSAGES_PER_TURN = 32
 FD_RESERVE = 64
 
 
-@dataclass
-class DaemonOptions:
-    endpoint: str
-    allow_roots: list[str] = field(default_factory=list)
-    allow_prefixes: list[str] = field(default_factory=list)
-    storage_options: dict[str, dict[str, str]] = field(default_factory=dict)
-    memory_bytes: int = 8 << 30
-    chunk_cache_bytes: int = 0
-    io_workers: int = max(4, os.cpu_count() or 1)
-    decode_workers: int = os.cpu_count() or 1
-    array_cache_entries: int = 1024
-    shard_index_cache_entries: int = 65536
-    socket_mode: int = 0o600
-    socket_group: str | None = None
-    curve_secret_key: bytes | None = None
-    heartbeat_timeout_s: float = 5.0
-    max_slots_per_session: int = 64
-    max_message_bytes: int = 64 << 20
-    allow_uids: list[int] = field(default_factory=list)
-    allow_gids: list[int] = field(default_factory=list)
-    gpu_memory_bytes: int = 4 << 30  # per GPU: device slots plus each batch's decode arena
-    slow_batch_s: float = 10.0  # a batch longer than this from its start to ready is logged (0: never)
-
-
 class Daemon:
-    """The damacyd process: sockets, sessions, the shared engine."""
+    """The damacyd process: sockets, sessions, the shared engine (the :class:`SessionHost`
+    its sessions see)."""
 
     def __init__(self, options: DaemonOptions) -> None:
         self.options = options
@@ -125,7 +102,7 @@ class Daemon:
         self._gpus_lock = threading.Lock()
         self.sessions: dict[bytes, Session] = {}
         self._sessions_lock = threading.Lock()
-        self.segment_gid = socket_gid(options)
+        self.sharing = SlotSharing(options.socket_mode, socket_gid(options), self.retire, self.retire_when)
         # segments of ended sessions still mapped (a task in flight holds a view): (segment,
         # what returns its bytes to the budget once unmapped, when it was first tried)
         self._retiring: list[tuple[Segment, Any, float]] = []
@@ -149,10 +126,7 @@ class Daemon:
         self.endpoint = options.endpoint
         self.malformed = 0
         self.received = 0  # messages read from the socket
-        # totals since start, all sessions (ended ones included): what --metrics exports
-        self._totals_lock = threading.Lock()
-        self._totals = {"sessions_started": 0, "batches": 0, "samples": 0}
-        self._errors: collections.Counter[str] = collections.Counter()  # failed samples by error type
+        self.totals = Totals()  # since start, all sessions (ended ones included): what --metrics exports
         self.metrics_server = None
 
     # -- plumbing -----------------------------------------------------------------
@@ -453,28 +427,6 @@ class Daemon:
             return
         self._refusals_logged.add(cause)
         log.warning("refused %s: %s (said once per cause)", uri, cause, extra={"event": "refused_path", "uri": uri, "error": type(e).__name__})
-
-    def count_delivery(self, batches: int, samples: int) -> None:
-        """A session handed out ``batches`` holding ``samples``."""
-        with self._totals_lock:
-            self._totals["batches"] += batches
-            self._totals["samples"] += samples
-
-    def count_errors(self, errors: list[BaseException]) -> None:
-        """Samples that failed (each once, whatever the session's on_error does with them)."""
-        with self._totals_lock:
-            for e in errors:
-                self._errors[type(e).__name__] += 1
-
-    def count_session(self) -> None:
-        with self._totals_lock:
-            self._totals["sessions_started"] += 1
-
-    def totals(self) -> dict[str, Any]:
-        """Daemon-wide totals since start: sessions started, batches and samples delivered,
-        failed samples by error type."""
-        with self._totals_lock:
-            return {**self._totals, "errors": dict(self._errors)}
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread, per pool."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from damacy_protocol.errors import DecodeError
-from damacy_server import contract
+from damacy_server.decode import contract
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -24,7 +24,7 @@ def decode_unit(meta: ArrayMetadata, data, unit: tuple[int, ...], key: str) -> n
 
 def cast_fill(value, dtype: np.dtype, norm: tuple[float, float] | None = None) -> np.ndarray:
     """A fill value (of the array's dtype) converted to the output dtype as any element is
-    (:mod:`damacy_server.contract`: NaN to an integer type is 0, not an exception), and
+    (:mod:`damacy_server.decode.contract`: NaN to an integer type is 0, not an exception), and
     normalised as the sample's elements are when ``norm`` = (offset, scale) is given."""
     if norm is not None:
         return contract.normalize(np.asarray(value), dtype, *norm)

@@ -14,7 +14,7 @@ import numpy as np
 from damacy_protocol import messages as m
 from damacy_protocol.errors import DamacyError, SampleError
 from damacy_protocol.wire import error_to_wire
-from damacy_server.decode import check_length, decode_unit
+from damacy_server.decode.chunks import check_length, decode_unit
 
 #: units located (and read) per step, so progress moves and memory stays small
 STEP = 256

@@ -80,12 +80,13 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--metrics", "metrics", default=None, metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default).")
 def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
     """Serve Zarr batches to every training process on this node."""
-    from damacy_server.logs import setup
+    from damacy_server.daemon.logs import setup
 
     setup(log_level, log_format)
     # the daemon does no linear algebra: no BLAS thread pool (its threads spin after start)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from damacy_server.service import Daemon, DaemonOptions
+    from damacy_server.daemon.options import DaemonOptions
+    from damacy_server.daemon.service import Daemon
 
     try:
         mode = int(socket_mode, 8)
@@ -122,7 +123,7 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         allow_gids=_ids(allow_gids, lambda n: grp.getgrnam(n).gr_gid, "gid"),
     )
     if metrics is not None:
-        from damacy_server.metrics import parse_address
+        from damacy_server.daemon.metrics import parse_address
 
         try:
             parse_address(metrics)
@@ -134,7 +135,7 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         click.echo(f"damacyd: {e}", err=True)
         sys.exit(2)
     if metrics is not None:
-        from damacy_server.metrics import serve
+        from damacy_server.daemon.metrics import serve
 
         try:
             daemon.metrics_server, _ = serve(daemon, metrics)

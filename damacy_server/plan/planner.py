@@ -7,7 +7,7 @@ unit the copies (unit region → sample region) that assemble the batch. The pla
 executor consumes (the CPU executor today; a GPU executor takes the same plan).
 
 Grouping the units into reads (merging, the chunk cache, the budget) is in
-:mod:`damacy_server.reads`.
+:mod:`damacy_server.plan.reads`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
-from damacy_server import contract
+from damacy_server.decode import contract
 from damacy_server.cache import LRUCache
-from damacy_server.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
-from damacy_server.resolve import ZarrMetadata
-from damacy_server.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
+from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
+from damacy_server.plan.units import CopyTable, UnitJob
+from damacy_server.plan.resolve import ZarrMetadata
+from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -37,75 +38,6 @@ class BatchSpec:
     samples: int
     shape: tuple[int, ...]
     dtype: str = "f32"
-
-
-class CopyTable:
-    """The copies from the read units of one array into the samples of a batch, as one int64
-    array (what the native CPU path and a GPU assembly kernel consume as it is).
-
-    Row layout (``2 + 3 * ndim`` columns): the unit's position in the plan's unit order, the
-    sample, then per axis the source start (in the unit), the destination start (in the
-    sample) and the extent. A negative start ``-(k + 1)``, on either side, stands for the
-    index list ``pool[k : k + extent]`` (index queries: the unit's elements an index list
-    selects, and where they go in the caller's order). Rows are
-    grouped by unit, in unit order. ``spans[p]`` is where unit ``p``'s bytes are: offset in
-    its object and length (-1: the whole object).
-    """
-
-    __slots__ = ("ndim", "rows", "pool", "spans")
-
-    def __init__(self, ndim: int, rows: np.ndarray, pool: np.ndarray, spans: np.ndarray) -> None:
-        self.ndim = ndim
-        self.rows = rows
-        self.pool = pool
-        self.spans = spans
-
-
-
-class UnitJob:
-    """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`)."""
-
-    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "shared")
-
-    def __init__(
-        self,
-        meta: ArrayMetadata,
-        unit: tuple[int, ...],
-        key: str,
-        offset: int,  # within the object (-1: the whole object)
-        nbytes: int,  # encoded size (-1: the whole object, size unknown)
-        table: CopyTable,
-        pos: int,
-        lo: int,
-        hi: int,
-    ) -> None:
-        self.meta = meta
-        self.unit = unit
-        self.key = key
-        self.offset = offset
-        self.nbytes = nbytes
-        self.table = table
-        self.pos = pos
-        self.lo = lo
-        self.hi = hi
-        self.shared = None  # while executed: the executor's registration (inflight.Shared)
-
-    @property
-    def rows(self) -> np.ndarray:
-        """This unit's rows of its copy table (see :class:`CopyTable`)."""
-        return self.table.rows[self.lo : self.hi]
-
-    @property
-    def samples(self) -> list[int]:
-        """The sample of each copy (a sample may appear more than once)."""
-        return self.table.rows[self.lo : self.hi, 1].tolist()
-
-    @property
-    def decoded_nbytes(self) -> int:
-        return self.meta.layout.leaf.spec.nbytes
-
-    def __repr__(self) -> str:
-        return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
 
 
 @dataclass(eq=False)

@@ -9,16 +9,12 @@ in-flight budget then shape what the executor is asked to read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from damacy_protocol.checks import Size, check_fields
 from damacy_server.cache import LRUCache
+from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
-
-if TYPE_CHECKING:
-    from damacy_server.plan import UnitJob
 
 
 @dataclass(frozen=True)

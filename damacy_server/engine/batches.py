@@ -10,9 +10,9 @@ whatever thread made the change, that a delivery is ready, a slot is free or a p
 Planning runs in the caller's thread, or on a shared ``plan_pool`` (the daemon's, so its
 loop thread never plans).
 
-Behind two small interfaces: the executor (:class:`damacy_server.cpu.CpuExecutor`, or
+Behind two small interfaces: the executor (:class:`damacy_server.cpu.executor.CpuExecutor`, or
 :class:`damacy_server.cuda.executor.CudaExecutor`), which also makes the engine's own writes
-to a slot (fill, move), and the slot memory (:class:`damacy_server.slots.SlotMemory`: host
+to a slot (fill, move), and the slot memory (:class:`damacy_server.engine.slots.SlotMemory`: host
 memory, shared memory in the daemon, device memory; by default where the executor says).
 """
 
@@ -31,9 +31,9 @@ import numpy as np
 
 from damacy_protocol.errors import BatchFailed, InvalidArgument, SampleError
 from damacy_runtime.batch import Slot
-from damacy_server import contract
-from damacy_server.decode import cast_fill
-from damacy_server.slots import HostSlots, OutputSpec, SlotMemory
+from damacy_server.decode import contract
+from damacy_server.decode.chunks import cast_fill
+from damacy_server.engine.slots import HostSlots, OutputSpec, SlotMemory
 
 log = logging.getLogger("damacy")
 

@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import DecodeError
-from damacy_server import native, optable
+from damacy_server import native
+from damacy_server.cpu import optable
 from damacy_server.cache import LRUCache
-from damacy_server.inflight import InFlight
-from damacy_server.plan import UnitJob
-from damacy_server.reads import ReadGroup
-from damacy_server.run import Run, samples_of
+from damacy_server.cpu.inflight import InFlight
+from damacy_server.plan.units import UnitJob
+from damacy_server.plan.reads import ReadGroup
+from damacy_server.cpu.run import Run, samples_of
 
 
 class NativeTasks:
@@ -97,7 +98,7 @@ class NativeTasks:
         return elements * run.dtype.itemsize
 
     # -- helpers ------------------------------------------------------------------------
-    def _tables(self, run: Run, units: list[UnitJob]) -> tuple[optable.OpTable, np.ndarray]:
+    def _tables(self, run: Run, units: list[UnitJob]) -> tuple[native.OpTable, np.ndarray]:
         """The ops of ``units`` and the run's targets, for native code."""
         table = optable.build(units)
         targets = run.targets.get(table.ndim)

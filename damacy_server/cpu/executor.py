@@ -8,10 +8,10 @@ assembled, so slots plus chunk data never exceed ``max_memory_bytes``. Whatever 
 in a task — a corrupt chunk or an unexpected exception — fails the samples concerned and
 nothing else: every read reports back, every reservation is returned.
 
-Where the native path applies (:mod:`damacy_server.native_tasks`), a decode task is one C
+Where the native path applies (:mod:`damacy_server.cpu.tasks`), a decode task is one C
 call; groups whose bytes are in the page cache are read by that call too, on a decode thread
 (see ``_read_direct``). The rest goes through numpy. A unit another batch is decoding is not
-read again: the batch waits for it (:mod:`damacy_server.inflight`). Reads from object stores
+read again: the batch waits for it (:mod:`damacy_server.cpu.inflight`). Reads from object stores
 go to a :class:`~damacy_server.store.fetch.Fetcher` (many requests in flight on one event
 loop) and land in the same code as a file's.
 
@@ -34,15 +34,17 @@ import numpy as np
 
 from damacy_protocol.checks import Count, Size, check_fields, default_decode_workers
 from damacy_protocol.errors import SampleError
-from damacy_server import native, optable
-from damacy_server.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
+from damacy_server import native
+from damacy_server.cpu import optable
+from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
-from damacy_server.decode import cast_fill, check_length, decode_unit
-from damacy_server.inflight import InFlight
-from damacy_server.native_tasks import NativeTasks
-from damacy_server.plan import BatchPlan, UnitJob, sample_view
-from damacy_server.reads import ReadGroup, shrink
-from damacy_server.run import GroupState, Run, samples_of
+from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
+from damacy_server.cpu.inflight import InFlight
+from damacy_server.cpu.tasks import NativeTasks
+from damacy_server.plan.planner import BatchPlan, sample_view
+from damacy_server.plan.units import UnitJob
+from damacy_server.plan.reads import ReadGroup, shrink
+from damacy_server.cpu.run import GroupState, Run, samples_of
 from damacy_server.store import is_remote
 from damacy_server.store.fetch import Fetcher
 from damacy_server.store.file import FileReader
@@ -218,7 +220,7 @@ class CpuExecutor(BudgetedExecutor):
         return out
 
     def _waiter(self, run: Run, u: UnitJob):
-        """What a run does with a unit another batch decoded (see :mod:`damacy_server.inflight`)."""
+        """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""
 
         def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
             if array is not None:

@@ -1,7 +1,7 @@
 """damacyd's figures for Prometheus: ``damacyd --metrics HOST:PORT`` serves ``/metrics``.
 
 Nothing on the hot path: a scrape asks the daemon for the same snapshot ``damacy stats``
-shows (:meth:`damacy_server.service.Daemon.stats`) and turns it into metric families, so the
+shows (:meth:`damacy_server.daemon.service.Daemon.stats`) and turns it into metric families, so the
 figures a monitoring system sees are the ones an operator reads on the node. Counters are
 totals since the daemon started (per session: since the session started; a session's
 series end with it, the daemon-wide totals keep its batches).
@@ -42,7 +42,7 @@ class DaemonCollector:
 
     def collect(self):
         stats = self.daemon.stats()
-        counts = self.daemon.totals()
+        counts = self.daemon.totals.snapshot()
         d = stats.daemon
 
         yield _gauge("uptime_seconds", "Seconds since damacyd started.", d.uptime_s)

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import SampleError
-from damacy_server.plan import BatchPlan, UnitJob
+from damacy_server.plan.planner import BatchPlan
+from damacy_server.plan.units import UnitJob
 
 log = logging.getLogger("damacy")
 

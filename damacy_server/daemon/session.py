@@ -17,9 +17,8 @@ import os
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
@@ -30,46 +29,21 @@ from damacy_protocol.stats import SessionFigures
 from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
 from damacy_runtime.batch import Slot
 from damacy_server.cuda.ipc import IpcSlots
-from damacy_server.engine import BatchEngine, Delivery, Patch
-from damacy_server.slots import OutputSpec, SlotMemory
-from damacy_server.shm import Segment, pid_alive
-from damacy_server.warm import start_warm
-
-if TYPE_CHECKING:
-    from damacy_server.endpoint import Peer
-    from damacy_server.service import Daemon
+from damacy_server.daemon.endpoint import Peer
+from damacy_server.daemon.host import SessionHost
+from damacy_server.daemon.warm import start_warm
+from damacy_server.engine.batches import BatchEngine, Delivery, Patch
+from damacy_server.engine.shm import pid_alive
+from damacy_server.engine.slots import OutputSpec, ShmSlots, SlotMemory
 
 log = logging.getLogger("damacyd")
-
-
-class ShmSlots(SlotMemory):
-    """A session's slots: POSIX shared-memory segments its client maps (mode and group as
-    the socket's). Closing unmaps them now, or as soon as the last task writing into them
-    lets go; their bytes stay in the budget until then."""
-
-    def __init__(self, daemon: Daemon, sid: str) -> None:
-        self.daemon = daemon
-        self.sid = sid
-        self.segments: list[Segment] = []
-
-    def allocate(self, index: int, nbytes: int) -> np.ndarray:
-        options = self.daemon.options
-        # claimed (and zeroed) by the file system at creation; its pages are mapped into this
-        # process as the decode threads first write them, in parallel, as in embedded mode
-        seg = Segment(f"damacy-{os.getpid()}-{self.sid}-{index}", nbytes, options.socket_mode, self.daemon.segment_gid)
-        self.segments.append(seg)
-        return seg.array
-
-    def close(self, release) -> None:
-        segments, self.segments = self.segments, []
-        self.daemon.retire(segments, release)
 
 
 class Session:
     """One client: its engine and slots, the samples it pushed, the pops it waits on."""
 
-    def __init__(self, daemon: Daemon, identity: bytes, conn: ServerConnection, hello: m.Hello, peer: Peer | None = None) -> None:
-        self.daemon = daemon
+    def __init__(self, host: SessionHost, identity: bytes, conn: ServerConnection, hello: m.Hello, peer: Peer | None = None) -> None:
+        self.host = host
         self.identity = identity
         self.conn = conn
         self.peer = peer
@@ -81,7 +55,8 @@ class Session:
         # pid namespaces), else as the client says
         self.watch_pid = peer.pid if peer is not None else hello.pid
         self.pid_visible = pid_alive(self.watch_pid)
-        self.slots: Any = ShmSlots(daemon, self.sid)
+        prefix = f"damacy-{os.getpid()}-{self.sid}"  # a slot's segment: {prefix}-{index}
+        self.slots: SlotMemory = ShmSlots(prefix, host.sharing)
         self.unmapped = False  # a GPU session's client said it closed its mappings of the slots
         self.closed = False
         self.queue: deque[Any] = deque()  # samples pushed and not yet in the engine
@@ -109,33 +84,33 @@ class Session:
                     "Config.storage_options applies to embedded pipelines; damacyd reads object stores with "
                     "its own options (damacyd --storage-option PREFIX KEY=VALUE)"
                 )
-            executor = daemon.executor
+            executor: Any = host.executor
             if cfg.device is not None:  # decoded and assembled on that GPU, slots shared over CUDA IPC
                 if not hello.device:
                     raise InvalidArgument(f"Config.device={cfg.device}: the client did not name the GPU by its UUID")
-                executor = daemon.gpu_executor(hello.device)
-                self.slots = IpcSlots(daemon, self.sid, executor, self._unmapped)
-            limit = daemon.options.max_slots_per_session
+                executor = host.gpu_executor(hello.device)
+                self.slots = IpcSlots(prefix, host.sharing, executor, self._unmapped)
+            limit = host.options.max_slots_per_session
             if cfg.prepared_batches > limit:
                 raise InvalidArgument(
                     f"Config.prepared_batches={cfg.prepared_batches}: this damacyd gives a session at most "
                     f"{limit} slots (--max-slots-per-session)"
                 )
-            daemon.check_descriptors(cfg.prepared_batches)
+            host.check_descriptors(cfg.prepared_batches)
             dtype = numpy_dtype(cfg.dtype, "float32") if cfg.dtype != "native" else None
             spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
             self.engine = BatchEngine(
                 spec,
-                daemon.planner,
+                host.planner,
                 executor,
                 cfg.prepared_batches,
                 self.slots,
-                on_change=lambda: daemon.wake(self),
-                on_errors=daemon.count_errors,
-                plan_pool=daemon.plan_pool,
+                on_change=lambda: host.wake(self),
+                on_errors=host.totals.failed,
+                plan_pool=host.plan_pool,
                 what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
             )
-            daemon.count_session()
+            host.totals.session_started()
 
     def _unmapped(self) -> bool:
         """Whether the client no longer maps a GPU session's slots: it said so, or its process
@@ -150,15 +125,21 @@ class Session:
             reply_to=reply_to,
             version=m.PROTOCOL_VERSION,
             session=self.sid,
-            slots=self.slots.infos if isinstance(self.slots, IpcSlots) else [m.SlotInfo(seg.name, seg.nbytes) for seg in self.slots.segments],
+            slots=self._slot_infos(),
             credits=self.config.lookahead_samples,
         )
+
+    def _slot_infos(self) -> list[m.SlotInfo]:
+        if isinstance(self.slots, IpcSlots):
+            return self.slots.infos
+        assert isinstance(self.slots, ShmSlots)
+        return [m.SlotInfo(seg.name, seg.nbytes) for seg in self.slots.segments]
 
     # -- requests (on the loop thread) ----------------------------------------------------
     def handle(self, msg: Any) -> None:
         self.last_seen = time.monotonic()
         if isinstance(msg, m.Attached):
-            for seg in self.slots.segments:
+            for seg in getattr(self.slots, "segments", ()):
                 seg.unlink()  # the client has mapped them; nothing is left in /dev/shm
             self.reply(m.Ack(reply_to=msg.id))
         elif isinstance(msg, (m.Push, m.Pop, m.Release)) and self.engine is None:
@@ -176,21 +157,21 @@ class Session:
             slot.release()  # the engine hears of it, and the loop pumps this session
             self.reply(m.Ack(reply_to=msg.id))
         elif isinstance(msg, m.Stats):
-            self.reply(m.StatsReply(reply_to=msg.id, stats=self.daemon.stats(session=self)))
+            self.reply(m.StatsReply(reply_to=msg.id, stats=self.host.stats(session=self)))
         elif isinstance(msg, m.Warm):
-            start_warm(self.daemon, self, msg)
+            start_warm(self.host, self, msg)
         elif isinstance(msg, m.Ping):
             self.reply(m.Pong(reply_to=msg.id, session=self.sid))
         elif isinstance(msg, m.Bye):
             self.unmapped = msg.unmapped
             self.reply(m.Goodbye(reply_to=msg.id))
-            self.daemon.end_session(self, "said bye")
+            self.host.end_session(self, "said bye")
         else:  # pragma: no cover - the connection lets nothing else through
             self.fail(getattr(msg, "id", 0), ProtocolError(f"unexpected {type(msg).__name__}"))
 
     def _push(self, msg: m.Push) -> None:
         for w in msg.samples:
-            sample = self.daemon.to_sample(w)
+            sample = self.host.to_sample(w)
             self.seqs[id(sample)] = w.seq
             self.queue.append(sample)
         self.pushed += len(msg.samples)
@@ -282,13 +263,13 @@ class Session:
             seq = self._seq(first) if first is not None else None
             consumed = [self._seq(s) for s in err.batch_samples] if isinstance(err, (SampleError, BatchFailed)) else []
             if not isinstance(err, SampleError):  # a batch that failed as a whole (its sample errors are counted as they happen)
-                self.daemon.count_errors([err] * max(1, len(consumed)))
+                self.host.totals.failed([err] * max(1, len(consumed)))
             return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=consumed)
         self.lent[d.batch_id] = d.slot  # the engine's hold passes to the client until it releases
         self.delivered_batches += 1
         self.delivered_samples += len(d.samples)
-        self.daemon.count_delivery(1, len(d.samples))
-        slow = self.daemon.options.slow_batch_s
+        self.host.totals.delivered(1, len(d.samples))
+        slow = self.host.options.slow_batch_s
         if slow and d.seconds > slow:
             log.warning(
                 "session %s: batch %d took %.1f s from its start to ready (%d samples, %d failed; --slow-batch-s %g)",
@@ -313,7 +294,7 @@ class Session:
         return self.seqs.pop(id(sample), -1)
 
     def reply(self, msg: Any) -> None:
-        self.daemon.post(self.identity, self.conn.reply(msg))
+        self.host.post(self.identity, self.conn.reply(msg))
 
     def fail(self, reply_to: int, err: BaseException) -> None:
         self.reply(m.Failed(reply_to=reply_to, error=error_to_wire(err)))

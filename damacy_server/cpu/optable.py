@@ -6,7 +6,7 @@ counting up), sample (the target index), then per axis the source start (in the 
 target) and the extent. A negative start ``-(k + 1)``, on either side, stands for the index
 list ``pool[k : k + extent]`` (index queries: which elements of the unit, and where they go
 in the caller's order). Rows are grouped by unit, in unit order. The planner already holds the copies in this form
-(:class:`damacy_server.plan.CopyTable`); :func:`build` takes a task's slice of it for native
+(:class:`damacy_server.plan.units.CopyTable`); :func:`build` takes a task's slice of it for native
 code, and :func:`copy_rows` / :func:`fill_rows` execute rows with numpy (the CPU executor's
 Python path; :func:`apply` runs a whole table the same way, for tests). There is no other
 form of a copy.
@@ -15,23 +15,14 @@ form of a copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from damacy_server import contract
-from damacy_server.decode import cast_fill
-from damacy_server.selection import CopyOp, SliceCopy
-
-
-@dataclass(frozen=True)
-class OpTable:
-    ops: np.ndarray  # int64 (n_ops, 2 + 3 * ndim)
-    ndim: int
-    pool: np.ndarray  # int64: the index lists the rows point to
-    base: int  # the unit number of the first unit (units are numbered base, base + 1, ...)
-    spans: np.ndarray  # int64 (n_units, 2): each unit's offset in its object and length (-1: whole)
+from damacy_server.decode import contract
+from damacy_server.decode.chunks import cast_fill
+from damacy_server.native import OpTable
+from damacy_server.plan.selection import CopyOp, SliceCopy
 
 
 def build(units: Sequence[Any]) -> OpTable:
@@ -68,7 +59,7 @@ def copy_rows(
 ) -> int:
     """Make the copies of ``rows`` (a unit's) from its decoded array ``arr`` into
     ``targets[sample]``, converted under damacy's numeric contract (numpy's casts, but for
-    the pairs where :mod:`damacy_server.contract` defines what numpy does not), and
+    the pairs where :mod:`damacy_server.decode.contract` defines what numpy does not), and
     normalised for the samples with ``norms[sample]`` = (offset, scale); returns the bytes
     written."""
     written = 0

@@ -123,7 +123,7 @@ class BudgetedExecutor:
 
     # -- where batches go, and the engine's own writes to them (host memory here) ----------
     def slot_memory(self) -> Any:
-        """The :class:`~damacy_server.slots.SlotMemory` batches executed here go to when the
+        """The :class:`~damacy_server.engine.slots.SlotMemory` batches executed here go to when the
         front end names none (None: host memory)."""
         return None
 
@@ -140,7 +140,7 @@ class StageStats:
     """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
     copied by the native path count under "decode" and again under "native"; reads that
     decode threads made themselves from the page cache under "read" and again under "direct";
-    units a batch took from another batch's decode (see :mod:`damacy_server.inflight`) under
+    units a batch took from another batch's decode (see :mod:`damacy_server.cpu.inflight`) under
     "shared" (their decoded bytes out, no seconds of their own); chunks ``damacy warm`` put in
     the chunk cache under "warm" (their reads and decodes under "read" and "decode")."""
 

@@ -1,0 +1,78 @@
+"""What a plan is made of: per array one copy table (the copies from read units into the
+samples of a batch, in the one form executors consume), and per read unit a job (where its
+bytes are, and its rows of the table)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from damacy_server.zarr.metadata import ArrayMetadata
+
+
+class CopyTable:
+    """The copies from the read units of one array into the samples of a batch, as one int64
+    array (what the native CPU path and a GPU assembly kernel consume as it is).
+
+    Row layout (``2 + 3 * ndim`` columns): the unit's position in the plan's unit order, the
+    sample, then per axis the source start (in the unit), the destination start (in the
+    sample) and the extent. A negative start ``-(k + 1)``, on either side, stands for the
+    index list ``pool[k : k + extent]`` (index queries: the unit's elements an index list
+    selects, and where they go in the caller's order). Rows are
+    grouped by unit, in unit order. ``spans[p]`` is where unit ``p``'s bytes are: offset in
+    its object and length (-1: the whole object).
+    """
+
+    __slots__ = ("ndim", "rows", "pool", "spans")
+
+    def __init__(self, ndim: int, rows: np.ndarray, pool: np.ndarray, spans: np.ndarray) -> None:
+        self.ndim = ndim
+        self.rows = rows
+        self.pool = pool
+        self.spans = spans
+
+
+
+class UnitJob:
+    """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`)."""
+
+    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "shared")
+
+    def __init__(
+        self,
+        meta: ArrayMetadata,
+        unit: tuple[int, ...],
+        key: str,
+        offset: int,  # within the object (-1: the whole object)
+        nbytes: int,  # encoded size (-1: the whole object, size unknown)
+        table: CopyTable,
+        pos: int,
+        lo: int,
+        hi: int,
+    ) -> None:
+        self.meta = meta
+        self.unit = unit
+        self.key = key
+        self.offset = offset
+        self.nbytes = nbytes
+        self.table = table
+        self.pos = pos
+        self.lo = lo
+        self.hi = hi
+        self.shared = None  # while executed: the executor's registration (inflight.Shared)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """This unit's rows of its copy table (see :class:`CopyTable`)."""
+        return self.table.rows[self.lo : self.hi]
+
+    @property
+    def samples(self) -> list[int]:
+        """The sample of each copy (a sample may appear more than once)."""
+        return self.table.rows[self.lo : self.hi, 1].tolist()
+
+    @property
+    def decoded_nbytes(self) -> int:
+        return self.meta.layout.leaf.spec.nbytes
+
+    def __repr__(self) -> str:
+        return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
