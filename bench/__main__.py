@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
 from pathlib import Path
-
-import resource
 
 import numpy as np
 

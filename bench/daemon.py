@@ -97,9 +97,8 @@ def _self_cpu() -> float:
 def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients: list[int]) -> dict:
     """Interleaved repeats (embedded, daemon with 1 client, with 2, ...; again): median
     samples/s and CPU ms per sample (daemon and clients together) of each."""
-    from bench.scenarios import SCENARIOS
-
     import damacy
+    from bench.scenarios import SCENARIOS
 
     scn = SCENARIOS[scenario_name]
     data = Path(data_dir).resolve()

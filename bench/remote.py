@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+import damacy
 from bench import runners
 from bench.data import ensure
 from bench.scenarios import SCENARIOS
-
-import damacy
 
 
 def _cpu(who=resource.RUSAGE_SELF) -> float:

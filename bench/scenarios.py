@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.data import Dataset
-
 import damacy
+from bench.data import Dataset
 
 DEFAULT = Dataset("default", 4, (256, 512, 512), (128, 256, 256), (32, 64, 64), "zstd")
 BLOSC = Dataset("blosc", 4, (256, 512, 512), (128, 256, 256), (32, 64, 64), "blosc")

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+import damacy
 from bench import runners
 from bench.data import ensure
 from bench.scenarios import SCENARIOS
-
-import damacy
 
 
 def _cpu() -> float:

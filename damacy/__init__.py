@@ -3,6 +3,9 @@
 The one import users write; everything public is re-exported here.
 """
 
+from typing import TYPE_CHECKING
+
+from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
 from damacy_protocol.errors import (
     BatchFailed,
@@ -23,7 +26,6 @@ from damacy_protocol.errors import (
 )
 from damacy_protocol.samples import IndexQuery, Padding, Sample
 from damacy_runtime.batch import Batch, BatchInfo
-from damacy.pipeline import Pipeline
 
 #: the rest of the API, imported on first use: a daemon client never loads the engine (nor
 #: its codec libraries), and an embedded pipeline never loads the client's transport
@@ -51,6 +53,20 @@ _LAZY = {
     "MultiPipeline": "damacy.multi",
     "MultiBatch": "damacy.multi",
 }
+
+if TYPE_CHECKING:  # the same names, for type checkers and the import contracts (tests check both agree)
+    from damacy.multi import MultiBatch, MultiPipeline, MultiSample
+    from damacy.samplers import GridBoxes, RandomBoxes, Shuffled
+    from damacy_client.client import RemotePipeline
+    from damacy_server.cpu.executor import CpuExecutor, CpuLimits
+    from damacy_server.pipeline import Pipeline as EmbeddedPipeline
+    from damacy_server.pipeline import QueueLimits
+    from damacy_server.plan.planner import BatchSpec, ChunkPlanner
+    from damacy_server.plan.reads import PlanLimits
+    from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
+    from damacy_server.read import open_array, open_image, read
+    from damacy_server.store.file import FileMetadataReader, FileReader
+    from damacy_server.store.remote import RemoteStores
 
 
 def __getattr__(name: str):

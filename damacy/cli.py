@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from damacy_protocol import messages as m
+from damacy_protocol.errors import DaemonUnavailable, DamacyError
 from damacy_protocol.stats import as_dict
 from damacy_protocol.wire import error_from_wire
-from damacy_protocol.errors import DaemonUnavailable, DamacyError
 
 ENDPOINT = click.option("--endpoint", default=None, help="The daemon's endpoint (default: $DAMACY_ENDPOINT, else the default ipc socket).")
 

@@ -130,10 +130,10 @@ def _stage_line(stats: dict) -> str:
 def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.stdout) -> dict:
     """Stream ``batches`` batches of random boxes of ``uri``; print a live line, then a
     summary. Returns the figures."""
+    from damacy.pipeline import Pipeline
     from damacy_protocol.config import Config
     from damacy_protocol.samples import Sample
     from damacy_server.read import open_array
-    from damacy.pipeline import Pipeline
 
     meta = open_array(uri)
     box = tuple(min(n, b) for n, b in zip(meta.shape, (64, 128, 128) if meta.ndim == 3 else (64,) * meta.ndim))

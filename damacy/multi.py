@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
 from damacy_protocol.errors import InvalidArgument, PipelineDrained, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime.batch import Batch
-from damacy.pipeline import Pipeline
 
 
 class MultiSample:

@@ -24,6 +24,9 @@ at another resolution).
 ``set_epoch(e)`` picks the epoch; ``rank``/``world_size`` default to torch.distributed's
 environment (``RANK``, ``WORLD_SIZE``), else 0 and 1. ``state_dict()`` holds the sampler's
 seed, epoch and partition; the position within an epoch is the pipeline's to count.
+
+(Over 400 lines: one job, the samplers; random boxes, grids and shuffled lists share the
+rank partition, the per-array normalisation and the state they save.)
 """
 
 from __future__ import annotations

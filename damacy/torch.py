@@ -76,7 +76,8 @@ class Loader(IterableDataset):
 
     def __len__(self) -> int:
         """Batches in an epoch (the last may be short)."""
-        return -(-len(self.sampler) // self.config.samples_per_batch)
+        n = self.config.samples_per_batch
+        return (len(self.sampler) + n - 1) // n
 
     def _pipeline(self):
         if self._pipe is None:

@@ -21,17 +21,17 @@ import numpy as np
 
 from damacy_client.ipc import Link, open_link
 from damacy_client.shm import map_segment
-from damacy_client.transport import Connection, Call
+from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
-from damacy_protocol.stats import as_dict
 from damacy_protocol.config import Config
-from damacy_runtime.devices import device_uuid
-from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError
+from damacy_protocol.stats import as_dict
+from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_runtime import front, pinning
 from damacy_runtime.api import PipelineAPI
 from damacy_runtime.batch import Batch, Slot
+from damacy_runtime.devices import device_uuid
 
 log = logging.getLogger("damacy")
 

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol import messages as m
-from damacy_runtime.devices import standin, standin_log
 from damacy_protocol.errors import DaemonUnavailable, InvalidArgument
 from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
+from damacy_runtime.devices import standin, standin_log
 
 KDL_CUDA = 2
 

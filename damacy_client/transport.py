@@ -20,9 +20,9 @@ import zmq
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ClientConnection
+from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError, UnexpectedReply
 from damacy_protocol.wire import error_from_wire
 from damacy_runtime.endpoint import check_private_folder, default_endpoint, node_endpoint
-from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError, UnexpectedReply
 from damacy_runtime.waker import Waker
 
 log = logging.getLogger("damacy")

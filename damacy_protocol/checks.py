@@ -16,6 +16,7 @@ import msgspec
 
 from damacy_protocol.errors import InvalidArgument
 
+
 def default_decode_workers() -> int:
     """The CPUs plus one: a decode thread holds the interpreter lock for the Python around
     each native call, and one more thread keeps every core decoding meanwhile (measured: +4%

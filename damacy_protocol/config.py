@@ -85,11 +85,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
             if f.name != "dtype":
                 set_(self, f.name, checked("Config", f.name, getattr(self, f.name), f.type))
         set_(self, "dtype", canonical_dtype(self.dtype, "Config.dtype"))
-        if self.lookahead_samples is None:
-            set_(self, "lookahead_samples", 2 * self.samples_per_batch)
-        if self.lookahead_samples < self.samples_per_batch:
+        lookahead = 2 * self.samples_per_batch if self.lookahead_samples is None else self.lookahead_samples
+        set_(self, "lookahead_samples", lookahead)
+        if lookahead < self.samples_per_batch:
             raise InvalidArgument(
-                f"Config.lookahead_samples ({self.lookahead_samples}) must be at least samples_per_batch "
+                f"Config.lookahead_samples ({lookahead}) must be at least samples_per_batch "
                 f"({self.samples_per_batch}): a batch is planned as a whole"
             )
         cpus = os.cpu_count() or 1

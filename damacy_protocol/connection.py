@@ -26,6 +26,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.errors import ProtocolError, UnexpectedReply, UnknownSession
 
+
 class State(enum.Enum):
     NEW = "new"  # nothing sent yet
     HELLO_SENT = "hello-sent"

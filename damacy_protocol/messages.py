@@ -7,7 +7,7 @@ them fails to decode with an error naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -54,7 +54,7 @@ class WireRest(msgspec.Struct, array_like=True, tag="e"):
 
 
 #: one entry of a selection (see :mod:`damacy_protocol.selection`)
-WireEntry = Union[WireRange, WireAt, WireList, WireRest]
+WireEntry = WireRange | WireAt | WireList | WireRest
 
 
 class WireSample(msgspec.Struct, array_like=True):
@@ -231,8 +231,8 @@ class Goodbye(_Msg, tag="goodbye"):
     reply_to: RequestId
 
 
-ClientMessage = Union[Hello, Attached, Push, Pop, Release, Stats, Warm, Ping, Bye]
-DaemonMessage = Union[Welcome, Ack, BatchReady, Consumed, Failed, StatsReply, WarmProgress, WarmDone, Pong, Goodbye]
+ClientMessage = Hello | Attached | Push | Pop | Release | Stats | Warm | Ping | Bye
+DaemonMessage = Welcome | Ack | BatchReady | Consumed | Failed | StatsReply | WarmProgress | WarmDone | Pong | Goodbye
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)

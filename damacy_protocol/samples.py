@@ -142,6 +142,7 @@ class Sample:
     flip: tuple[int, ...]
     transpose: tuple[int, ...] | None
     normalize: tuple[float, float] | None
+    _hash: int
 
     def __init__(
         self, uri: Any, selection: Any = None, *, aabb: Any = None, level: int | None = None, flip: Any = (),
@@ -232,6 +233,7 @@ class IndexQuery:
     flip: tuple[int, ...]
     transpose: tuple[int, ...] | None
     normalize: tuple[float, float] | None
+    _hash: int
 
     def __init__(
         self, uri: Any, selection: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None,

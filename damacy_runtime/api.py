@@ -11,8 +11,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from damacy_runtime.batch import Batch
+from damacy_protocol.config import Config
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained
+from damacy_runtime.batch import Batch
+from damacy_runtime.front import Progress, Sources
 
 
 class PipelineAPI(ABC):
@@ -24,8 +26,11 @@ class PipelineAPI(ABC):
     once, and closing it (explicitly or when it is collected) touches nothing the parent
     still uses."""
 
+    config: Config
     _pid: int | None = None
     _restore = 0
+    _sources: Sources  # what was pushed (see the resume section below)
+    _progress: Progress
 
     def _forked(self) -> bool:
         return self._pid is not None and self._pid != os.getpid()

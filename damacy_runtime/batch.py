@@ -25,7 +25,7 @@ import numpy as np
 from damacy_protocol.errors import SampleError
 from damacy_protocol.samples import Padding
 from damacy_runtime import dlpack
-from damacy_runtime.device import LEGACY_DEFAULT_STREAM, DeviceArray
+from damacy_runtime.device import LEGACY_DEFAULT_STREAM, DeviceArray, StreamOrder
 
 
 class Slot:
@@ -70,7 +70,7 @@ class _Lease:
     def __init__(self, slot: Slot, view: np.ndarray) -> None:
         if not slot.try_acquire():
             raise BufferError("the batch was released; its slot may hold another batch now")
-        self._slot = slot
+        self._slot: Slot | None = slot
         self._view = view
         self.__array_interface__ = view.__array_interface__
 
@@ -124,11 +124,15 @@ class Batch:
         self._slot: Slot | None = slot
         self._dtype = np.dtype(numpy_dtype)
         full = slot.array if array is None else array  # the slot as (samples, *sample shape)
-        self._array = full[: info.shape[0]].reshape(info.shape)
-        device = self._array.device if isinstance(self._array, DeviceArray) else None
+        shaped = full[: info.shape[0]].reshape(info.shape)
+        self._array: Any = shaped  # a numpy array, or a DeviceArray in a GPU's memory
+        device: StreamOrder | None = None
+        if isinstance(shaped, DeviceArray):
+            device, ptr = shaped.device, shaped.ptr
+        else:
+            ptr = int(shaped.__array_interface__["data"][0])
         self._device = device
         if info.device_ptr == 0:
-            ptr = self._array.ptr if device is not None else int(self._array.__array_interface__["data"][0])
             info = dataclasses.replace(info, device_ptr=ptr, ready_stream=device.stream_handle if device is not None else None)
         self.info = info
 
@@ -214,7 +218,7 @@ class Batch:
             raise BufferError("stream 0 is ambiguous in DLPack: pass 1 (legacy default) or 2 (per-thread default)")
         consumer = LEGACY_DEFAULT_STREAM if stream is None else int(stream)
         sync = self._array.sync
-        if sync.ready is not None:
+        if sync.ready is not None and self._device is not None:
             self._device.wait_event(sync.ready, consumer)
         return consumer
 
@@ -233,7 +237,7 @@ class Batch:
             slot, self._slot = self._slot, None
             done, self.on_release = self.on_release, None
         if slot is not None:
-            self._array = None  # type: ignore[assignment]
+            self._array = None
             slot.release()
         if done is not None:
             done()

@@ -17,7 +17,6 @@ from functools import cache
 
 from damacy_protocol.errors import InvalidArgument
 
-
 STANDIN_ENV = "DAMACY_DEVICE_STANDIN"
 STANDIN_UUID = "GPU-00000000-0000-0000-0000-standin00000"
 

@@ -8,7 +8,7 @@ from damacy_protocol import messages as m
 
 
 def ping(endpoint: str, timeout_s: float = 1.0, curve_server_key: bytes | None = None) -> bool:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if curve_server_key is not None:

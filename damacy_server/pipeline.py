@@ -5,6 +5,9 @@ samples lazily from what was pushed (never more than ``lookahead_samples`` ahead
 popped) and starts a batch whenever the engine has a free slot; the engine plans it and the
 executor assembles it in the background. ``pop`` returns the batches in push order. A bad
 sample is handled per ``on_error`` and never stops the stream.
+
+(Over 400 lines: one job, the embedded front end; its feeder, pops and lifetime act on the
+one state it shares with its engine, under the engine's lock.)
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import InvalidArgument, SampleError
+from damacy_protocol.selection import READ, normalize
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.plan.planner import ChunkPlanner, Selected
 from damacy_server.plan.reads import PlanLimits
 from damacy_server.plan.resolve import ZarrMetadata
-from damacy_protocol.selection import READ, normalize
 from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
 

@@ -132,9 +132,8 @@ def _serve(endpoint: str, folder: Path, data) -> None:
 
 
 def _after_wire(daemon: dict, target) -> dict:
-    from fuzz.wire import rss_bytes
-
     import damacy
+    from fuzz.wire import rss_bytes
 
     proc = daemon["proc"]
     deadline = time.monotonic() + 60

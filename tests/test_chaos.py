@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import padded_selection, random_data, write_array
-from daemon_helpers import DaemonProcess, shm_segments, wait_for
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import padded_selection, random_data, write_array
+from daemon_helpers import DaemonProcess, shm_segments, wait_for
 
 pytestmark = pytest.mark.chaos
 

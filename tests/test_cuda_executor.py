@@ -9,12 +9,13 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_protocol.errors import DecodeError
 from damacy_server.cuda import twin
+
+from conftest import random_data, write_array
 
 pytestmark = pytest.mark.skipif(not twin.available(), reason="the kernels' host twin was not built (no C compiler)")
 

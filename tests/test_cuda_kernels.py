@@ -14,16 +14,17 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
+from damacy_server.cuda import tables, twin
 from damacy_server.decode import contract
 from damacy_server.decode.contract import edge_values
-from damacy_server.cuda import tables, twin
 from damacy_server.zarr.codecs.blosc import unshuffle_block
+
+from conftest import random_data, write_array
 
 pytestmark = pytest.mark.skipif(not twin.available(), reason="the kernels' host twin was not built (no C compiler)")
 

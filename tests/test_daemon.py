@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess, damacyd_command, shm_segments, wait_for
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_protocol import messages as m
 from damacy_runtime.probe import ping
+
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, damacyd_command, shm_segments, wait_for
 
 LE = BytesCodec(endian="little")
 SHAPE = (64, 48, 40)
@@ -91,7 +92,7 @@ def test_several_client_processes_share_the_daemon(cached_daemon, data, clients)
     queue = ctx.Queue()
     before = stats(cached_daemon.endpoint)["chunk_cache"]["hits"]
     procs = []
-    for k in range(clients):
+    for _ in range(clients):
         own = [tuple(int(v) for v in rng.integers(0, 30, size=3)) for _ in range(7)]
         p = ctx.Process(target=_client, args=(cached_daemon.endpoint, uri, own + shared, queue))
         p.start()
@@ -230,7 +231,7 @@ def test_paths_outside_the_allowed_roots_are_refused(tmp_path, data):
         uris = [str(other / "out.zarr"), str(allowed / "link.zarr"), f"{allowed}/../other/out.zarr", "/etc"]
         with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
             pipe.push([damacy.Sample(u, box) for u in uris] + [damacy.Sample(str(allowed / "in.zarr"), box)])
-            for uri in uris:
+            for _ in uris:
                 with pipe.pop() as b:
                     (_, err), = b.info.errors
                     assert isinstance(err, damacy.InvalidArgument) and "outside the daemon's allowed roots" in str(err), err

@@ -18,11 +18,12 @@ import sys
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, wait_for
 from test_device_batches import Consumer
 
 import damacy
 from damacy_runtime.devices import STANDIN_ENV
+
+from daemon_helpers import DaemonProcess, wait_for
 
 zarr = pytest.importorskip("zarr")
 
@@ -78,7 +79,7 @@ def test_a_gpu_session_orders_every_use_of_a_shared_slot(daemon, volume, standin
             batch.release()  # the tensor keeps the slot
             consumer.drop()  # the consumer's fence, the slot's free event, then the Release
             wait_for(  # the Release goes from the I/O thread; closing the pipeline skips it
-                lambda: sum(e[:2] == ("client", "record") and e[2].endswith(".free") for e in entries(standin)) == k + 1,
+                lambda k=k: sum(e[:2] == ("client", "record") and e[2].endswith(".free") for e in entries(standin)) == k + 1,
                 what=f"the release of batch {k}",
             )
         want = [np.stack([data[y : y + 4, x : x + 4] for y, x in starts[2 * k : 2 * k + 2]]).astype(np.float32) for k in range(3)]

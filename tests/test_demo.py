@@ -7,15 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import zarr
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
 from damacy import demo
+
+from conftest import random_data, write_array
 
 
 def damacy_command() -> list[str]:

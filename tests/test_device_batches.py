@@ -19,8 +19,8 @@ import pytest
 
 import damacy
 from damacy_runtime import dlpack
-from damacy_server.cuda.device import HostDevice
 from damacy_server.cuda import twin
+from damacy_server.cuda.device import HostDevice
 from damacy_server.cuda.executor import CudaExecutor
 
 #: the stand-in device runs the kernels' host twin, built with a C compiler

@@ -7,12 +7,13 @@ import time
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
 from damacy_server.engine.budget import MIN_INFLIGHT_BYTES, MemoryBudget, Reservation
 from damacy_server.plan.selection import SliceCopy
+
+from conftest import random_data, write_array
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 from damacy_runtime.extensions import optional
+
+from conftest import random_data, write_array
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTENSIONS = ("damacy_server.native._assemble", "damacy_server.cuda._twin", "damacy_runtime._dlpack")

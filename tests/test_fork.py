@@ -7,17 +7,18 @@ import multiprocessing
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
 
+from conftest import random_data, write_array
+
 
 def _child(pipe, results) -> None:
     out = []
-    for call in (lambda: pipe.pop(timeout=5), lambda: pipe.push([]), lambda: pipe.stats()):
+    for name, args in (("pop", (5,)), ("push", ([],)), ("stats", ())):
         try:
-            call()
+            getattr(pipe, name)(*args)
             out.append("no error")
         except damacy.DamacyError as e:
             out.append(str(e))

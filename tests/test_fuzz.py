@@ -71,12 +71,13 @@ def test_the_wire_protocol_fuzzed_against_a_real_damacyd(tmp_path):
     ping after each conversation, then serves a correct batch, its sessions reclaimed and its
     memory near where it started."""
     import numpy as np
-    from conftest import write_array
-    from daemon_helpers import DaemonProcess, wait_for
     from zarr.codecs import ZstdCodec
 
     import damacy
     from fuzz.wire import WireTarget, messages, rss_bytes
+
+    from conftest import write_array
+    from daemon_helpers import DaemonProcess, wait_for
 
     data = np.arange(6 * 9, dtype="uint16").reshape(6, 9)
     write_array(tmp_path / "a.zarr", data, chunks=(2, 3), compressors=[ZstdCodec()])

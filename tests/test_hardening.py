@@ -24,14 +24,15 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess, shm_segments, wait_for
 from zarr.codecs import BytesCodec, ShardingCodec
 
 import damacy
 from damacy_client.transport import Connection
 from damacy_protocol import messages as m
 from damacy_protocol.stats import as_dict
+
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, shm_segments, wait_for
 
 SHAPE = (32, 48, 40)
 BOX = (8, 12, 10)
@@ -626,8 +627,9 @@ def test_allow_uid_and_allow_gid_choose_who_may_open_a_session(tmp_path, fresh):
 
 
 def test_allow_uid_needs_an_ipc_endpoint(tmp_path):
-    from daemon_helpers import damacyd_command
     import subprocess
+
+    from daemon_helpers import damacyd_command
 
     out = subprocess.run(
         [*damacyd_command(), "--endpoint", "tcp://127.0.0.1:0", "--allow-uid", "0", "--allow-root", str(tmp_path)],

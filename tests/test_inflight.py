@@ -8,13 +8,14 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
 from damacy_protocol.errors import DecodeError
 from damacy_server.cpu.inflight import InFlight
 from damacy_server.store.file import FileReader
+
+from conftest import random_data, write_array
 
 SHAPE = (16, 32, 32)
 CHUNKS = (4, 16, 16)
@@ -110,7 +111,8 @@ def run_plan(executor, uri, boxes, cancelled=lambda: False):
         done = threading.Event()
 
         def finished(errs, k=k, done=done):
-            errors.update({k: e for e in errs.values()})
+            if errs:  # the plan's first failed sample
+                errors[k] = next(iter(errs.values()))
             done.set()
 
         executor.execute(plan, [out], finished, cancelled)

@@ -6,11 +6,12 @@ import math
 
 import numpy as np
 import pytest
-from conftest import edit_metadata, random_data, write_array
 from zarr.codecs import BytesCodec, TransposeCodec, ZstdCodec
 
 import damacy
 from damacy_server.zarr.dtypes import parse_fill_value
+
+from conftest import edit_metadata, random_data, write_array
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,13 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess, damacyd_command, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, damacyd_command, wait_for
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

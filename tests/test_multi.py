@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import zarr
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import random_data, write_array
 
 
 @pytest.fixture(scope="module")

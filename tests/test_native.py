@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DTYPES, padded_selection, random_data, write_array
 from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
 import damacy
 from damacy_server import native
+
+from conftest import DTYPES, padded_selection, random_data, write_array
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native extension was not built (no C compiler at install)")
 

@@ -9,12 +9,13 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import padded_selection, random_data, write_array
 from zarr.codecs import BloscCodec, ZstdCodec
 
 import damacy
-from damacy_server.decode import contract
 from damacy_server.cuda import twin
+from damacy_server.decode import contract
+
+from conftest import padded_selection, random_data, write_array
 
 NORMS = [(0.0, 1.0), (1000.0, 1 / 3), (-2.5, 0.1), (0.1, 7.0), (3e4, -1e-3)]
 FLOAT_OUT = ["float16", "float32", "float64", "bfloat16"]

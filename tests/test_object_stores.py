@@ -12,14 +12,15 @@ import threading
 import numpy as np
 import pytest
 import zarr
-from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess, wait_for
-from object_servers import RangeServer, S3Server
 from zarr.codecs import BloscCodec, ZstdCodec
 
 import damacy
 from damacy_server.store.fetch import Fetcher
 from damacy_server.store.remote import RemoteStores, is_remote, normalized
+
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, wait_for
+from object_servers import RangeServer, S3Server
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from conftest import random_data, write_array
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_server.cpu import optable
 from damacy_server.decode.chunks import decode_unit
+
+from conftest import random_data, write_array
 
 
 def test_op_table_reproduces_the_batch(tmp_path):

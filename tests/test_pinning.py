@@ -12,10 +12,11 @@ import os
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, wait_for
 
 import damacy
 from damacy_runtime import pinning
+
+from daemon_helpers import DaemonProcess, wait_for
 
 zarr = pytest.importorskip("zarr")
 

@@ -10,14 +10,15 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import padded_selection, random_data, write_array
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pipeline_helpers import expected_box, out_dtype, same
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_server.decode.contract import convert
+
+from conftest import padded_selection, random_data, write_array
+from pipeline_helpers import expected_box, out_dtype, same
 
 LE = BytesCodec(endian="little")
 SHAPE = (30, 40, 50)
@@ -95,7 +96,7 @@ def test_random_boxes_with_padding(store, data, make):
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "f64", "u8", "u16", "i16", "i32"])
 def test_every_output_dtype_and_mixed_sources(store, dtype, make):
     samples = []
-    for k, (uri, arr) in enumerate(store[1].values()):
+    for k, (uri, _) in enumerate(store[1].values()):
         samples.append(damacy.Sample(uri, np.s_[k : k + 6, 3 : 10, 40:48]))
         samples.append(damacy.Sample(uri, np.s_[-2:4, 35:42, 45:53]))  # pads
     with make(config(n=3, dtype=dtype)) as p:

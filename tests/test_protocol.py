@@ -8,8 +8,8 @@ import pytest
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ALLOWED, NEXT, ClientConnection, ServerConnection, State
-from damacy_protocol.wire import error_from_wire, error_to_wire
 from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError, UnexpectedReply, UnknownSession
+from damacy_protocol.wire import error_from_wire, error_to_wire
 
 
 def handshake():

@@ -6,7 +6,6 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import DTYPES, assert_same, random_data, write_array
 from zarr.codecs import (
     BloscCodec,
     BytesCodec,
@@ -18,6 +17,8 @@ from zarr.codecs import (
 )
 
 import damacy
+
+from conftest import DTYPES, assert_same, random_data, write_array
 
 SHAPE = (13, 17, 9)
 CHUNKS = (4, 6, 5)

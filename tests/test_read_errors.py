@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 import zarr
-from conftest import edit_metadata, random_data, write_array
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import damacy
+
+from conftest import edit_metadata, random_data, write_array
 
 LE = BytesCodec(endian="little")
 

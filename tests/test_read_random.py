@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_same, padded_selection, random_data, write_array
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, TransposeCodec, ZstdCodec
 
 import damacy
+
+from conftest import assert_same, padded_selection, random_data, write_array
 
 SHAPE = (23, 31, 17)
 LE = BytesCodec(endian="little")

@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import numpy as np
+from zarr.codecs import ZstdCodec
 
 from conftest import random_data, write_array
-from zarr.codecs import ZstdCodec
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -10,11 +10,12 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
 from damacy_runtime.front import Progress
+
+from conftest import random_data, write_array
 
 BATCH = 4
 EPOCHS = 2
@@ -222,7 +223,7 @@ def test_elastic_resume_through_pipelines(tmp_path):
                     got += [(_key(s), np.array(np.from_dlpack(batch)[k])) for k, s in enumerate(batch.info.samples) if k not in batch.info.padding]
     windows = [_key(s) for s in grid(0, 1).epoch_samples()]
     assert sorted(k for k, _ in got) == sorted(windows)
-    for (uri_, box), arr in got:
+    for (_, box), arr in got:
         np.testing.assert_array_equal(arr, data[tuple(slice(a, b) for a, b in box)])
 
 

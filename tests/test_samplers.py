@@ -8,10 +8,11 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import random_data, write_array
 
 SHAPES = {"/data/a.zarr": (100, 80, 60), "/data/b.zarr": (40, 300, 50), "/data/c.zarr": (20, 20, 20)}
 

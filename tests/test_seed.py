@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from pipeline_helpers import expected_box, out_dtype, same
 from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_runtime.devices import STANDIN_ENV, cuda_devices
+
+from pipeline_helpers import expected_box, out_dtype, same
 
 SEEDS = Path(os.environ.get("DAMACY_SEEDS", Path(__file__).resolve().parents[2] / "shared" / "seeds"))
 SEED = SEEDS / "000_25899fea03a8d15c.txt"
@@ -313,7 +314,7 @@ def test_the_seed_spellings_config_style(volume, monkeypatch):
 
     with damacy.Pipeline(cfg) as p:
         p.push(crops())
-        for step in range(3):
+        for _ in range(3):
             with p.pop() as t:
                 x = torch.from_dlpack(t)
                 assert np.array_equal(x.float().numpy()[1], arr[0:8, 0:16, 0:16].astype("f4").astype(out_dtype("bf16")).astype("f4"))

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import padded_selection, random_data, write_array
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
+
+from conftest import padded_selection, random_data, write_array
 
 SHAPE = (12, 10, 9)
 FILL = 5

@@ -6,12 +6,13 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_server.cache import LRUCache
 from damacy_server.store import FileStore
+
+from conftest import random_data, write_array
 
 LE = BytesCodec(endian="little")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import random_data, write_array
 
 torch = pytest.importorskip("torch")
 

@@ -15,11 +15,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import random_data, write_array
-from daemon_helpers import DaemonProcess
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess
 
 pytest.importorskip("torch")
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "torchrun_example.py"

@@ -9,10 +9,11 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import padded_selection, random_data, write_array
 from zarr.codecs import ZstdCodec
 
 import damacy
+
+from conftest import padded_selection, random_data, write_array
 
 FLIPS = [(), (0,), (2,), (0, 1, 2), (1, 2)]
 ORDERS = list(itertools.permutations(range(3)))

@@ -15,9 +15,9 @@ read again: the batch waits for it (:mod:`damacy_server.cpu.inflight`). Reads fr
 go to a :class:`~damacy_server.store.fetch.Fetcher` (many requests in flight on one event
 loop) and land in the same code as a file's.
 
-The module is longer than most (about 500 lines): it is the executor's task bodies (read,
-fetch, direct read, decode, cached copy, shared unit), which share its pools, budget and
-statistics and hand work to each other.
+(Over 400 lines: one job, a plan executed on the CPU; its task bodies (read, fetch, direct
+read, decode, cached copy, shared unit) share its pools, budget and statistics and hand work
+to each other.)
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import numpy as np
 from damacy_protocol.checks import Count, Size, check_fields, default_decode_workers
 from damacy_protocol.errors import SampleError
 from damacy_server import native
-from damacy_server.cpu import optable
-from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.cache import LRUCache
-from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
+from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
-from damacy_server.cpu.tasks import NativeTasks
-from damacy_server.plan.planner import BatchPlan, sample_view
-from damacy_server.plan.units import UnitJob
-from damacy_server.plan.reads import ReadGroup, shrink
 from damacy_server.cpu.run import GroupState, Run, samples_of
+from damacy_server.cpu.tasks import NativeTasks
+from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
+from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
+from damacy_server.plan.planner import BatchPlan, sample_view
+from damacy_server.plan.reads import ReadGroup, shrink
+from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
 from damacy_server.store.fetch import Fetcher
 from damacy_server.store.file import FileReader

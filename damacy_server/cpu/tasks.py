@@ -17,12 +17,12 @@ import numpy as np
 
 from damacy_protocol.errors import DecodeError
 from damacy_server import native
-from damacy_server.cpu import optable
 from damacy_server.cache import LRUCache
+from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
-from damacy_server.plan.units import UnitJob
-from damacy_server.plan.reads import ReadGroup
 from damacy_server.cpu.run import Run, samples_of
+from damacy_server.plan.reads import ReadGroup
+from damacy_server.plan.units import UnitJob
 
 
 class NativeTasks:

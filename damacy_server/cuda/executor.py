@@ -18,6 +18,9 @@ The device is a :class:`~damacy_server.cuda.device.Device`: a GPU, or the host s
 runs the same orchestration with the kernels' host twin (the CPU tests use it). Targets are
 device arrays, or host arrays (batch slots in host memory) the device writes over the bus
 once ``Device.output_pointer`` has page-locked and mapped them.
+
+(Over 400 lines: one job, a plan executed on a GPU; its host stage, decode stage and
+assembly launches share the batch's arena, streams and errors.)
 """
 
 from __future__ import annotations
@@ -33,15 +36,15 @@ import numpy as np
 from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import DecodeError, SampleError
 from damacy_runtime.device import DeviceArray
-from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
+from damacy_server.cpu.run import samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
 from damacy_server.cuda.tables import check_disjoint
 from damacy_server.cuda.twin import CODES, SHUFFLE_MODES, norm_table
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
-from damacy_server.plan.planner import BatchPlan, sample_view
-from damacy_server.cpu.run import samples_of
+from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.engine.slots import DeviceSlots
+from damacy_server.plan.planner import BatchPlan, sample_view
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
 

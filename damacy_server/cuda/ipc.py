@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol import messages as m
-from damacy_runtime.devices import device_index, standin, standin_log
 from damacy_protocol.errors import InvalidArgument
 from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
+from damacy_runtime.devices import device_index, standin, standin_log
 from damacy_server.cuda.device import CupyDevice, HostDevice
 from damacy_server.cuda.executor import CudaExecutor, CudaLimits
 from damacy_server.engine.shm import Segment

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import DecodeError, SampleError
-from damacy_server.engine.budget import StageStats
+from damacy_server.cpu.run import for_sample, samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.twin import CODES
 from damacy_server.decode.chunks import check_length, decode_unit
+from damacy_server.engine.budget import StageStats
 from damacy_server.plan.planner import BatchPlan
 from damacy_server.plan.units import UnitJob
-from damacy_server.cpu.run import for_sample, samples_of
 from damacy_server.store import is_remote
 from damacy_server.store.file import FileReader
 from damacy_server.zarr.codecs.base import CorruptData

@@ -12,8 +12,8 @@ import sys
 
 import click
 
-from damacy_protocol.errors import DamacyError
 from damacy_protocol.checks import default_decode_workers
+from damacy_protocol.errors import DamacyError
 from damacy_runtime.endpoint import default_endpoint
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)

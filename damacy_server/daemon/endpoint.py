@@ -23,8 +23,8 @@ from urllib.parse import urlparse
 
 import zmq
 
-from damacy_runtime.endpoint import check_private_folder, node_endpoint
 from damacy_protocol.errors import InvalidArgument
+from damacy_runtime.endpoint import check_private_folder, node_endpoint
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 _PEER = re.compile(r"(?:^|:)(\d+):(\d+):(\d+)$")

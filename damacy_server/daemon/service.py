@@ -11,7 +11,7 @@ Threads: one loop thread owns the ROUTER socket and every session's state; the e
 worker threads tell it that a session has news (:meth:`Daemon.wake`) and hand it replies
 through an outbox, both with a wake-up pipe. Sessions have no threads of their own.
 
-(Over 400 lines: the loop, session bookkeeping, slot-memory retiring and descriptor limits
+(Over 400 lines: one job, the daemon; the loop, session bookkeeping, slot-memory retiring and descriptor limits
 all act on the daemon's one state, owned by the loop thread.)
 """
 
@@ -31,7 +31,6 @@ import zmq
 from damacy_protocol import messages as m
 from damacy_protocol import stats as st
 from damacy_protocol.connection import ServerConnection, State
-from damacy_protocol.wire import describe_wire, error_to_wire, sample_from_wire
 from damacy_protocol.errors import (
     BudgetExceeded,
     DamacyError,
@@ -39,18 +38,19 @@ from damacy_protocol.errors import (
     ProtocolError,
     SampleError,
 )
+from damacy_protocol.wire import describe_wire, error_to_wire, sample_from_wire
 from damacy_runtime.waker import Waker
 from damacy_server.cpu.executor import CpuExecutor, CpuLimits
 from damacy_server.cuda.ipc import gpu_executor
 from damacy_server.daemon.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
 from damacy_server.daemon.host import Totals
 from damacy_server.daemon.options import DaemonOptions
-from damacy_server.plan.planner import BadSample, ChunkPlanner
-from damacy_server.plan.reads import PlanLimits
-from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
 from damacy_server.daemon.session import Session
 from damacy_server.engine.shm import Segment, remove_stale
 from damacy_server.engine.slots import SlotSharing
+from damacy_server.plan.planner import BadSample, ChunkPlanner
+from damacy_server.plan.reads import PlanLimits
+from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
 from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool

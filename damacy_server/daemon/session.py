@@ -19,14 +19,13 @@ import uuid
 from collections import deque
 from typing import Any
 
-
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection
-from damacy_protocol.wire import error_to_wire
 from damacy_protocol.dtypes import numpy_dtype
-from damacy_protocol.stats import SessionFigures
 from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
+from damacy_protocol.stats import SessionFigures
+from damacy_protocol.wire import error_to_wire
 from damacy_runtime.batch import Slot
 from damacy_server.cuda.ipc import IpcSlots
 from damacy_server.daemon.endpoint import Peer

@@ -14,6 +14,9 @@ Behind two small interfaces: the executor (:class:`damacy_server.cpu.executor.Cp
 :class:`damacy_server.cuda.executor.CudaExecutor`), which also makes the engine's own writes
 to a slot (fill, move), and the slot memory (:class:`damacy_server.engine.slots.SlotMemory`: host
 memory, shared memory in the daemon, device memory; by default where the executor says).
+
+(Over 400 lines: one job, the batches of one pipeline from start to delivery; starting,
+refilling skipped samples and delivering all act on the engine's one state, under its lock.)
 """
 
 from __future__ import annotations

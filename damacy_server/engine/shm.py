@@ -82,7 +82,7 @@ class Segment:
 
 def remove_stale(log=None) -> list[str]:
     """Unlink segments whose daemon process is gone; returns their names."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:

@@ -133,10 +133,8 @@ def kernel_for(meta, out_dtype: np.dtype, normalized: bool = False) -> NativeKer
     covers pairs the plain one leaves to numpy, such as f64 to bf16)."""
     if _assemble is None:
         return None
-    from damacy_server.zarr.codecs.bytes import BytesCodec
-
-    leaf = meta.layout.leaf
-    if leaf.a2a or not isinstance(leaf.a2b, BytesCodec) or meta.ndim > MAX_NDIM:
+    leaf = meta.layout.leaf  # codecs are told apart by name, as zarr.json names them
+    if leaf.a2a or leaf.a2b.name != "bytes" or meta.ndim > MAX_NDIM:
         return None
     names = tuple(c.name for c in leaf.b2b)
     if names == ():

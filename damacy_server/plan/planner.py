@@ -22,12 +22,12 @@ import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
-from damacy_server.decode import contract
 from damacy_server.cache import LRUCache
+from damacy_server.decode import contract
 from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
-from damacy_server.plan.units import CopyTable, UnitJob
 from damacy_server.plan.resolve import ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
+from damacy_server.plan.units import CopyTable, UnitJob
 from damacy_server.zarr.metadata import ArrayMetadata
 
 

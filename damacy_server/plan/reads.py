@@ -9,6 +9,7 @@ in-flight budget then shape what the executor is asked to read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from damacy_protocol.checks import Size, check_fields

@@ -23,7 +23,14 @@ from damacy_server.cache import LRUCache
 from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
-from damacy_server.zarr.metadata import ArrayMetadata, check_node, consolidated_entries, consolidated_node, load_node, parse_array_metadata
+from damacy_server.zarr.metadata import (
+    ArrayMetadata,
+    check_node,
+    consolidated_entries,
+    consolidated_node,
+    load_node,
+    parse_array_metadata,
+)
 from damacy_server.zarr.ngff import Image, Level, image_multiscale, multiscale_path, parse_axes, transforms
 
 T = TypeVar("T")
@@ -277,7 +284,7 @@ class ZarrMetadata:
             return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
         prefetched = self._prefetch_indexes(meta, [objects[o] for o in np.unique(owners).tolist()])
-        for depth, (level, slots) in enumerate(zip(layout.levels, layout.level_slots(units))):
+        for depth, slots in enumerate(layout.level_slots(units)):
             # the units of each container (a shard object, or a shard within an outer shard)
             live = np.flatnonzero(~missing)
             if not len(live):
@@ -375,6 +382,6 @@ class ZarrMetadata:
         except CorruptData as e:
             raise DecodeError(f"shard index: {e}", uri=meta.uri, path=key, chunk=chunk) from e
         except SampleError as e:
-            raise e.with_context(uri=meta.uri)
+            raise e.with_context(uri=meta.uri) from None
         self.cache.shard_indexes.put(cache_key, found)
         return found

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +39,9 @@ class AxisIndex:
         return len(self.indices)
 
 
-AxisSelection = Union[AxisRange, AxisIndex]
+AxisSelection = AxisRange | AxisIndex
 #: a destination or source selector along one axis: a slice or an index array
-Part = Union[slice, np.ndarray]
+Part = slice | np.ndarray
 
 
 def selection_shape(axes: Sequence[AxisSelection]) -> tuple[int, ...]:

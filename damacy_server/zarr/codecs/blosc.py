@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from numcodecs import blosc as _blosc
 
 from damacy_protocol.errors import MetadataError, UnsupportedError
