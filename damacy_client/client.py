@@ -25,7 +25,7 @@ from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ProtocolError
+from damacy_protocol.errors import DamacyError, ErrorKind, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.stats import as_dict
 from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_runtime import front, pinning
@@ -206,7 +206,7 @@ class RemotePipeline(PipelineAPI):
             if call.error is not None:
                 raise call.error
             reply = call.reply
-            if isinstance(reply, m.Failed) and reply.error.kind == "PipelineDrained" and call.epoch < self._push_epoch:
+            if isinstance(reply, m.Failed) and reply.error.kind is ErrorKind.PIPELINE_DRAINED and call.epoch < self._push_epoch:
                 continue  # asked before the last push: ask again
             break
         if isinstance(reply, m.Failed):

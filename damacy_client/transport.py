@@ -20,7 +20,7 @@ import zmq
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ClientConnection
-from damacy_protocol.errors import DaemonUnavailable, DamacyError, ProtocolError, UnexpectedReply
+from damacy_protocol.errors import DaemonUnavailable, DamacyError, ErrorKind, ProtocolError, UnexpectedReply
 from damacy_protocol.wire import error_from_wire
 from damacy_runtime.endpoint import check_private_folder, default_endpoint, node_endpoint
 from damacy_runtime.waker import Waker
@@ -245,7 +245,7 @@ class Connection:
         """Does this reply show that the daemon no longer holds our session (it restarted)?"""
         if isinstance(msg, m.Pong):  # pings sent once the session was known name it back
             return bool(call.session) and msg.session != call.session
-        return bool(self._session) and isinstance(msg, m.Failed) and msg.error.kind == "UnknownSession"
+        return bool(self._session) and isinstance(msg, m.Failed) and msg.error.kind is ErrorKind.UNKNOWN_SESSION
 
     def _die(self, why: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ same class again (see :func:`to_wire` / :func:`from_wire`).
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 
@@ -145,25 +146,65 @@ class UnexpectedReply(ProtocolError):
     """A reply to no pending request (late, after a timeout the client already gave up on)."""
 
 
-_SAMPLE_ERRORS: dict[str, type[SampleError]] = {
-    cls.__name__: cls
-    for cls in (
-        SampleError,
-        NotFound,
-        InvalidArgument,
-        OutOfBounds,
-        MetadataError,
-        UnsupportedError,
-        DecodeError,
-        StorageError,
-    )
+class ErrorKind(enum.StrEnum):
+    """What an error is, as the wire names it: its class's name. Code compares kinds, never
+    messages."""
+
+    SAMPLE_ERROR = "SampleError"
+    NOT_FOUND = "NotFound"
+    INVALID_ARGUMENT = "InvalidArgument"
+    OUT_OF_BOUNDS = "OutOfBounds"
+    METADATA_ERROR = "MetadataError"
+    UNSUPPORTED_ERROR = "UnsupportedError"
+    DECODE_ERROR = "DecodeError"
+    STORAGE_ERROR = "StorageError"
+    DAMACY_ERROR = "DamacyError"
+    PIPELINE_DRAINED = "PipelineDrained"
+    BATCH_FAILED = "BatchFailed"
+    BUDGET_EXCEEDED = "BudgetExceeded"
+    DAEMON_UNAVAILABLE = "DaemonUnavailable"
+    PROTOCOL_ERROR = "ProtocolError"
+    UNKNOWN_SESSION = "UnknownSession"
+    TIMEOUT = "TimeoutError"
+
+
+#: the class of each kind (every class damacy sends over the wire)
+ERRORS: dict[ErrorKind, type[BaseException]] = {
+    ErrorKind.SAMPLE_ERROR: SampleError,
+    ErrorKind.NOT_FOUND: NotFound,
+    ErrorKind.INVALID_ARGUMENT: InvalidArgument,
+    ErrorKind.OUT_OF_BOUNDS: OutOfBounds,
+    ErrorKind.METADATA_ERROR: MetadataError,
+    ErrorKind.UNSUPPORTED_ERROR: UnsupportedError,
+    ErrorKind.DECODE_ERROR: DecodeError,
+    ErrorKind.STORAGE_ERROR: StorageError,
+    ErrorKind.DAMACY_ERROR: DamacyError,
+    ErrorKind.PIPELINE_DRAINED: PipelineDrained,
+    ErrorKind.BATCH_FAILED: BatchFailed,
+    ErrorKind.BUDGET_EXCEEDED: BudgetExceeded,
+    ErrorKind.DAEMON_UNAVAILABLE: DaemonUnavailable,
+    ErrorKind.PROTOCOL_ERROR: ProtocolError,
+    ErrorKind.UNKNOWN_SESSION: UnknownSession,
+    ErrorKind.TIMEOUT: TimeoutError,
 }
+_KINDS = {cls: kind for kind, cls in ERRORS.items()}
+
+
+def kind_of(err: BaseException) -> ErrorKind:
+    """The kind of ``err``: that of the first class in its MRO the wire knows (a
+    SampleError subclass defined elsewhere is a SampleError; SlotsHeld a DamacyError; any
+    other exception a DamacyError)."""
+    for cls in type(err).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return ErrorKind.DAMACY_ERROR
 
 
 def to_wire(err: SampleError) -> dict[str, Any]:
     """The fields of a sample error as plain data (for the wire or for pickling)."""
     return {
-        "kind": type(err).__name__,
+        "kind": kind_of(err).value,
         "reason": err.reason,
         "uri": err.uri,
         "sample": err.sample,
@@ -174,7 +215,12 @@ def to_wire(err: SampleError) -> dict[str, Any]:
 
 def from_wire(data: dict[str, Any]) -> SampleError:
     """Rebuild the error :func:`to_wire` described; unknown kinds become :class:`SampleError`."""
-    cls = _SAMPLE_ERRORS.get(data.get("kind", ""), SampleError)
+    try:
+        cls = ERRORS[ErrorKind(data.get("kind", ""))]
+    except ValueError:
+        cls = SampleError
+    if not issubclass(cls, SampleError):
+        cls = SampleError
     chunk = data.get("chunk")
     return cls(
         data.get("reason", "unknown error"),

@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 
 from damacy_protocol.config import Config
+from damacy_protocol.errors import ErrorKind
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
@@ -71,9 +72,9 @@ class WireSample(msgspec.Struct, array_like=True):
 
 
 class WireError(msgspec.Struct):
-    """An error as data: ``kind`` is the exception class name."""
+    """An error as data: ``kind`` names the exception's class (one the wire knows)."""
 
-    kind: str
+    kind: ErrorKind
     reason: str
     uri: str | None = None
     sample: str | None = None

@@ -11,18 +11,7 @@ import os
 from typing import Any
 
 from damacy_protocol import messages as m
-from damacy_protocol.errors import (
-    BatchFailed,
-    BudgetExceeded,
-    DaemonUnavailable,
-    DamacyError,
-    InvalidArgument,
-    PipelineDrained,
-    ProtocolError,
-    SampleError,
-    UnknownSession,
-    from_wire,
-)
+from damacy_protocol.errors import ERRORS, InvalidArgument, SampleError, from_wire, kind_of
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_protocol.selection import describe
 
@@ -84,22 +73,11 @@ def describe_wire(w: m.WireSample) -> str:
     return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)}{level}{transform})"
 
 
-_NON_SAMPLE: dict[str, type[BaseException]] = {
-    "PipelineDrained": PipelineDrained,
-    "BatchFailed": BatchFailed,
-    "BudgetExceeded": BudgetExceeded,
-    "DaemonUnavailable": DaemonUnavailable,
-    "ProtocolError": ProtocolError,
-    "UnknownSession": UnknownSession,
-    "DamacyError": DamacyError,
-    "TimeoutError": TimeoutError,
-}
-
-
 def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:
+    kind = kind_of(err)
     if isinstance(err, SampleError):
         return m.WireError(
-            kind=type(err).__name__,
+            kind=kind,
             reason=err.reason,
             uri=err.uri,
             sample=err.sample,
@@ -107,13 +85,12 @@ def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:
             chunk=None if err.chunk is None else list(err.chunk),
             seq=seq,
         )
-    kind = type(err).__name__ if type(err).__name__ in _NON_SAMPLE else "DamacyError"
     return m.WireError(kind=kind, reason=str(err) or type(err).__name__, seq=seq)
 
 
 def error_from_wire(w: m.WireError) -> BaseException:
-    cls = _NON_SAMPLE.get(w.kind)
-    if cls is not None:
+    cls = ERRORS.get(w.kind, SampleError)
+    if not issubclass(cls, SampleError):
         return cls(w.reason)
     return from_wire(
         {"kind": w.kind, "reason": w.reason, "uri": w.uri, "sample": w.sample, "path": w.path, "chunk": w.chunk}

@@ -170,6 +170,26 @@ def test_http_error_names_the_object_and_status(http, sharded):
     assert info.value.uri == f"{http.url}/a.zarr"
 
 
+def test_a_range_past_the_end_is_short_and_a_failure_is_not_taken_for_one(http, sharded):
+    """A server refuses a range that starts past the object's end (416): the read is short,
+    as a file's, decided by the object's size; a failing server is a StorageError naming the
+    object and status, never taken for a range past the end."""
+    from damacy_server.store import resolve_uri
+
+    folder, _ = sharded
+    key = f"{http.url}/a.zarr/c/0/0"
+    size = (folder / "a.zarr" / "c" / "0" / "0").stat().st_size
+    store, _ = resolve_uri(key)
+    assert store.read_range_sized(key, size + 10, 4) == (b"", size)
+    assert store.read_range(key, size, 4) == b"" and 416 in http.statuses("/a.zarr/c/0/0")
+    assert store.read_ranges_sized([key, f"{http.url}/a.zarr/c/0/1"], size + 10, 4, most=2)[0] == (b"", size)
+    assert store.read_range_sized(f"{http.url}/a.zarr/c/9/9", 0, 4) is None
+    http.fail["/a.zarr/c/0/0"] = [403] * 10
+    with pytest.raises(damacy.StorageError, match="HTTP 403") as info:
+        store.read_range_sized(key, 0, 4)
+    assert info.value.path == key
+
+
 def test_a_stalled_server_times_out_and_the_other_samples_go_on(http, sharded):
     _, expected = sharded
     uri = f"{http.url}/a.zarr"

@@ -5,10 +5,20 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+import damacy
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ALLOWED, NEXT, ClientConnection, ServerConnection, State
-from damacy_protocol.errors import DecodeError, PipelineDrained, ProtocolError, UnexpectedReply, UnknownSession
+from damacy_protocol.errors import (
+    ERRORS,
+    DecodeError,
+    ErrorKind,
+    PipelineDrained,
+    ProtocolError,
+    SampleError,
+    UnexpectedReply,
+    UnknownSession,
+)
 from damacy_protocol.wire import error_from_wire, error_to_wire
 
 
@@ -159,7 +169,16 @@ def test_errors_travel_as_data():
     back = error_from_wire(wire)
     assert type(back) is DecodeError and str(back) == str(err) and wire.seq == 5
     assert type(error_from_wire(error_to_wire(TimeoutError("late")))) is TimeoutError
-    assert type(error_from_wire(m.WireError(kind="SomethingNew", reason="x"))).__name__ == "SampleError"
+    # a kind the wire does not know is a malformed message, named as such
+    unknown = msgspec.msgpack.encode({"kind": "SomethingNew", "reason": "x"})
+    with pytest.raises(msgspec.ValidationError, match="kind"):
+        msgspec.msgpack.decode(unknown, type=m.WireError)
+    # every class damacy raises travels as itself (a subclass defined elsewhere as its ancestor)
+    for kind, cls in ERRORS.items():
+        err = cls("why") if not issubclass(cls, SampleError) else cls("why", uri="/a")
+        assert error_to_wire(err).kind is kind and type(error_from_wire(error_to_wire(err))) is cls
+    assert error_to_wire(damacy.SlotsHeld("held")).kind is ErrorKind.DAMACY_ERROR
+    assert error_to_wire(ValueError("odd")).kind is ErrorKind.DAMACY_ERROR
 
 
 REQUESTS = {

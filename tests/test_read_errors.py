@@ -165,6 +165,43 @@ def test_zstd_checksum_mismatch(tmp_path):
         damacy.read(tmp_path / "z")
 
 
+def test_zstd_frames_without_a_content_size_or_several_in_a_row_decode_and_corruption_is_named():
+    """The one-call decode takes one frame with its size in the header; whatever it refuses
+    goes frame by frame (decided by what that finds, not by the first error's words)."""
+    import zstandard
+
+    from damacy_server.zarr.codecs.base import CorruptData
+    from damacy_server.zarr.codecs.zstd import decompress
+
+    a, b = np.arange(5000, dtype="<u2").tobytes(), np.arange(3000, dtype="<u4").tobytes()
+    sized, unsized = zstandard.ZstdCompressor(), zstandard.ZstdCompressor(write_content_size=False)
+    assert decompress(sized.compress(a), len(a)) == a
+    assert decompress(unsized.compress(a), len(a)) == a  # no content size in the header
+    assert decompress(sized.compress(a) + unsized.compress(b), len(a) + len(b)) == a + b  # two frames
+    frame = sized.compress(a)
+    for bad in (frame[: len(frame) // 2], frame + frame[:7], b"\x00" + frame[1:]):
+        with pytest.raises(CorruptData, match="zstd"):
+            decompress(bad, len(a))
+
+
+def test_the_stand_in_decoder_tells_a_bad_checksum_from_a_frame_it_cannot_decode():
+    """As nvCOMP's statuses do: only the checksum differs (BAD_CHECKSUM), or the data is
+    damaged (CANNOT_DECOMPRESS), decided by decoding the frame without its checksum."""
+    import zstandard
+
+    from damacy_server.cuda.device import _only_checksum_differs
+
+    data = np.random.default_rng(1).integers(0, 50, 20000, dtype=np.uint8).tobytes()
+    dctx = zstandard.ZstdDecompressor()
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(data)
+    bad_sum = frame[:-1] + bytes([frame[-1] ^ 0x55])
+    cut = frame[: len(frame) // 2] + frame[-4:]
+    plain = zstandard.ZstdCompressor(write_checksum=False).compress(data)
+    assert _only_checksum_differs(dctx, bad_sum, len(data))
+    assert not _only_checksum_differs(dctx, cut, len(data))
+    assert not _only_checksum_differs(dctx, plain[:-3], len(data))  # no checksum to blame
+
+
 def test_corrupt_array_crc32c(tmp_path):
     write_array(tmp_path / "c", np.arange(16, dtype="i4").reshape(4, 4), chunks=(2, 2), compressors=[Crc32cCodec()])
     chunk = tmp_path / "c" / "c" / "0" / "1"

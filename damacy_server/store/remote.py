@@ -186,10 +186,8 @@ class ObjectStore(Store):
         except FileNotFoundError:
             return None
         except Exception as e:
-            if _unsatisfiable(e):
-                size = self.size(key)
-                return None if size is None else (b"", size)
-            raise storage_error(e, key) from None
+            size = self._size_past_end(key, offset, length, e)
+            return None if size is None else (b"", size)
 
     def read_ranges_sized(self, keys: Sequence[str], offset: int, length: int, most: int = 64) -> list:
         """:meth:`read_range_sized` of many objects, requested together (at most ``most`` in
@@ -211,13 +209,12 @@ class ObjectStore(Store):
                     return None
                 except SampleError as e:
                     return e
-                except Exception as e:
-                    if not _unsatisfiable(e):
-                        return storage_error(e, key)
-                try:
-                    return await asyncio.to_thread(self.read_range_sized, key, offset, length)
-                except SampleError as e:
-                    return e
+                except Exception as e:  # past the end, or a failure: decided on the object's size
+                    try:
+                        size = await asyncio.to_thread(self._size_past_end, key, offset, length, e)
+                    except SampleError as err:
+                        return err
+                    return None if size is None else (b"", size)
 
         return _gather([one(k) for k in keys])
 
@@ -249,10 +246,8 @@ class ObjectStore(Store):
             return bytes(obstore.get(self._store, path, options={"range": {"suffix": -offset}}).bytes())
         except FileNotFoundError:
             return None
-        except Exception as e:
-            if _unsatisfiable(e):  # a range past the end: short, like a file's
-                return None if self.size(key) is None else b""
-            raise storage_error(e, key) from None
+        except Exception as e:  # a range past the end: short, like a file's
+            return None if self._size_past_end(key, offset, length, e) is None else b""
 
     def size(self, key: str) -> int | None:
         import obstore
@@ -284,9 +279,21 @@ class ObjectStore(Store):
         except FileNotFoundError:
             return None
         except Exception as e:
-            if _unsatisfiable(e):
-                return b""
-            raise storage_error(e, key) from None
+            return None if await asyncio.to_thread(self._size_past_end, key, offset, length, e) is None else b""
+
+    def _size_past_end(self, key: str, offset: int, length: int, error: BaseException) -> int | None:
+        """After a ranged GET of ``key`` failed with ``error``: the object's size when the
+        range lies past its end (servers refuse such a range, 416), None when the object is
+        gone; otherwise ``error``, as a :class:`StorageError`. Decided by the object's size
+        (one HEAD, only after a failure), not by the words of the error: obstore reports a
+        refused range as a generic error."""
+        size = self.size(key)
+        if size is None:
+            return None
+        past = offset >= size if offset >= 0 else -offset > size
+        if not past:
+            raise storage_error(error, key) from None
+        return size
 
 
 def _gather(coroutines: list) -> list:
@@ -311,11 +318,6 @@ def _range_option(offset: int, length: int) -> dict:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
-
-
-def _unsatisfiable(e: BaseException) -> bool:
-    text = str(e)
-    return "416" in text and "status" in text or "InvalidRange" in text or "not satisfiable" in text.lower()
 
 
 def storage_error(e: BaseException, key: str) -> StorageError:
