@@ -33,7 +33,8 @@ def _sanitized_build(folder: Path) -> Path:
     cmd = [
         os.environ.get("CC", "gcc"), "-shared", "-fPIC", "-O1", "-g", "-std=c11", "-fno-omit-frame-pointer",
         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-        f"-I{sysconfig.get_paths()['include']}", str(ROOT / "damacy_server/native/_assemble.c"), "-ldl", "-o", str(out),
+        f"-I{sysconfig.get_paths()['include']}", *sorted(str(p) for p in (ROOT / "damacy_server/native").glob("*.c")),
+        "-ldl", "-o", str(out),
     ]
     subprocess.run(cmd, check=True)
     return out

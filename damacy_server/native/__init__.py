@@ -25,7 +25,7 @@ _assemble = optional("damacy_server.native._assemble")  # None: built without a 
 #: file store's confinement rule, in C (see :mod:`damacy_server.store.file`); None: not built
 open_checked = _assemble.open_checked if _assemble is not None else None
 
-#: dtype codes of _assemble.c
+#: dtype codes of the extension (native.h)
 _CODES = {
     np.dtype("bool"): 0,
     np.dtype("int8"): 1,
@@ -58,7 +58,7 @@ class OpTable:
 
 
 class Status(enum.IntEnum):
-    """Why native code could not decode a unit (the status codes of _assemble.c)."""
+    """Why native code could not decode a unit (the status codes of native.h)."""
 
     ZSTD = 1  # libzstd refused the frame (detail: its error name)
     SIZE = 2  # the unit decoded to the wrong size (detail: the bytes it gave)

@@ -1,0 +1,48 @@
+/*
+ * damacy_server.native._assemble: decode read units and copy their boxes into batch slots,
+ * with the cast, for a whole decode task in one call that releases the GIL.
+ *
+ * The Python side (damacy_server/native/__init__.py) hands over:
+ *   - the units' encoded bytes (a list of buffers) and, per unit, the codec and sizes;
+ *   - an op table (int64): per copy the unit, the sample, and per axis the source start,
+ *     the destination start and the extent;
+ *   - per sample the destination's address and strides (elements of the output dtype).
+ * zstd is reached through the system's libzstd (dlopen, no build-time dependency). Every
+ * element conversion follows numpy's rules for the pairs offered here; pairs with other
+ * semantics (float to integer, wide integers to bf16/f16 from f64) are left to numpy.
+ */
+#include "native.h"
+
+/* supports(src, dst, normalized=0): whether the cast (or, normalized, the normalising one) is offered */
+static PyObject *supports(PyObject *self, PyObject *args) {
+    int src_type, dst_type, normalized = 0;
+    if (!PyArg_ParseTuple(args, "ii|p", &src_type, &dst_type, &normalized)) return NULL;
+    int ok = src_type >= 0 && src_type < T_COUNT && dst_type >= 0 && dst_type < T_COUNT &&
+             (normalized ? dm_nconv[src_type][dst_type].row : dm_conv[src_type][dst_type].row);
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *has_zstd(PyObject *self, PyObject *noargs) {
+    if (dm_zstd_ok < 0) dm_zstd_ok = dm_zstd_load();
+    return PyBool_FromLong(dm_zstd_ok);
+}
+
+static PyMethodDef methods[] = {
+    {"run", dm_py_run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
+    {"run_decoded", dm_py_run_decoded, METH_VARARGS, "Copy the boxes of units already decoded into the targets, without the GIL."},
+    {"run_file", dm_py_run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},
+    {"supports", supports, METH_VARARGS, "Whether the cast (or with normalized=True the normalising one) from one dtype code to another is offered."},
+    {"check_lz4", dm_py_check_lz4, METH_VARARGS, "None, or why an LZ4 block does not decode to exactly the given size."},
+    {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},
+    {"use_blosc", dm_py_use_blosc, METH_VARARGS, "Take blosc_getitem from the C-Blosc library at the given path."},
+    {"open_checked", dm_py_open_checked, METH_VARARGS, "Open a regular file for reading, inside the roots when given."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_assemble", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__assemble(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "RUN_FILE_MAX", RUN_FILE_MAX) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -1,0 +1,429 @@
+/* A decode task: its tables checked (with the GIL), every unit decoded and its copies made
+ * (without it), the failures reported; run and run_decoded, the module's entry points. */
+#include "native.h"
+
+#include <string.h>
+
+void dm_task_release(task_t *t) {
+    free(t->views);
+    free(t->status);
+    free(t->err_codes);
+    PyBuffer_Release(&t->spans);
+    PyBuffer_Release(&t->ops);
+    PyBuffer_Release(&t->targets);
+    PyBuffer_Release(&t->shape);
+    PyBuffer_Release(&t->pool);
+    PyBuffer_Release(&t->keep);
+}
+
+/* With the GIL: check the task's tables (a Python error and -1 when they are unusable). */
+int dm_task_prepare(task_t *t) {
+    t->n_units = t->spans.len / 16;
+    t->ndim = (int)(t->shape.len / 8);
+    size_t n = (size_t)(t->n_units ? t->n_units : 1);
+    t->views = calloc(n, sizeof(unit_in));
+    t->status = calloc(n, sizeof(int));
+    t->err_codes = calloc(n, sizeof(size_t));
+    if (!t->views || !t->status || !t->err_codes) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    /* the plain conversion, or the normalising one when every target normalises (checked below) */
+    if (t->src_type < 0 || t->src_type >= T_COUNT || t->dst_type < 0 || t->dst_type >= T_COUNT ||
+        !(dm_conv[t->src_type][t->dst_type].row || dm_nconv[t->src_type][t->dst_type].row) || t->ndim > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "unsupported cast or rank for the native path");
+        return -1;
+    }
+    t->width = 2 + 3 * (Py_ssize_t)t->ndim;
+    t->n_ops = t->ops.len / (Py_ssize_t)(8 * t->width);
+    t->n_targets = t->targets.len / (Py_ssize_t)(8 * TARGET_WIDTH(t->ndim));
+    /* a normalising target needs the normalising conversion (float outputs) */
+    const int64_t *tgs = (const int64_t *)t->targets.buf;
+    for (Py_ssize_t k = 0; k < t->n_targets; k++) {
+        const int64_t *tg = tgs + k * TARGET_WIDTH(t->ndim);
+        if (tg[1 + 2 * t->ndim] && !dm_nconv[t->src_type][t->dst_type].row) {
+            PyErr_SetString(PyExc_ValueError, "normalisation writes float outputs only");
+            return -1;
+        }
+        if (tg[0] && !tg[1 + 2 * t->ndim] && !dm_conv[t->src_type][t->dst_type].row) {
+            PyErr_SetString(PyExc_ValueError, "this cast is native only for normalised targets");
+            return -1;
+        }
+    }
+    /* the unit's elements must be what the decoded bytes hold */
+    const int64_t *unit_shape = (const int64_t *)t->shape.buf;
+    int64_t elements = 1;
+    for (int a = 0; a < t->ndim; a++) {
+        if (unit_shape[a] < 0 || __builtin_mul_overflow(elements, unit_shape[a], &elements)) elements = -1;
+        if (elements < 0) break;
+    }
+    int64_t unit_bytes;
+    if (elements < 0 || __builtin_mul_overflow(elements, (int64_t)ITEMSIZE[t->src_type], &unit_bytes) ||
+        unit_bytes != t->decoded_nbytes) {
+        PyErr_SetString(PyExc_ValueError, "the unit shape does not match the decoded size");
+        return -1;
+    }
+    const int64_t *spans = (const int64_t *)t->spans.buf;
+    for (Py_ssize_t u = 0; u < t->n_units; u++) {
+        if (spans[2 * u] < 0 || spans[2 * u + 1] < -1) {
+            PyErr_SetString(PyExc_ValueError, "a negative span");
+            return -1;
+        }
+    }
+    /* ops must be grouped by unit, in unit order, and name only the units given */
+    const int64_t *ops = (const int64_t *)t->ops.buf;
+    int64_t prev = 0;
+    for (Py_ssize_t q = 0; q < t->n_ops; q++) {
+        int64_t u;
+        if (__builtin_sub_overflow(ops[q * t->width], (int64_t)t->base, &u) || u < 0 || u >= t->n_units || u < prev) {
+            PyErr_SetString(PyExc_ValueError, "the op table is not grouped by unit in unit order");
+            return -1;
+        }
+        prev = u;
+    }
+    if (t->keep.len != 0 && t->keep.len != t->n_units * 8) {
+        PyErr_SetString(PyExc_ValueError, "keep needs one address (or 0) per unit");
+        return -1;
+    }
+    if (t->codec == CODEC_ZSTD && dm_zstd_ok < 0) dm_zstd_ok = dm_zstd_load();
+    return 0;
+}
+
+/* Each unit's bytes in data, which starts at data_offset of the object (a span reaching past
+ * the end is cut there, one of length -1 reaches to the end). */
+void dm_task_locate(task_t *t, const char *data, Py_ssize_t data_len, long long data_offset) {
+    const int64_t *spans = (const int64_t *)t->spans.buf;
+    for (Py_ssize_t u = 0; u < t->n_units; u++) {
+        int64_t off = spans[2 * u] - data_offset, len = spans[2 * u + 1];
+        if (off < 0 || off > data_len) off = data_len; /* outside the read: nothing */
+        if (len < 0 || len > data_len - off) len = data_len - off;
+        t->views[u].src = data + off;
+        t->views[u].src_len = (Py_ssize_t)len;
+    }
+}
+
+/* Does one side of an op along one axis stay inside [0, size)? A range start >= 0, or an
+ * index list -(k + 1) of pool[k : k + ext] whose values do. Sets the lowest and highest
+ * position used when asked. Written so that no sum can overflow. */
+static int span_ok(int64_t start, int64_t ext, int64_t size, const int64_t *pool, int64_t pool_len, int64_t *lo,
+                   int64_t *hi) {
+    int64_t amin, amax;
+    if (start >= 0) {
+        if (ext > size || start > size - ext) return 0;
+        amin = start;
+        amax = start + ext - 1;
+    } else {
+        if (start == INT64_MIN || ext > pool_len || -(start + 1) > pool_len - ext) return 0;
+        const int64_t *list = pool + (-(start + 1));
+        amin = amax = list[0];
+        for (int64_t i = 1; i < ext; i++) {
+            if (list[i] < amin) amin = list[i];
+            if (list[i] > amax) amax = list[i];
+        }
+        if (amin < 0 || amax >= size) return 0;
+    }
+    if (lo) *lo = amin;
+    if (hi) *hi = amax;
+    return 1;
+}
+
+/* Without the GIL: decode every unit and make its copies. */
+void dm_task_assemble(task_t *t) {
+    unit_in *views = t->views;
+    int *status = t->status;
+    size_t *err_codes = t->err_codes;
+    const int64_t *ops = (const int64_t *)t->ops.buf;
+    const int64_t *targets = (const int64_t *)t->targets.buf;
+    const int64_t *unit_shape = (const int64_t *)t->shape.buf;
+    const int64_t *pool = (const int64_t *)t->pool.buf;
+    const int64_t pool_len = t->pool.len / 8;
+    const int ndim = t->ndim, codec = t->codec, swap = t->swap;
+    const Py_ssize_t n_units = t->n_units, n_ops = t->n_ops, n_targets = t->n_targets, width = t->width;
+    const Py_ssize_t decoded_nbytes = t->decoded_nbytes;
+    const int64_t base = t->base;
+    const int64_t *keep = t->keep.len ? (const int64_t *)t->keep.buf : NULL;
+    long long encoded = 0, elements = 0;
+    const int src_type = t->src_type, dst_type = t->dst_type;
+    row_fn row = dm_conv[t->src_type][t->dst_type].row;
+    gather_fn gather = dm_conv[t->src_type][t->dst_type].gather;
+    scatter_fn scatter = dm_conv[t->src_type][t->dst_type].scatter;
+    int src_size = ITEMSIZE[t->src_type], dst_size = ITEMSIZE[t->dst_type];
+    char *scratch = NULL;
+    void *dctx = NULL;
+    if (codec == CODEC_ZSTD && dm_zstd_ok) {
+        scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1));
+        dctx = dm_zstd_dctx();
+    } else if (codec == CODEC_BLOSC) {
+        scratch = malloc((size_t)(decoded_nbytes ? decoded_nbytes : 1) + 16);
+    }
+    int64_t unit_strides[MAX_NDIM];
+    int64_t st = 1;
+    for (int a = ndim - 1; a >= 0; a--) {
+        unit_strides[a] = st;
+        st *= unit_shape[a];
+    }
+    Py_ssize_t op = 0;
+    for (Py_ssize_t u = 0; u < n_units; u++) {
+        const char *chunk = (const char *)views[u].src;
+        /* the bytes this unit's copies read: [first, need); every op is checked to stay
+         * inside the unit (and its index lists inside the pool) */
+        size_t need = 0, first = (size_t)decoded_nbytes;
+        for (Py_ssize_t q = op; q < n_ops && ops[q * width] - base == u; q++) {
+            const int64_t *o = ops + q * width;
+            int64_t lo = 0, last = 0, empty = 0;
+            /* the target: a sample with a view, whose shape bounds the destination side */
+            const int64_t *tg = (o[1] >= 0 && o[1] < n_targets) ? targets + o[1] * TARGET_WIDTH(ndim) : NULL;
+            if (!tg || tg[0] == 0) {
+                status[u] = E_OPS;
+                break;
+            }
+            for (int a = 0; a < ndim; a++) {
+                int64_t st = o[2 + a], dst = o[2 + ndim + a], ext = o[2 + 2 * ndim + a], amin, amax;
+                if (ext <= 0) {
+                    empty = 1;
+                    break;
+                }
+                /* source: a range inside the unit, or an index list inside the pool whose
+                 * values lie inside the unit */
+                if (!span_ok(st, ext, unit_shape[a], pool, pool_len, &amin, &amax) ||
+                    !span_ok(dst, ext, tg[1 + ndim + a], pool, pool_len, NULL, NULL)) {
+                    status[u] = E_OPS;
+                    break;
+                }
+                lo += amin * unit_strides[a];
+                last += amax * unit_strides[a];
+            }
+            if (empty || status[u] != OK) continue;
+            size_t end = (size_t)(last + 1) * (size_t)src_size, begin = (size_t)lo * (size_t)src_size;
+            if (end > need) need = end;
+            if (begin < first) first = begin;
+        }
+        /* a unit to keep (a chunk cache entry) is decoded whole into its buffer, and its
+         * copies read from there */
+        char *kept = keep ? (char *)(intptr_t)keep[u] : NULL;
+        if (kept) {
+            first = 0;
+            need = (size_t)decoded_nbytes;
+        }
+        if (status[u] != OK) {
+            /* an op outside its unit: a planning error, reported, nothing copied */
+        } else if (kept && codec == CODEC_BLOSC) {
+            const unsigned char *p = (const unsigned char *)views[u].src;
+            int r = -1;
+            if (!dm_blosc_getitem || !dm_blosc_decompress) {
+                status[u] = E_NOZSTD;
+            } else if (views[u].src_len < 16 || !dm_blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, decoded_nbytes) ||
+                       (r = dm_blosc_decompress(p, kept, (size_t)decoded_nbytes, 1)) != decoded_nbytes) {
+                status[u] = E_BLOSC;
+                err_codes[u] = (size_t)(r < 0 ? -r : r);
+            }
+            chunk = kept;
+        } else if (kept && codec == CODEC_ZSTD) {
+            if (!dm_zstd_ok) {
+                status[u] = E_NOZSTD;
+            } else if (!dctx) {
+                status[u] = E_MEMORY;
+            } else {
+                size_t r = dm_zstd_decompress(dctx, kept, (size_t)decoded_nbytes, views[u].src, (size_t)views[u].src_len);
+                if (dm_zstd_iserror(r)) {
+                    status[u] = E_ZSTD;
+                    err_codes[u] = r;
+                } else if ((Py_ssize_t)r != decoded_nbytes) {
+                    status[u] = E_SIZE;
+                    err_codes[u] = r;
+                }
+            }
+            chunk = kept;
+        } else if (kept) {
+            if (views[u].src_len != decoded_nbytes) {
+                status[u] = E_SIZE;
+                err_codes[u] = (size_t)views[u].src_len;
+            } else {
+                memcpy(kept, views[u].src, (size_t)decoded_nbytes);
+            }
+            chunk = kept;
+        } else if (codec == CODEC_BLOSC) {
+            const unsigned char *p = (const unsigned char *)views[u].src;
+            int ts = views[u].src_len >= 16 ? p[3] : 0;
+            if (!dm_blosc_getitem || !dm_blosc_decompress) {
+                status[u] = E_NOZSTD;
+            } else if (!scratch) {
+                status[u] = E_MEMORY;
+            } else if (ts == 0 || !dm_blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, 0)) {
+                status[u] = E_BLOSC;
+            } else if (need > first) {
+                int64_t start = (int64_t)first / ts, stop = ((int64_t)need + ts - 1) / ts;
+                int r;
+                if (decoded_nbytes % ts != 0 || stop * ts > decoded_nbytes) {
+                    /* items do not tile the chunk: decode it whole */
+                    r = dm_blosc_frame_ok(p, views[u].src_len, decoded_nbytes, 0, decoded_nbytes)
+                            ? dm_blosc_decompress(p, scratch, (size_t)decoded_nbytes, 1)
+                            : -1;
+                    if (r != decoded_nbytes) {
+                        status[u] = E_BLOSC;
+                        err_codes[u] = (size_t)(r < 0 ? -r : r);
+                    }
+                } else if (!dm_blosc_frame_ok(p, views[u].src_len, decoded_nbytes, start * ts, stop * ts)) {
+                    status[u] = E_BLOSC;
+                } else {
+                    r = dm_blosc_getitem(p, (int)start, (int)(stop - start), scratch + start * ts);
+                    if (r != (stop - start) * ts) {
+                        status[u] = E_BLOSC;
+                        err_codes[u] = (size_t)(r < 0 ? -r : r);
+                    }
+                }
+                chunk = scratch;
+            }
+        } else if (codec == CODEC_ZSTD) {
+            if (!dm_zstd_ok) {
+                status[u] = E_NOZSTD;
+            } else if (!scratch || !dctx) {
+                status[u] = E_MEMORY;
+            } else if (need > 0) {
+                size_t got = 0;
+                int whole = 0;
+                size_t r = dm_zstd_prefix(dctx, scratch, (size_t)decoded_nbytes, need, views[u].src, (size_t)views[u].src_len, &got,
+                                       &whole);
+                if (r) {
+                    status[u] = E_ZSTD;
+                    err_codes[u] = r;
+                } else if (got < need || (whole && (Py_ssize_t)got != decoded_nbytes)) {
+                    status[u] = E_SIZE;
+                    err_codes[u] = got;
+                }
+                chunk = scratch;
+            }
+        } else if (views[u].src_len != decoded_nbytes) {
+            status[u] = E_SIZE;
+            err_codes[u] = (size_t)views[u].src_len;
+        }
+        /* ops are grouped by unit, in unit order */
+        while (op < n_ops && ops[op * width] - base == u) {
+            const int64_t *o = ops + op * width;
+            if (status[u] == OK) {
+                const int64_t *t = targets + o[1] * TARGET_WIDTH(ndim); /* checked above */
+                if (t[1 + 2 * ndim]) {
+                    const conv_t *nc = &dm_nconv[src_type][dst_type]; /* checked in task_prepare */
+                    double nm[2];
+                    memcpy(nm, t + 2 + 2 * ndim, sizeof nm);
+                    dm_copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
+                             o + 2 + ndim, o + 2 + 2 * ndim, pool, nc->row, nc->gather, nc->scatter, swap, nm);
+                } else {
+                    dm_copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
+                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, scatter, swap, NULL);
+                }
+                long long n = 1;
+                for (int a = 0; a < ndim; a++) n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
+                elements += n;
+            }
+            op++;
+        }
+        if (status[u] == OK) encoded += views[u].src_len;
+    }
+    free(scratch);
+    t->encoded = encoded;
+    t->elements = elements;
+}
+
+/* With the GIL: (unit, status, detail) for each unit that failed; detail is the zstd error
+ * name (E_ZSTD), the bytes decoded (E_SIZE), blosc's return code (E_BLOSC) or None. The
+ * caller words the message (native/__init__.py, describe). */
+PyObject *dm_task_failures(task_t *t) {
+    Py_ssize_t n_units = t->n_units;
+    int *status = t->status;
+    size_t *err_codes = t->err_codes;
+    PyObject *result = PyList_New(0);
+    if (!result) return NULL;
+    for (Py_ssize_t u = 0; u < n_units; u++) {
+        if (status[u] == OK) continue;
+        PyObject *item;
+        if (status[u] == E_ZSTD)
+            item = Py_BuildValue("(nis)", u, status[u], dm_zstd_errname(err_codes[u]));
+        else if (status[u] == E_SIZE || status[u] == E_BLOSC)
+            item = Py_BuildValue("(nin)", u, status[u], (Py_ssize_t)err_codes[u]);
+        else
+            item = Py_BuildValue("(niO)", u, status[u], Py_None);
+        if (!item || PyList_Append(result, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(result);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return result;
+}
+
+/* Assemble a prepared, located task without the GIL; (failures, encoded, elements) or NULL. */
+PyObject *dm_task_run(task_t *t) {
+    Py_BEGIN_ALLOW_THREADS;
+    dm_task_assemble(t);
+    Py_END_ALLOW_THREADS;
+    PyObject *failures = dm_task_failures(t);
+    return failures ? Py_BuildValue("(NLL)", failures, t->encoded, t->elements) : NULL;
+}
+
+/*
+ * run(data, data_offset, spans, ops, base, targets, unit_shape, src_type, dst_type, swap, codec,
+ *     decoded_nbytes, pool)
+ *   data: one bytes-like read of an object, starting at data_offset of it
+ *   spans: int64 array (n_units, 2): each unit's offset in the object and its length (-1: to the
+ *          end of data; a span reaching past the end is cut there: a truncated read is
+ *          reported, not read beyond)
+ *   ops: int64 array (n_ops, 2 + 3 * ndim): unit, target, src_start[ndim], dst_start[ndim], extent[ndim];
+ *        units are numbered from base (the first span); a negative start -(k + 1), on either
+ *        side, means the index list pool[k : k + extent]
+ *   targets: int64 array (n_targets, 4 + 2 * ndim): address (0: no target), strides in
+ *        elements, shape; every destination is checked against the shape; then a flag
+ *        (nonzero: normalise) and the f64 bits of offset and scale
+ *   keep: empty, or int64 array (n_units): per unit 0, or the address of decoded_nbytes
+ *        bytes the unit is decoded into whole (a chunk cache entry; valid only when the
+ *        unit is not among the failures)
+ * Returns (failures, encoded, elements): (unit, status, detail) for units that failed (their
+ * copies are not made; unit counted from 0), and the bytes decoded and elements written for the rest.
+ */
+PyObject *dm_py_run(PyObject *self, PyObject *args) {
+    Py_buffer data_buf;
+    long long data_offset;
+    task_t t;
+    memset(&t, 0, sizeof t);
+    if (!PyArg_ParseTuple(args, "y*L" TASK_FORMAT, &data_buf, &data_offset, TASK_ARGS(t))) return NULL;
+    PyObject *result = NULL;
+    if (data_offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "a negative data offset");
+    } else if (dm_task_prepare(&t) == 0) {
+        dm_task_locate(&t, (const char *)data_buf.buf, data_buf.len, data_offset);
+        result = dm_task_run(&t);
+    }
+    dm_task_release(&t);
+    PyBuffer_Release(&data_buf);
+    return result;
+}
+
+/*
+ * run_decoded(sources, <the task arguments of run>): as run, for units already decoded (chunk
+ * cache entries): sources is an int64 array (n_units) of the addresses of each unit's
+ * decoded_nbytes bytes in the stored dtype; spans are not read and codec is ignored.
+ */
+PyObject *dm_py_run_decoded(PyObject *self, PyObject *args) {
+    Py_buffer sources;
+    task_t t;
+    memset(&t, 0, sizeof t);
+    if (!PyArg_ParseTuple(args, "y*" TASK_FORMAT, &sources, TASK_ARGS(t))) return NULL;
+    PyObject *result = NULL;
+    t.codec = CODEC_RAW;
+    if (dm_task_prepare(&t) == 0) {
+        if (sources.len != t.n_units * 8 || t.keep.len) {
+            PyErr_SetString(PyExc_ValueError, "run_decoded needs one source address per unit and nothing to keep");
+        } else {
+            const int64_t *src = (const int64_t *)sources.buf;
+            for (Py_ssize_t u = 0; u < t.n_units; u++) {
+                t.views[u].src = (const char *)(intptr_t)src[u];
+                t.views[u].src_len = src[u] ? t.decoded_nbytes : 0;
+            }
+            result = dm_task_run(&t);
+        }
+    }
+    dm_task_release(&t);
+    PyBuffer_Release(&sources);
+    return result;
+}
