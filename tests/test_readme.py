@@ -6,18 +6,43 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 from zarr.codecs import ZstdCodec
 
 from conftest import random_data, write_array
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+
+
+def _blocks() -> dict[str, str]:
+    """Every named python block of the README and the guides (docs/): the comment before it
+    says which test runs it."""
+    found: dict[str, str] = {}
+    for page in [README, *DOCS]:
+        for m in re.finditer(r"<!-- (\w+):.*?-->\s*```python\n(.*?)```", page.read_text(), re.S):
+            assert m.group(1) not in found, f"two blocks named {m.group(1)}"
+            found[m.group(1)] = m.group(2)
+    return found
 
 
 def block(name: str) -> str:
-    text = README.read_text()
-    m = re.search(rf"<!-- {name}:.*?-->\s*```python\n(.*?)```", text, re.S)
-    assert m, f"the README has no {name} block"
-    return m.group(1)
+    found = _blocks()
+    assert name in found, f"neither the README nor docs/ has a {name} block"
+    return found[name]
+
+
+def test_every_python_block_of_the_readme_and_the_guides_is_named_for_a_test():
+    """An unnamed block would be run by nothing: each names the test that runs it."""
+    for page in [README, *DOCS]:
+        text = page.read_text()
+        for m in re.finditer(r"```python\n", text):
+            before = text[: m.start()].rstrip().splitlines()[-1]
+            assert re.match(r"<!-- \w+: .*tests/test_\w+\.py", before), f"{page.name}: a python block no test names: {text[m.end():m.end() + 80]!r}"
+    named = set(_blocks())
+    tests = "\n".join(p.read_text() for p in README.parent.glob("tests/test_*.py"))
+    for name in named:
+        assert re.search(rf"block\(\s*\"{name}\"", tests), f"no test runs the {name} block"
 
 
 def test_quickstart_runs(tmp_path, capsys):
@@ -83,3 +108,58 @@ def test_image_reads_run(tmp_path):
     assert np.array_equal(scope["low"], data[2][0, :, 0:64, 0:64])
     assert np.array_equal(scope["near"], data[1][0, :, 0:64, 0:64])
     assert scope["sample"].uri == uri and scope["sample"].level == 1
+
+
+def _volume(path, seed):
+    data = random_data((64, 256, 256), "uint16", seed)
+    write_array(path, data, chunks=(32, 128, 128), compressors=[ZstdCodec()])
+    return str(path), data
+
+
+def _bf16(values):
+    import ml_dtypes
+
+    return values.astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
+def test_the_daemon_block_runs_through_a_damacyd(tmp_path, daemon, monkeypatch):
+    import torch
+
+    import damacy
+    from damacy_client.client import RemotePipeline
+
+    uri, data = _volume(tmp_path / "v.zarr", 7)
+    monkeypatch.setenv("DAMACY_ENDPOINT", daemon.endpoint)  # as a node's damacyd answers
+    got = []
+
+    def my_samples(rank):
+        return [damacy.Sample(uri, np.s_[:, :, :]) for _ in range(16)]
+
+    scope = {"damacy": damacy, "torch": torch, "my_samples": my_samples, "rank": 0}
+    exec(compile(block("daemon") + "\n    got.append((type(pipe), x.shape))", "docs daemon", "exec"), {**scope, "got": got})
+    assert got == [(RemotePipeline, torch.Size([8, 64, 256, 256]))]
+
+
+def test_the_gpu_block_runs_on_a_gpu_or_the_stand_in(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from damacy_runtime.devices import STANDIN_ENV, cuda_devices
+    from damacy_server.cuda import twin
+
+    import damacy
+
+    if cuda_devices()[0] == 0:
+        if not twin.available():
+            pytest.skip("no GPU, and the host twin that stands in for one was not built (no C compiler)")
+        monkeypatch.setenv(STANDIN_ENV, "1")
+    uri, data = _volume(tmp_path / "v.zarr", 8)
+    samples = [damacy.Sample(uri, np.s_[:, :, :]) for _ in range(16)]
+    losses = []
+
+    def step(x):
+        losses.append(x.float().sum().item())
+        return losses[-1]
+
+    scope = {"damacy": damacy, "torch": torch, "samples": samples, "step": step}
+    exec(compile(block("gpu"), "docs gpu", "exec"), scope)
+    assert len(losses) == 2 and losses[0] == pytest.approx(float(_bf16(data).astype(np.float64).sum()) * 8, rel=1e-6)
+
