@@ -85,9 +85,7 @@ class RemotePipeline(PipelineAPI):
         self._last_seq = -1
         self._next_batch = 0  # the id the next batch should have (for messages)
         self._next_call: Call | None = None  # the pop already sent for the next batch
-        self._push_epoch = 0  # pushes so far (a drained answer to an older pop is stale)
         self._lent: dict[int, Slot] = {}  # batch id -> its slot, until the release is sent
-        self._pushes_sent = 0
         self._push_calls: deque = deque()  # pushes not yet acknowledged
         self._closed = False
         self._pid = os.getpid()
@@ -102,7 +100,6 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             self._sources.add(samples, self._take_restore())
             self._pushed = True
-            self._push_epoch += 1
             self._final_sent = False
             if self._feeder is None:
                 self._feeder = threading.Thread(target=self._feed, name="damacy-client-feeder", daemon=True)
@@ -136,7 +133,6 @@ class RemotePipeline(PipelineAPI):
                     except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
                         self._source_errors.append((self._last_seq, e))
                         return
-                    self._pushes_sent += 1
                     self._push_calls.append(call)
                     if batch:
                         self._last_seq = batch[-1].seq
@@ -166,15 +162,14 @@ class RemotePipeline(PipelineAPI):
         stream drained); timeouts are the caller's, so a late answer is kept for the next pop."""
         with self._cond:
             # "final": everything this client will push (for now) is already on its way, so
-            # the daemon may call the stream drained; otherwise it waits for more pushes
-            final = self._final_sent and not self._sources
-            epoch = self._push_epoch
-            pushes = self._pushes_sent
-        call = self._conn.request(
-            lambda i: m.Pop(id=i, pushes=pushes, final=final), on_progress=self._consumed
-        )
-        call.epoch = epoch  # type: ignore[attr-defined]
-        return call
+            # the daemon may call the stream drained; otherwise it waits for more pushes (the
+            # connection adds how many pushes were sent before this pop)
+            final = self._input_final()
+        return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=self._consumed)
+
+    def _input_final(self) -> bool:
+        """Everything this client will push (for now) was sent (call with the lock held)."""
+        return self._final_sent and not self._sources
 
     def pop(self, timeout: float | None = None) -> Batch:
         """The next batch in push order; see :meth:`damacy.EmbeddedPipeline.pop`. The next
@@ -206,8 +201,8 @@ class RemotePipeline(PipelineAPI):
             if call.error is not None:
                 raise call.error
             reply = call.reply
-            if isinstance(reply, m.Failed) and reply.error.kind is ErrorKind.PIPELINE_DRAINED and call.epoch < self._push_epoch:
-                continue  # asked before the last push: ask again
+            if isinstance(reply, m.Failed) and reply.error.kind is ErrorKind.PIPELINE_DRAINED and self._stale_drain(call):
+                continue
             break
         if isinstance(reply, m.Failed):
             err = error_from_wire(reply.error)
@@ -230,6 +225,14 @@ class RemotePipeline(PipelineAPI):
         self._handed(batch)
         self._next_call = self._request_pop()
         return batch
+
+    def _stale_drain(self, call: Call) -> bool:
+        """A "drained" answer that predates input this client has pushed, or will push, since
+        its pop was sent: the pop is asked again."""
+        pop = call.answers
+        with self._cond:
+            later_input = not self._input_final()
+        return later_input or (pop is not None and self._conn.stream(lambda s: s.pushed_since(pop)))
 
     def _all_delivered(self) -> bool:
         """Every sample pushed so far was delivered (or dropped) and no pushed iterable is left."""

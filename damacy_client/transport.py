@@ -37,15 +37,15 @@ POLL_MS = 100
 class Call:
     """A request waiting for its reply (or replies, for warm)."""
 
-    __slots__ = ("event", "reply", "error", "on_progress", "epoch", "session")
+    __slots__ = ("event", "reply", "error", "on_progress", "session", "answers")
 
     def __init__(self, on_progress: Callable[[Any], None] | None = None) -> None:
         self.event = threading.Event()
         self.reply: Any = None
         self.error: BaseException | None = None
         self.on_progress = on_progress
-        self.epoch = 0
         self.session = ""  # for a ping: the session the client held when it was sent
+        self.answers: m.Pop | None = None  # for a pop's answer: that pop (as the stream counted it)
 
     def wait(self, timeout: float | None, what: str) -> Any:
         if not self.event.wait(timeout):
@@ -65,9 +65,8 @@ class Connection:
         self.endpoint = endpoint or default_endpoint()
         if self.endpoint == node_endpoint():  # in /tmp: only a socket in a folder of this user's
             check_private_folder(os.path.dirname(self.endpoint[len("ipc://") :]))
-        self._proto = ClientConnection()
+        self._proto = ClientConnection()  # its pending table holds each request's Call
         self._lock = threading.Lock()
-        self._calls: dict[int, Call] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
@@ -93,8 +92,7 @@ class Connection:
         self._thread.start()
         call = Call()
         with self._lock:
-            payload = self._proto.hello(os.getpid(), rank, config, device)
-            self._calls[self._proto.hello_id] = call
+            payload = self._proto.hello(os.getpid(), rank, config, device, token=call)
         self._send(payload)
         try:
             welcome = call.wait(connect_timeout_s, "hello")
@@ -124,6 +122,11 @@ class Connection:
         with self._lock:
             return self._proto.outstanding
 
+    def stream(self, question):
+        """Ask the session's stream (damacy_protocol.stream) a question, under the lock."""
+        with self._lock:
+            return question(self._proto.stream)
+
     # -- requests -------------------------------------------------------------------
     def request(self, make: Callable[[int], Any], on_progress: Callable[[Any], None] | None = None) -> Call:
         """Send ``make(id)``; the returned call gets the reply (or the error)."""
@@ -134,8 +137,7 @@ class Connection:
             return call
         with self._lock:
             msg = make(self._proto.new_id())
-            payload = self._proto.send(msg)
-            self._calls[msg.id] = call
+            payload = self._proto.send(msg, token=call)
         self._send(payload)
         return call
 
@@ -194,10 +196,9 @@ class Connection:
                     last_ping = now
                     try:
                         with self._lock:
-                            ping = m.Ping(id=self._proto.new_id())
-                            payload = self._proto.send(ping)
-                            self._calls[ping.id] = pinged = Call()
+                            pinged = Call()
                             pinged.session = self._session
+                            payload = self._proto.send(m.Ping(id=self._proto.new_id()), token=pinged)
                         self._sock.send(payload, zmq.NOBLOCK)
                     except (zmq.ZMQError, ProtocolError):
                         pass
@@ -215,10 +216,9 @@ class Connection:
                 return
             try:
                 with self._lock:
-                    msg = self._proto.receive(data)
-                    call = self._calls.get(msg.reply_to)
-                    if call is not None and not isinstance(msg, (m.WarmProgress, m.Consumed)):
-                        del self._calls[msg.reply_to]
+                    msg, call = self._proto.receive(data)
+                    if call is not None:
+                        call.answers = self._proto.answered
                     if isinstance(msg, m.Welcome):
                         self._session = msg.session
             except UnexpectedReply as e:  # a late answer to a call given up on
@@ -251,8 +251,7 @@ class Connection:
         with self._lock:
             if self.dead is None:
                 self.dead = DaemonUnavailable(why)
-            calls = list(self._calls.values())
-            self._calls.clear()
+            calls = [c for c in self._proto.abandon() if c is not None]
         for call in calls:
             call.error = self.dead
             call.event.set()

@@ -8,11 +8,9 @@ nothing but pings after ``bye``); every reply answers an outstanding request; th
 pushes only samples it holds credits for. Transport (ZeroMQ) and threads live elsewhere;
 these classes are tested on their own.
 
-Credits: the daemon grants ``Welcome.credits`` (the session's ``lookahead_samples``); a push
-of n samples spends n; a sample's credit returns when a reply names it as gone from the
-session: delivered (``BatchReady.seqs``), dropped (``Consumed.seqs``) or used up by a
-failed batch (``Failed.consumed``). Both sides count the same messages, so the client knows
-exactly what the daemon will accept, and the daemon refuses a push beyond it.
+Both sides apply every message of the session's stream (:mod:`damacy_protocol.stream`):
+credits, pushes and finality, pops in order, batches lent and released. The client knows
+exactly what the daemon will accept, and the daemon refuses what breaks the stream.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ import msgspec
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.errors import ProtocolError, UnexpectedReply, UnknownSession
+from damacy_protocol.stream import Stream
+from damacy_protocol.wire import error_to_wire
 
 
 class State(enum.Enum):
@@ -76,45 +76,36 @@ def _advance(state: State, msg: Any) -> State:
     return NEXT.get((state, type(msg)), state)
 
 
-class _Credits:
-    """The samples a session may hold, counted the same way on both sides."""
+class _Side:
+    """What both connection classes hold: the session's state and its stream."""
 
     def __init__(self) -> None:
-        self.granted = 0
-        self.outstanding = 0  # pushed and not yet named gone by a reply
+        self.state = State.NEW
+        self.stream = Stream()
 
     @property
     def credits(self) -> int:
-        return self.granted - self.outstanding
+        return self.stream.credits
 
-    def spend(self, push: m.Push) -> None:
-        n = len(push.samples)
-        if n > self.credits:
-            raise ProtocolError(
-                f"a push of {n} samples exceeds the {self.credits} credits this session holds "
-                f"(lookahead_samples={self.granted}; {self.outstanding} pushed samples are still in the session)"
-            )
-        self.outstanding += n
-
-    def returned(self, msg: Any) -> None:
-        if isinstance(msg, (m.BatchReady, m.Consumed)):
-            self.outstanding -= len(msg.seqs)
-        elif isinstance(msg, m.Failed):
-            self.outstanding -= len(msg.consumed)
+    @property
+    def outstanding(self) -> int:
+        return self.stream.outstanding
 
 
-class ClientConnection(_Credits):
-    """The client's side of one session."""
+class ClientConnection(_Side):
+    """The client's side of one session. Each request may carry a ``token`` (the caller's
+    handle on its reply: the transport's waiting call), given back with every message that
+    answers it: the one table of requests in flight."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.state = State.NEW
         self._next_id = 1
-        self.pending: dict[int, type] = {}  # request id -> request type
+        self.pending: dict[int, tuple[type, Any]] = {}  # request id -> (request type, token)
         self.welcome: m.Welcome | None = None
+        self.answered: m.Pop | None = None  # the pop the last message received answered, if any
 
-    def _send(self, msg: Any) -> bytes:
-        self.pending[msg.id] = type(msg)
+    def _send(self, msg: Any, token: Any) -> bytes:
+        self.pending[msg.id] = (type(msg), token)
         return m.encode(msg)
 
     def new_id(self) -> int:
@@ -122,14 +113,14 @@ class ClientConnection(_Credits):
         self._next_id += 1
         return i
 
-    def hello(self, pid: int, rank: int | None, config: Config | None, device: str | None = None) -> bytes:
+    def hello(self, pid: int, rank: int | None, config: Config | None, device: str | None = None, token: Any = None) -> bytes:
         if self.state is not State.NEW:
             raise ProtocolError(f"hello in state {self.state.value}")
         self.state = State.HELLO_SENT
         self.hello_id = self.new_id()
-        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=config, device=device))
+        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=config, device=device), token)
 
-    def send(self, msg: Any) -> bytes:
+    def send(self, msg: Any, token: Any = None) -> bytes:
         """Encode a request (not ``Hello``) built with :meth:`new_id`."""
         if isinstance(msg, m.Hello):
             raise ProtocolError("use hello() for the handshake")
@@ -138,25 +129,28 @@ class ClientConnection(_Credits):
         if isinstance(msg, m.Ping) and self.state is State.CLOSED:
             raise ProtocolError("ping in state closed")
         state = _advance(self.state, msg)
-        if isinstance(msg, m.Push):
-            self.spend(msg)
+        if isinstance(msg, m.Pop):
+            msg.pushes = self.stream.pushes  # the pushes sent before it, as the stream counts them
+        self.stream.request(msg)
         self.state = state
-        return self._send(msg)
+        return self._send(msg, token)
 
-    def receive(self, data: bytes) -> m.DaemonMessage:
-        """Decode a daemon message and check that it answers a pending request."""
+    def receive(self, data: bytes) -> tuple[m.DaemonMessage, Any]:
+        """Decode a daemon message, check that it answers a pending request, and return it
+        with that request's token (and, for the answer to a pop, see :attr:`answered`)."""
         try:
             msg = m.decode_daemon(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProtocolError(f"malformed message from the daemon: {e}") from None
         except RecursionError:
             raise ProtocolError("malformed message from the daemon: nested too deeply") from None
-        kind = self.pending.get(msg.reply_to)
-        if kind is None:
+        found = self.pending.get(msg.reply_to)
+        if found is None:
             raise UnexpectedReply(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
+        kind, token = found
         if not isinstance(msg, (m.WarmProgress, m.Consumed)):  # progress comes before the answer
             del self.pending[msg.reply_to]
-        self.returned(msg)
+        self.answered = self.stream.reply(msg)
         if kind is m.Hello:
             if isinstance(msg, m.Welcome):
                 if msg.version != m.PROTOCOL_VERSION:
@@ -165,13 +159,19 @@ class ClientConnection(_Credits):
                         f"the daemon speaks protocol version {msg.version}, this client {m.PROTOCOL_VERSION}"
                     )
                 self.welcome = msg
-                self.granted = msg.credits
+                self.stream.granted = msg.credits
                 self.state = State.WELCOMED
             elif isinstance(msg, m.Failed):
                 self.state = State.FAILED
             else:
                 raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
-        return msg
+        return msg, token
+
+    def abandon(self) -> list[Any]:
+        """Forget every request in flight (the daemon is gone); returns their tokens."""
+        tokens = [token for _, token in self.pending.values()]
+        self.pending.clear()
+        return tokens
 
 
 def _other_version(version: int) -> str:
@@ -181,12 +181,11 @@ def _other_version(version: int) -> str:
     )
 
 
-class ServerConnection(_Credits):
+class ServerConnection(_Side):
     """The daemon's side of one session (one client identity)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.state = State.NEW
         self.hello: m.Hello | None = None
 
     def receive(self, data: bytes) -> m.ClientMessage:
@@ -208,8 +207,7 @@ class ServerConnection(_Credits):
                 self.state = State.FAILED
                 raise ProtocolError(_other_version(msg.version))
             self.hello = msg
-        elif isinstance(msg, m.Push):
-            self.spend(msg)  # refused whole when it asks for more than the credits left
+        self.stream.request(msg)  # a push beyond the credits, a release of a batch not held: refused whole
         self.state = state
         return msg
 
@@ -217,9 +215,14 @@ class ServerConnection(_Credits):
         if self.state is not State.HELLO_SENT:
             raise ProtocolError(f"welcome in state {self.state.value}")
         self.state = State.WELCOMED
-        self.granted = msg.credits
+        self.stream.granted = msg.credits
         return m.encode(msg)
 
     def reply(self, msg: Any) -> bytes:
-        self.returned(msg)
+        self.stream.reply(msg)
         return m.encode(msg)
+
+    def refuse(self, reply_to: int, error: BaseException) -> bytes:
+        """The session ends here (a client the daemon will not serve): the reply saying why."""
+        self.state = State.FAILED
+        return m.encode(m.Failed(reply_to=reply_to, error=error_to_wire(error)))

@@ -28,7 +28,7 @@ def handshake():
     assert isinstance(hello, m.Hello) and hello.version == m.PROTOCOL_VERSION and hello.pid == 123
     assert hello.config == Config(samples_per_batch=2, sample_shape=(4,))
     data = server.welcome(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION, session="s", slots=[m.SlotInfo("damacy-1-a-0", 64)], credits=4))
-    welcome = client.receive(data)
+    welcome, _ = client.receive(data)
     assert isinstance(welcome, m.Welcome) and client.state is State.WELCOMED
     attached = m.Attached(id=client.new_id())
     assert isinstance(server.receive(client.send(attached)), m.Attached)
@@ -41,7 +41,7 @@ def test_handshake_and_round_trip():
     push = m.Push(id=client.new_id(), samples=[m.WireSample(seq=0, uri="/a", box=True, axes=[m.WireRange(0, 4), m.WireRange(None, 8), m.WireAt(-2)]), m.WireSample(seq=1, uri="/b", box=False, axes=[m.WireList([3, 1, 1]), m.WireRest(), m.WireRange(0, 4, 2)])], final=True)
     got = server.receive(client.send(push))
     assert got == push
-    reply = client.receive(server.reply(m.Ack(reply_to=push.id)))
+    reply, _ = client.receive(server.reply(m.Ack(reply_to=push.id)))
     assert isinstance(reply, m.Ack) and push.id not in client.pending
 
 
@@ -97,7 +97,7 @@ def test_replies_must_answer_a_pending_request():
         client.receive(m.encode(m.Ack(reply_to=999)))
     pop = m.Pop(id=client.new_id())
     client.send(pop)
-    progress = client.receive(m.encode(m.Consumed(reply_to=pop.id, seqs=[3])))
+    progress, _ = client.receive(m.encode(m.Consumed(reply_to=pop.id, seqs=[3])))
     assert isinstance(progress, m.Consumed) and pop.id in client.pending  # progress keeps it pending
     client.receive(m.encode(m.Failed(reply_to=pop.id, error=error_to_wire(PipelineDrained("done")))))
     assert pop.id not in client.pending
@@ -199,7 +199,8 @@ def test_the_daemon_follows_the_transition_table(state):
     assert set(REQUESTS) == set().union(*ALLOWED.values())
     for kind, msg in REQUESTS.items():
         server = ServerConnection()
-        server.state, server.granted = state, 8
+        server.state, server.stream.granted = state, 8
+        server.stream.lent.add(0)  # batch 0 is the client's, so its release may come
         if kind in ALLOWED[state]:
             assert server.receive(m.encode(msg)) == msg
             assert server.state is NEXT.get((state, kind), state), (state, kind)
@@ -215,7 +216,8 @@ def test_the_client_sends_only_what_the_table_allows(state):
         if kind is m.Hello:
             continue
         client = ClientConnection()
-        client.state, client.granted = state, 8
+        client.state, client.stream.granted = state, 8
+        client.stream.lent.add(0)
         ok = kind in ALLOWED[state] and not (state is State.CLOSED and kind is m.Ping)
         if ok:
             client.send(msg)
@@ -224,3 +226,64 @@ def test_the_client_sends_only_what_the_table_allows(state):
             with pytest.raises(ProtocolError):
                 client.send(msg)
             assert client.state is state
+
+
+def _ready(client, server, batch_id, pop, seqs):
+    return client.receive(server.reply(m.BatchReady(reply_to=pop.id, batch_id=batch_id, slot=0, count=len(seqs), dtype="float32", seqs=seqs, errors=[], skipped=[])))
+
+
+def test_both_sides_keep_the_same_stream():
+    """Pushes and finality, pops answered in order, batches lent and released: the client
+    applies what it sends and receives, the daemon what it receives and sends, and both end
+    in the same state."""
+    client, server = handshake()
+    for side in (client, server):
+        assert side.stream.pushes == 0 and not side.stream.final and not side.stream.pops and not side.stream.lent
+    server.receive(client.send(_push(client, [0, 1])))
+    pops = []
+    for _ in range(2):
+        pop = m.Pop(id=client.new_id(), pushes=99, final=False)  # the connection counts the pushes, not the caller
+        pops.append(server.receive(client.send(pop, token=f"call {pop.id}")))
+    assert [p.pushes for p in pops] == [1, 1] and [p.id for p in server.stream.pops] == [p.id for p in client.stream.pops]
+    msg, token = _ready(client, server, 7, pops[0], [0, 1])
+    assert isinstance(msg, m.BatchReady) and token == f"call {pops[0].id}" and client.answered.id == pops[0].id
+    for side in (client, server):
+        assert side.stream.lent == {7} and [p.id for p in side.stream.pops] == [pops[1].id]
+    server.receive(client.send(m.Push(id=client.new_id(), samples=[], final=True)))
+    for side in (client, server):
+        assert side.stream.final and side.stream.final_at == 2 and side.stream.input_final(pops[1])  # a later push said so
+        assert side.stream.pushed_since(pops[1])  # a "drained" answer to it would predate that push
+    # releases: of a batch lent, once
+    server.receive(client.send(m.Release(id=client.new_id(), batch_id=7)))
+    assert client.stream.lent == server.stream.lent == set()
+    with pytest.raises(ProtocolError, match="release of batch 7, which this session does not hold"):
+        client.send(m.Release(id=client.new_id(), batch_id=7))
+    with pytest.raises(ProtocolError, match="release of batch 7"):
+        server.receive(m.encode(m.Release(id=50, batch_id=7)))  # sent around the client's check
+    assert server.state is State.READY  # refused, and the session goes on
+
+
+def test_pops_are_answered_in_the_order_sent():
+    client, server = handshake()
+    server.receive(client.send(_push(client, [0])))
+    first, second = (server.receive(client.send(m.Pop(id=client.new_id()))) for _ in range(2))
+    with pytest.raises(ProtocolError, match=f"answers pop {second.id} before the pops sent ahead of it"):
+        client.receive(m.encode(m.BatchReady(reply_to=second.id, batch_id=0, slot=0, count=1, dtype="float32", seqs=[0], errors=[], skipped=[])))
+
+
+def test_a_pop_asked_before_the_final_push_is_not_drained_by_it_alone():
+    client, server = handshake()
+    early = server.receive(client.send(m.Pop(id=client.new_id(), final=False)))
+    assert not server.stream.input_final(early)
+    server.receive(client.send(m.Push(id=client.new_id(), samples=[], final=True)))
+    assert server.stream.input_final(early)  # the push after it said the input is exhausted
+    late = server.receive(client.send(m.Pop(id=client.new_id(), final=False)))
+    assert not server.stream.input_final(late) and server.stream.final
+
+
+def test_a_lost_daemon_gives_back_every_waiting_token():
+    client, _ = handshake()
+    client.send(m.Stats(id=client.new_id()), token="stats")
+    client.send(m.Ping(id=client.new_id()), token="ping")
+    assert sorted(t for t in client.abandon() if t is not None) == ["ping", "stats"] and not client.pending
+

@@ -142,10 +142,9 @@ def test_the_daemon_block_runs_through_a_damacyd(tmp_path, daemon, monkeypatch):
 
 def test_the_gpu_block_runs_on_a_gpu_or_the_stand_in(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
+    import damacy
     from damacy_runtime.devices import STANDIN_ENV, cuda_devices
     from damacy_server.cuda import twin
-
-    import damacy
 
     if cuda_devices()[0] == 0:
         if not twin.available():

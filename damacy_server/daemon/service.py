@@ -238,8 +238,7 @@ class Daemon:
             if refused:
                 log.warning("refused a client (pid %d, %s): %s", msg.pid, peer or "credentials unknown", refused,
                             extra={"event": "refused_client", "client_pid": msg.pid, "rank": msg.rank})
-                conn.state = State.FAILED
-                self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(DamacyError(refused)))))
+                self.post(identity, conn.refuse(msg.id, DamacyError(refused)))
                 return
             with self._sessions_lock:
                 if identity in self._starting:
@@ -270,7 +269,7 @@ class Daemon:
                 log.warning("refused a session of pid %d: %s", msg.pid, e,
                             extra={"event": "refused_session", "client_pid": msg.pid, "rank": msg.rank, "error": type(e).__name__})
                 err = e if isinstance(e, DamacyError) else DamacyError(f"cannot start a session: {type(e).__name__}: {e}")
-                self.post(identity, m.encode(m.Failed(reply_to=msg.id, error=error_to_wire(err))))
+                self.post(identity, conn.refuse(msg.id, err))
                 return
             with self._sessions_lock:
                 self.sessions[identity] = session

@@ -61,14 +61,11 @@ class Session:
         self.queue: deque[Any] = deque()  # samples pushed and not yet in the engine
         self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
         self.in_engine = 0  # samples in the engine, not yet delivered or dropped
-        self.pops: deque[m.Pop] = deque()  # waiting for their batch, in order
-        self.lent: dict[int, Slot] = {}  # batch id -> the slot the client holds
+        self.stream = conn.stream  # pushes, finality, pops waiting in order, batches lent: the protocol's
+        self.lent: dict[int, Slot] = {}  # batch id -> the slot the client holds (the stream says which)
         self.dropped: list[int] = []  # skipped samples not yet reported to the client
         self.discarded: list[int] = []  # samples of a short last batch under drop_last
         self.patch: Patch | None = None  # a batch waiting for replacements of skipped samples
-        self.pushes = 0  # pushes received
-        self.final = False  # the last push said the client's input is exhausted (for now)
-        self.final_at = -1  # the number of that push
         self.pushed = 0
         self.delivered_batches = 0
         self.delivered_samples = 0
@@ -145,15 +142,10 @@ class Session:
             self.fail(msg.id, InvalidArgument("this session was opened without a Config: it has no pipeline"))
         elif isinstance(msg, m.Push):
             self._push(msg)
-        elif isinstance(msg, m.Pop):
-            self.pops.append(msg)
+        elif isinstance(msg, m.Pop):  # the stream queued it behind the pops before it
             self.pump()
-        elif isinstance(msg, m.Release):
-            slot = self.lent.pop(msg.batch_id, None)
-            if slot is None:
-                self.fail(msg.id, InvalidArgument(f"batch {msg.batch_id} is not held by this session"))
-                return
-            slot.release()  # the engine hears of it, and the loop pumps this session
+        elif isinstance(msg, m.Release):  # of a batch the stream knows lent
+            self.lent.pop(msg.batch_id).release()  # the engine hears of it, and the loop pumps this session
             self.reply(m.Ack(reply_to=msg.id))
         elif isinstance(msg, m.Stats):
             self.reply(m.StatsReply(reply_to=msg.id, stats=self.host.stats(session=self)))
@@ -174,10 +166,6 @@ class Session:
             self.seqs[id(sample)] = w.seq
             self.queue.append(sample)
         self.pushed += len(msg.samples)
-        self.pushes += 1
-        self.final = msg.final
-        if msg.final:
-            self.final_at = self.pushes
         self.reply(m.Ack(reply_to=msg.id))
         self.pump()
 
@@ -189,7 +177,7 @@ class Session:
             return
         self._refill(engine)
         cfg = self.config
-        while self.queue and engine.free_slots() and (len(self.queue) >= cfg.samples_per_batch or self.final):
+        while self.queue and engine.free_slots() and (len(self.queue) >= cfg.samples_per_batch or self.stream.final):
             n = min(cfg.samples_per_batch, len(self.queue))
             samples = [self.queue.popleft() for _ in range(n)]
             if n < cfg.samples_per_batch and cfg.drop_last:  # the short last batch is dropped
@@ -198,19 +186,17 @@ class Session:
             self.in_engine += n
             engine.start(samples)
         self._note_slot_wait(engine)
-        while self.pops:
-            pop = self.pops[0]
+        while self.stream.pops:  # each reply below answers the first (the stream takes it off)
+            pop = self.stream.pops[0]
             if self.dropped:  # skipped samples free credits at once (their batch may wait for replacements)
                 self.reply(m.Consumed(reply_to=pop.id, seqs=self.dropped))
                 self.dropped = []
             delivery = engine.next_delivery()
             if delivery is not None:
-                self.pops.popleft()
                 self.in_engine -= len(delivery.samples)
                 self.reply(self._delivered(pop, delivery))
                 self._note_slot_wait(engine)
             elif self._drained(pop):
-                self.pops.popleft()
                 consumed, self.discarded = self.discarded, []
                 n = engine.delivered_ids
                 err = PipelineDrained(f"all {n} batches were delivered and the input is exhausted")
@@ -223,7 +209,7 @@ class Session:
         holds every slot (not while slots are busy being assembled)."""
         cfg = self.config
         blocked = (
-            bool(self.queue) and (len(self.queue) >= cfg.samples_per_batch or self.final)
+            bool(self.queue) and (len(self.queue) >= cfg.samples_per_batch or self.stream.final)
             and not engine.free_slots() and len(self.lent) >= engine.slot_count
         )
         if blocked and not self._slot_blocked:
@@ -241,7 +227,7 @@ class Session:
                 self.in_engine -= len(self.patch.dropped)
                 self.dropped.extend(self.seqs.get(id(s), -1) for s, _ in self.patch.dropped)
             need = self.patch.needed
-            if len(self.queue) < need and not self.final:
+            if len(self.queue) < need and not self.stream.final:
                 return
             samples = [self.queue.popleft() for _ in range(min(need, len(self.queue)))]
             self.in_engine += len(samples)
@@ -251,8 +237,7 @@ class Session:
     def _drained(self, pop: m.Pop) -> bool:
         """Nothing left to deliver: the client's input was exhausted when it sent this pop (or
         a push sent after the pop said so), and everything pushed was delivered."""
-        input_final = self.final and (pop.final or self.final_at > pop.pushes)
-        return input_final and not self.queue and self.patch is None and self.engine.idle()
+        return self.stream.input_final(pop) and not self.queue and self.patch is None and self.engine.idle()
 
     def _delivered(self, pop: m.Pop, d: Delivery) -> Any:
         """The reply to ``pop`` for delivery ``d``: a batch, or why its batch failed."""
@@ -318,7 +303,6 @@ class Session:
         if self.engine is not None:
             self.engine.close()
         self.queue.clear()
-        self.pops.clear()
         self.seqs.clear()
         self.patch = None
 
