@@ -27,8 +27,9 @@ from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained
 from damacy_runtime import front
 from damacy_runtime.api import PipelineAPI
 from damacy_runtime.batch import Batch
+from damacy_runtime.core import FrontCore
 from damacy_server.cpu.executor import CpuExecutor, CpuLimits
-from damacy_server.engine.batches import BatchEngine, Delivery, Patch
+from damacy_server.engine.batches import BatchEngine, Delivery
 from damacy_server.engine.slots import OutputSpec, SlotMemory
 from damacy_server.plan.planner import BatchSpec, ChunkPlanner
 from damacy_server.plan.reads import PlanLimits
@@ -137,12 +138,12 @@ class Pipeline(PipelineAPI):
             slot_memory,
             what=f"{config.prepared_batches} batch slots of {config.samples_per_batch} x {config.sample_shape} {config.dtype}",
         )
-        self._cond = self.engine.cond  # one lock for the engine and this front end
+        self._cond = self.engine.cond  # one lock for the engine, the core and this front end
+        self._core = FrontCore(self.engine, config.samples_per_batch, config.lookahead_samples, config.drop_last)
         self._sources = front.Sources(self._cond)
         self._progress = front.Progress()
         self._pushed = False
-        self._pulling = False
-        self._outstanding = 0  # samples pulled and not yet popped
+        self._pulling = False  # the feeder is pulling from the input (outside the lock)
         self._pulled = 0
         self._delivered_batches = 0
         self._delivered_samples = 0
@@ -175,20 +176,31 @@ class Pipeline(PipelineAPI):
 
     # -- the feeder thread --------------------------------------------------------
     def _feed(self) -> None:
-        engine = self.engine
+        """Pull from the input while the core has room (lookahead), and pump the core: it
+        starts batches as slots free up and refills batches whose samples were skipped."""
+        core = self._core
+        n = self.config.samples_per_batch
         try:
             while True:
                 with self._cond:
-                    while not self._closed and not engine.patches_waiting() and not (self._sources and self._can_start()):
+                    while not self._closed and not (self._sources and core.room() > 0) and not core.can_pump():
                         self._cond.wait(0.5)
                     if self._closed:
                         return
-                    self._pulling = not engine.patches_waiting()
-                patch = engine.take_patch()
-                if patch is not None:
-                    self._refill(patch)
-                else:
-                    self._start_batch()
+                    want = min(core.room(), n) if self._sources else 0
+                    self._pulling = want > 0
+                if want:
+                    samples, source_error = self._pull(want)
+                    with self._cond:
+                        core.add(samples, final=not self._sources, error=source_error)
+                        self._pulling = False
+                core.pump()
+                dropped = core.take_dropped()
+                if dropped and self._on_skip is not None:
+                    self._on_skip(dropped)
+                core.take_discarded()  # a short last batch under drop_last: left out
+                with self._cond:
+                    self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
         except BaseException as e:  # never expected: pops say so instead of waiting forever
             log.exception("damacy: the feeder thread failed")
             with self._cond:
@@ -196,52 +208,9 @@ class Pipeline(PipelineAPI):
                 self._cond.notify_all()
             threading.Thread(target=self.close, name="damacy-close", daemon=True).start()
 
-    def _can_start(self) -> bool:
-        cfg = self.config
-        return bool(self.engine._free) and self._outstanding + cfg.samples_per_batch <= cfg.lookahead_samples
-
-    def _start_batch(self) -> None:
-        cfg = self.config
-        samples, source_error = self._pull(cfg.samples_per_batch)
-        with self._cond:
-            exhausted = not self._sources
-            short = len(samples) < cfg.samples_per_batch
-            skip = not samples or (short and cfg.drop_last and exhausted and source_error is None)
-            if not skip:
-                self._outstanding += len(samples)
-        try:
-            if not skip:
-                self.engine.start(samples)
-            if source_error is not None:
-                self.engine.start_error(source_error)  # raised by the pop after this batch
-        finally:
-            # "pulling" ends once the engine holds the batch: a pop in between would find
-            # the input exhausted and the engine idle, and call the pipeline drained
-            with self._cond:
-                self._pulling = False
-                self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
-
-    def _refill(self, patch: Patch) -> None:
-        """on_error="skip": the next samples of the input take the dropped ones' places."""
-        with self._cond:
-            self._outstanding -= len(patch.dropped)  # the failed samples leave (before the owner hears of it)
-        if self._on_skip is not None:
-            self._on_skip(patch.dropped)
-        samples, source_error = self._pull(patch.needed)
-        with self._cond:
-            self._outstanding += len(samples)
-        try:
-            self.engine.refill(patch, samples)
-            if source_error is not None:
-                self.engine.start_error(source_error)  # after this batch
-        finally:
-            with self._cond:  # as in _start_batch: pulling ends once the engine has the samples
-                self._pulling = False
-                self._cond.notify_all()
-
     # -- output -------------------------------------------------------------------
     def _drained(self) -> bool:
-        return not self._sources and not self._pulling and self.engine.idle()
+        return not self._sources and not self._pulling and self._core.drained()
 
     def ready(self) -> bool:
         """Would :meth:`pop` return (or raise) at once?"""
@@ -269,7 +238,7 @@ class Pipeline(PipelineAPI):
                     raise PipelineDrained("the pipeline is closed")
                 delivery = self.engine.next_delivery()
                 if delivery is not None:
-                    self._outstanding -= len(delivery.samples)
+                    self._core.delivered(len(delivery.samples))
                     self._cond.notify_all()
                     break
                 if not self._pushed:
@@ -311,7 +280,7 @@ class Pipeline(PipelineAPI):
             not engine.free_slots()
             and engine.delivered_ids >= engine.started_ids
             and not self._pulling
-            and not engine.patches_waiting()
+            and self._core.settled()
         )
 
     def _waiting_for(self, timeout: float) -> TimeoutError:
@@ -339,7 +308,7 @@ class Pipeline(PipelineAPI):
     def outstanding(self) -> int:
         """Samples pulled from the input and not yet popped (at most ``lookahead_samples``)."""
         with self._cond:
-            return self._outstanding
+            return self._core.outstanding
 
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:

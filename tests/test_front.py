@@ -67,3 +67,119 @@ def test_batch_info_and_timeout_messages():
     assert type(late) is TimeoutError and "yield samples" in str(late)
     assert str(front.pop_timeout(3, 0.5, front.WORKING, 2, 1, " in damacyd")) == "no batch 3 within 0.5s: its reads and decodes are still running in damacyd (1 slots in use)"
     assert front.deadline(None) is None and front.deadline(float("inf")) is None and front.time_left(None) is None
+
+
+class FakeEngine:
+    """A batch engine as the core sees it: slots, starts, patches, idleness."""
+
+    def __init__(self, slots: int) -> None:
+        self.cond = threading.Condition()
+        self.slots = slots
+        self.log: list[tuple] = []
+        self.patches: list = []
+        self.busy = 0
+
+    def free_slots(self) -> int:
+        return self.slots
+
+    def start(self, samples):
+        self.slots -= 1
+        self.busy += 1
+        self.log.append(("start", list(samples)))
+
+    def start_error(self, error):
+        self.log.append(("error", str(error)))
+
+    def take_patch(self):
+        return self.patches.pop(0) if self.patches else None
+
+    def refill(self, patch, samples):
+        self.log.append(("refill", list(samples)))
+
+    def patches_waiting(self) -> bool:
+        return bool(self.patches)
+
+    def idle(self) -> bool:
+        return not self.busy and not self.patches
+
+
+class FakePatch:
+    def __init__(self, dropped):
+        self.dropped = dropped
+        self.needed = len(dropped)
+
+
+def test_the_core_starts_a_batch_when_a_slot_is_free_and_keeps_to_the_lookahead():
+    from damacy_runtime.core import FrontCore
+
+    engine = FakeEngine(slots=1)
+    core = FrontCore(engine, samples_per_batch=2, lookahead=5)
+    assert core.room() == 5
+    core.add(["a"], final=False)
+    core.pump()
+    assert engine.log == [] and not core.can_pump()  # half a batch: wait for more
+    core.add(["b", "c", "d"], final=False)
+    assert core.room() == 1 and core.can_pump()
+    core.pump()
+    assert engine.log == [("start", ["a", "b"])] and core.queued == 2
+    assert core.waiting_for_slot() and not core.can_pump()  # the next batch waits for a slot
+    engine.slots += 1
+    core.pump()
+    assert engine.log[-1] == ("start", ["c", "d"]) and core.queued == 0
+    core.delivered(2)
+    assert core.room() == 3
+
+
+def test_the_core_starts_the_rest_of_a_final_input_or_leaves_it_out_under_drop_last():
+    from damacy_runtime.core import FrontCore
+
+    for drop_last, want in ((False, [("start", ["a", "b"]), ("start", ["c"])]), (True, [("start", ["a", "b"])])):
+        engine = FakeEngine(slots=4)
+        core = FrontCore(engine, samples_per_batch=2, lookahead=8, drop_last=drop_last)
+        core.add(["a", "b", "c"], final=True)
+        core.pump()
+        assert engine.log == want
+        assert core.take_discarded() == (["c"] if drop_last else [])
+        assert core.outstanding == (2 if drop_last else 3)
+
+
+def test_the_core_refills_skipped_samples_from_the_queue_in_order():
+    from damacy_runtime.core import FrontCore
+
+    engine = FakeEngine(slots=1)
+    core = FrontCore(engine, samples_per_batch=2, lookahead=8)
+    core.add(["a", "b"], final=False)
+    core.pump()
+    engine.patches.append(FakePatch([("a", ValueError("bad a"))]))
+    core.pump()
+    assert [s for s, _ in core.take_dropped()] == ["a"] and core.outstanding == 1
+    assert engine.log == [("start", ["a", "b"])]  # the patch waits for a sample to take a's place
+    core.add(["c", "d"], final=False)
+    core.pump()
+    assert engine.log[-1] == ("refill", ["c"]) and core.queued == 1
+
+
+def test_an_error_of_the_input_comes_after_the_samples_before_it():
+    from damacy_runtime.core import FrontCore
+
+    engine = FakeEngine(slots=4)
+    core = FrontCore(engine, samples_per_batch=3, lookahead=8)
+    core.add(["a"], final=False, error=RuntimeError("the generator broke"))
+    core.pump()
+    assert engine.log == [("start", ["a"]), ("error", "the generator broke")]  # a short batch, then the error
+
+
+def test_the_core_is_drained_only_with_a_final_input_and_nothing_in_flight():
+    from damacy_runtime.core import FrontCore
+
+    engine = FakeEngine(slots=1)
+    core = FrontCore(engine, samples_per_batch=2, lookahead=4)
+    assert not core.drained()  # no input said it was final
+    core.add(["a", "b"], final=True)
+    assert not core.drained()  # queued
+    core.pump()
+    assert not core.drained()  # in the engine
+    engine.busy = 0
+    assert core.drained()
+    core.add(["c"], final=False)  # a new push: not drained any more
+    assert not core.drained()

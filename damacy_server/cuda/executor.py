@@ -36,6 +36,7 @@ import numpy as np
 from damacy_protocol.checks import Size, check_fields
 from damacy_protocol.errors import DecodeError, SampleError
 from damacy_runtime.device import DeviceArray
+from damacy_server.cache import LRUCache
 from damacy_server.cpu.run import samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer
@@ -77,7 +78,7 @@ class CudaExecutor(BudgetedExecutor):
         self.limits = limits if limits is not None else CudaLimits()
         self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes)
         self.stats = StageStats()
-        self.chunk_cache = None  # a device chunk cache is future work
+        self.chunk_cache: LRUCache | None = None  # a device chunk cache is future work
         self.inflight = None
         self.host_decoded = 0  # units of codec chains the device does not decode
         self._readers = WorkerPool(max(2, self.reader.workers // 2), "damacy-cuda-read")

@@ -16,7 +16,6 @@ import logging
 import os
 import time
 import uuid
-from collections import deque
 from typing import Any
 
 from damacy_protocol import messages as m
@@ -27,11 +26,12 @@ from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.wire import error_to_wire
 from damacy_runtime.batch import Slot
+from damacy_runtime.core import FrontCore
 from damacy_server.cuda.ipc import IpcSlots
 from damacy_server.daemon.endpoint import Peer
 from damacy_server.daemon.host import SessionHost
 from damacy_server.daemon.warm import start_warm
-from damacy_server.engine.batches import BatchEngine, Delivery, Patch
+from damacy_server.engine.batches import BatchEngine, Delivery
 from damacy_server.engine.shm import pid_alive
 from damacy_server.engine.slots import OutputSpec, ShmSlots, SlotMemory
 
@@ -58,14 +58,11 @@ class Session:
         self.slots: SlotMemory = ShmSlots(prefix, host.sharing)
         self.unmapped = False  # a GPU session's client said it closed its mappings of the slots
         self.closed = False
-        self.queue: deque[Any] = deque()  # samples pushed and not yet in the engine
         self.seqs: dict[int, int] = {}  # id(sample) -> the client's number for it
-        self.in_engine = 0  # samples in the engine, not yet delivered or dropped
         self.stream = conn.stream  # pushes, finality, pops waiting in order, batches lent: the protocol's
         self.lent: dict[int, Slot] = {}  # batch id -> the slot the client holds (the stream says which)
         self.dropped: list[int] = []  # skipped samples not yet reported to the client
         self.discarded: list[int] = []  # samples of a short last batch under drop_last
-        self.patch: Patch | None = None  # a batch waiting for replacements of skipped samples
         self.pushed = 0
         self.delivered_batches = 0
         self.delivered_samples = 0
@@ -73,6 +70,7 @@ class Session:
         self._slot_blocked = False
         self.config: Config | None = None
         self.engine: BatchEngine | None = None  # a control session (the CLI) has none
+        self.core: FrontCore | None = None  # the queue of pushed samples and what starts them
         if hello.config is not None:
             self.config = cfg = hello.config
             if cfg.storage_options:
@@ -106,6 +104,7 @@ class Session:
                 plan_pool=host.plan_pool,
                 what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
             )
+            self.core = FrontCore(self.engine, cfg.samples_per_batch, cfg.lookahead_samples, cfg.drop_last)
             host.totals.session_started()
 
     def _unmapped(self) -> bool:
@@ -161,30 +160,26 @@ class Session:
             self.fail(getattr(msg, "id", 0), ProtocolError(f"unexpected {type(msg).__name__}"))
 
     def _push(self, msg: m.Push) -> None:
+        samples = []
         for w in msg.samples:
             sample = self.host.to_sample(w)
             self.seqs[id(sample)] = w.seq
-            self.queue.append(sample)
+            samples.append(sample)
+        self.core.add(samples, final=self.stream.final)  # the stream counted the push already
         self.pushed += len(msg.samples)
         self.reply(m.Ack(reply_to=msg.id))
         self.pump()
 
     # -- the engine's side (on the loop thread) -------------------------------------------
     def pump(self) -> None:
-        """Start what can start, refill what waits, answer the pops whose batch is ready."""
-        engine = self.engine
-        if engine is None or self.closed:
+        """Start what can start, refill what waits (the core), answer the pops whose batch is
+        ready, or that the stream says are drained."""
+        engine, core = self.engine, self.core
+        if engine is None or core is None or self.closed:
             return
-        self._refill(engine)
-        cfg = self.config
-        while self.queue and engine.free_slots() and (len(self.queue) >= cfg.samples_per_batch or self.stream.final):
-            n = min(cfg.samples_per_batch, len(self.queue))
-            samples = [self.queue.popleft() for _ in range(n)]
-            if n < cfg.samples_per_batch and cfg.drop_last:  # the short last batch is dropped
-                self.discarded.extend(self._seq(s) for s in samples)
-                continue
-            self.in_engine += n
-            engine.start(samples)
+        core.pump()
+        self.dropped.extend(self.seqs.get(id(s), -1) for s, _ in core.take_dropped())
+        self.discarded.extend(self._seq(s) for s in core.take_discarded())
         self._note_slot_wait(engine)
         while self.stream.pops:  # each reply below answers the first (the stream takes it off)
             pop = self.stream.pops[0]
@@ -193,10 +188,10 @@ class Session:
                 self.dropped = []
             delivery = engine.next_delivery()
             if delivery is not None:
-                self.in_engine -= len(delivery.samples)
+                core.delivered(len(delivery.samples))
                 self.reply(self._delivered(pop, delivery))
                 self._note_slot_wait(engine)
-            elif self._drained(pop):
+            elif self.stream.input_final(pop) and core.drained():
                 consumed, self.discarded = self.discarded, []
                 n = engine.delivered_ids
                 err = PipelineDrained(f"all {n} batches were delivered and the input is exhausted")
@@ -207,37 +202,10 @@ class Session:
     def _note_slot_wait(self, engine: BatchEngine) -> None:
         """Count a slot wait when a full batch of samples starts waiting because the client
         holds every slot (not while slots are busy being assembled)."""
-        cfg = self.config
-        blocked = (
-            bool(self.queue) and (len(self.queue) >= cfg.samples_per_batch or self.stream.final)
-            and not engine.free_slots() and len(self.lent) >= engine.slot_count
-        )
+        blocked = self.core is not None and self.core.waiting_for_slot() and len(self.lent) >= engine.slot_count
         if blocked and not self._slot_blocked:
             self.slot_waits += 1
         self._slot_blocked = blocked
-
-    def _refill(self, engine: BatchEngine) -> None:
-        """on_error="skip": the next pushed samples take the dropped ones' places (waiting for
-        the client to push them, unless its input is exhausted)."""
-        while True:
-            if self.patch is None:
-                self.patch = engine.take_patch()
-                if self.patch is None:
-                    return
-                self.in_engine -= len(self.patch.dropped)
-                self.dropped.extend(self.seqs.get(id(s), -1) for s, _ in self.patch.dropped)
-            need = self.patch.needed
-            if len(self.queue) < need and not self.stream.final:
-                return
-            samples = [self.queue.popleft() for _ in range(min(need, len(self.queue)))]
-            self.in_engine += len(samples)
-            patch, self.patch = self.patch, None
-            engine.refill(patch, samples)
-
-    def _drained(self, pop: m.Pop) -> bool:
-        """Nothing left to deliver: the client's input was exhausted when it sent this pop (or
-        a push sent after the pop said so), and everything pushed was delivered."""
-        return self.stream.input_final(pop) and not self.queue and self.patch is None and self.engine.idle()
 
     def _delivered(self, pop: m.Pop, d: Delivery) -> Any:
         """The reply to ``pop`` for delivery ``d``: a batch, or why its batch failed."""
@@ -302,9 +270,7 @@ class Session:
             slot.release()
         if self.engine is not None:
             self.engine.close()
-        self.queue.clear()
         self.seqs.clear()
-        self.patch = None
 
     def describe(self) -> SessionFigures:
         if self.config is None:
@@ -319,7 +285,7 @@ class Session:
             samples_pulled=self.pushed,
             held_batches=len(self.lent),
             slot_waits=self.slot_waits,
-            queued_samples=len(self.queue),
+            queued_samples=self.core.queued if self.core is not None else 0,
             slot_bytes=self.engine.slot_bytes,
             samples_per_batch=self.config.samples_per_batch,
             sample_shape=list(self.config.sample_shape),

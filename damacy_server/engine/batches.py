@@ -26,19 +26,52 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from damacy_protocol.errors import BatchFailed, InvalidArgument, SampleError
 from damacy_runtime.batch import Slot
+from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
 from damacy_server.decode.chunks import cast_fill
+from damacy_server.engine.budget import StageStats
 from damacy_server.engine.slots import HostSlots, OutputSpec, SlotMemory
+from damacy_server.plan.planner import BatchPlan
 
 log = logging.getLogger("damacy")
+
+
+class Executor(Protocol):
+    """What the engine asks of an executor (:class:`~damacy_server.cpu.executor.CpuExecutor`,
+    :class:`~damacy_server.cuda.executor.CudaExecutor`)."""
+
+    stats: StageStats
+    chunk_cache: LRUCache | None
+
+    @property
+    def inflight_capacity(self) -> int: ...
+    def reserve_slots(self, nbytes: int, what: str) -> None: ...
+    def release_slots(self, nbytes: int) -> None: ...
+    def slot_memory(self) -> SlotMemory | None: ...
+    def execute(
+        self, plan: BatchPlan, targets: Sequence[Any], on_done: Callable[[dict[int, SampleError]], None],
+        cancelled: Callable[[], bool] = ..., key: Any = None,
+    ) -> None: ...
+    def fill(self, target: Any, value: Any) -> None: ...
+    def move(self, dst: Any, src: Any) -> None: ...
+
+
+class Planner(Protocol):
+    """What the engine asks of a planner (:class:`~damacy_server.plan.planner.ChunkPlanner`)."""
+
+    def plan(
+        self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad", *,
+        capacity: int | None = None, cache: LRUCache | None = None, accept: Callable[[Any], None] | None = None,
+        dtype: np.dtype | None = None,
+    ) -> BatchPlan: ...
 
 
 @dataclass(eq=False)
@@ -87,8 +120,8 @@ class BatchEngine:
     def __init__(
         self,
         spec: OutputSpec,
-        planner: Any,
-        executor: Any,
+        planner: Planner,
+        executor: Executor,
         slots: int,
         memory: SlotMemory | None = None,
         *,
