@@ -141,7 +141,8 @@ def render(stats, before=None, seconds: float | None = None) -> str:
     for name, c in caches.items():
         total = c["hits"] + c["misses"]
         rate = f"{100 * c['hits'] / total:.1f}%" if total else "-"
-        lines.append(f"cache {name}: {c['entries']} entries, hit rate {rate} ({c['hits']} hits, {c['misses']} misses)")
+        rule = f", admitting by {c['admission']}" if c.get("admission", "lru") != "lru" else ""
+        lines.append(f"cache {name}: {c['entries']} entries, hit rate {rate} ({c['hits']} hits, {c['misses']} misses){rule}")
     sessions = [s for s in stats["sessions"] if not s.get("control")]
     lines.append(f"sessions: {len(sessions)}")
     earlier = {s["session"]: s for s in (before or {}).get("sessions", [])}

@@ -21,6 +21,16 @@ arrays read at one box, ``{name: uri}`` each (the samples are then
 the box is drawn on the group's first array, and ``scales={name: factor}`` maps it to an array
 at another resolution).
 
+``window=`` (bytes) orders any of them chunk by chunk (see :mod:`damacy.windows`): the
+epoch's samples grouped by the chunk cell they start in, the cells shuffled and packed into
+windows whose decoded chunks fit ``window`` bytes, the samples shuffled within each window; a
+pipeline whose chunk cache holds ``window`` bytes then decodes each chunk once per epoch
+(``shuffle_quality(batch_size)`` says how much mixing that costs). The samples drawn stay the
+same; each rank reads a contiguous run of windows (``share_windows=True``: the
+``local_world_size`` ranks of a node take turns in one run, so their damacyd decodes it once
+for all of them); ``GridBoxes`` keeps its cells in C order. ``chunks_of(uri, level)`` gives
+(shape, chunk shape, item size) where the arrays' metadata should not be read.
+
 ``set_epoch(e)`` picks the epoch; ``rank``/``world_size`` default to torch.distributed's
 environment (``RANK``, ``WORLD_SIZE``), else 0 and 1. ``state_dict()`` holds the sampler's
 seed, epoch and partition; the position within an epoch is the pipeline's to count.
@@ -38,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy.windows import CellIndex, Cells, ChunksOf, batch_diversity, check_window, window_order
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample, normalize_pair
 
@@ -129,14 +140,34 @@ def _alignment(scales: Mapping[str, float] | None, sample_shape: tuple[int, ...]
 
 
 class _Sampler:
-    def __init__(self, seed: int, rank: int | None, world_size: int | None) -> None:
+    #: how the rank's shares are cut from the windowed order ("drop": equal shares, the rest
+    #: left out; "repeat": the shortest ranks repeat the first; "padding": a Padding sample)
+    _fill = "drop"
+
+    def __init__(
+        self,
+        seed: int,
+        rank: int | None,
+        world_size: int | None,
+        *,
+        window: int | None = None,
+        share_windows: bool = False,
+        local_world_size: int | None = None,
+        chunks_of: ChunksOf | None = None,
+    ) -> None:
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
         self.seed = int(seed)
         self.rank, self.world_size = partition(rank, world_size)
         self.epoch = 0
         self.consumed: list[tuple[int, int]] = []  # positions of this epoch read before (elastic resume)
-        self.local_world_size = self.world_size  # ranks per node (see RandomBoxes' locality)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if local_world_size is None else local_world_size
+        if not isinstance(local, int) or local < 1 or self.world_size % local:
+            raise InvalidArgument(f"local_world_size must divide world_size ({self.world_size}), got {local!r}")
+        self.local_world_size = local  # ranks per node (see RandomBoxes' locality, share_windows)
+        self.window = check_window(window)
+        self.share_windows = bool(share_windows)
+        self._cells = CellIndex(chunks_of)  # reads the arrays' chunk shapes on first use
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration draws (its order and boxes come from (seed, epoch))."""
@@ -153,6 +184,7 @@ class _Sampler:
         return {
             "seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
             "local_world_size": self.local_world_size, "consumed": [list(r) for r in self.consumed],
+            "window": self.window, "share_windows": self.share_windows,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -166,6 +198,12 @@ class _Sampler:
     def _check_seed(self, state: Mapping[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
             raise InvalidArgument(f"the state was saved with seed {state['seed']}, this sampler has seed {self.seed}")
+        window = state.get("window")
+        if window != self.window:
+            raise InvalidArgument(
+                f"the state was saved with window={window}, this sampler has window={self.window}: "
+                "the epoch's order differs, so the saved position would name other samples"
+            )
 
     def resume(self, states: Sequence[Mapping[str, Any]]) -> None:
         """Elastic resume: go on with the epoch that every rank of an earlier run (of any
@@ -193,7 +231,7 @@ class _Sampler:
         pool = _pool(self._order(items, old_world, old_local), before)
         seen = set(_expand(before))
         for st, x in zip(states, sources):
-            seen.update(p for p, _ in self._share(pool, int(x["rank"]), old_world)[: int(st["offset"])])
+            seen.update(p for p, _ in self._share_of(pool, int(x["rank"]), old_world, old_local)[: int(st["offset"])])
         self.consumed = _ranges(sorted(seen))
 
     def epoch_samples(self) -> list:
@@ -206,14 +244,65 @@ class _Sampler:
 
     def _order(self, items: list, world: int, local: int) -> list[int]:
         """The global list's positions in the order they are shared out (the list's own,
-        unless the sampler reorders it for locality)."""
+        unless the sampler reorders it for locality or by chunk windows)."""
+        if self.window is not None:
+            return self._windows(items)[0]
         return list(range(len(items)))
+
+    def _windows(self, items: list) -> tuple[list[int], list[int], Cells]:
+        """The windowed order of ``items`` (see :mod:`damacy.windows`), the windows' starts
+        in it, and the items' cells. Shuffled from (seed, epoch) by a stream of its own, so the
+        samples drawn are the same with or without a window."""
+        cells = self._cells.cells(items)
+        rng = np.random.default_rng([self.seed, self.epoch, 2])
+        order, starts = window_order(cells, self.window, rng)
+        return order, starts, cells
+
+    def _share_of(self, pool: list[int], rank: int, world: int, local: int) -> list[tuple[int, bool]]:
+        """Rank ``rank``'s part of ``pool``: with a window, contiguous runs of the windowed order
+        (so each rank reads whole windows; with ``share_windows`` the ``local`` ranks of a node
+        take turns within their node's run, for one damacyd to decode once for all of them);
+        else the sampler's own share."""
+        if self.window is None or self._fill == "padding":
+            return self._share(pool, rank, world)
+        n = len(pool)
+        per_rank = n // world if self._fill == "drop" else -(-n // world)
+        if self._fill == "repeat" and pool:  # the shortest ranks repeat the first (cyclically)
+            need = per_rank * world - n
+            pool = pool + (pool * -(-need // n))[:need]
+        share = local if self.share_windows else 1
+        node, turn = divmod(rank, share)
+        run = pool[node * per_rank * share : (node + 1) * per_rank * share]
+        return [(p, False) for p in run[turn::share][:per_rank]]
+
+    def shuffle_quality(self, batch_size: int) -> dict[str, float]:
+        """How this epoch's order mixes the data, for choosing ``window``: ``batch_diversity``,
+        the mean number of distinct chunk cells in a batch of ``batch_size`` consecutive
+        samples of the global order over a uniform permutation's (1.0: as mixed as a full
+        shuffle), with the number of windows and their mean samples and decoded bytes."""
+        items = self.epoch_samples()
+        if self.window is not None:
+            order, starts, cells = self._windows(items)
+        else:
+            cells = self._cells.cells(items)
+            order, starts = self._order(items, self.world_size, self.local_world_size), [0]
+        of = [cells.of[p] for p in order]
+        per_window = np.diff(starts + [len(order)])
+        window_bytes = [
+            sum(cells.nbytes[k] for k in set(of[a:b])) for a, b in zip(starts, starts[1:] + [len(order)])
+        ]
+        return {
+            "batch_diversity": batch_diversity(of, batch_size),
+            "windows": float(len(starts)),
+            "samples_per_window": float(per_window.mean()) if len(per_window) else 0.0,
+            "window_bytes": float(np.mean(window_bytes)) if window_bytes else 0.0,
+        }
 
     def rank_samples(self) -> list:
         items = self.epoch_samples()
         out = []
         order = self._order(items, self.world_size, self.local_world_size)
-        for position, padding in self._share(_pool(order, self.consumed), self.rank, self.world_size):
+        for position, padding in self._share_of(_pool(order, self.consumed), self.rank, self.world_size, self.local_world_size):
             s = items[position]
             out.append(_padding(s) if padding else s)
         return out
@@ -348,16 +437,19 @@ class RandomBoxes(_Sampler):
         normalize: Any = None,
         foreground: Sequence[Any] | Mapping[str, Any] | None = None,
         foreground_fraction: float = 1.0,
+        window: int | None = None,
+        share_windows: bool = False,
         shape_of: Callable[[str], Sequence[int]] | None = None,
+        chunks_of: ChunksOf | None = None,
     ) -> None:
-        super().__init__(seed, rank, world_size)
+        super().__init__(
+            seed, rank, world_size, window=window, share_windows=share_windows, local_world_size=local_world_size, chunks_of=chunks_of
+        )
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.locality = bool(locality)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if local_world_size is None else local_world_size
-        if not isinstance(local, int) or local < 1 or self.world_size % local:
-            raise InvalidArgument(f"local_world_size must divide world_size ({self.world_size}), got {local!r}")
-        self.local_world_size = local
+        if self.locality and self.window is not None:
+            raise InvalidArgument("locality and window order the epoch two ways: take window with share_windows=True for a node's ranks")
         if level is not None and shape_of is None and not isinstance(arrays, Mapping):
             from damacy_server.read import open_image
 
@@ -441,7 +533,7 @@ class RandomBoxes(_Sampler):
 
     def _order(self, items: list, world: int, local: int) -> list[int]:
         if not self.locality or local <= 1:
-            return list(range(len(items)))
+            return super()._order(items, world, local)
         rng = np.random.default_rng([self.seed, self.epoch, 1])
         size = self.sample_shape
 
@@ -461,8 +553,23 @@ class RandomBoxes(_Sampler):
 class Shuffled(_Sampler):
     """A fixed list of samples (``Sample``/``IndexQuery``) in a new order each epoch."""
 
-    def __init__(self, samples: Sequence[Sample | IndexQuery], *, seed: int, rank: int | None = None, world_size: int | None = None, drop_last: bool = False) -> None:
-        super().__init__(seed, rank, world_size)
+    def __init__(
+        self,
+        samples: Sequence[Sample | IndexQuery],
+        *,
+        seed: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        window: int | None = None,
+        share_windows: bool = False,
+        local_world_size: int | None = None,
+        chunks_of: ChunksOf | None = None,
+    ) -> None:
+        super().__init__(
+            seed, rank, world_size, window=window, share_windows=share_windows, local_world_size=local_world_size, chunks_of=chunks_of
+        )
+        self._fill = "drop" if drop_last else "repeat"
         self.samples = list(samples)
         for s in self.samples:
             if not isinstance(s, (Sample, IndexQuery)):
@@ -508,9 +615,11 @@ class GridBoxes(_Sampler):
         level: int | None = None,
         scales: Mapping[str, float] | None = None,
         normalize: Any = None,
+        window: int | None = None,
         shape_of: Callable[[str], Sequence[int]] | None = None,
+        chunks_of: ChunksOf | None = None,
     ) -> None:
-        super().__init__(0, rank, world_size)
+        super().__init__(0, rank, world_size, window=window, chunks_of=chunks_of)
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.arrays = _shapes(arrays, shape_of)
@@ -549,6 +658,14 @@ class GridBoxes(_Sampler):
             for origin in np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(shape)).tolist():
                 out.append(_sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), self.scales, self.normalize, level=self.level))
         return out
+
+    _fill = "padding"
+
+    def _windows(self, items: list) -> tuple[list[int], list[int], Cells]:
+        """Sequential: the cells in the arrays' C order, each cell's windows in theirs."""
+        cells = self._cells.cells(items)
+        order, starts = window_order(cells, self.window, None, keys=self._cells.cell_keys())
+        return order, starts, cells
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
         n = len(pool)

@@ -30,6 +30,8 @@ class CacheFigures(_Figures):
     misses: int = 0
     evictions: int = 0
     rejections: int = 0  # values a full cache with frequency admission turned away
+    admission: str = "lru"  # the chunk cache's rule in force: "frequency" or "recency" (see damacy_server.cache)
+    switches: int = 0  # how often it changed rules
 
 
 class MetadataCacheFigures(_Figures):

@@ -1,11 +1,20 @@
 """A thread-safe LRU cache bounded by entries (or by bytes), with hit and miss counters.
 
-With ``admit_by_frequency`` a full cache admits a value only if its key was asked for
-clearly more often (recently) than the key it would evict (TinyLFU's admission rule). Training re-reads
-the same data each epoch in a new order; plain LRU over data larger than the cache then
-evicts most entries before their next use, while this keeps a stable part of the data and
-hits it every epoch. Counts are halved every ``10 x`` entries lookups, so a new working set
-displaces an old one.
+With ``admit_by_frequency`` the cache chooses between two admission rules by which does
+better on the lookups it sees:
+
+- *frequency* (TinyLFU's rule): a full cache admits a value only if its key was asked for
+  clearly more often (recently) than the key it would evict. Training that re-reads data
+  larger than the cache in a new order each epoch evicts most LRU entries before their next
+  use; this keeps a stable part of the data and hits it every epoch.
+- *recency* (plain LRU): every value is admitted. When the working set moves (volumes read
+  one after another, an epoch in chunk-aware windows), the frequency rule would turn the new
+  data away for as long as the old counts last, though only the new data is read again.
+
+A key-only shadow of the cache plays the other rule on the same lookups (a dict entry per
+key, no values); when over a period of lookups the shadow hits clearly more often, the cache
+switches rules (and the shadow starts playing the one it left). Counts are halved every
+``10 x`` entries lookups, so recent reads weigh most.
 """
 
 from __future__ import annotations
@@ -21,6 +30,11 @@ V = TypeVar("V")
 #: rate (every epoch once) differ by one whenever the newcomer's turn in an epoch comes
 #: before the incumbent's, and swapping them would only churn
 ADMIT_MARGIN = 1
+
+#: the shadow must hit this much more often over a period (and by at least
+#: ``SWITCH_MIN_HITS``) for the cache to switch rules: noise alone never flips it
+SWITCH_RATIO = 1.25
+SWITCH_MIN_HITS = 16
 
 
 class LRUCache(Generic[V]):
@@ -50,14 +64,28 @@ class LRUCache(Generic[V]):
         self.misses = 0
         self.evictions = 0
         self.rejections = 0
+        self.switches = 0
         self._freq: dict[Hashable, int] | None = {} if admit_by_frequency else None
         self._lookups = 0
+        # the adaptive admission (admit_by_frequency): the rule in force, and a key-only
+        # shadow of the cache playing the other one, with both hit counts this period
+        self._by_frequency = False  # plain LRU until frequency proves better
+        self._shadow: OrderedDict[Hashable, int] = OrderedDict()
+        self._shadow_bytes = 0
+        self._period = [0, 0, 0]  # lookups, hits, shadow hits
+
+    @property
+    def admission(self) -> str:
+        """The admission rule in force: "frequency", "recency" (admit all) or "lru"."""
+        if self._freq is None:
+            return "lru"
+        return "frequency" if self._by_frequency else "recency"
 
     def get(self, key: Hashable) -> V | None:
         with self._lock:
-            if self._freq is not None:
-                self._count(key)
             item = self._data.get(key)
+            if self._freq is not None:
+                self._count(key, item is not None)
             if item is None:
                 self.misses += 1
                 return None
@@ -72,18 +100,52 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def _count(self, key: Hashable) -> None:
+    def _count(self, key: Hashable, hit: bool) -> None:
         freq = self._freq
         freq[key] = freq.get(key, 0) + 1
         self._lookups += 1
         if self._lookups >= 10 * max(len(self._data), 64):  # age: recent counts weigh most
             self._lookups = 0
-            self._freq = {k: n >> 1 for k, n in freq.items() if n > 1}
+            self._freq = freq = {k: n >> 1 for k, n in freq.items() if n > 1}
+        period = self._period
+        period[0] += 1
+        period[1] += hit
+        if key in self._shadow:
+            period[2] += 1
+            self._shadow.move_to_end(key)
+        if period[0] >= 2 * max(len(self._data), 64):
+            if period[2] >= SWITCH_MIN_HITS and period[2] > SWITCH_RATIO * period[1]:
+                self._switch()
+            self._period = [0, 0, 0]
 
-    def _full(self, extra: int, entries: int) -> bool:
+    def _switch(self) -> None:
+        """Take the shadow's rule; the shadow starts from this cache's keys, playing the other."""
+        self._by_frequency = not self._by_frequency
+        self.switches += 1
+        self._shadow = OrderedDict((k, size) for k, (_, size) in self._data.items())
+        self._shadow_bytes = self._bytes
+
+    def _full(self, extra: int, entries: int, nbytes: int) -> bool:
         return (self.max_entries is not None and entries > self.max_entries) or (
-            self.max_bytes is not None and self._bytes + extra > self.max_bytes
+            self.max_bytes is not None and nbytes + extra > self.max_bytes
         )
+
+    def _admits(self, key: Hashable, size: int, by_frequency: bool, keys: OrderedDict, nbytes: int) -> bool:
+        """Whether a cache holding ``keys`` (``nbytes``) under a rule admits ``key``."""
+        if not by_frequency or key in keys or not keys or not self._full(size, len(keys) + 1, nbytes):
+            return True
+        return self._freq.get(key, 0) > self._freq.get(next(iter(keys)), 0) + ADMIT_MARGIN
+
+    def _play_shadow(self, key: Hashable, size: int) -> None:
+        """The shadow's answer to a value of ``key`` being offered (under the other rule)."""
+        shadow = self._shadow
+        if key in shadow or not self._admits(key, size, not self._by_frequency, shadow, self._shadow_bytes):
+            return
+        shadow[key] = size
+        self._shadow_bytes += size
+        while self._full(0, len(shadow), self._shadow_bytes):
+            _, gone = shadow.popitem(last=False)
+            self._shadow_bytes -= gone
 
     def would_admit(self, key: Hashable, size: int) -> bool:
         """Whether :meth:`put` would keep a value of ``size`` under ``key`` now (so a caller
@@ -91,9 +153,10 @@ class LRUCache(Generic[V]):
         if self.max_entries == 0 or (self.max_bytes is not None and size > self.max_bytes):
             return False
         with self._lock:
-            if self._freq is None or key in self._data or not self._data or not self._full(size, len(self._data) + 1):
+            if self._freq is None:
                 return True
-            return self._freq.get(key, 0) > self._freq.get(next(iter(self._data)), 0) + ADMIT_MARGIN
+            self._play_shadow(key, size)
+            return self._admits(key, size, self._by_frequency, self._data, self._bytes)
 
     def put(self, key: Hashable, value: V) -> bool:
         """Keep ``value``; False when it was not admitted (or the cache is off)."""
@@ -104,16 +167,14 @@ class LRUCache(Generic[V]):
             old = self._data.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
-            elif self._freq is not None and self._data and self._full(size, len(self._data) + 1):
-                victim = next(iter(self._data))
-                if self._freq.get(key, 0) <= self._freq.get(victim, 0) + ADMIT_MARGIN:
+            elif self._freq is not None:
+                self._play_shadow(key, size)
+                if not self._admits(key, size, self._by_frequency, self._data, self._bytes):
                     self.rejections += 1
                     return False
             self._data[key] = (value, size)
             self._bytes += size
-            while (self.max_entries is not None and len(self._data) > self.max_entries) or (
-                self.max_bytes is not None and self._bytes > self.max_bytes
-            ):
+            while self._full(0, len(self._data), self._bytes):
                 _, (_, gone) = self._data.popitem(last=False)
                 self._bytes -= gone
                 self.evictions += 1
@@ -140,4 +201,6 @@ class LRUCache(Generic[V]):
                 "misses": self.misses,
                 "evictions": self.evictions,
                 "rejections": self.rejections,
+                "admission": self.admission,
+                "switches": self.switches,
             }

@@ -72,7 +72,9 @@ def test_lru_bounds_and_counters():
     assert c.get("a") == 1
     c.put("c", 3)  # evicts b, the least recently used
     assert c.get("b") is None and c.get("a") == 1 and c.get("c") == 3
-    assert c.stats() == {"entries": 2, "bytes": 0, "hits": 3, "misses": 1, "evictions": 1, "rejections": 0}
+    assert c.stats() == {
+        "entries": 2, "bytes": 0, "hits": 3, "misses": 1, "evictions": 1, "rejections": 0, "admission": "lru", "switches": 0,
+    }
 
     b = LRUCache(max_bytes=10, sizeof=len)
     b.put("x", b"123456")
@@ -98,13 +100,17 @@ def _epochs(cache, keys: int, epochs: int, seed: int = 0) -> int:
 
 def test_frequency_admission_keeps_part_of_the_data_across_epochs():
     # 100 entries for 200 keys, 5 epochs: LRU evicts most entries before their next use; the
-    # admission rule keeps a stable half, hit about once every two reads after the first epoch
+    # adaptive cache sees its shadow (playing the frequency rule) hit more, takes that rule
+    # and keeps a stable half, hit about once every two reads from then on
     lru = _epochs(LRUCache(100), 200, 5)
-    tiny = _epochs(LRUCache(100, admit_by_frequency=True), 200, 5)
-    assert tiny >= 0.4 * 4 * 200 and tiny > 2 * lru
-    # a key asked for clearly more often than the entry it would evict displaces it; so does
-    # a new working set
+    adaptive = LRUCache(100, admit_by_frequency=True)
+    tiny = _epochs(adaptive, 200, 5)
+    assert adaptive.admission == "frequency" and adaptive.stats()["switches"] == 1
+    assert tiny >= 0.3 * 4 * 200 and tiny > 2 * lru
+    # the rule itself: a key asked for clearly more often than the entry it would evict
+    # displaces it; so does a new working set
     c = LRUCache(4, admit_by_frequency=True)
+    c._by_frequency = True  # the rule in force from the start
     for k in "abcd":
         c.get(k)
         assert c.put(k, k)
@@ -119,6 +125,37 @@ def test_frequency_admission_keeps_part_of_the_data_across_epochs():
             if c.get(k) is None:
                 c.put(k, k)
     assert set(c._data) == set("wxyz")
+
+
+def _volumes(cache, volumes: int, keys: int, reads: int) -> list[int]:
+    """Volumes read one after another, each ``reads`` times over in a new order (a moving
+    working set, as chunk-aware epochs read their windows); the hits of each volume."""
+    hits = []
+    for vol in range(volumes):
+        before = cache.hits
+        for r in range(reads):
+            for k in np.random.default_rng([vol, r]).permutation(keys).tolist():
+                if cache.get((vol, k)) is None:
+                    cache.put((vol, k), k)
+        hits.append(cache.hits - before)
+    return hits
+
+
+def test_a_moving_working_set_is_admitted():
+    # each volume fits (80 keys in 100 entries): after its first read, every read hits, for
+    # LRU and for the adaptive cache alike, in whichever rule it took before
+    best = (4 - 1) * 80
+    assert _volumes(LRUCache(100), 6, 80, 4) == [best] * 6
+    fresh = LRUCache(100, admit_by_frequency=True)
+    assert _volumes(fresh, 6, 80, 4) == [best] * 6 and fresh.admission == "recency"
+    # after epochs that made it admit by frequency, the old counts turn the new volumes
+    # away; the shadow (plain LRU) hits more within a period and the cache switches back
+    trained = LRUCache(100, admit_by_frequency=True)
+    _epochs(trained, 200, 5)
+    assert trained.admission == "frequency"
+    hits = _volumes(trained, 6, 80, 4)
+    assert trained.admission == "recency" and trained.stats()["switches"] == 2
+    assert sum(hits[1:]) >= 0.9 * 5 * best, hits
 
 
 def test_file_store_ranges(tmp_path):

@@ -1,0 +1,226 @@
+"""Chunk-aware epoch orders: every chunk decoded about once per epoch, the order still random.
+
+A thin sample (a plane, a slab of a few planes) cuts chunks far deeper than itself: in a
+uniform order every sample decodes all of them again, so an epoch of planes decodes the data
+as many times as a chunk has planes. Here the epoch's samples are grouped by the chunk
+*cell* their selection starts in (the array, then the start // the chunk shape on every
+axis), the groups are shuffled, consecutive groups are packed into *windows* whose chunks
+(the union of their samples' chunks, decoded) fit ``window`` bytes, and the samples within
+each window are shuffled. A pipeline whose chunk cache holds ``window`` bytes then decodes
+each chunk once per epoch (a box that reaches into a neighbouring cell reads chunks of
+another window too). The price is randomness: a batch holds samples of one or two windows;
+:func:`batch_diversity` measures it, so users can choose the window.
+
+Sequential orders (``GridBoxes``) keep their cells in the arrays' C order instead of shuffling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from damacy_protocol.errors import InvalidArgument
+from damacy_protocol.samples import IndexQuery, Sample
+
+#: (uri, level) -> (array shape, chunk shape (the inner chunk of a sharded array), item size)
+ChunksOf = Callable[[str, "int | None"], tuple[tuple[int, ...], tuple[int, ...], int]]
+
+
+def metadata_chunks(uri: str, level: int | None) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """An array's (shape, decoded chunk shape, item size), from its metadata."""
+    from damacy_server.read import open_array, open_image  # the arrays' metadata, read here
+
+    if level is not None:
+        uri = open_image(uri).levels[level].uri
+    meta = open_array(uri)
+    return tuple(meta.shape), tuple(meta.chunks), int(meta.dtype.itemsize)
+
+
+def check_window(window: Any) -> int | None:
+    """A window in bytes (None: no window)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise InvalidArgument(f"window must be a positive number of bytes (the decoded chunks a window may hold), got {window!r}")
+    return int(window)
+
+
+def _parts(item: Any) -> list[Sample | IndexQuery]:
+    if isinstance(item, (Sample, IndexQuery)):
+        return [item]
+    parts = getattr(item, "parts", None)  # a MultiSample: its arrays, the first one groups
+    if isinstance(parts, dict) and parts:
+        return list(parts.values())
+    raise InvalidArgument(f"a chunk-aware order takes samples, got {type(item).__name__}")
+
+
+def _span(entry: Any, n: int) -> tuple[int, int]:
+    """The [first, last] element an axis' selection touches, inside [0, n)."""
+    if isinstance(entry, slice):
+        lo = 0 if entry.start is None else entry.start
+        hi = n if entry.stop is None else entry.stop
+        lo, hi = max(lo, 0), min(hi, n)
+        return (lo, hi - 1) if hi > lo else (min(lo, n - 1), min(lo, n - 1))
+    if isinstance(entry, int):
+        return entry, entry
+    values = list(entry)
+    return min(values), max(values)
+
+
+@dataclass
+class Cells:
+    """Per position of an epoch, its cell's number; per cell, its chunks' decoded bytes."""
+
+    of: list[int]
+    nbytes: list[int]
+
+
+class CellIndex:
+    """Groups samples by chunk cell, reading each array's chunk shape once."""
+
+    def __init__(self, chunks_of: ChunksOf | None = None) -> None:
+        self._chunks_of = chunks_of or metadata_chunks
+        self._arrays: dict[tuple[str, int | None], tuple[int, tuple[int, ...], tuple[int, ...], int]] = {}
+
+    def _array(self, s: Sample | IndexQuery) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+        key = (s.uri, s.level)
+        got = self._arrays.get(key)
+        if got is None:
+            shape, chunks, itemsize = self._chunks_of(s.uri, s.level)
+            if len(chunks) != len(shape) or len(s.selection) != len(shape):
+                raise InvalidArgument(f"the selection has {len(s.selection)} axes, the array {len(shape)}", uri=s.uri)
+            got = self._arrays[key] = (len(self._arrays), tuple(shape), tuple(chunks), itemsize)
+        return got
+
+    def cells(self, items: Sequence[Any]) -> Cells:
+        number: dict[tuple, int] = {}
+        bounds: list[dict[int, list[Any]]] = []  # per cell, per array: [lo cells, hi cells, chunk bytes]
+        of = []
+        for item in items:
+            parts = _parts(item)
+            key = None
+            spans = []
+            for s in parts:
+                array, shape, chunks, itemsize = self._array(s)
+                lo, hi = zip(*(_span(e, n) for e, n in zip(s.selection, shape)))
+                first = tuple(a // c for a, c in zip(lo, chunks))
+                last = tuple(b // c for b, c in zip(hi, chunks))
+                spans.append((array, first, last, math.prod(chunks) * itemsize))
+                if key is None:
+                    key = (array, first)
+            k = number.get(key)
+            if k is None:
+                k = number[key] = len(bounds)
+                bounds.append({})
+            of.append(k)
+            for array, first, last, chunk_bytes in spans:
+                b = bounds[k].get(array)
+                if b is None:
+                    bounds[k][array] = [list(first), list(last), chunk_bytes]
+                else:
+                    b[0] = [min(x, y) for x, y in zip(b[0], first)]
+                    b[1] = [max(x, y) for x, y in zip(b[1], last)]
+        nbytes = [
+            sum(math.prod(h - lo + 1 for lo, h in zip(first, last)) * cb for first, last, cb in per.values())
+            for per in bounds
+        ]
+        self._keys = sorted(number, key=lambda key: number[key])
+        return Cells(of, nbytes)
+
+    def cell_keys(self) -> list[tuple]:
+        """The cells of the last :meth:`cells` call by number: (array number, first chunk)."""
+        return self._keys
+
+
+def window_order(cells: Cells, window: int, rng: np.random.Generator | None, keys: list[tuple] | None = None) -> tuple[list[int], list[int]]:
+    """The positions of an epoch in windowed order, and where each window starts in it.
+
+    With ``rng``: the cells shuffled, packed into windows of at most ``window`` bytes (a cell
+    larger than that is a window of its own), the positions of each window shuffled. Without
+    (a sequential order): the cells in the order of ``keys``, each cell's positions as given.
+    """
+    members: list[list[int]] = [[] for _ in cells.nbytes]
+    for position, k in enumerate(cells.of):
+        members[k].append(position)
+    if rng is not None:
+        cell_order = rng.permutation(len(members)).tolist()
+    else:
+        cell_order = sorted(range(len(members)), key=lambda k: keys[k]) if keys is not None else list(range(len(members)))
+    order: list[int] = []
+    starts: list[int] = []
+    used = window + 1
+    current: list[int] = []
+
+    def close() -> None:
+        if current:
+            starts.append(len(order))
+            order.extend(np.asarray(current)[rng.permutation(len(current))].tolist() if rng is not None else current)
+
+    for k in cell_order:
+        if used + cells.nbytes[k] > window:
+            close()
+            current = []
+            used = 0
+        current.extend(members[k])
+        used += cells.nbytes[k]
+    close()
+    return order, starts
+
+
+def batch_diversity(cell_of: Sequence[int], batch_size: int) -> float:
+    """How mixed the batches of an order are: the mean number of distinct chunk cells in a
+    batch of ``batch_size`` consecutive samples, divided by what a uniform permutation of the
+    same samples gives on average (1.0: as mixed as a full shuffle; 1/``batch_size``: every
+    batch from one cell)."""
+    n = len(cell_of)
+    b = int(batch_size)
+    if b < 1:
+        raise InvalidArgument(f"batch_size must be positive, got {batch_size!r}")
+    if n < b:
+        return 1.0
+    ids = np.asarray(cell_of)
+    full = n // b
+    seen = [len(np.unique(ids[i * b : (i + 1) * b])) for i in range(full)]
+    counts = np.bincount(ids)
+    counts = counts[counts > 0]
+    # a cell of m samples is missing from a uniform batch with probability C(n - m, b) / C(n, b)
+    log_all = math.lgamma(n + 1) - math.lgamma(n - b + 1)
+    missing = [math.exp(math.lgamma(n - m + 1) - math.lgamma(n - m - b + 1) - log_all) if n - m >= b else 0.0 for m in counts.tolist()]
+    expected = float(len(counts) - sum(missing))
+    return float(np.mean(seen)) / expected
+
+
+def chunk_windows(
+    samples: Iterable[Any],
+    *,
+    window: int,
+    buffer: int = 4096,
+    seed: int = 0,
+    chunks_of: ChunksOf | None = None,
+) -> Iterator[Any]:
+    """Any iterable of samples in a chunk-aware order: ``buffer`` samples at a time are
+    reordered in windows of ``window`` bytes (as the samplers' ``window=`` does for a whole
+    epoch), so samples of one buffer that cut the same chunks come together and a chunk cache
+    of ``window`` bytes decodes them once. Deterministic from ``seed``; for exact resume, use a
+    sampler's ``window=`` (this reorders a stream it cannot restart)."""
+    window = check_window(window)
+    if not isinstance(buffer, int) or buffer < 1:
+        raise InvalidArgument(f"buffer must be a positive number of samples, got {buffer!r}")
+    index = CellIndex(chunks_of)
+    it = iter(samples)
+    round_ = 0
+    while True:
+        chunk = []
+        for item in it:
+            chunk.append(item)
+            if len(chunk) == buffer:
+                break
+        if not chunk:
+            return
+        order, _ = window_order(index.cells(chunk), window, np.random.default_rng([seed, round_]))
+        round_ += 1
+        yield from (chunk[p] for p in order)

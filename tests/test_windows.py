@@ -1,0 +1,219 @@
+"""Chunk-aware epochs: the samplers' ``window=`` orders an epoch so that each chunk is decoded
+about once, keeping the samples drawn, determinism, rank shares and resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from zarr.codecs import ZstdCodec
+
+import damacy
+from damacy.windows import CellIndex, batch_diversity, chunk_windows
+
+from conftest import random_data, write_array
+
+SHAPE, CHUNKS = (64, 128, 128), (16, 64, 64)  # chunks of 128 KiB: batches in flight share them
+VOLS = {f"/w/v{i}.zarr": SHAPE for i in range(3)}
+CELL = 16 * 128 * 128 * 2  # a slab of chunks one chunk deep: the cell of a plane, u16
+
+
+def chunks_of(uri, level):
+    return SHAPE, CHUNKS, 2
+
+
+def _key(s):
+    return (s.uri, tuple((sl.start, sl.stop) for sl in s.selection))
+
+
+def _planes(window=None, **kw):
+    kw.setdefault("samples_per_epoch", 300)
+    return damacy.RandomBoxes(VOLS, (1, 128, 128), seed=5, window=window, chunks_of=chunks_of, **kw)
+
+
+def _cells(samples):
+    return [(s.uri, s.selection[0].start // CHUNKS[0]) for s in samples]
+
+
+def test_a_windowed_epoch_holds_the_same_samples_window_by_window():
+    plain, windowed = _planes(), _planes(window=2 * CELL)
+    for epoch in (0, 3):
+        plain.set_epoch(epoch)
+        windowed.set_epoch(epoch)
+        a, b = list(plain), list(windowed)
+        assert sorted(map(_key, a)) == sorted(map(_key, b)) and a != b  # the same draws, reordered
+        # the order comes in runs of at most 2 cells each, and no cell comes back after its run
+        cells = _cells(b)
+        runs, done = [], set()
+        for c in cells:
+            if not runs or c not in runs[-1]:
+                if len(runs) and len(runs[-1]) == 2 or not runs:
+                    runs.append(set())
+                assert c not in done, "a cell came back after its window"
+                runs[-1].add(c)
+            for old in runs[:-1]:
+                done |= old
+        assert all(len(r) <= 2 for r in runs)
+    again = _planes(window=2 * CELL)
+    again.set_epoch(3)
+    assert list(again) == list(windowed)  # from (seed, epoch) alone
+    again.set_epoch(4)
+    assert list(again) != list(windowed)
+
+
+def test_windows_pack_cells_up_to_their_bytes():
+    s = _planes(window=3 * CELL + 1)
+    q = s.shuffle_quality(8)
+    assert q["windows"] == math.ceil(3 * 4 / 3) and q["window_bytes"] <= 3 * CELL + 1
+    tiny = _planes(window=1).shuffle_quality(8)  # a cell larger than the window is one of its own
+    assert tiny["windows"] == 12 and tiny["window_bytes"] == CELL
+    assert s.shuffle_quality(8)["batch_diversity"] > tiny["batch_diversity"]
+
+
+def test_batch_diversity_compares_with_a_uniform_permutation():
+    rng = np.random.default_rng(0)
+    uniform = rng.permutation(np.repeat(np.arange(12), 50)).tolist()
+    assert 0.95 < batch_diversity(uniform, 8) < 1.05
+    def distinct(order):
+        return np.mean([len(set(order[i : i + 8])) for i in range(0, 600, 8)])
+
+    grouped = sorted(uniform)  # batches of one cell (or two, where a cell ends)
+    shuffles = np.mean([distinct(rng.permutation(uniform).tolist()) for _ in range(200)])
+    assert batch_diversity(grouped, 8) == pytest.approx(distinct(grouped) / shuffles, rel=0.02)
+    assert _planes().shuffle_quality(8)["batch_diversity"] > 0.9
+    assert _planes(window=CELL).shuffle_quality(8)["batch_diversity"] < 0.4
+
+
+def test_cells_cover_the_chunks_of_every_sample():
+    idx = CellIndex(chunks_of)
+    samples = [
+        damacy.Sample("/w/v0.zarr", np.s_[0:1, 0:128, 0:128]),
+        damacy.Sample("/w/v0.zarr", np.s_[15:17, 0:128, 0:128]),  # starts in the same cell, reaches the next
+        damacy.Sample("/w/v0.zarr", np.s_[-4:2, 60:70, 0:10]),  # reaches outside (clipped) and into the next chunk
+        damacy.IndexQuery("/w/v1.zarr", (slice(40, 41), [127, 3], 7)),
+    ]
+    cells = idx.cells(samples)
+    assert cells.of == [0, 0, 0, 1]
+    chunk = 16 * 64 * 64 * 2
+    assert cells.nbytes == [2 * 2 * 2 * chunk, 1 * 2 * 1 * chunk]
+    assert idx.cell_keys() == [(0, (0, 0, 0)), (1, (2, 0, 0))]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_ranks_read_whole_windows(share):
+    world, local = 4, 2
+    ranks = [_planes(window=2 * CELL, rank=r, world_size=world, local_world_size=local, share_windows=share) for r in range(world)]
+    whole = _planes(window=2 * CELL)
+    order = [_key(s) for s in whole]
+    parts = [[_key(s) for s in r] for r in ranks]
+    assert len({len(p) for p in parts}) == 1 and len(parts[0]) == len(order) // world
+    assert sorted(sum(parts, [])) == sorted(order[: len(parts[0]) * world])
+    per = len(parts[0])
+    for r, p in enumerate(parts):
+        if share:  # the node's ranks take turns in the node's run of the order
+            node, turn = divmod(r, local)
+            assert p == order[node * per * local : (node + 1) * per * local][turn::local]
+        else:  # a contiguous run each
+            assert p == order[r * per : (r + 1) * per]
+
+
+def test_shuffled_and_grid_take_a_window():
+    items = [damacy.Sample(u, np.s_[z : z + 1, 0:128, 0:128]) for u in VOLS for z in range(64)]
+    plain = damacy.Shuffled(items, seed=1)
+    windowed = damacy.Shuffled(items, seed=1, window=CELL, chunks_of=chunks_of)
+    got = list(windowed)
+    assert sorted(map(_key, got)) == sorted(map(_key, plain)) == sorted(map(_key, items))
+    cells = _cells(got)
+    assert sum(a != b for a, b in zip(cells, cells[1:])) == 12 - 1  # each cell's planes together
+    assert batch_diversity([hash(c) % 1000 for c in _cells(list(plain))], 8) > 0.9
+    # three ranks, the last ones repeating the first samples, as without a window
+    parts = [list(damacy.Shuffled(items, seed=1, window=CELL, chunks_of=chunks_of, rank=r, world_size=5)) for r in range(5)]
+    assert {len(p) for p in parts} == {-(-len(items) // 5)} and {_key(s) for p in parts for s in p} == set(map(_key, items))
+
+    # a grid of tiles in chunk order: each chunk column's tiles together, plane by plane
+    grid = damacy.GridBoxes(VOLS, (1, 32, 32), window=CELL, chunks_of=chunks_of)
+    tiles = list(grid)
+    assert sorted(map(_key, tiles)) == sorted(map(_key, damacy.GridBoxes(VOLS, (1, 32, 32))))
+    per_chunk = 16 * 2 * 2  # 16 planes of 2 x 2 tiles
+    for k in range(0, len(tiles), per_chunk):
+        assert len({tuple(sl.start // c for sl, c in zip(t.selection, CHUNKS)) + (t.uri,) for t in tiles[k : k + per_chunk]}) == 1
+    assert [t.selection[0].start for t in tiles[:8]] == [0, 0, 0, 0, 1, 1, 1, 1]  # C order within a chunk
+
+
+def test_a_state_is_refused_by_a_sampler_with_another_window():
+    saved = _planes(window=2 * CELL).state_dict()
+    with pytest.raises(damacy.InvalidArgument, match="window=.*order differs"):
+        _planes().load_state_dict(saved)
+    with pytest.raises(damacy.InvalidArgument, match="window"):
+        _planes(window=CELL).load_state_dict(saved)
+    _planes(window=2 * CELL).load_state_dict(json.loads(json.dumps(saved)))
+    with pytest.raises(damacy.InvalidArgument, match="locality and window"):
+        _planes(window=CELL, locality=True)
+    with pytest.raises(damacy.InvalidArgument, match="window must be a positive number of bytes"):
+        _planes(window=0)
+
+
+@pytest.mark.parametrize("old, new, taken", [(2, 3, [40, 55]), (4, 2, [10, 30, 75, 0])])
+def test_an_elastic_resume_keeps_the_windowed_order(old, new, taken):
+    first = [_planes(window=2 * CELL, rank=r, world_size=old, local_world_size=1) for r in range(old)]
+    for s in first:
+        s.set_epoch(1)
+    states, seen = [], []
+    for s, k in zip(first, taken):
+        seen += [_key(x) for x in s.rank_samples()[:k]]
+        states.append({"version": 1, "push": 0, "offset": k, "source_state": s.state_dict(), "batches": 0})
+    second = [_planes(window=2 * CELL, rank=r, world_size=new, local_world_size=1) for r in range(new)]
+    for s in second:
+        s.resume(json.loads(json.dumps(states)))
+    rest = [_key(x) for s in second for x in s]
+    total = Counter(seen + rest)  # planes drawn at random: some twice
+    glob = Counter(_key(x) for x in first[0].epoch_samples())
+    assert not total - glob and sum((glob - total).values()) < old + new
+
+
+def test_chunk_windows_reorders_any_iterable_buffer_by_buffer():
+    stream = list(_planes())
+    got = list(chunk_windows(iter(stream), window=CELL, buffer=100, seed=2, chunks_of=chunks_of))
+    assert sorted(map(_key, got)) == sorted(map(_key, stream))
+    for k in range(0, 300, 100):  # nothing crosses a buffer
+        assert sorted(map(_key, got[k : k + 100])) == sorted(map(_key, stream[k : k + 100]))
+        cells = _cells(got[k : k + 100])
+        assert sum(a != b for a, b in zip(cells, cells[1:])) == len(set(cells)) - 1
+    assert got == list(chunk_windows(stream, window=CELL, buffer=100, seed=2, chunks_of=chunks_of))
+
+
+def _decodes(tmp_path, window):
+    """The chunks decoded by an embedded pipeline reading one epoch of planes (drawn at
+    random, 2 volumes) with a chunk cache of 2 cells' bytes; and the chunks the epoch cuts."""
+    uris = []
+    for k in range(2):
+        path = tmp_path / f"v{k}.zarr"
+        if not path.exists():
+            write_array(path, random_data(SHAPE, "uint16", seed=k), chunks=CHUNKS, shards=(32, 128, 128), compressors=[ZstdCodec()])
+        uris.append(str(path))
+    sampler = damacy.RandomBoxes(uris, (1, 128, 128), seed=3, samples_per_epoch=96, window=window)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(1, 128, 128), dtype="u16", chunk_cache_bytes=2 * CELL, prepared_batches=2)
+    got = []
+    with damacy.Pipeline(cfg) as pipe:
+        pipe.push(sampler)
+        for batch in pipe.batches(len(sampler) // 4):
+            with batch:
+                got.append(np.array(np.from_dlpack(batch)))
+        decoded = pipe.stats()["stages"]["decode"]["count"]
+    import zarr
+
+    samples = list(sampler)
+    expected = np.stack([zarr.open_array(s.uri, mode="r")[s.selection] for s in samples])
+    assert np.array_equal(np.concatenate(got), expected)
+    cut = {(s.uri, s.selection[0].start // CHUNKS[0]) for s in samples}
+    return decoded, len(cut) * (128 // 64) ** 2
+
+
+def test_a_windowed_epoch_of_planes_decodes_each_chunk_once(tmp_path):
+    decoded, chunks = _decodes(tmp_path, window=2 * CELL)
+    assert decoded == chunks
+    shuffled, _ = _decodes(tmp_path, window=None)  # the same planes in a uniform order
+    assert shuffled > 1.5 * chunks
