@@ -14,16 +14,34 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
 
 
 class S3Server:
-    """moto's S3 API server on 127.0.0.1 (a real HTTP server answering the S3 API)."""
+    """moto's S3 API server on 127.0.0.1 (a real HTTP server answering the S3 API), started as
+    users start it: ``python -m moto.server``, a process of its own."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
+        import socket
+        import subprocess
+        import sys
+        import time
 
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
+        with socket.socket() as s:  # a free port for the server (it cannot say which it took)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.endpoint = f"http://127.0.0.1:{port}"
         self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.endpoint}
+        deadline = time.monotonic() + 60
+        while True:  # until it accepts connections (or has died)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._proc.kill()
+                    raise RuntimeError(f"moto's S3 server did not start (exit code {self._proc.poll()})") from None
+                time.sleep(0.05)
         import boto3
 
         self.client = boto3.client(
@@ -40,16 +58,25 @@ class S3Server:
 
     def upload(self, folder: Path, bucket: str, prefix: str) -> int:
         """Every file below ``folder`` to ``s3://bucket/prefix/<relative path>``."""
-        n = 0
-        for path in sorted(Path(folder).rglob("*")):
-            if path.is_file():
-                key = f"{prefix}/{path.relative_to(folder).as_posix()}".lstrip("/")
-                self.client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
-                n += 1
-        return n
+        from concurrent.futures import ThreadPoolExecutor
+
+        files = [path for path in sorted(Path(folder).rglob("*")) if path.is_file()]
+
+        def put(path: Path) -> None:
+            key = f"{prefix}/{path.relative_to(folder).as_posix()}".lstrip("/")
+            self.client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+
+        with ThreadPoolExecutor(8) as pool:  # the server answers requests in threads: a corpus of files goes up in parallel
+            list(pool.map(put, files))
+        return len(files)
 
     def stop(self) -> None:
-        self._server.stop()
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except Exception:
+            self._proc.kill()
+            self._proc.wait()
 
 
 class RangeServer:

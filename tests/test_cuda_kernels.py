@@ -86,9 +86,10 @@ def test_float_to_integer_saturates():
     assert contract.convert(v, np.uint64).tolist()[:8] == [0, 2**64 - 1, 0, 2**64 - 1, 0, 2**63, 0, 2**64 - 1]
 
 
-def _nearest_even(x: Fraction, finite: np.ndarray, values: list[Fraction]) -> int:
-    """Index into ``finite`` (sorted bit patterns) of the value nearest ``x``, ties to even."""
-    k = int(np.searchsorted(np.array([float(v) for v in values]), float(x)))
+def _nearest_even(x: Fraction, finite: np.ndarray, values: list[Fraction], floats: np.ndarray) -> int:
+    """Index into ``finite`` (sorted bit patterns) of the value nearest ``x``, ties to even
+    (``floats``: ``values`` as floats, to find the neighbours)."""
+    k = int(np.searchsorted(floats, float(x)))
     best = None
     for j in (k - 1, k, k + 1):
         if 0 <= j < len(values):
@@ -118,8 +119,9 @@ def test_bf16_is_rounded_once(src):
         arr = np.array([int(rng.integers(2**24, 2**hi)) | 1 for _ in range(400)], dtype=src)
     got = contract.convert(arr, BF16).view(np.uint16)
     assert np.array_equal(got, twin.convert(arr, BF16).view(np.uint16))
+    floats = np.array([float(v) for v in values])
     for x, g in zip(arr.tolist(), got.tolist()):
-        want = patterns[_nearest_even(Fraction(x), patterns, values)]
+        want = patterns[_nearest_even(Fraction(x), patterns, values, floats)]
         assert g == want, (x, hex(g), hex(want))
 
 

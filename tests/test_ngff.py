@@ -19,7 +19,7 @@ AXES = [
 ]
 
 
-def pyramid(path, fmt, levels=3, global_scale=None, size=32):
+def pyramid(path, fmt, levels=3, global_scale=None, size=32, chunks=(1, 4, 8, 8)):
     """A (c, z, y, x) image: level k halves y and x; voxel (2, 0.5 * 2**k, 0.5 * 2**k)."""
     group = zarr.open_group(str(path), mode="w", zarr_format=fmt)
     multiscale = {
@@ -46,7 +46,7 @@ def pyramid(path, fmt, levels=3, global_scale=None, size=32):
     for k in range(levels):
         n = size >> k
         values = (np.arange(2 * 8 * n * n).reshape(2, 8, n, n) * (k + 1) % 5000).astype("uint16")
-        group.create_array(f"s{k}", shape=values.shape, chunks=(1, 4, 8, 8), dtype="uint16")[:] = values
+        group.create_array(f"s{k}", shape=values.shape, chunks=chunks, dtype="uint16")[:] = values
         data.append(values)
     return str(path), data
 

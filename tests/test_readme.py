@@ -101,7 +101,7 @@ def test_composed_pipeline_runs(tmp_path):
 def test_image_reads_run(tmp_path):
     from test_ngff import pyramid
 
-    uri, data = pyramid(tmp_path / "image.zarr", 3, size=256)
+    uri, data = pyramid(tmp_path / "image.zarr", 3, size=256, chunks=(1, 4, 32, 32))  # reads cut several chunks
     scope: dict = {}
     code = "import numpy as np\nimport damacy\n" + block("images").replace("data/image.zarr", uri)
     exec(compile(code, "README images", "exec"), scope)

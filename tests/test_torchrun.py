@@ -65,19 +65,29 @@ def _global(uris, epoch):
     return [(x.uri, tuple((sl.start, sl.stop) for sl in x.selection)) for x in s.epoch_samples()]
 
 
-@pytest.mark.parametrize("resume_procs", [2, 1], ids=["resume-on-4", "resume-on-2"])
-def test_two_nodes_read_every_sample_once_and_resume(tmp_path, tmp_path_factory, resume_procs):
+@pytest.fixture(scope="module")
+def first_job(tmp_path_factory):
+    """Two nodes' daemons, and the first job: epoch 0 whole, then one step of epoch 1 and a
+    checkpoint (both resumptions go on from it)."""
+    root = tmp_path_factory.mktemp("torchrun")
     uris = []
     for k in range(2):
-        write_array(tmp_path / f"v{k}.zarr", random_data((32, 64, 64), "uint16", seed=k), chunks=(16, 32, 32), compressors=[ZstdCodec()])
-        uris.append(str(tmp_path / f"v{k}.zarr"))
-    daemons = [DaemonProcess(tmp_path_factory.mktemp(f"node{n}"), [tmp_path]) for n in range(2)]
+        write_array(root / f"v{k}.zarr", random_data((32, 64, 64), "uint16", seed=k), chunks=(16, 32, 32), compressors=[ZstdCodec()])
+        uris.append(str(root / f"v{k}.zarr"))
+    daemons = [DaemonProcess(tmp_path_factory.mktemp(f"node{n}"), [root]) for n in range(2)]
     try:
-        first = _job(tmp_path, uris, daemons, 2, "first", ["--stop-after", "1"])
-        second = _job(tmp_path, uris, daemons, resume_procs, "second", [])
+        first = _job(root, uris, daemons, 2, "first", ["--stop-after", "1"])
+        yield root, uris, daemons, first
     finally:
         for d in daemons:
             assert d.stop() == 0, d.log_path.read_text()
+
+
+@pytest.mark.parametrize("resume_procs", [2, 1], ids=["resume-on-4", "resume-on-2"])
+def test_two_nodes_read_every_sample_once_and_resume(tmp_path, first_job, resume_procs):
+    root, uris, daemons, first = first_job
+    shutil.copytree(root / "ckpt", tmp_path / "ckpt")  # each resumption from the same checkpoint
+    second = _job(tmp_path, uris, daemons, resume_procs, "second", [])
     # epoch 0, read whole by the first job: every rank the same number of samples, all once
     per_rank = [[_key(e) for e in log if e[0] == 0] for log in first]
     assert len({len(p) for p in per_rank}) == 1
