@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     rm = scenario_command("remote", "the data over HTTP with Range and an injected latency: damacy vs tensorstore's http driver vs zarr-python with obstore", "default", 6, 5)
     rm.add_argument("--latency-ms", type=float, default=10.0, help="added to every request by the server")
     rm.add_argument("--readers", default="damacy,tensorstore,zarr-python")
+    th = sub.add_parser("thin", help="planes and slabs of the default data: damacy's chunk-aware epochs vs a decode-once peer and tensorstore, same order, same memory")
+    th.add_argument("kinds", nargs="*", default=["planes", "slabs"], help="planes, slabs")
+    th.add_argument("--data", default="bench-data")
+    th.add_argument("--memory", default="64M,256M", help="memory for decoded data, for every reader (a list: one run each)")
+    th.add_argument("--repeats", type=int, default=3)
+    th.add_argument("--readers", default="damacy,once,tensorstore,damacy-uniform")
+    th.add_argument("--json", default=None)
     scenario_command("transforms", "damacy with random flips and axis orders on every sample vs the same boxes plain", "default", 12, 5)
     args = ap.parse_args(argv)
 
@@ -104,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown readers {unknown}; choose from {', '.join(ranks.READERS)}")
         res = ranks.main(args.scenario, args.data, args.ranks, args.epochs, cache, size, args.repeats, readers)
         return _write(res, args.json, "ranks-")
+
+    if args.cmd == "thin":
+        from bench import thin
+        from damacy_server.daemon.cli import parse_size
+
+        readers = [r.strip() for r in args.readers.split(",") if r.strip()]
+        unknown = sorted(set(readers) - set(thin.READERS)) + sorted(set(args.kinds) - set(thin.KINDS))
+        if unknown:
+            raise SystemExit(f"unknown {unknown}; readers: {', '.join(thin.READERS)}; kinds: {', '.join(thin.KINDS)}")
+        memories = [parse_size(m) for m in args.memory.split(",") if m.strip()]
+        return _write(thin.main(args.kinds, args.data, memories, args.repeats, readers), args.json, "thin-")
 
     if args.cmd == "transforms":
         from bench import transforms

@@ -49,6 +49,9 @@ _LAZY = {
     "RandomBoxes": "damacy.samplers",
     "GridBoxes": "damacy.samplers",
     "Shuffled": "damacy.samplers",
+    "split_chunks": "damacy.splits",
+    "Split": "damacy.splits",
+    "chunk_windows": "damacy.windows",
     "MultiSample": "damacy.multi",
     "MultiPipeline": "damacy.multi",
     "MultiBatch": "damacy.multi",
@@ -57,6 +60,8 @@ _LAZY = {
 if TYPE_CHECKING:  # the same names, for type checkers and the import contracts (tests check both agree)
     from damacy.multi import MultiBatch, MultiPipeline, MultiSample
     from damacy.samplers import GridBoxes, RandomBoxes, Shuffled
+    from damacy.splits import Split, split_chunks
+    from damacy.windows import chunk_windows
     from damacy_client.client import RemotePipeline
     from damacy_server.cpu.executor import CpuExecutor, CpuLimits
     from damacy_server.pipeline import Pipeline as EmbeddedPipeline
@@ -107,6 +112,9 @@ __all__ = [
     "RandomBoxes",
     "GridBoxes",
     "Shuffled",
+    "Split",
+    "split_chunks",
+    "chunk_windows",
     "Padding",
     "MultiSample",
     "MultiPipeline",

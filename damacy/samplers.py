@@ -15,8 +15,10 @@ rank and for every number of ranks, and hands rank ``r`` of ``W`` its part of it
   window fewer end with a :class:`Padding` sample (the last window again), so every rank
   takes the same number of steps: ``batch.info.padding`` lists their positions to drop.
 
-``arrays`` are uris (shapes read from their metadata), ``{uri: shape}``, or groups of
-arrays read at one box, ``{name: uri}`` each (the samples are then
+``arrays`` are uris (shapes read from their metadata), ``{uri: shape}``, regions
+``(uri, ((start, stop), ...))`` of arrays (a split's, see :mod:`damacy.splits`: boxes stay
+inside their region; random boxes are then drawn uniformly over the regions' elements), or
+groups of arrays read at one box, ``{name: uri}`` each (the samples are then
 :class:`~damacy.multi.MultiSample` s, for a :class:`~damacy.multi.MultiPipeline`;
 the box is drawn on the group's first array, and ``scales={name: factor}`` maps it to an array
 at another resolution).
@@ -80,13 +82,39 @@ def _shapes(arrays: Sequence[str] | Mapping[str, Sequence[int]], shape_of: Calla
 
     out = []
     for u in arrays:
-        if isinstance(u, Mapping):  # several arrays read at one box: the first one's shape
+        if _is_region(u):  # a region of an array (a split's): its extent
+            out.append((str(u[0]), tuple(int(b) - int(a) for a, b in u[1])))
+        elif isinstance(u, Mapping):  # several arrays read at one box: the first one's shape
             if not u:
                 raise InvalidArgument("a group of arrays names at least one")
             out.append((dict(u), tuple(shape_of(str(next(iter(u.values())))))))
         else:
             out.append((str(u), tuple(shape_of(str(u)))))
     return out
+
+
+def _is_region(entry: Any) -> bool:
+    """Whether an entry of ``arrays`` is a region (uri, ((start, stop), ...)) of an array."""
+    return isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], (str, os.PathLike)) and isinstance(entry[1], (tuple, list))
+
+
+def _offsets(arrays: Any, align: int) -> np.ndarray | None:
+    """Per entry of ``arrays``, where its region starts (None: whole arrays only)."""
+    if isinstance(arrays, (Mapping, str, os.PathLike)) or not any(_is_region(u) for u in arrays):
+        return None
+    out = []
+    for u in arrays:
+        if not _is_region(u):
+            raise InvalidArgument("arrays are all regions (uri, box) of arrays, or none")
+        box = [(int(a), int(b)) for a, b in u[1]]
+        if any(a < 0 or b <= a for a, b in box):
+            raise InvalidArgument(f"a region must be a non-empty box inside its array, got {u[1]!r}", uri=str(u[0]))
+        if any(a % align for a, _ in box):
+            raise InvalidArgument(f"a region must start on multiples of {align} for the scales given, got {u[1]!r}", uri=str(u[0]))
+        out.append([a for a, _ in box])
+    if len({len(o) for o in out}) != 1:
+        raise InvalidArgument("the regions have different numbers of axes")
+    return np.array(out, dtype=np.int64)
 
 
 def _sample(where: str | dict, box: tuple, scales: Mapping[str, float] | None, normalize: Any = None, **kw: Any) -> Any:
@@ -459,6 +487,9 @@ class RandomBoxes(_Sampler):
         self.arrays = _shapes(arrays, shape_of)
         if not self.arrays:
             raise InvalidArgument("RandomBoxes needs at least one array")
+        self.offsets = _offsets(arrays, self.align)
+        if self.offsets is not None and foreground is not None:
+            raise InvalidArgument("foreground masks are per whole array: give arrays, not regions, with foreground")
         self.normalize = _check_normalize(normalize, self.arrays)
         self.sample_shape = tuple(int(n) for n in sample_shape)
         for uri, shape in self.arrays:
@@ -467,7 +498,10 @@ class RandomBoxes(_Sampler):
         if not isinstance(samples_per_epoch, int) or samples_per_epoch < self.world_size:
             raise InvalidArgument(f"samples_per_epoch must be an integer of at least world_size ({self.world_size}), got {samples_per_epoch!r}")
         self.samples_per_epoch = samples_per_epoch
-        if weights is None:
+        if weights is None and self.offsets is not None:  # regions: boxes uniform over their elements
+            sizes = np.array([math.prod(shape) for _, shape in self.arrays], dtype=np.float64)
+            self.p = sizes / sizes.sum()
+        elif weights is None:
             self.p = None
         else:
             w = np.asarray(weights, dtype=np.float64)
@@ -482,6 +516,15 @@ class RandomBoxes(_Sampler):
         self.transposes = [tuple(int(a) for a in t) for t in transposes]
         if any(sorted(t) != list(range(ndim)) for t in self.transposes):
             raise InvalidArgument(f"transposes must be orders of the {ndim} axes, got {list(transposes)}")
+        if self.offsets is not None:  # a box must fit in every region, in every axis order drawn
+            extents = [tuple(self.sample_shape[i] for i in np.argsort(t)) for t in self.transposes] or [self.sample_shape]
+            for uri, shape in self.arrays:
+                for e in extents:
+                    if any(k > n for k, n in zip(e, shape)):
+                        raise InvalidArgument(
+                            f"a box of {e} does not fit in the region of {shape} (it would read another region's data): "
+                            "split into larger blocks (block=) or draw smaller boxes", uri=str(uri)
+                        )
         self.foreground = _foreground(foreground, self.arrays)
         if not isinstance(foreground_fraction, (int, float)) or not 0.0 <= foreground_fraction <= 1.0:
             raise InvalidArgument(f"foreground_fraction must be a probability (0 to 1), got {foreground_fraction!r}")
@@ -501,6 +544,8 @@ class RandomBoxes(_Sampler):
             sizes = out_shape[inverse[orders]]
         shapes = np.array([shape for _, shape in self.arrays], dtype=np.int64)
         origins = rng.integers(0, np.maximum(0, shapes[which] - sizes) // self.align + 1) * self.align
+        if self.offsets is not None:
+            origins = origins + self.offsets[which]
         if self.foreground is not None:  # drawn only when masks are given: other seeds' boxes stay as they were
             self._centre_on_foreground(rng, which, origins, sizes, shapes)
         out = []
@@ -623,6 +668,7 @@ class GridBoxes(_Sampler):
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.arrays = _shapes(arrays, shape_of)
+        self.offsets = _offsets(arrays, self.align)
         self.normalize = _check_normalize(normalize, self.arrays)
         self.sample_shape = tuple(int(n) for n in sample_shape)
         self.step = self.sample_shape if step is None else tuple(int(n) for n in step)
@@ -639,6 +685,11 @@ class GridBoxes(_Sampler):
         for uri, shape in self.arrays:
             if len(shape) != len(self.sample_shape):
                 raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=str(uri))
+            if self.offsets is not None and (edge == "pad" or any(n < k for n, k in zip(shape, self.sample_shape))):
+                raise InvalidArgument(
+                    f"windows of {self.sample_shape} over a region of {shape} with edge={edge!r} would read past the region "
+                    "(another region's data): regions take edge='shift' and windows that fit", uri=str(uri)
+                )
 
     def _starts(self, n: int, k: int, step: int) -> list[int]:
         if n <= k:
@@ -653,8 +704,10 @@ class GridBoxes(_Sampler):
 
     def epoch_samples(self) -> list[Sample]:
         out = []
-        for uri, shape in self.arrays:
+        for a, (uri, shape) in enumerate(self.arrays):
             axes = [self._starts(n, k, s) for n, k, s in zip(shape, self.sample_shape, self.step)]
+            if self.offsets is not None:  # a region's windows, where the region is
+                axes = [[o + start for start in starts] for o, starts in zip(self.offsets[a].tolist(), axes)]
             for origin in np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(shape)).tolist():
                 out.append(_sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), self.scales, self.normalize, level=self.level))
         return out

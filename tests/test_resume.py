@@ -28,8 +28,10 @@ LOOP = textwrap.dedent(
     import numpy as np
     import damacy
 
-    uris, out, endpoint, stop_after, resume = json.loads(sys.argv[1])
+    uris, out, endpoint, stop_after, resume, window = json.loads(sys.argv[1])
     sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1)
+    if window:  # chunk-aware: stopped and resumed mid-window
+        sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1, window=window)
     cfg = damacy.Config(samples_per_batch=4, sample_shape=(6, 10, 10), dtype="u16", prepared_batches=3)
     pipe = damacy.Pipeline(cfg, endpoint=endpoint) if endpoint else damacy.Pipeline(cfg)
     epochs = 2
@@ -65,25 +67,31 @@ def test_the_readme_says_what_the_loop_does():
         assert line.split("  #")[0].strip() in loop, line
 
 
-def _run(tmp_path, uris, out, endpoint, stop_after, resume):
+def _run(tmp_path, uris, out, endpoint, stop_after, resume, window=None):
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    args = json.dumps([uris, str(out), endpoint, stop_after, resume])
+    args = json.dumps([uris, str(out), endpoint, stop_after, resume, window])
     done = subprocess.run([sys.executable, str(script), args], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("mode", ["embedded", "daemon"])
-def test_a_restore_in_a_new_process_continues_bit_for_bit(tmp_path, mode, request):
+@pytest.mark.parametrize("mode, window", [("embedded", None), ("daemon", None), ("embedded", 4 * 10 * 16 * 16 * 2), ("daemon", 4 * 10 * 16 * 16 * 2)])
+def test_a_restore_in_a_new_process_continues_bit_for_bit(tmp_path, mode, window, request):
     uris = []
     for k in range(2):
         write_array(tmp_path / f"v{k}.zarr", random_data((30, 40, 50), "uint16", seed=k), chunks=(10, 16, 16), compressors=[ZstdCodec()])
         uris.append(str(tmp_path / f"v{k}.zarr"))
     endpoint = request.getfixturevalue("daemon").endpoint if mode == "daemon" else None
-    _run(tmp_path, uris, tmp_path / "whole.npy", endpoint, 3, None)
+    _run(tmp_path, uris, tmp_path / "whole.npy", endpoint, 3, None, window)
     state = json.loads((tmp_path / "whole.npy.state.json").read_text())
     assert state["push"] == 1 and state["offset"] == 3 * BATCH and state["source_state"]["epoch"] == 1
-    _run(tmp_path, uris, tmp_path / "resumed.npy", endpoint, None, str(tmp_path / "whole.npy.state.json"))
+    assert state["source_state"]["window"] == window
+    if window:  # the stop falls inside a window (a window holds the boxes of about 4 chunks)
+        sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1, window=window)
+        sampler.set_epoch(1)
+        starts = sampler._windows(sampler.epoch_samples())[1]
+        assert len(starts) > 2 and 3 * BATCH not in starts
+    _run(tmp_path, uris, tmp_path / "resumed.npy", endpoint, None, str(tmp_path / "whole.npy.state.json"), window)
     whole, resumed = np.load(tmp_path / "whole.npy"), np.load(tmp_path / "resumed.npy")
     mark = json.loads((tmp_path / "whole.npy.mark.json").read_text())
     assert mark == 26 + 3 * BATCH  # epoch 0 (26 samples), then 3 batches of epoch 1

@@ -217,3 +217,82 @@ def test_a_windowed_epoch_of_planes_decodes_each_chunk_once(tmp_path):
     assert decoded == chunks
     shuffled, _ = _decodes(tmp_path, window=None)  # the same planes in a uniform order
     assert shuffled > 1.5 * chunks
+
+
+def test_the_guide_block_reads_planes_chunk_by_chunk(tmp_path, capsys):
+    from test_readme import block
+
+    code = block("windows")
+    for name in ("a", "b"):
+        write_array(tmp_path / f"{name}.zarr", random_data((64, 256, 256), "uint16", seed=1), chunks=(32, 64, 64), compressors=[ZstdCodec()])
+        code = code.replace(f"data/{name}.zarr", str(tmp_path / f"{name}.zarr"))
+    assert "window = 64 << 20" in code
+    code = code.replace("window = 64 << 20", "window = 8 << 20")  # cells of 4 MiB here: 2 windows
+    scope: dict = {}
+    exec(compile(code, "docs windows", "exec"), scope)
+    quality = eval(capsys.readouterr().out)
+    assert quality["windows"] == 2 and quality["window_bytes"] == 8 << 20 and quality["batch_diversity"] < 0.9
+    assert scope["x"].shape == (8, 1, 256, 256)
+
+
+# -- splits along chunk boundaries ---------------------------------------------------------
+
+
+def test_a_split_deals_chunk_blocks_and_its_boxes_stay_inside():
+    split = damacy.split_chunks(list(VOLS), {"train": 0.75, "val": 0.25}, seed=4, chunks_of=chunks_of)
+    # 3 volumes x 4 blocks of 16 planes: 9 for training, 3 for validation, every block once
+    blocks = {name: [(u, z) for u, box in split.regions(name) for z in range(box[0][0], box[0][1], 16)] for name in ("train", "val")}
+    assert len(blocks["train"]) == 9 and len(blocks["val"]) == 3 and not set(blocks["train"]) & set(blocks["val"])
+    assert all(box[1:] == ((0, 128), (0, 128)) and box[0][0] % 16 == 0 for _, box in split.regions("val"))
+    # boxes drawn from a split's regions read that split's chunks only (crossing chunks of one region)
+    train = damacy.RandomBoxes(split.regions("train"), (12, 64, 64), seed=0, samples_per_epoch=400)
+    samples = list(train)
+    assert all(split.owner(s) == "train" for s in samples)
+    # uniform over the regions' elements: every training block is read
+    read = {(s.uri, z // 16 * 16) for s in samples for z in range(s.selection[0].start, s.selection[0].stop)}
+    assert read == set(blocks["train"])
+    val = damacy.GridBoxes(split.regions("val"), (8, 64, 64))
+    tiles = list(val)
+    assert all(split.owner(t) == "val" for t in tiles)
+    covered = {(t.uri, z) for t in tiles for z in range(t.selection[0].start, t.selection[0].stop)}
+    assert covered == {(u, z) for u, z0 in blocks["val"] for z in range(z0, z0 + 16)}
+    # samples of another kind placed by the split: one crossing two splits belongs to none
+    crossing = [damacy.Sample(u, np.s_[z0 + 10 : z0 + 20, 0:8, 0:8]) for u, z0 in blocks["val"]]
+    assert all(split.owner(s) in (None, "val") for s in crossing)
+    assert split.filter([damacy.Sample(u, np.s_[z0 : z0 + 16, :8, :8]) for u, z0 in blocks["val"]], "val") != []
+    # deterministic, and kept with a checkpoint as plain data
+    again = damacy.split_chunks(list(VOLS), {"train": 0.75, "val": 0.25}, seed=4, chunks_of=chunks_of)
+    assert again.parts == split.parts
+    restored = damacy.Split.from_state(json.loads(json.dumps(split.state_dict())))
+    assert restored.parts == split.parts and restored.params["seed"] == 4
+    assert damacy.split_chunks(list(VOLS), {"train": 0.75, "val": 0.25}, seed=5, chunks_of=chunks_of).parts != split.parts
+
+
+def test_splits_refuse_what_would_cross_them():
+    split = damacy.split_chunks(list(VOLS), {"train": 0.5, "val": 0.5}, seed=1, chunks_of=chunks_of)
+    with pytest.raises(damacy.InvalidArgument, match="does not fit in the region"):
+        damacy.RandomBoxes(split.regions("val"), (20, 64, 64), seed=0, samples_per_epoch=4)
+    with pytest.raises(damacy.InvalidArgument, match="would read past the region"):
+        damacy.GridBoxes(split.regions("val"), (8, 64, 64), edge="pad")
+    with pytest.raises(damacy.InvalidArgument, match="summing to 1"):
+        damacy.split_chunks(list(VOLS), {"train": 0.5, "val": 0.2}, seed=1, chunks_of=chunks_of)
+    with pytest.raises(damacy.InvalidArgument, match="no split named 'test'"):
+        split.regions("test")
+    whole = damacy.split_chunks(list(VOLS), {"train": 2 / 3, "test": 1 / 3}, seed=1, axis=None, chunks_of=chunks_of)
+    assert sorted(len(whole.parts[n]) for n in whole.parts) == [1, 2]  # whole arrays
+    assert all(box == ((0, 64), (0, 128), (0, 128)) for _, box in whole.regions("train"))
+
+
+def test_the_guide_block_splits_two_volumes(tmp_path):
+    from test_readme import block
+
+    code = block("splits")
+    for name in ("a", "b"):
+        write_array(tmp_path / f"{name}.zarr", random_data((64, 64, 64), "uint16", seed=2), chunks=(16, 32, 32), compressors=[ZstdCodec()])
+        code = code.replace(f"data/{name}.zarr", str(tmp_path / f"{name}.zarr"))
+    scope: dict = {}
+    exec(compile(code, "docs splits", "exec"), scope)
+    split = scope["split"]
+    assert len(split.regions("val")) >= 1 and damacy.Split.from_state(scope["saved"]).parts == split.parts
+    blocks = {n: sum((box[0][1] - box[0][0]) // 16 for _, box in split.regions(n)) for n in ("train", "val")}
+    assert blocks == {"train": 6, "val": 2}
