@@ -37,6 +37,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     - ``array_cache_entries``, ``shard_index_cache_entries``: metadata cache bounds.
     - ``chunk_cache_bytes``: decoded chunks kept for reuse across batches (0: off; beside
       ``max_memory_bytes``). A daemon has one cache for all its clients instead.
+    - ``chunk_cache_dir``, ``chunk_cache_dir_bytes``: a folder on local disk (NVMe) where bytes
+      fetched from object stores are kept, at most that many bytes, and read again from there
+      (None: off). Embedded pipelines; damacyd has ``--chunk-cache-dir`` for all its clients.
     - ``on_error``: ``"raise"`` a bad sample's error at the pop that would have held it,
       ``"fill"`` it with the fill value and list it in ``batch.info.errors``, or ``"skip"`` it.
     - ``out_of_bounds``: ``"pad"`` the positions a sample selects outside the array with its
@@ -67,6 +70,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     array_cache_entries: Size = 256
     shard_index_cache_entries: Size = 8192
     chunk_cache_bytes: Size = 0
+    chunk_cache_dir: str | None = None
+    chunk_cache_dir_bytes: Count = 64 << 30
     on_error: OnError = "raise"
     out_of_bounds: OutOfBounds = "pad"
     drop_last: bool = False

@@ -78,6 +78,18 @@ class SessionFigures(_Figures):
     dtype: str = ""
 
 
+class DiskTierFigures(_Figures):
+    """The disk tier of fetched object-store bytes (``--chunk-cache-dir``)."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    evictions: int = 0
+    refused: int = 0  # entries that failed their checks (cut short, another key): deleted, not served
+
+
 class DaemonStats(_Figures):
     daemon: DaemonFigures
     stages: dict[str, StageFigures]
@@ -86,6 +98,7 @@ class DaemonStats(_Figures):
     memory: MemoryFigures
     sessions: list[SessionFigures]
     session: SessionFigures | None = None  # the asking session's own
+    disk_cache: DiskTierFigures | None = None
 
 
 def as_dict(stats: DaemonStats) -> dict:

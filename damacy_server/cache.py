@@ -147,6 +147,11 @@ class LRUCache(Generic[V]):
             _, gone = shadow.popitem(last=False)
             self._shadow_bytes -= gone
 
+    def has_room(self, size: int) -> bool:
+        """Whether a value of ``size`` fits without evicting anything."""
+        with self._lock:
+            return not self._full(size, len(self._data) + 1, self._bytes)
+
     def would_admit(self, key: Hashable, size: int) -> bool:
         """Whether :meth:`put` would keep a value of ``size`` under ``key`` now (so a caller
         can skip preparing a value that would be turned away)."""

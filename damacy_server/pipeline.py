@@ -122,6 +122,8 @@ class Pipeline(PipelineAPI):
                     max_memory_bytes=config.max_memory_bytes,
                     decode_workers=config.decode_workers,
                     chunk_cache_bytes=config.chunk_cache_bytes,
+                    chunk_cache_dir=config.chunk_cache_dir,
+                    chunk_cache_dir_bytes=config.chunk_cache_dir_bytes,
                 ),
             )
         self.planner = planner
@@ -353,6 +355,8 @@ class Pipeline(PipelineAPI):
             **({"device": device()} if device is not None else {}),
             "stages": self.executor.stats.snapshot(),
             "cache": self.planner.metadata.cache.stats(),
+            **({"chunk_cache": cache.stats()} if (cache := getattr(self.executor, "chunk_cache", None)) is not None else {}),
+            **({"disk_cache": disk.stats()} if (disk := getattr(self.executor, "disk_tier", None)) is not None else {}),
             "chunks_deduplicated": self.engine.deduplicated,
             "reads_merged": self.engine.merged,
             "memory": {

@@ -84,8 +84,8 @@ class RangeServer:
 
     ``fail[path] = [500, 500]`` answers the next requests for ``path`` with those statuses
     first; a path in ``stall`` is answered only once ``release`` is set. ``requests`` logs
-    (method, path, status) of every request answered or stalled; ``suffix_peak`` is the
-    most suffix-range requests (``bytes=-n``: shard indexes at the end) in flight at once."""
+    (method, path, status) of every request answered or stalled, ``ranges`` (path, Range
+    header) of every GET; ``suffix_peak`` is the most suffix-range requests (``bytes=-n``: shard indexes at the end) in flight at once."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -94,6 +94,7 @@ class RangeServer:
         self.release = threading.Event()
         self.stalled = threading.Event()
         self.requests: list[tuple[str, str, int]] = []
+        self.ranges: list[tuple[str, str]] = []  # (path, Range header) of every GET
         self.lock = threading.Lock()
         self.suffix_inflight = self.suffix_peak = 0
         server = self
@@ -110,6 +111,7 @@ class RangeServer:
             def do_GET(self) -> None:
                 suffix = (self.headers.get("Range") or "").strip().startswith("bytes=-")
                 with server.lock:
+                    server.ranges.append((unquote(urlsplit(self.path).path), (self.headers.get("Range") or "").strip()))
                     server.suffix_inflight += suffix
                     server.suffix_peak = max(server.suffix_peak, server.suffix_inflight)
                 try:

@@ -46,6 +46,7 @@ from damacy_server.plan.planner import BatchPlan, sample_view
 from damacy_server.plan.reads import ReadGroup, shrink
 from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
+from damacy_server.store.disk import DiskTier
 from damacy_server.store.fetch import Fetcher
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool
@@ -71,20 +72,27 @@ class CpuLimits:
     reuse across batches (LRU by bytes, 0: off; not part of ``max_memory_bytes``);
     ``native``: decode zstd/raw chunks and copy boxes in C without the GIL where that applies
     (the results are the same as numpy's); ``max_inflight_requests``: the most object-store
-    requests in flight at once (the window below it follows bandwidth × latency)."""
+    requests in flight at once (the window below it follows bandwidth × latency);
+    ``chunk_cache_dir``/``chunk_cache_dir_bytes``: a disk tier for bytes fetched from object
+    stores (see :mod:`damacy_server.store.disk`; None: off)."""
 
     max_memory_bytes: Count = 2 << 30
     decode_workers: Count | None = None
     chunk_cache_bytes: Size = 0
     native: bool = True
     max_inflight_requests: Count = 1024
+    chunk_cache_dir: str | None = None
+    chunk_cache_dir_bytes: Count = 64 << 30
 
     def __post_init__(self) -> None:
         if self.decode_workers is None:
             object.__setattr__(self, "decode_workers", default_decode_workers())
         check_fields(
             self,
-            {"max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool, "max_inflight_requests": Count},
+            {
+                "max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool,
+                "max_inflight_requests": Count, "chunk_cache_dir": str | None, "chunk_cache_dir_bytes": Count,
+            },
         )
 
 
@@ -129,6 +137,7 @@ class CpuExecutor(BudgetedExecutor):
         # reads from object stores: started with the first remote read
         self._fetcher: Fetcher | None = None
         self._fetcher_lock = threading.Lock()
+        self.disk_tier = DiskTier(self.limits.chunk_cache_dir, self.limits.chunk_cache_dir_bytes) if self.limits.chunk_cache_dir else None
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread: reads and decodes."""
@@ -377,8 +386,42 @@ class CpuExecutor(BudgetedExecutor):
         self._landed(run, group, reserved, data)
 
     def _fetch(self, run: Run, group: ReadGroup, reserved: int) -> None:
-        """Read a group from an object store: the request waits its turn in the fetcher
-        (many in flight, by batch order) and lands like a read of a file."""
+        """Read a group from an object store: from the disk tier when it holds the bytes (an
+        I/O thread reads them), else the request waits its turn in the fetcher (many in
+        flight, by batch order) and lands like a read of a file (and goes to the tier)."""
+        if self.disk_tier is not None:
+            self._io.submit(self._from_disk, run, group, reserved, key=run.key, priority=run.order)
+            return
+        self._fetch_remote(run, group, reserved)
+
+    @staticmethod
+    def _disk_key(group: ReadGroup) -> str:
+        return f"{group.key}#{group.offset}+{group.length}"
+
+    def _from_disk(self, run: Run, group: ReadGroup, reserved: int) -> None:
+        if run.cancelled() or self._closed:
+            self._landed(run, group, reserved, skip=True)
+            return
+        t0 = time.perf_counter()
+        try:
+            data = self.disk_tier.get(self._disk_key(group))
+        except Exception as e:  # a cache: a read it cannot make is a miss
+            log.warning("the disk tier could not read %s: %s", group.key, e)
+            data = None
+        if data is None:
+            try:
+                self._fetch_remote(run, group, reserved)
+            except Exception as e:  # reported per sample, as a failed fetch is
+                self._landed(run, group, reserved, error=e)
+            return
+        self.stats.add("disk", time.perf_counter() - t0, bytes_out=len(data))
+        self._landed(run, group, reserved, data)
+
+    def _to_disk(self, key: str, data: bytes) -> None:
+        if not self._closed:
+            self.disk_tier.put(key, data)
+
+    def _fetch_remote(self, run: Run, group: ReadGroup, reserved: int) -> None:
         if self._fetcher is None:
             with self._fetcher_lock:
                 if self._fetcher is None:
@@ -396,6 +439,8 @@ class CpuExecutor(BudgetedExecutor):
         def done(data, error) -> None:
             if error is None:
                 self.stats.add("read", time.perf_counter() - t0[0], bytes_out=len(data) if data else 0)
+                if data is not None and self.disk_tier is not None:  # written off the fetcher's loop
+                    self._io.submit(self._to_disk, self._disk_key(group), data, key=run.key, priority=run.order)
             self._landed(run, group, reserved, data, error)
 
         self._fetcher.submit((run.order, group.offset), request, done)

@@ -64,6 +64,8 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--memory", type=Size(), default="8G", show_default=True, help="Host memory for batch slots plus chunk data in flight, all sessions together.")
 @click.option("--gpu-memory", type=Size(), default="4G", show_default=True, help="Per GPU, for sessions with Config.device: device slots plus each batch's decode arena.")
 @click.option("--chunk-cache", type=Size(), default="0", show_default=True, help="Decoded chunks kept for all sessions (LRU by bytes); 0 turns it off.")
+@click.option("--chunk-cache-dir", type=click.Path(file_okay=False), default=None, help="A folder on local disk (NVMe) for bytes fetched from object stores, read again from there by every session; off by default.")
+@click.option("--chunk-cache-dir-bytes", type=Size(), default="64G", show_default=True, help="The most the --chunk-cache-dir folder holds (least recently used entries go first).")
 @click.option("--io-workers", type=click.IntRange(1), default=max(4, os.cpu_count() or 1), show_default=True)
 @click.option("--decode-workers", type=click.IntRange(1), default=default_decode_workers(), show_default=True, help="Decoder threads (default: the CPUs plus one).")
 @click.option("--socket-mode", default="600", show_default=True, help="Octal mode of the ipc socket file.")
@@ -78,7 +80,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True, help="json: one object a line (time, level, event, session, pid, rank, uri, error).")
 @click.option("--slow-batch-s", type=click.FloatRange(0), default=10.0, show_default=True, help="Log a batch that takes longer than this from its start to ready (event slow_batch); 0: never.")
 @click.option("--metrics", "metrics", default=None, metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default).")
-def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
+def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, chunk_cache_dir, chunk_cache_dir_bytes, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
     """Serve Zarr batches to every training process on this node."""
     from damacy_server.daemon.logs import setup
 
@@ -110,6 +112,8 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         memory_bytes=memory,
         gpu_memory_bytes=gpu_memory,
         chunk_cache_bytes=chunk_cache,
+        chunk_cache_dir=chunk_cache_dir,
+        chunk_cache_dir_bytes=chunk_cache_dir_bytes,
         io_workers=io_workers,
         decode_workers=decode_workers,
         socket_mode=mode,

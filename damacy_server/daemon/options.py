@@ -14,6 +14,8 @@ class DaemonOptions:
     storage_options: dict[str, dict[str, str]] = field(default_factory=dict)
     memory_bytes: int = 8 << 30
     chunk_cache_bytes: int = 0
+    chunk_cache_dir: str | None = None  # a disk tier for fetched object-store bytes (None: off)
+    chunk_cache_dir_bytes: int = 64 << 30
     io_workers: int = max(4, os.cpu_count() or 1)
     decode_workers: int = os.cpu_count() or 1
     array_cache_entries: int = 1024

@@ -95,6 +95,8 @@ class Daemon:
                 max_memory_bytes=options.memory_bytes,
                 decode_workers=options.decode_workers,
                 chunk_cache_bytes=options.chunk_cache_bytes,
+                chunk_cache_dir=options.chunk_cache_dir,
+                chunk_cache_dir_bytes=options.chunk_cache_dir_bytes,
             ),
         )
         registry()  # the codecs load now, not in the first session's first batch
@@ -447,6 +449,7 @@ class Daemon:
             stages={name: st.StageFigures(**d) for name, d in ex.stats.snapshot().items()},
             cache=st.MetadataCacheFigures(st.CacheFigures(**cache["arrays"]), st.CacheFigures(**cache["shard_indexes"])),
             chunk_cache=st.CacheFigures(**ex.chunk_cache.stats()) if ex.chunk_cache is not None else None,
+            disk_cache=st.DiskTierFigures(**ex.disk_tier.stats()) if ex.disk_tier is not None else None,
             memory=st.MemoryFigures(
                 budget_bytes=ex.budget.total,
                 slot_bytes=ex.budget.total - ex.inflight_capacity,

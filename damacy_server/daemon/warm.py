@@ -107,8 +107,14 @@ def _load_chunks(meta, units, locs, cache, stats) -> int:
         if locs.missing[k] or k in locs.errors:
             continue
         key = locs.keys[k]
-        if not cache.would_admit((meta.root, unit), meta.layout.leaf.spec.nbytes):
-            continue  # a full cache keeps what it holds (see LRUCache's admission rule)
+        size = meta.layout.leaf.spec.nbytes
+        if cache.peek((meta.root, unit)) is not None:
+            n += 1
+            continue
+        if not cache.has_room(size):
+            break  # a full cache keeps what it holds: warming more would only evict what was warmed
+        if not cache.would_admit((meta.root, unit), size):
+            continue
         offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
         t0 = time.perf_counter()
         data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)

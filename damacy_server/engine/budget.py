@@ -140,11 +140,12 @@ class StageStats:
     """Seconds, counts and bytes per stage, summed over worker threads. Units decoded and
     copied by the native path count under "decode" and again under "native"; reads that
     decode threads made themselves from the page cache under "read" and again under "direct";
+    object-store bytes read back from the disk tier under "disk";
     units a batch took from another batch's decode (see :mod:`damacy_server.cpu.inflight`) under
     "shared" (their decoded bytes out, no seconds of their own); chunks ``damacy warm`` put in
     the chunk cache under "warm" (their reads and decodes under "read" and "decode")."""
 
-    STAGES = ("plan", "read", "direct", "decode", "assemble", "native", "shared", "warm")
+    STAGES = ("plan", "read", "direct", "disk", "decode", "assemble", "native", "shared", "warm")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
