@@ -419,4 +419,5 @@ def _cuda_executor(config: Config):
         raise InvalidArgument(
             f"Config.device={config.device} needs CuPy and nvCOMP: pip install 'damacy[cuda13]' (or [cuda12]) ({e})"
         ) from e
-    return CudaExecutor(device, FileReader(workers=config.io_workers), CudaLimits(config.max_gpu_memory_bytes))
+    limits = CudaLimits() if config.max_gpu_memory_bytes is None else CudaLimits(config.max_gpu_memory_bytes)
+    return CudaExecutor(device, FileReader(workers=config.io_workers), limits)

@@ -331,10 +331,13 @@ def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
     which extra to install."""
     from damacy_runtime.devices import STANDIN_ENV
     from damacy_server import pipeline as pipeline_module
-    from damacy_server.cuda.executor import CudaExecutor
+    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
 
     path, data = volume
     monkeypatch.setenv(STANDIN_ENV, "1")
+    plain = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), device=0)  # no GPU memory named: the default
+    with damacy.Pipeline(plain) as pipe:
+        assert isinstance(pipe.executor, CudaExecutor) and pipe.executor.budget.total == CudaLimits().max_gpu_memory_bytes
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), max_gpu_memory_bytes=1 << 26, dtype="bf16", device=0)
     with damacy.Pipeline(cfg) as pipe:
         assert isinstance(pipe.executor, CudaExecutor) and pipe.executor.budget.total == 1 << 26

@@ -162,3 +162,18 @@ def test_the_gpu_block_runs_on_a_gpu_or_the_stand_in(tmp_path, monkeypatch):
     exec(compile(block("gpu"), "docs gpu", "exec"), scope)
     assert len(losses) == 2 and losses[0] == pytest.approx(float(_bf16(data).astype(np.float64).sum()) * 8, rel=1e-6)
 
+
+
+def test_the_guides_name_every_damacyd_option_and_config_field():
+    """The daemon guide's table lists every option damacyd takes, and the pipeline guide's
+    every Config field: a flag or field added without its line fails here."""
+    from damacy_protocol.config import Config
+    from damacy_server.daemon.cli import main
+
+    daemon = (README.parent / "docs" / "daemon.md").read_text()
+    flags = [opt for p in main.params for opt in p.opts if opt.startswith("--") and opt not in ("--help", "--version")]
+    missing = [f for f in flags if f"`{f}" not in daemon]
+    assert not missing, f"docs/daemon.md does not describe {missing}"
+    pipeline = (README.parent / "docs" / "pipeline.md").read_text()
+    fields = [f for f in Config.__struct_fields__ if f"`{f}`" not in pipeline]
+    assert not fields, f"docs/pipeline.md does not describe Config's {fields}"
