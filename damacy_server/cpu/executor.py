@@ -170,13 +170,15 @@ class CpuExecutor(BudgetedExecutor):
             views[s][...] = cast_fill(fill, views[s].dtype, plan.norm(s))
         if plan.fills:
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
-        cached = plan.cached
-        run.pending = (1 if cached else 0) + 1  # +1: this call, until all is queued
-        groups = self._share(run, plan.groups)
+        run.pending = 2  # this call, until all is queued, and the copies from the chunk cache
+        groups, late = self._share(run, plan.groups)
+        cached = plan.cached + late
         with run.lock:
             run.pending += len(groups)
         if cached:
             self._decode.submit(self._copy_cached, run, cached, key=key, priority=run.order)
+        else:
+            run.group_done()  # no copies from the cache
         stop = lambda: cancelled() or self._closed  # noqa: E731
         for group in groups:
             need = group.reserve_nbytes
@@ -205,13 +207,20 @@ class CpuExecutor(BudgetedExecutor):
         run.group_done()
 
     # -- units in flight ------------------------------------------------------------
-    def _share(self, run: Run, groups: list[ReadGroup]) -> list[ReadGroup]:
+    def _share(self, run: Run, groups: list[ReadGroup]) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
         """The run's reads without the units another batch is decoding (the run waits for
-        those); the units left are registered as this run's to decode and settle."""
+        those) or decoded into the chunk cache since the plan looked (returned, with their
+        arrays, to be copied from there); the units left are registered as this run's to
+        decode and settle."""
         out = []
+        late: list[tuple[UnitJob, np.ndarray]] = []
+        cache = self.chunk_cache
         for g in groups:
             mine = []
             for u in g.units:
+                if cache is not None and (arr := cache.peek((u.meta.root, u.unit))) is not None:
+                    late.append((u, arr))
+                    continue
                 if u.decoded_nbytes < SHARE_MIN_BYTES:
                     mine.append(u)
                     continue
@@ -226,7 +235,7 @@ class CpuExecutor(BudgetedExecutor):
             kept = shrink(g, mine)
             if kept is not None:
                 out.append(kept)
-        return out
+        return out, late
 
     def _waiter(self, run: Run, u: UnitJob):
         """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""

@@ -6,8 +6,12 @@ once and cached), merges nearby byte ranges of one object into one read, and lis
 unit the copies (unit region → sample region) that assemble the batch. The plan is what an
 executor consumes (the CPU executor today; a GPU executor takes the same plan).
 
-Grouping the units into reads (merging, the chunk cache, the budget) is in
+Units found in the chunk cache are taken from there before they are located (they need no
+shard index and no read). Grouping the units into reads (merging, the budget) is in
 :mod:`damacy_server.plan.reads`.
+
+(Over 400 lines: one job, one batch's plan; resolving selections into per-array rows, locating
+units and building the copy tables are its steps, each used only here.)
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
-from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads, take_cached
-from damacy_server.plan.resolve import ZarrMetadata
+from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads
+from damacy_server.plan.resolve import UnitLocations, ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
 from damacy_server.plan.units import CopyTable, UnitJob
 from damacy_server.zarr.metadata import ArrayMetadata
@@ -143,6 +147,29 @@ class ChunkPlanner:
         self.metadata = metadata if metadata is not None else ZarrMetadata()
         self.limits = limits if limits is not None else PlanLimits()
 
+    def _locate(self, meta: ArrayMetadata, units: np.ndarray, hits: list[np.ndarray | None] | None) -> UnitLocations:
+        """Where ``units`` are; those found in the chunk cache (``hits``) are not looked up
+        (their places are left empty: they are copied from the cache, not read)."""
+        if hits is None:
+            return self.metadata.locate(meta, units)
+        n = len(units)
+        wanted = np.fromiter((a is None for a in hits), dtype=bool, count=n)
+        idx = np.flatnonzero(wanted)
+        sub = self.metadata.locate(meta, units[idx])
+        keys = [""] * n
+        for j, k in enumerate(idx.tolist()):
+            keys[k] = sub.keys[j]
+        owners = np.full(n, -1, dtype=np.int64)
+        owners[idx] = sub.owners
+        offsets = np.zeros(n, dtype=np.int64)
+        offsets[idx] = sub.offsets
+        nbytes = np.zeros(n, dtype=np.int64)
+        nbytes[idx] = sub.nbytes
+        missing = np.zeros(n, dtype=bool)
+        missing[idx] = sub.missing
+        errors = {int(idx[j]): e for j, e in sub.errors.items()}
+        return UnitLocations(keys, owners, sub.objects, offsets, nbytes, missing, errors)
+
     def plan(
         self,
         samples: Sequence[Any],
@@ -213,7 +240,8 @@ class ChunkPlanner:
             if not acc.blocks:  # only boxes wholly outside the array
                 continue
             rows, units, inverse = acc.rows()
-            locs = self.metadata.locate(acc.meta, units)
+            hits = _cache_hits(acc.meta, units, cache)
+            locs = self._locate(acc.meta, units, hits)
             total += len(rows)
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
@@ -223,11 +251,12 @@ class ChunkPlanner:
                 for s, r in zip(first[0].tolist(), hit[first[1]].tolist()):
                     if s not in errors:
                         errors[s] = _copy_error(locs.errors[int(inverse[r])]).with_context(sample=samples[s])
-            located.append((acc, rows, units, inverse, locs))
+            located.append((acc, rows, units, inverse, locs, hits))
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
         present: list[UnitJob] = []
-        for acc, rows, units, inverse, locs in located:
+        cached: list[tuple[UnitJob, np.ndarray]] = []
+        for acc, rows, units, inverse, locs, hits in located:
             meta = acc.meta
             ok = ~np.isin(rows[:, 0], failed) if len(failed) else np.ones(len(rows), dtype=bool)
             gone = locs.missing[inverse]  # never written (or failed): reads as the fill value
@@ -257,10 +286,14 @@ class ChunkPlanner:
             coords = units.tolist()
             offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()
             for p, k in enumerate(order.tolist()):
-                present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
+                job = UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1])
+                arr = hits[k] if hits is not None else None
+                if arr is None:
+                    present.append(job)
+                else:
+                    cached.append((job, arr))
 
         groups, merged = merge_reads(present, self.limits)
-        groups, cached = take_cached(groups, cache)
         groups = fit_reads(groups, capacity)
         seen = set()
         fills = [f for f in fills if f[0] not in errors and not (f[0] in seen or seen.add(f[0]))]
@@ -279,6 +312,16 @@ class ChunkPlanner:
             seconds=time.perf_counter() - t0,
             cached=cached,
         )
+
+
+def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) -> list[np.ndarray | None] | None:
+    """Each unit's decoded array from the chunk cache (None: not there); None when no unit is
+    there. Looked up before the units are located: a unit in the cache needs no shard index."""
+    if cache is None or not len(units):
+        return None
+    root = meta.root
+    found = [cache.get((root, tuple(c))) for c in units.tolist()]
+    return found if any(a is not None for a in found) else None
 
 
 def _part_len(p) -> int:

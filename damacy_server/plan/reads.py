@@ -1,19 +1,17 @@
-"""From a plan's units to reads: nearby byte ranges merged, cached units taken out, reads
-fit to the executor's budget.
+"""From a plan's units to reads: nearby byte ranges merged, reads fit to the executor's
+budget.
 
-Units come in plan order (the units of one object together, by offset). Merging saves
-requests (one read for the units of a shard a batch touches); the chunk cache and the
-in-flight budget then shape what the executor is asked to read.
+Units come in plan order (the units of one object together, by offset; those in the chunk
+cache were taken out before, see the planner). Merging saves requests (one read for the
+units of a shard a batch touches); the in-flight budget then shapes what the executor is
+asked to read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from damacy_protocol.checks import Size, check_fields
-from damacy_server.cache import LRUCache
 from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
 
@@ -82,26 +80,6 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
         end = stop
         groups.append(current)
     return groups, merged
-
-
-def take_cached(groups: list[ReadGroup], cache: LRUCache | None) -> tuple[list[ReadGroup], list[tuple[UnitJob, np.ndarray]]]:
-    """Units found in the chunk cache leave their reads (which shrink or go)."""
-    if cache is None:
-        return groups, []
-    cached: list[tuple[UnitJob, np.ndarray]] = []
-    out: list[ReadGroup] = []
-    for g in groups:
-        rest = []
-        for u in g.units:
-            arr = cache.get((u.meta.root, u.unit))
-            if arr is None:
-                rest.append(u)
-            else:
-                cached.append((u, arr))
-        kept = shrink(g, rest)
-        if kept is not None:
-            out.append(kept)
-    return out, cached
 
 
 def shrink(group: ReadGroup, units: list[UnitJob]) -> ReadGroup | None:
