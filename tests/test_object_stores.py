@@ -109,7 +109,8 @@ def test_the_conformance_corpus_from_a_bucket(s3, conformance_dir):
     from test_conformance import read_corpus
 
     bucket = _bucket(s3)
-    s3.upload(conformance_dir, bucket, "corpus")
+    for store_set in sorted(p for p in conformance_dir.iterdir() if p.is_dir() and p.name != "expected"):  # the values stay local
+        s3.upload(store_set, bucket, f"corpus/{store_set.name}")
     matched, refused, failures, must_read = read_corpus(
         conformance_dir, lambda path: f"s3://{bucket}/corpus/{path.relative_to(conformance_dir).as_posix()}"
     )
