@@ -113,15 +113,20 @@ class LRUCache(Generic[V]):
         if key in self._shadow:
             period[2] += 1
             self._shadow.move_to_end(key)
-        if period[0] >= 2 * max(len(self._data), 64):
+        if period[0] >= max(len(self._data), 64):
             if period[2] >= SWITCH_MIN_HITS and period[2] > SWITCH_RATIO * period[1]:
                 self._switch()
             self._period = [0, 0, 0]
 
     def _switch(self) -> None:
-        """Take the shadow's rule; the shadow starts from this cache's keys, playing the other."""
+        """Take the shadow's rule; the shadow starts from this cache's keys, playing the other.
+        Entries the shadow did not hold go to the front of the eviction order: the shadow's
+        keys are what the new rule would have kept, so the cache takes that shape at once."""
+        kept = self._shadow
         self._by_frequency = not self._by_frequency
         self.switches += 1
+        for k in [k for k in self._data if k not in kept]:
+            self._data.move_to_end(k, last=False)
         self._shadow = OrderedDict((k, size) for k, (_, size) in self._data.items())
         self._shadow_bytes = self._bytes
 
