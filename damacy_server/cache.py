@@ -93,6 +93,25 @@ class LRUCache(Generic[V]):
             self.hits += 1
             return item[0]
 
+    def get_many(self, keys: list[Hashable]) -> list[V | None]:
+        """:meth:`get` of each key, under one acquisition of the lock."""
+        out: list[V | None] = []
+        data = self._data
+        counting = self._freq is not None
+        with self._lock:
+            for key in keys:
+                item = data.get(key)
+                if counting:
+                    self._count(key, item is not None)
+                if item is None:
+                    self.misses += 1
+                    out.append(None)
+                else:
+                    data.move_to_end(key)
+                    self.hits += 1
+                    out.append(item[0])
+        return out
+
     def peek(self, key: Hashable) -> V | None:
         """The value under ``key`` (None: none) without counting a lookup or touching its
         place in the order."""

@@ -246,3 +246,13 @@ def test_metadata_reader_concurrency_is_the_planners_reads_in_flight(tmp_path, c
     got = damacy.read(arrays[0][0], np.s_[:, :, :], metadata=md)
     assert np.array_equal(got, arrays[0][1]) and reader.calls == 1 + 8
     assert reader.peak == concurrency
+
+
+def test_get_many_is_get_of_each_key():
+    one, many = LRUCache(3, admit_by_frequency=True), LRUCache(3, admit_by_frequency=True)
+    for c in (one, many):
+        for k in "abc":
+            c.put(k, k.upper())
+    keys = ["a", "x", "c", "a", "y"]
+    assert many.get_many(keys) == [one.get(k) for k in keys] == ["A", None, "C", "A", None]
+    assert many.stats() == one.stats() and list(many._data) == list(one._data) and many._freq == one._freq

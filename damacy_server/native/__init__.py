@@ -11,6 +11,7 @@ else goes through the Python path; results are identical (the tests compare both
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -126,6 +127,11 @@ class NativeKernel:
     decoded_nbytes: int
     stored: np.dtype  # of a decoded unit (a chunk cache entry)
 
+    @functools.cached_property
+    def unit_dims(self) -> tuple[int, ...]:
+        """``unit_shape`` as a tuple (compared with arrays' shapes, once per cached unit)."""
+        return tuple(self.unit_shape.tolist())
+
 
 def kernel_for(meta, out_dtype: np.dtype, normalized: bool = False) -> NativeKernel | None:
     """The native kernel for units of ``meta`` cast to ``out_dtype``, or None (Python path).
@@ -234,16 +240,14 @@ def run(
 def keep_buffers(kernel: NativeKernel, count: int) -> tuple[list[np.ndarray], np.ndarray]:
     """``count`` fresh arrays of one decoded unit (the stored dtype, unit shape) and their
     addresses, the ``keep`` argument of :func:`run` and :func:`run_file`."""
-    arrays = [np.empty(tuple(kernel.unit_shape.tolist()), dtype=kernel.stored) for _ in range(count)]
+    arrays = [np.empty(kernel.unit_dims, dtype=kernel.stored) for _ in range(count)]
     return arrays, np.array([a.__array_interface__["data"][0] for a in arrays], dtype=np.int64)
 
 
 def decoded_source(kernel: NativeKernel, arr: np.ndarray) -> int:
     """The address of ``arr`` when native code can copy from it as a decoded unit of
     ``kernel`` (C order, the stored dtype, the unit's shape), else 0."""
-    if arr.dtype != kernel.stored or not arr.flags.c_contiguous or arr.nbytes != kernel.decoded_nbytes:
-        return 0
-    if arr.shape != tuple(kernel.unit_shape.tolist()):
+    if arr.shape != kernel.unit_dims or arr.dtype != kernel.stored or not arr.flags.c_contiguous:
         return 0
     return arr.__array_interface__["data"][0]
 

@@ -320,7 +320,7 @@ def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) 
     if cache is None or not len(units):
         return None
     root = meta.root
-    found = [cache.get((root, tuple(c))) for c in units.tolist()]
+    found = cache.get_many([(root, tuple(c)) for c in units.tolist()])
     return found if any(a is not None for a in found) else None
 
 
