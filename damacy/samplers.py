@@ -316,9 +316,7 @@ class _Sampler:
             order, starts = self._order(items, self.world_size, self.local_world_size), [0]
         of = [cells.of[p] for p in order]
         per_window = np.diff(starts + [len(order)])
-        window_bytes = [
-            sum(cells.nbytes[k] for k in set(of[a:b])) for a, b in zip(starts, starts[1:] + [len(order)])
-        ]
+        window_bytes = [self._cells.window_bytes(cells, set(of[a:b])) for a, b in zip(starts, starts[1:] + [len(order)])]
         return {
             "batch_diversity": batch_diversity(of, batch_size),
             "windows": float(len(starts)),

@@ -6,19 +6,23 @@ as many times as a chunk has planes. Here the epoch's samples are grouped by the
 *cell* their selection starts in (the array, then the start // the chunk shape on every
 axis), the groups are shuffled, consecutive groups are packed into *windows* whose chunks
 (the union of their samples' chunks, decoded) fit ``window`` bytes, and the samples within
-each window are shuffled. A pipeline whose chunk cache holds ``window`` bytes then decodes
-each chunk once per epoch (a box that reaches into a neighbouring cell reads chunks of
-another window too). The price is randomness: a batch holds samples of one or two windows;
-:func:`batch_diversity` measures it, so users can choose the window.
+each window are shuffled; a cell whose samples reach into a neighbouring cell's chunks takes
+that neighbour into its window (the window's bytes count each chunk once). A pipeline whose
+chunk cache holds ``window`` bytes then decodes each chunk about once per epoch (a chain of
+neighbours longer than a window reads the chunk where it is cut twice). The price is
+randomness: a batch holds samples of one or two windows; :func:`batch_diversity` measures
+it, so users can choose the window.
 
 Sequential orders (``GridBoxes``) keep their cells in the arrays' C order instead of shuffling.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,12 +75,31 @@ def _span(entry: Any, n: int) -> tuple[int, int]:
     return min(values), max(values)
 
 
+#: a cell whose box of chunks holds more than this is packed by its bytes alone (its chunks
+#: are not listed, so windows do not see what it shares with its neighbours)
+MAX_LISTED_CHUNKS = 1 << 16
+
+
 @dataclass
 class Cells:
-    """Per position of an epoch, its cell's number; per cell, its chunks' decoded bytes."""
+    """Per position of an epoch, its cell's number; per cell, its chunks' decoded bytes and
+    the box of chunks its samples read per array ([first, last] chunk, a chunk's bytes)."""
 
     of: list[int]
     nbytes: list[int]
+    boxes: list[dict[int, list[Any]]] = field(default_factory=list)
+
+    def chunks(self, k: int) -> dict[tuple, int] | None:
+        """Cell ``k``'s chunks, (array, chunk coordinates) -> decoded bytes (None: too many
+        to list)."""
+        per = self.boxes[k] if self.boxes else None
+        if per is None or sum(math.prod(h - lo + 1 for lo, h in zip(f, t)) for f, t, _ in per.values()) > MAX_LISTED_CHUNKS:
+            return None
+        out: dict[tuple, int] = {}
+        for array, (first, last, chunk_bytes) in per.items():
+            for coords in itertools.product(*(range(lo, h + 1) for lo, h in zip(first, last))):
+                out[(array, coords)] = chunk_bytes
+        return out
 
 
 class CellIndex:
@@ -129,7 +152,19 @@ class CellIndex:
             for per in bounds
         ]
         self._keys = sorted(number, key=lambda key: number[key])
-        return Cells(of, nbytes)
+        return Cells(of, nbytes, bounds)
+
+    def window_bytes(self, cells: Cells, members: Iterable[int]) -> int:
+        """The decoded bytes of the chunks a window of these cells reads."""
+        held: dict[tuple, int] = {}
+        extra = 0
+        for k in members:
+            chunks = cells.chunks(k)
+            if chunks is None:
+                extra += cells.nbytes[k]
+            else:
+                held.update(chunks)
+        return extra + sum(held.values())
 
     def cell_keys(self) -> list[tuple]:
         """The cells of the last :meth:`cells` call by number: (array number, first chunk)."""
@@ -139,35 +174,70 @@ class CellIndex:
 def window_order(cells: Cells, window: int, rng: np.random.Generator | None, keys: list[tuple] | None = None) -> tuple[list[int], list[int]]:
     """The positions of an epoch in windowed order, and where each window starts in it.
 
-    With ``rng``: the cells shuffled, packed into windows of at most ``window`` bytes (a cell
-    larger than that is a window of its own), the positions of each window shuffled. Without
-    (a sequential order): the cells in the order of ``keys``, each cell's positions as given.
+    With ``rng``: the cells shuffled; each window opens with the next cell of that order not
+    yet placed, then takes the cells that read chunks it already holds (a box reaching into
+    the next cell: its neighbour comes along, in the shuffled order among them), then the next
+    cells of the order, while the chunks they add fit ``window`` bytes (a cell larger than
+    that is a window of its own); the positions of each window are shuffled. Without (a
+    sequential order): the same with the cells in the order of ``keys`` and each window's
+    positions as given.
     """
-    members: list[list[int]] = [[] for _ in cells.nbytes]
+    n = len(cells.nbytes)
+    members: list[list[int]] = [[] for _ in range(n)]
     for position, k in enumerate(cells.of):
         members[k].append(position)
     if rng is not None:
-        cell_order = rng.permutation(len(members)).tolist()
+        cell_order = rng.permutation(n).tolist()
     else:
-        cell_order = sorted(range(len(members)), key=lambda k: keys[k]) if keys is not None else list(range(len(members)))
+        cell_order = sorted(range(n), key=lambda k: keys[k]) if keys is not None else list(range(n))
+    rank = [0] * n
+    for i, k in enumerate(cell_order):
+        rank[k] = i
+    listed = [cells.chunks(k) for k in range(n)]
+    readers: dict[tuple, list[int]] = {}  # chunk -> the cells that read it
+    for k, chunks in enumerate(listed):
+        for chunk in chunks or ():
+            readers.setdefault(chunk, []).append(k)
+    placed = [False] * n
     order: list[int] = []
     starts: list[int] = []
-    used = window + 1
-    current: list[int] = []
-
-    def close() -> None:
-        if current:
-            starts.append(len(order))
-            order.extend(np.asarray(current)[rng.permutation(len(current))].tolist() if rng is not None else current)
-
-    for k in cell_order:
-        if used + cells.nbytes[k] > window:
-            close()
-            current = []
-            used = 0
-        current.extend(members[k])
-        used += cells.nbytes[k]
-    close()
+    nxt = 0
+    while True:
+        while nxt < n and placed[cell_order[nxt]]:
+            nxt += 1
+        if nxt == n:
+            break
+        held: dict[tuple, int] = {}
+        used = 0
+        current: list[int] = []
+        near: list[tuple[int, int]] = []  # (rank, cell): unplaced cells reading chunks held
+        scan = nxt
+        while True:
+            while near and placed[near[0][1]]:
+                heapq.heappop(near)
+            if near:
+                k = near[0][1]
+            else:
+                while scan < n and placed[cell_order[scan]]:
+                    scan += 1
+                if scan == n:
+                    break
+                k = cell_order[scan]
+            chunks = listed[k]
+            cost = cells.nbytes[k] if chunks is None else sum(b for c, b in chunks.items() if c not in held)
+            if current and used + cost > window:
+                break
+            placed[k] = True
+            current.extend(members[k])
+            used += cost
+            for chunk, b in (chunks or {}).items():
+                if chunk not in held:
+                    held[chunk] = b
+                    for other in readers[chunk]:
+                        if not placed[other]:
+                            heapq.heappush(near, (rank[other], other))
+        starts.append(len(order))
+        order.extend(np.asarray(current)[rng.permutation(len(current))].tolist() if rng is not None else current)
     return order, starts
 
 

@@ -185,17 +185,18 @@ def test_chunk_windows_reorders_any_iterable_buffer_by_buffer():
     assert got == list(chunk_windows(stream, window=CELL, buffer=100, seed=2, chunks_of=chunks_of))
 
 
-def _decodes(tmp_path, window):
+def _decodes(tmp_path, window, depth=1, cells=2):
     """The chunks decoded by an embedded pipeline reading one epoch of planes (drawn at
-    random, 2 volumes) with a chunk cache of 2 cells' bytes; and the chunks the epoch cuts."""
+    random, 2 volumes; or slabs of ``depth`` planes) with a chunk cache of ``cells`` cells'
+    bytes; and the chunks the epoch cuts."""
     uris = []
     for k in range(2):
         path = tmp_path / f"v{k}.zarr"
         if not path.exists():
             write_array(path, random_data(SHAPE, "uint16", seed=k), chunks=CHUNKS, shards=(32, 128, 128), compressors=[ZstdCodec()])
         uris.append(str(path))
-    sampler = damacy.RandomBoxes(uris, (1, 128, 128), seed=3, samples_per_epoch=96, window=window)
-    cfg = damacy.Config(samples_per_batch=4, sample_shape=(1, 128, 128), dtype="u16", chunk_cache_bytes=2 * CELL, prepared_batches=2)
+    sampler = damacy.RandomBoxes(uris, (depth, 128, 128), seed=3, samples_per_epoch=96, window=window)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(depth, 128, 128), dtype="u16", chunk_cache_bytes=cells * CELL, prepared_batches=2)
     got = []
     with damacy.Pipeline(cfg) as pipe:
         pipe.push(sampler)
@@ -208,7 +209,7 @@ def _decodes(tmp_path, window):
     samples = list(sampler)
     expected = np.stack([zarr.open_array(s.uri, mode="r")[s.selection] for s in samples])
     assert np.array_equal(np.concatenate(got), expected)
-    cut = {(s.uri, s.selection[0].start // CHUNKS[0]) for s in samples}
+    cut = {(s.uri, z // CHUNKS[0]) for s in samples for z in range(s.selection[0].start, s.selection[0].stop)}
     return decoded, len(cut) * (128 // 64) ** 2
 
 
@@ -217,6 +218,21 @@ def test_a_windowed_epoch_of_planes_decodes_each_chunk_once(tmp_path):
     assert decoded == chunks
     shuffled, _ = _decodes(tmp_path, window=None)  # the same planes in a uniform order
     assert shuffled > 1.5 * chunks
+
+
+def test_slabs_reaching_into_the_next_cell_bring_it_into_their_window(tmp_path):
+    # slabs of 6 planes start anywhere: many reach into the next chunk slab; a window takes
+    # the neighbouring cell along, so a chunk slab is decoded about once, not once per window
+    decoded, chunks = _decodes(tmp_path, window=4 * CELL, depth=6, cells=4)
+    assert decoded <= 1.25 * chunks, (decoded, chunks)
+    s = damacy.RandomBoxes(VOLS, (6, 128, 128), seed=3, samples_per_epoch=300, window=4 * CELL, chunks_of=chunks_of)
+    cells = s._cells.cells(s.epoch_samples())
+    order, starts = s._windows(s.epoch_samples())[:2]
+    bounds = [*starts, len(order)]
+    windows = [{cells.of[p] for p in order[a:b]} for a, b in zip(bounds, bounds[1:])]
+    read = sum(s._cells.window_bytes(cells, w) for w in windows)
+    assert all(s._cells.window_bytes(cells, w) <= 4 * CELL for w in windows if len(w) > 1)
+    assert read <= 1.3 * 3 * 4 * CELL  # every slab of the 3 volumes about once
 
 
 def test_the_guide_block_reads_planes_chunk_by_chunk(tmp_path, capsys):
