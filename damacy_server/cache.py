@@ -35,6 +35,9 @@ ADMIT_MARGIN = 1
 #: ``SWITCH_MIN_HITS``) for the cache to switch rules: noise alone never flips it
 SWITCH_RATIO = 1.25
 SWITCH_MIN_HITS = 16
+#: in that many periods in a row: a working set that alternates between the rules' strengths
+#: must not make the cache flip back and forth
+SWITCH_PERIODS = 2
 
 
 class LRUCache(Generic[V]):
@@ -73,6 +76,7 @@ class LRUCache(Generic[V]):
         self._shadow: OrderedDict[Hashable, int] = OrderedDict()
         self._shadow_bytes = 0
         self._period = [0, 0, 0]  # lookups, hits, shadow hits
+        self._wins = 0  # periods in a row the shadow hit clearly more
 
     @property
     def admission(self) -> str:
@@ -133,7 +137,9 @@ class LRUCache(Generic[V]):
             period[2] += 1
             self._shadow.move_to_end(key)
         if period[0] >= max(len(self._data), 64):
-            if period[2] >= SWITCH_MIN_HITS and period[2] > SWITCH_RATIO * period[1]:
+            won = period[2] >= SWITCH_MIN_HITS and period[2] > SWITCH_RATIO * period[1]
+            self._wins = self._wins + 1 if won else 0
+            if self._wins >= SWITCH_PERIODS:
                 self._switch()
             self._period = [0, 0, 0]
 
@@ -144,6 +150,7 @@ class LRUCache(Generic[V]):
         kept = self._shadow
         self._by_frequency = not self._by_frequency
         self.switches += 1
+        self._wins = 0
         for k in [k for k in self._data if k not in kept]:
             self._data.move_to_end(k, last=False)
         self._shadow = OrderedDict((k, size) for k, (_, size) in self._data.items())
