@@ -93,16 +93,17 @@ def run_zarr(scn, samples: list, consume: Callable[[np.ndarray], None] | None = 
 # -- tensorstore --------------------------------------------------------------------------
 
 
-def run_tensorstore(scn, samples: list, consume: Callable[[np.ndarray], None] | None = None) -> dict:
+def run_tensorstore(scn, samples: list, consume: Callable[[np.ndarray], None] | None = None, cache_bytes: int = 0) -> dict:
     """All reads of a batch are issued together in one ``ts.Batch`` (so reads of one shard
-    share their index lookups), then awaited; no chunk cache; tensorstore casts to the output
-    dtype (ts.cast) and the result is copied into the batch."""
+    share their index lookups), then awaited; a chunk cache of ``cache_bytes`` (default
+    none); tensorstore casts to the output dtype (ts.cast) and the result is copied into the
+    batch."""
     import tensorstore as ts
 
     t0 = time.perf_counter()
     ctx = ts.Context(
         {
-            "cache_pool": {"total_bytes_limit": 0},
+            "cache_pool": {"total_bytes_limit": cache_bytes},
             "data_copy_concurrency": {"limit": CPUS},
             "file_io_concurrency": {"limit": max(4, CPUS)},
         }
@@ -118,7 +119,7 @@ def run_tensorstore(scn, samples: list, consume: Callable[[np.ndarray], None] | 
                 arr = arrays.get(s.uri)
                 if arr is None:
                     kvstore = {"driver": "http", "base_url": s.uri} if s.uri.startswith(("http://", "https://")) else {"driver": "file", "path": s.uri}
-                    spec = {"driver": "zarr3", "kvstore": kvstore}
+                    spec = {"driver": "zarr3", "kvstore": kvstore, "recheck_cached_data": False}
                     base = ts.open(spec, context=ctx, read=True).result()
                     arr = arrays[s.uri] = ts.cast(base, ts.float32) if dtype == np.float32 else base
                 sel = _selection(s)

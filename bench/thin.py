@@ -140,29 +140,8 @@ def run_once(scn: Scn, samples: list, memory: int, consume=None) -> dict:
 
 
 def run_tensorstore(scn: Scn, samples: list, memory: int, consume=None) -> dict:
-    """tensorstore with its chunk cache of ``memory`` bytes; a batch's reads issued together."""
-    import tensorstore as ts
-
-    t0 = time.perf_counter()
-    ctx = ts.Context({"cache_pool": {"total_bytes_limit": memory}, "data_copy_concurrency": {"limit": runners.CPUS}})
-    arrays = {}
-    out = np.empty((BATCH, *scn.sample_shape), dtype=np.float32)
-    first = None
-    for batch in runners.batches_of(samples, BATCH):
-        futures = []
-        with ts.Batch() as tsb:
-            for s in batch:
-                arr = arrays.get(s.uri)
-                if arr is None:
-                    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": s.uri}, "recheck_cached_data": False}
-                    arr = arrays[s.uri] = ts.cast(ts.open(spec, context=ctx, read=True).result(), ts.float32)
-                futures.append(arr[s.selection].read(batch=tsb))
-        for i, f in enumerate(futures):
-            out[i] = f.result()
-        first = first or time.perf_counter() - t0
-        if consume is not None:
-            consume(out[: len(batch)])
-    return {"seconds": time.perf_counter() - t0, "first_batch_s": first}
+    """tensorstore with its chunk cache of ``memory`` bytes (see :func:`runners.run_tensorstore`)."""
+    return runners.run_tensorstore(scn, samples, consume, cache_bytes=memory)
 
 
 RUN = {"damacy": run_damacy, "once": run_once, "tensorstore": run_tensorstore, "damacy-uniform": run_damacy}
