@@ -189,7 +189,11 @@ class _Sampler:
         self.rank, self.world_size = partition(rank, world_size)
         self.epoch = 0
         self.consumed: list[tuple[int, int]] = []  # positions of this epoch read before (elastic resume)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if local_world_size is None else local_world_size
+        local = local_world_size
+        if local is None:  # torchrun's, when it fits this partition (a sampler of fewer ranks: one node)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            if local < 1 or self.world_size % local:
+                local = self.world_size
         if not isinstance(local, int) or local < 1 or self.world_size % local:
             raise InvalidArgument(f"local_world_size must divide world_size ({self.world_size}), got {local!r}")
         self.local_world_size = local  # ranks per node (see RandomBoxes' locality, share_windows)

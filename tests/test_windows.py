@@ -312,3 +312,12 @@ def test_the_guide_block_splits_two_volumes(tmp_path):
     assert len(split.regions("val")) >= 1 and damacy.Split.from_state(scope["saved"]).parts == split.parts
     blocks = {n: sum((box[0][1] - box[0][0]) // 16 for _, box in split.regions(n)) for n in ("train", "val")}
     assert blocks == {"train": 6, "val": 2}
+
+
+def test_a_sampler_of_fewer_ranks_than_torchrun_started_is_one_node(monkeypatch):
+    # validation on one rank inside a job of 2 ranks per node: LOCAL_WORLD_SIZE does not apply
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _planes(window=CELL, rank=0, world_size=1).local_world_size == 1
+    assert _planes(window=CELL, rank=0, world_size=4).local_world_size == 2
+    with pytest.raises(damacy.InvalidArgument, match="local_world_size must divide"):
+        _planes(window=CELL, rank=0, world_size=4, local_world_size=3)
