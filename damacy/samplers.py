@@ -168,8 +168,8 @@ def _alignment(scales: Mapping[str, float] | None, sample_shape: tuple[int, ...]
 
 
 class _Sampler:
-    #: how the rank's shares are cut from the windowed order ("drop": equal shares, the rest
-    #: left out; "repeat": the shortest ranks repeat the first; "padding": a Padding sample)
+    #: how the ranks' equal shares are cut ("drop": the rest left out; "repeat": the shortest
+    #: ranks repeat the first; "padding": GridBoxes' own, a Padding sample)
     _fill = "drop"
 
     def __init__(
@@ -271,8 +271,10 @@ class _Sampler:
         raise NotImplementedError
 
     def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
-        """Rank ``rank``'s part of the positions ``pool``: (position, is padding) each."""
-        raise NotImplementedError
+        """Rank ``rank``'s part of the positions ``pool``: (position, is padding) each;
+        entries ``rank, rank + world, ...`` of the equal shares (see :func:`_equal_shares`)."""
+        pool, per_rank = _equal_shares(pool, world, self._fill)
+        return [(p, False) for p in pool[rank::world][:per_rank]]
 
     def _order(self, items: list, world: int, local: int) -> list[int]:
         """The global list's positions in the order they are shared out (the list's own,
@@ -297,11 +299,7 @@ class _Sampler:
         else the sampler's own share."""
         if self.window is None or self._fill == "padding":
             return self._share(pool, rank, world)
-        n = len(pool)
-        per_rank = n // world if self._fill == "drop" else -(-n // world)
-        if self._fill == "repeat" and pool:  # the shortest ranks repeat the first (cyclically)
-            need = per_rank * world - n
-            pool = pool + (pool * -(-need // n))[:need]
+        pool, per_rank = _equal_shares(pool, world, self._fill)
         share = local if self.share_windows else 1
         node, turn = divmod(rank, share)
         run = pool[node * per_rank * share : (node + 1) * per_rank * share]
@@ -342,6 +340,18 @@ class _Sampler:
 
     def __len__(self) -> int:
         return len(self.rank_samples())
+
+
+def _equal_shares(pool: list[int], world: int, fill: str) -> tuple[list[int], int]:
+    """``pool`` made into ``world`` equal shares, and their length: "drop" leaves the last
+    ``len % world`` out; "repeat" extends it with its first positions (cyclically: a short
+    pool after a resume), so the shortest ranks repeat them."""
+    n = len(pool)
+    per_rank = n // world if fill == "drop" else -(-n // world)
+    if fill == "repeat" and pool:
+        need = per_rank * world - n
+        pool = pool + (pool * -(-need // n))[:need]
+    return pool, per_rank
 
 
 def _pool(order: list[int], consumed: Sequence[tuple[int, int]]) -> list[int]:
@@ -574,9 +584,6 @@ class RandomBoxes(_Sampler):
             top = np.maximum(0, shape - size) // self.align
             origins[ks] = np.clip((point - size // 2) // self.align, 0, top) * self.align
 
-    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
-        return [(p, False) for p in pool[rank::world][: len(pool) // world]]
-
 
     def _order(self, items: list, world: int, local: int) -> list[int]:
         if not self.locality or local <= 1:
@@ -628,13 +635,6 @@ class Shuffled(_Sampler):
     def epoch_samples(self) -> list:
         order = self._rng().permutation(len(self.samples))
         return [self.samples[i] for i in order.tolist()]
-
-    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
-        per_rank = len(pool) // world if self.drop_last else -(-len(pool) // world)
-        if not self.drop_last and pool:  # the shortest ranks repeat the first (cyclically: a short pool after a resume)
-            need = per_rank * world - len(pool)
-            pool = pool + (pool * -(-need // len(pool)))[:need]
-        return [(p, False) for p in pool[rank::world][:per_rank]]
 
     def __len__(self) -> int:
         n, w = len(self.samples) - sum(b - a for a, b in self.consumed), self.world_size

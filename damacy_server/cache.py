@@ -87,34 +87,24 @@ class LRUCache(Generic[V]):
 
     def get(self, key: Hashable) -> V | None:
         with self._lock:
-            item = self._data.get(key)
-            if self._freq is not None:
-                self._count(key, item is not None)
-            if item is None:
-                self.misses += 1
-                return None
-            self._data.move_to_end(key)
-            self.hits += 1
-            return item[0]
+            return self._lookup(key)
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
         """:meth:`get` of each key, under one acquisition of the lock."""
-        out: list[V | None] = []
-        data = self._data
-        counting = self._freq is not None
         with self._lock:
-            for key in keys:
-                item = data.get(key)
-                if counting:
-                    self._count(key, item is not None)
-                if item is None:
-                    self.misses += 1
-                    out.append(None)
-                else:
-                    data.move_to_end(key)
-                    self.hits += 1
-                    out.append(item[0])
-        return out
+            return [self._lookup(key) for key in keys]
+
+    def _lookup(self, key: Hashable) -> V | None:
+        """A lookup, counted (the lock held)."""
+        item = self._data.get(key)
+        if self._freq is not None:
+            self._count(key, item is not None)
+        if item is None:
+            self.misses += 1
+            return None
+        self._data.move_to_end(key)
+        self.hits += 1
+        return item[0]
 
     def peek(self, key: Hashable) -> V | None:
         """The value under ``key`` (None: none) without counting a lookup or touching its

@@ -273,9 +273,11 @@ def test_a_split_deals_chunk_blocks_and_its_boxes_stay_inside():
     covered = {(t.uri, z) for t in tiles for z in range(t.selection[0].start, t.selection[0].stop)}
     assert covered == {(u, z) for u, z0 in blocks["val"] for z in range(z0, z0 + 16)}
     # samples of another kind placed by the split: one crossing two splits belongs to none
-    crossing = [damacy.Sample(u, np.s_[z0 + 10 : z0 + 20, 0:8, 0:8]) for u, z0 in blocks["val"]]
-    assert all(split.owner(s) in (None, "val") for s in crossing)
-    assert split.filter([damacy.Sample(u, np.s_[z0 : z0 + 16, :8, :8]) for u, z0 in blocks["val"]], "val") != []
+    inside = [(u, z0) for u, z0 in blocks["val"] if z0 + 16 < 64]
+    crossing = [damacy.Sample(u, np.s_[z0 + 10 : z0 + 20, 0:8, 0:8]) for u, z0 in inside]
+    assert [split.owner(s) for s in crossing] == [("val" if (u, z0 + 16) in blocks["val"] else None) for u, z0 in inside]
+    whole = [damacy.Sample(u, np.s_[z0 : z0 + 16, :8, :8]) for u, z0 in blocks["train"] + blocks["val"]]
+    assert split.filter(whole, "val") == whole[len(blocks["train"]) :]
     # deterministic, and kept with a checkpoint as plain data
     again = damacy.split_chunks(list(VOLS), {"train": 0.75, "val": 0.25}, seed=4, chunks_of=chunks_of)
     assert again.parts == split.parts

@@ -113,8 +113,6 @@ def _load_chunks(meta, units, locs, cache, stats) -> int:
             continue
         if not cache.has_room(size):
             break  # a full cache keeps what it holds: warming more would only evict what was warmed
-        if not cache.would_admit((meta.root, unit), size):
-            continue
         offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
         t0 = time.perf_counter()
         data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
