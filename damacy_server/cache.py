@@ -36,8 +36,12 @@ ADMIT_MARGIN = 1
 SWITCH_RATIO = 1.25
 SWITCH_MIN_HITS = 16
 #: in that many periods in a row: a working set that alternates between the rules' strengths
-#: must not make the cache flip back and forth
-SWITCH_PERIODS = 2
+#: must not make the cache flip back and forth. Taking the frequency rule needs the longer
+#: evidence: where it is wrong (a moving working set, chunk-aware epochs) it turns every new
+#: chunk away and costs a decode per read until the cache switches back, while where it is
+#: right (epochs larger than the cache) its advantage holds for every period; at the turn of
+#: a windowed epoch it may win a period or two, then lose.
+SWITCH_PERIODS = {True: 4, False: 2}  # keyed by the rule the shadow plays: by frequency or not
 
 
 class LRUCache(Generic[V]):
@@ -86,25 +90,25 @@ class LRUCache(Generic[V]):
         return "frequency" if self._by_frequency else "recency"
 
     def get(self, key: Hashable) -> V | None:
-        with self._lock:
-            return self._lookup(key)
+        return self.get_many([key])[0]
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
-        """:meth:`get` of each key, under one acquisition of the lock."""
+        """:meth:`get` of each key, under one acquisition of the lock (the planner looks up a
+        batch's units, hundreds at a time: this is the cache's hot loop)."""
         with self._lock:
-            return [self._lookup(key) for key in keys]
-
-    def _lookup(self, key: Hashable) -> V | None:
-        """A lookup, counted (the lock held)."""
-        item = self._data.get(key)
-        if self._freq is not None:
-            self._count(key, item is not None)
-        if item is None:
-            self.misses += 1
-            return None
-        self._data.move_to_end(key)
-        self.hits += 1
-        return item[0]
+            data = self._data
+            found = [data.get(key) for key in keys]
+            hit = [item is not None for item in found]
+            for key, item in zip(keys, found):
+                if item is not None:
+                    data.move_to_end(key)
+            out = [None if item is None else item[0] for item in found]
+            hits = sum(hit)
+            self.hits += hits
+            self.misses += len(keys) - hits
+            if self._freq is not None:
+                self._count(keys, hit)
+            return out
 
     def peek(self, key: Hashable) -> V | None:
         """The value under ``key`` (None: none) without counting a lookup or touching its
@@ -113,25 +117,35 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def _count(self, key: Hashable, hit: bool) -> None:
+    def _count(self, keys: list[Hashable], hit: list[bool]) -> None:
+        """Count the lookups of ``keys`` (``hit``: whether each hit) for admission, play them
+        on the shadow, and end a period (perhaps switching rules) at its length."""
         freq = self._freq
-        freq[key] = freq.get(key, 0) + 1
-        self._lookups += 1
-        if self._lookups >= 10 * max(len(self._data), 64):  # age: recent counts weigh most
-            self._lookups = 0
-            self._freq = freq = {k: n >> 1 for k, n in freq.items() if n > 1}
-        period = self._period
-        period[0] += 1
-        period[1] += hit
-        if key in self._shadow:
-            period[2] += 1
-            self._shadow.move_to_end(key)
-        if period[0] >= max(len(self._data), 64):
-            won = period[2] >= SWITCH_MIN_HITS and period[2] > SWITCH_RATIO * period[1]
-            self._wins = self._wins + 1 if won else 0
-            if self._wins >= SWITCH_PERIODS:
-                self._switch()
-            self._period = [0, 0, 0]
+        span = max(len(self._data), 64)  # a period's lookups (lookups do not change the size)
+        age_at = 10 * span
+        lookups = self._lookups
+        seen, hits, shadow_hits = self._period
+        shadow = self._shadow
+        for key, h in zip(keys, hit):
+            freq[key] = freq.get(key, 0) + 1
+            lookups += 1
+            if lookups >= age_at:  # age: recent counts weigh most
+                lookups = 0
+                self._freq = freq = {k: n >> 1 for k, n in freq.items() if n > 1}
+            seen += 1
+            hits += h
+            if key in shadow:
+                shadow_hits += 1
+                shadow.move_to_end(key)
+            if seen >= span:
+                won = shadow_hits >= SWITCH_MIN_HITS and shadow_hits > SWITCH_RATIO * hits
+                self._wins = self._wins + 1 if won else 0
+                if self._wins >= SWITCH_PERIODS[not self._by_frequency]:
+                    self._switch()
+                    shadow = self._shadow
+                seen = hits = shadow_hits = 0
+        self._lookups = lookups
+        self._period = [seen, hits, shadow_hits]
 
     def _switch(self) -> None:
         """Take the shadow's rule; the shadow starts from this cache's keys, playing the other.

@@ -616,3 +616,25 @@ def test_the_native_path_is_found_whichever_module_is_imported_first(first):
     code = f"import {first}\nfrom damacy_server.store import file\nfrom damacy_server import native\nassert file._open_checked is not None and native.available()"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_cached_units_are_handed_to_native_code_by_address_only_when_they_fit():
+    # a chunk cache entry is copied from by native code only when it is the unit's decoded
+    # array: C order, the stored dtype, the unit's shape; otherwise the numpy path copies it
+    kernel = native.NativeKernel(
+        codec=native.CODEC_RAW, src=4, dst=10, swap=False, unit_shape=np.array([4, 6], dtype=np.int64),
+        decoded_nbytes=48, stored=np.dtype("uint16"),
+    )
+    a, b = np.arange(24, dtype=np.uint16).reshape(4, 6), np.ones((4, 6), dtype=np.uint16)
+    b.flags.writeable = False  # cache entries are read-only
+    got = native.decoded_sources(kernel, [a, b])
+    assert got.tolist() == [a.ctypes.data, b.ctypes.data]
+    wide = np.zeros((4, 12), dtype=np.uint16)
+    assert native.decoded_sources(kernel, [a, wide[:, ::2]]) is None  # not contiguous
+    assert native.decoded_sources(kernel, [a, a.astype(np.int16)]) is None  # another dtype
+    assert native.decoded_sources(kernel, [a.reshape(6, 4)]) is None  # another shape
+    # the C side alone: per object its address, or 0 (not a buffer, not C order, other size)
+    raw = np.frombuffer(native._assemble.addresses([a, wide[:, ::2], b"x" * 48, object(), a[:2]], 48), dtype=np.int64)
+    assert raw[0] == a.ctypes.data and raw[1] == 0 and raw[2] != 0 and raw[3] == 0 and raw[4] == 0
+    arrays, keep = native.keep_buffers(kernel, 3)
+    assert keep.tolist() == [x.ctypes.data for x in arrays] and all(x.shape == (4, 6) for x in arrays)

@@ -256,3 +256,31 @@ def test_get_many_is_get_of_each_key():
     keys = ["a", "x", "c", "a", "y"]
     assert many.get_many(keys) == [one.get(k) for k in keys] == ["A", None, "C", "A", None]
     assert many.stats() == one.stats() and list(many._data) == list(one._data) and many._freq == one._freq
+
+
+def test_taking_the_frequency_rule_needs_longer_evidence_than_leaving_it():
+    # the shadow playing the frequency rule must hit clearly more for 4 periods in a row (a
+    # windowed epoch's turn lets it win a period or two, then lose); playing recency, 2 do
+    from collections import OrderedDict
+
+    c = LRUCache(64, admit_by_frequency=True)
+    for k in range(64):
+        c.put(("real", k), k)
+
+    def shadow_wins_a_period():  # 64 lookups (a period) the shadow hits and the cache misses
+        c._shadow = OrderedDict((("shadow", k), 0) for k in range(64))
+        c.get_many([("shadow", k) for k in range(64)])
+
+    for _ in range(3):
+        shadow_wins_a_period()
+    assert c.admission == "recency" and c.switches == 0
+    c.get_many([("real", k) for k in range(64)])  # a period the cache wins: the count starts over
+    for _ in range(3):
+        shadow_wins_a_period()
+    assert c.admission == "recency"
+    shadow_wins_a_period()
+    assert c.admission == "frequency" and c.switches == 1
+    shadow_wins_a_period()
+    assert c.admission == "frequency"
+    shadow_wins_a_period()
+    assert c.admission == "recency" and c.switches == 2

@@ -299,7 +299,7 @@ class CpuExecutor(BudgetedExecutor):
         where the native path applies, the rest with numpy."""
         t0 = time.perf_counter()
         assembled = 0
-        done: set[int] = set()  # ids of units whose copies are made
+        done: set[int] = set()  # ids of the tables whose units' copies are made
         try:
             if run.cancelled() or self._closed:
                 return
@@ -312,9 +312,9 @@ class CpuExecutor(BudgetedExecutor):
                     if written is None:
                         written = sum(self._apply(run, u, arr) for u, arr in items)
                     assembled += written
-                    done.update(id(u) for u, _ in items)
+                    done.add(id(items[0][0].table))
         except Exception as e:
-            run.crash([u for u, _ in cached if id(u) not in done], e)
+            run.crash([u for u, _ in cached if id(u.table) not in done], e)
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
             run.group_done()

@@ -87,8 +87,8 @@ class NativeTasks:
         kernel = self.kernel(run, units)
         if kernel is None:
             return None
-        sources = np.array([native.decoded_source(kernel, a) for _, a in items], dtype=np.int64)
-        if not sources.all():
+        sources = native.decoded_sources(kernel, [a for _, a in items])
+        if sources is None:
             return None
         table, targets = self._tables(run, units)
         failures, _, elements = native.run_decoded(kernel, sources, table, targets)

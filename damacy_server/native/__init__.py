@@ -241,19 +241,21 @@ def keep_buffers(kernel: NativeKernel, count: int) -> tuple[list[np.ndarray], np
     """``count`` fresh arrays of one decoded unit (the stored dtype, unit shape) and their
     addresses, the ``keep`` argument of :func:`run` and :func:`run_file`."""
     arrays = [np.empty(kernel.unit_dims, dtype=kernel.stored) for _ in range(count)]
-    return arrays, np.array([a.__array_interface__["data"][0] for a in arrays], dtype=np.int64)
+    return arrays, np.frombuffer(_assemble.addresses(arrays, kernel.decoded_nbytes), dtype=np.int64)
 
 
-def decoded_source(kernel: NativeKernel, arr: np.ndarray) -> int:
-    """The address of ``arr`` when native code can copy from it as a decoded unit of
-    ``kernel`` (C order, the stored dtype, the unit's shape), else 0."""
-    if arr.shape != kernel.unit_dims or arr.dtype != kernel.stored or not arr.flags.c_contiguous:
-        return 0
-    return arr.__array_interface__["data"][0]
+def decoded_sources(kernel: NativeKernel, arrays: list[np.ndarray]) -> np.ndarray | None:
+    """The addresses of ``arrays`` when native code can copy from each as a decoded unit of
+    ``kernel`` (C order, the stored dtype, the unit's shape), else None."""
+    dims, stored = kernel.unit_dims, kernel.stored
+    if not all(a.shape == dims and a.dtype == stored for a in arrays):
+        return None
+    sources = np.frombuffer(_assemble.addresses(arrays, kernel.decoded_nbytes), dtype=np.int64)
+    return sources if sources.all() else None
 
 
 def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: OpTable, targets: np.ndarray) -> tuple[list[Failure], int, int]:
     """As :func:`run` for units already decoded: ``sources`` holds each unit's address (from
-    :func:`decoded_source`; the caller keeps the arrays alive through the call)."""
+    :func:`decoded_sources`; the caller keeps the arrays alive through the call)."""
     failures, encoded, elements = _assemble.run_decoded(sources, *_task(kernel, table, targets))
     return _failures(failures), encoded, elements

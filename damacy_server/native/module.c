@@ -27,7 +27,39 @@ static PyObject *has_zstd(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(dm_zstd_ok);
 }
 
+/* addresses(arrays, nbytes): bytes of int64, per object the address of its buffer when that is
+ * C-contiguous and exactly nbytes long, else 0. The caller keeps the objects alive while the
+ * addresses are used (numpy arrays never move their data). */
+static PyObject *addresses(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "On", &seq, &nbytes)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "addresses needs a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (!out) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    int64_t *addr = (int64_t *)PyBytes_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer view;
+        addr[i] = 0;
+        if (PyObject_GetBuffer(items[i], &view, PyBUF_C_CONTIGUOUS) != 0) {
+            PyErr_Clear();
+            continue;
+        }
+        if (view.len == nbytes) addr[i] = (int64_t)(intptr_t)view.buf;
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"addresses", addresses, METH_VARARGS, "Per object the address of its C-contiguous buffer of exactly nbytes, else 0 (int64 bytes)."},
     {"run", dm_py_run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
     {"run_decoded", dm_py_run_decoded, METH_VARARGS, "Copy the boxes of units already decoded into the targets, without the GIL."},
     {"run_file", dm_py_run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},
