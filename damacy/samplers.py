@@ -1,7 +1,11 @@
 """Samplers: each rank's part of each epoch, as plain iterables of samples for any pipeline.
 
-Every sampler builds the epoch's *global* list from (seed, epoch) alone, the same on every
-rank and for every number of ranks, and hands rank ``r`` of ``W`` its part of it:
+Every sampler defines the epoch's *global* list from (seed, epoch) alone, the same on every
+rank and for every number of ranks, and hands rank ``r`` of ``W`` its part of it. The list is
+never built to be shared out: its i-th entry is computed from (seed, epoch, i) (a
+counter-based generator, a keyed permutation, index arithmetic; see :mod:`damacy.order`), so
+a rank of an epoch of 10^8 samples starts at once, in constant memory, and a restore starts
+at its offset. (Only ``window=`` and ``locality`` build the epoch's list: they sort it.)
 
 - :class:`RandomBoxes`: ``samples_per_epoch`` boxes drawn uniformly (per array, then an
   origin in it), rank ``r`` taking entries ``r, r + W, ...``; every rank gets
@@ -35,7 +39,9 @@ for all of them); ``GridBoxes`` keeps its cells in C order. ``chunks_of(uri, lev
 
 ``set_epoch(e)`` picks the epoch; ``rank``/``world_size`` default to torch.distributed's
 environment (``RANK``, ``WORLD_SIZE``), else 0 and 1. ``state_dict()`` holds the sampler's
-seed, epoch and partition; the position within an epoch is the pipeline's to count.
+seed, epoch and partition, the positions read before an elastic resume (a few ranges) and the
+order's version (:data:`damacy.order.ORDER_VERSION`: a state of another version names other
+samples and is refused); the position within an epoch is the pipeline's to count.
 
 (Over 400 lines: one job, the samplers; random boxes, grids and shuffled lists share the
 rank partition, the per-array normalisation and the state they save.)
@@ -50,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy import order
 from damacy.windows import CellIndex, Cells, ChunksOf, batch_diversity, check_window, window_order
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample, normalize_pair
@@ -209,14 +216,15 @@ class _Sampler:
             self.consumed = []  # an elastic resume applies to its own epoch only
         self.epoch = int(epoch)
 
-    def _rng(self) -> np.random.Generator:
-        return np.random.default_rng([self.seed, self.epoch])
+    def _key(self, purpose: int = 0) -> np.uint64:
+        """The key of this epoch's draws for one purpose (0: the samples, 3: a shuffle)."""
+        return order.key(self.seed, self.epoch, purpose)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
             "local_world_size": self.local_world_size, "consumed": [list(r) for r in self.consumed],
-            "window": self.window, "share_windows": self.share_windows,
+            "window": self.window, "share_windows": self.share_windows, "order": order.ORDER_VERSION,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -225,9 +233,17 @@ class _Sampler:
         :meth:`resume`)."""
         self._check_seed(state)
         self.set_epoch(int(state["epoch"]))
-        self.consumed = [tuple(r) for r in state.get("consumed", [])]
+        self.consumed = order.merge_ranges(state.get("consumed", []))
 
     def _check_seed(self, state: Mapping[str, Any]) -> None:
+        version = state.get("order", 1)
+        if version != order.ORDER_VERSION:
+            raise InvalidArgument(
+                f"the state was saved by samplers of order version {version}; these compute order version "
+                f"{order.ORDER_VERSION} (each sample from (seed, epoch, index), no epoch list), so the saved "
+                "position would name other samples: finish that epoch with the damacy that saved it, or go on "
+                "from the next epoch (set_epoch) without load_state_dict"
+            )
         if int(state["seed"]) != self.seed:
             raise InvalidArgument(f"the state was saved with seed {state['seed']}, this sampler has seed {self.seed}")
         window = state.get("window")
@@ -242,7 +258,10 @@ class _Sampler:
         number of ranks) was in, over the samples none of them had read. ``states``: the
         ``pipe.state_dict()`` of every earlier rank (one each; gather them at save or at
         load). The epoch's remaining samples are then shared by this run's ranks as a fresh
-        epoch would be; push this sampler to a pipeline with no ``load_state_dict``."""
+        epoch would be; push this sampler to a pipeline with no ``load_state_dict``.
+
+        What the earlier ranks read is found by index arithmetic (ranks that kept in step
+        read a prefix of the shares: one range), so this costs no epoch list either."""
         sources = [st.get("source_state") for st in states]
         if not sources or any(not isinstance(x, Mapping) for x in sources):
             raise InvalidArgument("resume takes the pipeline states of every earlier rank (with their samplers' states)")
@@ -257,31 +276,53 @@ class _Sampler:
         for x in sources:
             self._check_seed(x)
         self.set_epoch(epochs.pop())
-        before = [tuple(r) for r in sources[0].get("consumed", [])]
-        items = self.epoch_samples()
+        before = order.merge_ranges(sources[0].get("consumed", []))
         old_local = int(sources[0].get("local_world_size", old_world))
-        pool = _pool(self._order(items, old_world, old_local), before)
-        seen = set(_expand(before))
+        pool = self._pool(before, old_world, old_local)
+        offsets = [0] * old_world
         for st, x in zip(states, sources):
-            seen.update(p for p, _ in self._share_of(pool, int(x["rank"]), old_world, old_local)[: int(st["offset"])])
-        self.consumed = _ranges(sorted(seen))
+            offsets[int(x["rank"])] = int(st["offset"])
+        read = _read_ranges(len(pool), offsets, self._fill, self._runs(old_local))
+        if pool.order is not None:  # a materialised order (windows, locality): its positions
+            parts = [pool.order[a:b] for a, b in read] + [np.arange(a, b) for a, b in before]
+            self.consumed = order.consumed_ranges(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+        else:  # positions ascend with the pool index: each run of indices is one run of positions
+            spans = [(int(pool.at(a)), int(pool.at(b - 1)) + 1) for a, b in read]
+            self.consumed = order.merge_ranges(spans + before)
 
     def epoch_samples(self) -> list:
-        """Every rank's samples of this epoch, in order (the global list)."""
+        """Every rank's samples of this epoch, in order (the global list; built whole: the
+        ranks' iteration never builds it)."""
+        return self._at(np.arange(self._count(), dtype=np.int64))
+
+    def _count(self) -> int:
+        """The length of the epoch's global list."""
         raise NotImplementedError
 
-    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
-        """Rank ``rank``'s part of the positions ``pool``: (position, is padding) each;
-        entries ``rank, rank + world, ...`` of the equal shares (see :func:`_equal_shares`)."""
-        pool, per_rank = _equal_shares(pool, world, self._fill)
-        return [(p, False) for p in pool[rank::world][:per_rank]]
+    def _at(self, positions: np.ndarray) -> list:
+        """The samples at ``positions`` of the epoch's global list, from (seed, epoch,
+        position) alone."""
+        raise NotImplementedError
 
-    def _order(self, items: list, world: int, local: int) -> list[int]:
-        """The global list's positions in the order they are shared out (the list's own,
-        unless the sampler reorders it for locality or by chunk windows)."""
+    def _order(self, world: int, local: int) -> np.ndarray | None:
+        """The global list's positions in the order they are shared out: None for the list's
+        own (computed, never built); else built, when the sampler reorders it by chunk
+        windows (or for locality)."""
         if self.window is not None:
-            return self._windows(items)[0]
-        return list(range(len(items)))
+            return np.asarray(self._windows(self.epoch_samples())[0], dtype=np.int64)
+        return None
+
+    def _pool(self, consumed: Sequence[tuple[int, int]], world: int, local: int) -> order.Pool:
+        return order.Pool(self._count(), self._order(world, local), consumed)
+
+    def _runs(self, local: int) -> int | None:
+        """How the ranks share the pool: None for strides (entries r, r + W, ...); with a
+        window, contiguous runs (so each rank reads whole windows), the ``local`` ranks of a
+        node taking turns within their node's run with ``share_windows`` (for one damacyd to
+        decode it once for all of them)."""
+        if self.window is None or self._fill == "padding":
+            return None
+        return local if self.share_windows else 1
 
     def _windows(self, items: list) -> tuple[list[int], list[int], Cells]:
         """The windowed order of ``items`` (see :mod:`damacy.windows`), the windows' starts
@@ -289,21 +330,8 @@ class _Sampler:
         samples drawn are the same with or without a window."""
         cells = self._cells.cells(items)
         rng = np.random.default_rng([self.seed, self.epoch, 2])
-        order, starts = window_order(cells, self.window, rng)
-        return order, starts, cells
-
-    def _share_of(self, pool: list[int], rank: int, world: int, local: int) -> list[tuple[int, bool]]:
-        """Rank ``rank``'s part of ``pool``: with a window, contiguous runs of the windowed order
-        (so each rank reads whole windows; with ``share_windows`` the ``local`` ranks of a node
-        take turns within their node's run, for one damacyd to decode once for all of them);
-        else the sampler's own share."""
-        if self.window is None or self._fill == "padding":
-            return self._share(pool, rank, world)
-        pool, per_rank = _equal_shares(pool, world, self._fill)
-        share = local if self.share_windows else 1
-        node, turn = divmod(rank, share)
-        run = pool[node * per_rank * share : (node + 1) * per_rank * share]
-        return [(p, False) for p in run[turn::share][:per_rank]]
+        order_, starts = window_order(cells, self.window, rng)
+        return order_, starts, cells
 
     def shuffle_quality(self, batch_size: int) -> dict[str, float]:
         """How this epoch's order mixes the data, for choosing ``window``: ``batch_diversity``,
@@ -312,13 +340,14 @@ class _Sampler:
         shuffle), with the number of windows and their mean samples and decoded bytes."""
         items = self.epoch_samples()
         if self.window is not None:
-            order, starts, cells = self._windows(items)
+            order_, starts, cells = self._windows(items)
         else:
             cells = self._cells.cells(items)
-            order, starts = self._order(items, self.world_size, self.local_world_size), [0]
-        of = [cells.of[p] for p in order]
-        per_window = np.diff(starts + [len(order)])
-        window_bytes = [self._cells.window_bytes(cells, set(of[a:b])) for a, b in zip(starts, starts[1:] + [len(order)])]
+            built = self._order(self.world_size, self.local_world_size)
+            order_, starts = (list(range(len(items))) if built is None else built.tolist()), [0]
+        of = [cells.of[p] for p in order_]
+        per_window = np.diff(starts + [len(order_)])
+        window_bytes = [self._cells.window_bytes(cells, set(of[a:b])) for a, b in zip(starts, starts[1:] + [len(order_)])]
         return {
             "batch_diversity": batch_diversity(of, batch_size),
             "windows": float(len(starts)),
@@ -327,39 +356,68 @@ class _Sampler:
         }
 
     def rank_samples(self) -> list:
-        items = self.epoch_samples()
-        out = []
-        order = self._order(items, self.world_size, self.local_world_size)
-        for position, padding in self._share_of(_pool(order, self.consumed), self.rank, self.world_size, self.local_world_size):
-            s = items[position]
-            out.append(_padding(s) if padding else s)
-        return out
+        """This rank's samples of the epoch, built whole (iterating the sampler does not)."""
+        return list(self)
+
+    def iter_from(self, offset: int) -> Iterator:
+        """This rank's samples of the epoch from its ``offset``-th on, each computed when
+        reached (a pipeline restoring a position starts here instead of skipping)."""
+        pool = self._pool(self.consumed, self.world_size, self.local_world_size)
+        per_rank = order.equal_share(len(pool), self.world_size, self._fill)
+        runs = self._runs(self.local_world_size)
+        for lo in range(max(0, int(offset)), per_rank, _BLOCK):
+            js = np.arange(lo, min(lo + _BLOCK, per_rank), dtype=np.int64)
+            ks, padding = order.share_positions(len(pool), self.rank, self.world_size, self._fill, js, runs=runs)
+            samples = self._at(pool.at(ks))
+            for s, pad in zip(samples, padding.tolist()):
+                yield _padding(s) if pad else s
 
     def __iter__(self) -> Iterator:
-        return iter(self.rank_samples())
+        return self.iter_from(0)
 
     def __len__(self) -> int:
-        return len(self.rank_samples())
+        n = self._count() - sum(b - a for a, b in self.consumed)
+        return order.equal_share(n, self.world_size, self._fill)
 
 
-def _equal_shares(pool: list[int], world: int, fill: str) -> tuple[list[int], int]:
-    """``pool`` made into ``world`` equal shares, and their length: "drop" leaves the last
-    ``len % world`` out; "repeat" extends it with its first positions (cyclically: a short
-    pool after a resume), so the shortest ranks repeat them."""
-    n = len(pool)
-    per_rank = n // world if fill == "drop" else -(-n // world)
-    if fill == "repeat" and pool:
-        need = per_rank * world - n
-        pool = pool + (pool * -(-need // n))[:need]
-    return pool, per_rank
+#: samples computed at a time while a rank iterates its share
+_BLOCK = 1024
 
 
-def _pool(order: list[int], consumed: Sequence[tuple[int, int]]) -> list[int]:
-    """The positions of an epoch, in ``order``, not in the ``consumed`` ranges."""
-    if not consumed:
-        return order
-    seen = set(_expand(consumed))
-    return [p for p in order if p not in seen]
+def _read_ranges(n: int, offsets: list[int], fill: str, runs: int | None) -> list[tuple[int, int]]:
+    """The pool indices the ranks of a run read, as [a, b) ranges: rank r read its entries
+    0 .. offsets[r] - 1 of :func:`order.share_positions`. Ranks taking turns (strides, or a
+    node's ranks within its run) read a common prefix of their turns (one range) and a few
+    entries past it where some ran ahead."""
+    world = len(offsets)
+    per_rank = order.equal_share(n, world, fill)
+    out: list[tuple[int, int]] = []
+    if fill == "padding":  # contiguous blocks; a padding entry repeats the block's last
+        for r, off in enumerate(offsets):
+            ks, _ = order.share_positions(n, r, world, fill, np.array([0, max(off - 1, 0)]))
+            if off:
+                out.append((int(ks[0]), int(ks[1]) + 1))
+        return order.merge_ranges(out)
+    stride = world if runs is None else runs
+    for first in range(0, world, stride):  # one group of ranks taking turns
+        group = offsets[first : first + stride]
+        base = 0 if runs is None else (first // stride) * per_rank * stride
+        common = min(group)
+        if common:
+            out.append((base, base + common * stride))
+        for t, off in enumerate(group):
+            out.extend((k, k + 1) for k in range(base + t + common * stride, base + t + off * stride, stride))
+    if fill == "repeat":  # indices past the pool wrapped to its start
+        wrapped = []
+        for a, b in out:
+            if b <= n:
+                wrapped.append((a, b))
+            elif a >= n:
+                wrapped.append((a - n, b - n))
+            else:
+                wrapped.extend([(a, n), (0, b - n)])
+        out = wrapped
+    return order.merge_ranges(out)
 
 
 def _padding(s: Any) -> Any:
@@ -369,22 +427,6 @@ def _padding(s: Any) -> Any:
     from damacy.multi import MultiSample
 
     return MultiSample({name: _padding(part) for name, part in s.parts.items()})
-
-
-def _expand(ranges: Sequence[tuple[int, int]]) -> Iterator[int]:
-    for a, b in ranges:
-        yield from range(a, b)
-
-
-def _ranges(positions: list[int]) -> list[tuple[int, int]]:
-    """Sorted positions as [start, stop) ranges (a prefix is one range: the state stays small)."""
-    out: list[tuple[int, int]] = []
-    for p in positions:
-        if out and out[-1][1] == p:
-            out[-1] = (out[-1][0], p + 1)
-        else:
-            out.append((p, p + 1))
-    return out
 
 
 def _foreground(foreground: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> list[tuple[np.ndarray | None, np.ndarray]] | None:
@@ -542,12 +584,29 @@ class RandomBoxes(_Sampler):
             raise InvalidArgument(f"foreground_fraction must be a probability (0 to 1), got {foreground_fraction!r}")
         self.foreground_fraction = float(foreground_fraction)
 
-    def epoch_samples(self) -> list[Sample]:
-        rng = self._rng()
-        n = self.samples_per_epoch
-        which = rng.choice(len(self.arrays), size=n, p=self.p)
-        orders = rng.integers(0, len(self.transposes), size=n) if self.transposes else None
-        flipped = rng.random((n, len(self.flips))) < 0.5 if self.flips else None
+    # the streams of a sample's draws (see order.uniform): one value each, per axis from the
+    # axis' stream on; fixed, so adding a draw never moves the others
+    _ARRAY, _TRANSPOSE, _FLIPS, _ORIGIN, _CHOSEN, _CELL, _POINT = 0, 1, 2, 64, 128, 129, 130
+
+    def _count(self) -> int:
+        return self.samples_per_epoch
+
+    def _at(self, positions: np.ndarray) -> list:
+        """Sample i of the epoch from (seed, epoch, i): its array (by ``weights``), its axis
+        order and flips, then an origin uniform over where the box fits."""
+        k = self._key()
+        idx = np.asarray(positions, dtype=np.int64)
+        n = len(idx)
+        if self.p is None:
+            which = order.integers(k, idx, self._ARRAY, len(self.arrays))
+        else:
+            cum = np.cumsum(self.p)
+            which = np.minimum(np.searchsorted(cum / cum[-1], order.uniform(k, idx, self._ARRAY), side="right"), len(self.arrays) - 1)
+            which = np.where(self.p[which] > 0, which, np.argmax(self.p))  # rounding never picks a weight of 0
+        orders = order.integers(k, idx, self._TRANSPOSE, len(self.transposes)) if self.transposes else None
+        flipped = (
+            np.stack([order.uniform(k, idx, self._FLIPS + f) < 0.5 for f in range(len(self.flips))], axis=1) if self.flips else None
+        )
         out_shape = np.array(self.sample_shape, dtype=np.int64)
         # per sample the box's extents in the array's axis order (its transposed shape is the sample's)
         sizes = np.tile(out_shape, (n, 1))
@@ -555,21 +614,23 @@ class RandomBoxes(_Sampler):
             inverse = np.array([np.argsort(t) for t in self.transposes], dtype=np.int64)
             sizes = out_shape[inverse[orders]]
         shapes = np.array([shape for _, shape in self.arrays], dtype=np.int64)
-        origins = rng.integers(0, np.maximum(0, shapes[which] - sizes) // self.align + 1) * self.align
+        top = np.maximum(0, shapes[which] - sizes) // self.align + 1
+        origins = np.stack([order.integers(k, idx, self._ORIGIN + ax, top[:, ax]) for ax in range(len(out_shape))], axis=1) * self.align
+        origins = origins.reshape(n, len(out_shape))
         if self.offsets is not None:
             origins = origins + self.offsets[which]
-        if self.foreground is not None:  # drawn only when masks are given: other seeds' boxes stay as they were
-            self._centre_on_foreground(rng, which, origins, sizes, shapes)
+        if self.foreground is not None:
+            self._centre_on_foreground(k, idx, which, origins, sizes, shapes)
         out = []
-        for k, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
-            flip = tuple(ax for ax, f in zip(self.flips, flipped[k]) if f) if flipped is not None else ()
-            order = self.transposes[orders[k]] if orders is not None else None
-            out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=order))
+        for j, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
+            flip = tuple(ax for ax, f in zip(self.flips, flipped[j]) if f) if flipped is not None else ()
+            axes = self.transposes[orders[j]] if orders is not None else None
+            out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=axes))
         return out
 
-    def _centre_on_foreground(self, rng: np.random.Generator, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
+    def _centre_on_foreground(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
         """Move the boxes chosen by ``foreground_fraction`` to centre on foreground (in place)."""
-        chosen = rng.random(len(which)) < self.foreground_fraction
+        chosen = order.uniform(k, idx, self._CHOSEN) < self.foreground_fraction
         for a, (cells, mask_shape) in enumerate(self.foreground):
             if cells is None:
                 continue
@@ -577,17 +638,18 @@ class RandomBoxes(_Sampler):
             if not len(ks):
                 continue
             shape = shapes[a]
-            cell = cells[rng.integers(0, len(cells), size=len(ks))]  # a foreground element each
+            cell = cells[order.integers(k, idx[ks], self._CELL, len(cells))]  # a foreground element each
             extent = shape / mask_shape  # of the array per mask element
-            point = np.floor((cell + rng.random((len(ks), len(shape)))) * extent).astype(np.int64)
+            within = np.stack([order.uniform(k, idx[ks], self._POINT + ax) for ax in range(len(shape))], axis=1)
+            point = np.floor((cell + within) * extent).astype(np.int64)
             size = sizes[ks]
             top = np.maximum(0, shape - size) // self.align
             origins[ks] = np.clip((point - size // 2) // self.align, 0, top) * self.align
 
-
-    def _order(self, items: list, world: int, local: int) -> list[int]:
+    def _order(self, world: int, local: int) -> np.ndarray | None:
         if not self.locality or local <= 1:
-            return super()._order(items, world, local)
+            return super()._order(world, local)
+        items = self.epoch_samples()  # locality sorts the epoch's boxes: built whole
         rng = np.random.default_rng([self.seed, self.epoch, 1])
         size = self.sample_shape
 
@@ -598,10 +660,7 @@ class RandomBoxes(_Sampler):
         tiebreak = rng.permutation(len(items))
         ordered = sorted(range(len(items)), key=lambda k: (cell(k), tiebreak[k]))
         groups = [ordered[i : i + local] for i in range(0, len(ordered), local)]
-        return [p for g in rng.permutation(len(groups)).tolist() for p in groups[g]]
-
-    def __len__(self) -> int:
-        return (self.samples_per_epoch - sum(b - a for a, b in self.consumed)) // self.world_size
+        return np.array([p for g in rng.permutation(len(groups)).tolist() for p in groups[g]], dtype=np.int64)
 
 
 class Shuffled(_Sampler):
@@ -632,13 +691,13 @@ class Shuffled(_Sampler):
             raise InvalidArgument(f"{len(self.samples)} samples cannot be shared by {self.world_size} ranks")
         self.drop_last = drop_last
 
-    def epoch_samples(self) -> list:
-        order = self._rng().permutation(len(self.samples))
-        return [self.samples[i] for i in order.tolist()]
+    def _count(self) -> int:
+        return len(self.samples)
 
-    def __len__(self) -> int:
-        n, w = len(self.samples) - sum(b - a for a, b in self.consumed), self.world_size
-        return n // w if self.drop_last else -(-n // w)
+    def _at(self, positions: np.ndarray) -> list:
+        """The list in a keyed permutation of (seed, epoch): position p holds sample perm(p)."""
+        perm = order.Permutation(len(self.samples), self._key(3))
+        return [self.samples[i] for i in perm(positions).tolist()]
 
 
 class GridBoxes(_Sampler):
@@ -683,6 +742,7 @@ class GridBoxes(_Sampler):
         if edge not in ("shift", "pad"):
             raise InvalidArgument(f"edge must be 'shift' or 'pad', got {edge!r}")
         self.edge = edge
+        self._grid_cache: tuple[list[list[np.ndarray]], np.ndarray] | None = None
         self.level = level
         for uri, shape in self.arrays:
             if len(shape) != len(self.sample_shape):
@@ -704,14 +764,38 @@ class GridBoxes(_Sampler):
             starts.append(shifted if fits else starts[-1] + step)
         return starts
 
-    def epoch_samples(self) -> list[Sample]:
-        out = []
-        for a, (uri, shape) in enumerate(self.arrays):
-            axes = [self._starts(n, k, s) for n, k, s in zip(shape, self.sample_shape, self.step)]
-            if self.offsets is not None:  # a region's windows, where the region is
-                axes = [[o + start for start in starts] for o, starts in zip(self.offsets[a].tolist(), axes)]
-            for origin in np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(shape)).tolist():
-                out.append(_sample(uri, tuple((o, o + k) for o, k in zip(origin, self.sample_shape)), self.scales, self.normalize, level=self.level))
+    def _grid(self) -> tuple[list[list[np.ndarray]], np.ndarray]:
+        """Per array the window starts along each axis (a region's where it is), and where
+        each array's windows begin in the epoch's list (cumulative counts, one more entry)."""
+        if self._grid_cache is None:
+            starts = []
+            for a, (_, shape) in enumerate(self.arrays):
+                axes = [np.array(self._starts(n, k, st), dtype=np.int64) for n, k, st in zip(shape, self.sample_shape, self.step)]
+                if self.offsets is not None:  # a region's windows, where the region is
+                    axes = [o + ax for o, ax in zip(self.offsets[a].tolist(), axes)]
+                starts.append(axes)
+            counts = [math.prod(len(ax) for ax in axes) for axes in starts]
+            self._grid_cache = (starts, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        return self._grid_cache
+
+    def _count(self) -> int:
+        return int(self._grid()[1][-1])
+
+    def _at(self, positions: np.ndarray) -> list:
+        """Window i: its array (by the cumulative counts), then its place in that array's grid
+        of windows, C order (index arithmetic, no list of windows)."""
+        starts, first = self._grid()
+        positions = np.asarray(positions, dtype=np.int64)
+        which = np.searchsorted(first, positions, side="right") - 1
+        out: list = [None] * len(positions)
+        for a in np.unique(which).tolist():
+            ks = np.flatnonzero(which == a)
+            axes = starts[a]
+            local = np.unravel_index(positions[ks] - first[a], tuple(len(ax) for ax in axes))
+            origin = np.stack([ax[i] for ax, i in zip(axes, local)], axis=1).tolist()
+            uri = self.arrays[a][0]
+            for j, o in zip(ks.tolist(), origin):
+                out[j] = _sample(uri, tuple((x, x + k) for x, k in zip(o, self.sample_shape)), self.scales, self.normalize, level=self.level)
         return out
 
     _fill = "padding"
@@ -719,13 +803,5 @@ class GridBoxes(_Sampler):
     def _windows(self, items: list) -> tuple[list[int], list[int], Cells]:
         """Sequential: the cells in the arrays' C order, each cell's windows in theirs."""
         cells = self._cells.cells(items)
-        order, starts = window_order(cells, self.window, None, keys=self._cells.cell_keys())
-        return order, starts, cells
-
-    def _share(self, pool: list[int], rank: int, world: int) -> list[tuple[int, bool]]:
-        n = len(pool)
-        start = rank * (n // world) + min(rank, n % world)
-        mine = [(p, False) for p in pool[start : start + n // world + (1 if rank < n % world else 0)]]
-        if len(mine) < -(-n // world) and pool:
-            mine.append((mine[-1][0] if mine else pool[-1], True))
-        return mine
+        order_, starts = window_order(cells, self.window, None, keys=self._cells.cell_keys())
+        return order_, starts, cells

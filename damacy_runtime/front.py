@@ -51,8 +51,9 @@ class Sources:
         state_of = getattr(samples, "state_dict", None)
         state = state_of() if callable(state_of) else None
         source = self.check(samples)
-        if skip:
-            source = itertools.islice(source, skip, None)
+        if skip:  # a sampler computes its position; any other iterable is skipped through
+            start = getattr(samples, "iter_from", None)
+            source = iter(start(skip)) if callable(start) else itertools.islice(source, skip, None)
         record = [None, skip, state, False]
         self.pushes.append(record)
         self._record[id(source)] = record

@@ -29,9 +29,9 @@ LOOP = textwrap.dedent(
     import damacy
 
     uris, out, endpoint, stop_after, resume, window = json.loads(sys.argv[1])
-    sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1)
+    sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=12, samples_per_epoch=26, rank=0, world_size=1)
     if window:  # chunk-aware: stopped and resumed mid-window
-        sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1, window=window)
+        sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=12, samples_per_epoch=26, rank=0, world_size=1, window=window)
     cfg = damacy.Config(samples_per_batch=4, sample_shape=(6, 10, 10), dtype="u16", prepared_batches=3)
     pipe = damacy.Pipeline(cfg, endpoint=endpoint) if endpoint else damacy.Pipeline(cfg)
     epochs = 2
@@ -87,7 +87,7 @@ def test_a_restore_in_a_new_process_continues_bit_for_bit(tmp_path, mode, window
     assert state["push"] == 1 and state["offset"] == 3 * BATCH and state["source_state"]["epoch"] == 1
     assert state["source_state"]["window"] == window
     if window:  # the stop falls inside a window (a window holds the boxes of about 4 chunks)
-        sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=11, samples_per_epoch=26, rank=0, world_size=1, window=window)
+        sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=12, samples_per_epoch=26, rank=0, world_size=1, window=window)
         sampler.set_epoch(1)
         starts = sampler._windows(sampler.epoch_samples())[1]
         assert len(starts) > 2 and 3 * BATCH not in starts
