@@ -40,6 +40,7 @@ _LAZY = {
     "PlanLimits": "damacy_server.plan.reads",
     "open_array": "damacy_server.read",
     "open_image": "damacy_server.read",
+    "open_plate": "damacy_server.read",
     "read": "damacy_server.read",
     "MetadataCache": "damacy_server.plan.resolve",
     "ZarrMetadata": "damacy_server.plan.resolve",
@@ -69,7 +70,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the import contracts 
     from damacy_server.plan.planner import BatchSpec, ChunkPlanner
     from damacy_server.plan.reads import PlanLimits
     from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
-    from damacy_server.read import open_array, open_image, read
+    from damacy_server.read import open_array, open_image, open_plate, read
     from damacy_server.store.file import FileMetadataReader, FileReader
     from damacy_server.store.remote import RemoteStores
 
@@ -140,6 +141,7 @@ __all__ = [
     "ZarrMetadata",
     "open_array",
     "open_image",
+    "open_plate",
     "read",
     "__version__",
 ]

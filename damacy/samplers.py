@@ -76,28 +76,100 @@ def partition(rank: int | None = None, world_size: int | None = None) -> tuple[i
     return rank, world_size
 
 
-def _shapes(arrays: Sequence[str] | Mapping[str, Sequence[int]], shape_of: Callable[[str], Sequence[int]] | None) -> list[tuple[str, tuple[int, ...]]]:
+class _Arrays(Sequence):
+    """A sampler's arrays: (where, shape) each, ``where`` a uri or a group {name: uri}. A shape
+    not given (``{uri: shape}``, a region) is read from the array's metadata when first asked
+    for, so an epoch over 10^5 arrays reads only those it draws; iterating reads every shape
+    not read yet, ``concurrency`` at a time (the metadata's readers)."""
+
+    def __init__(self, entries: list[tuple[Any, tuple[int, ...] | None]], shape_of: Callable[[str], Sequence[int]] | None, level: int | None, ndim: int | None) -> None:
+        self._entries = entries
+        self._shape_of = shape_of
+        self._level = level
+        self._ndim = ndim
+        for where, shape in entries:
+            if shape is not None:
+                self._check(where, shape)
+
+    def _check(self, where: Any, shape: tuple[int, ...]) -> None:
+        if self._ndim is not None and len(shape) != self._ndim:
+            raise InvalidArgument(f"sample_shape has {self._ndim} axes, the array has {len(shape)} (shape {shape})", uri=str(_first_uri(where)))
+
+    def where(self, a: int) -> Any:
+        return self._entries[a][0]
+
+    def shape(self, a: int) -> tuple[int, ...]:
+        where, shape = self._entries[a]
+        if shape is None:
+            self._read([a])
+            shape = self._entries[a][1]
+        return shape
+
+    def _read(self, indices: list[int]) -> None:
+        uris = [str(_first_uri(self._entries[a][0])) for a in indices]
+        if self._shape_of is not None:
+            shapes = [tuple(int(n) for n in self._shape_of(u)) for u in uris]
+        else:  # the metadata of them all, read concurrently (errors name their array)
+            from damacy_server.read import default_metadata
+
+            found = default_metadata().arrays((u, self._level) for u in uris)
+            shapes = []
+            for u in uris:
+                meta = found[(u, self._level)]
+                if isinstance(meta, Exception):
+                    raise meta
+                shapes.append(tuple(meta.shape))
+        for a, shape in zip(indices, shapes):
+            self._check(self._entries[a][0], shape)
+            self._entries[a] = (self._entries[a][0], shape)
+
+    def lazy(self) -> int:
+        """How many shapes are not read yet."""
+        return sum(shape is None for _, shape in self._entries)
+
+    def __getitem__(self, a: int) -> tuple[Any, tuple[int, ...]]:  # type: ignore[override]
+        return (self._entries[a][0], self.shape(a))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        missing = [a for a, (_, shape) in enumerate(self._entries) if shape is None]
+        if missing:
+            self._read(missing)
+        return iter(list(self._entries))
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, _Arrays)) else NotImplemented
+
+
+def _first_uri(where: Any) -> Any:
+    return next(iter(where.values())) if isinstance(where, dict) else where
+
+
+def _shapes(
+    arrays: Sequence[str] | Mapping[str, Sequence[int]],
+    shape_of: Callable[[str], Sequence[int]] | None,
+    level: int | None = None,
+    ndim: int | None = None,
+) -> _Arrays:
+    """A sampler's ``arrays`` argument as :class:`_Arrays` (shapes given kept, others read on
+    first use)."""
     if isinstance(arrays, Mapping):
-        return [(str(u), tuple(int(n) for n in s)) for u, s in arrays.items()]
+        return _Arrays([(str(u), tuple(int(n) for n in s)) for u, s in arrays.items()], shape_of, level, ndim)
     if isinstance(arrays, (str, os.PathLike)):
         arrays = [arrays]
-    if shape_of is None:
-        from damacy_server.read import open_array  # the array's metadata, read here
-
-        def shape_of(uri: str) -> tuple[int, ...]:
-            return open_array(uri).shape
-
-    out = []
+    out: list[tuple[Any, tuple[int, ...] | None]] = []
     for u in arrays:
         if _is_region(u):  # a region of an array (a split's): its extent
             out.append((str(u[0]), tuple(int(b) - int(a) for a, b in u[1])))
         elif isinstance(u, Mapping):  # several arrays read at one box: the first one's shape
             if not u:
                 raise InvalidArgument("a group of arrays names at least one")
-            out.append((dict(u), tuple(shape_of(str(next(iter(u.values())))))))
+            out.append((dict(u), None))
         else:
-            out.append((str(u), tuple(shape_of(str(u)))))
-    return out
+            out.append((str(u), None))
+    return _Arrays(out, shape_of, level, ndim)
 
 
 def _is_region(entry: Any) -> bool:
@@ -365,12 +437,14 @@ class _Sampler:
         pool = self._pool(self.consumed, self.world_size, self.local_world_size)
         per_rank = order.equal_share(len(pool), self.world_size, self._fill)
         runs = self._runs(self.local_world_size)
-        for lo in range(max(0, int(offset)), per_rank, _BLOCK):
-            js = np.arange(lo, min(lo + _BLOCK, per_rank), dtype=np.int64)
+        lo, block = max(0, int(offset)), _FIRST_BLOCK
+        while lo < per_rank:
+            js = np.arange(lo, min(lo + block, per_rank), dtype=np.int64)
             ks, padding = order.share_positions(len(pool), self.rank, self.world_size, self._fill, js, runs=runs)
             samples = self._at(pool.at(ks))
             for s, pad in zip(samples, padding.tolist()):
                 yield _padding(s) if pad else s
+            lo, block = lo + len(js), min(2 * block, _BLOCK)
 
     def __iter__(self) -> Iterator:
         return self.iter_from(0)
@@ -380,8 +454,9 @@ class _Sampler:
         return order.equal_share(n, self.world_size, self._fill)
 
 
-#: samples computed at a time while a rank iterates its share
-_BLOCK = 1024
+#: samples computed at a time while a rank iterates its share: few first (a sample of an
+#: array not drawn before reads its shape, so the first batch opens few arrays), more later
+_FIRST_BLOCK, _BLOCK = 64, 1024
 
 
 def _read_ranges(n: int, offsets: list[int], fill: str, runs: int | None) -> list[tuple[int, int]]:
@@ -532,23 +607,16 @@ class RandomBoxes(_Sampler):
         self.locality = bool(locality)
         if self.locality and self.window is not None:
             raise InvalidArgument("locality and window order the epoch two ways: take window with share_windows=True for a node's ranks")
-        if level is not None and shape_of is None and not isinstance(arrays, Mapping):
-            from damacy_server.read import open_image
-
-            def shape_of(uri: str) -> tuple[int, ...]:
-                return open_image(uri).levels[level].shape
-
-        self.arrays = _shapes(arrays, shape_of)
-        if not self.arrays:
+        self.sample_shape = tuple(int(n) for n in sample_shape)
+        # shapes not given are read when an array is first drawn (an epoch over a plate of
+        # 10^5 images opens those it reads); weights by region sizes and masks need them all
+        self.arrays = _shapes(arrays, shape_of, level, len(self.sample_shape))
+        if not len(self.arrays):
             raise InvalidArgument("RandomBoxes needs at least one array")
         self.offsets = _offsets(arrays, self.align)
         if self.offsets is not None and foreground is not None:
             raise InvalidArgument("foreground masks are per whole array: give arrays, not regions, with foreground")
-        self.normalize = _check_normalize(normalize, self.arrays)
-        self.sample_shape = tuple(int(n) for n in sample_shape)
-        for uri, shape in self.arrays:
-            if len(shape) != len(self.sample_shape):
-                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=str(uri))
+        self.normalize = _check_normalize(normalize, [(self.arrays.where(a), None) for a in range(len(self.arrays))])
         if not isinstance(samples_per_epoch, int) or samples_per_epoch < self.world_size:
             raise InvalidArgument(f"samples_per_epoch must be an integer of at least world_size ({self.world_size}), got {samples_per_epoch!r}")
         self.samples_per_epoch = samples_per_epoch
@@ -613,22 +681,30 @@ class RandomBoxes(_Sampler):
         if orders is not None:
             inverse = np.array([np.argsort(t) for t in self.transposes], dtype=np.int64)
             sizes = out_shape[inverse[orders]]
-        shapes = np.array([shape for _, shape in self.arrays], dtype=np.int64)
-        top = np.maximum(0, shapes[which] - sizes) // self.align + 1
+        drawn = np.unique(which).tolist()
+        shapes = np.zeros((len(self.arrays), len(out_shape)), dtype=np.int64) if len(drawn) > 64 else None
+        if shapes is None:  # few arrays drawn: their shapes only, not a table of them all
+            table = {a: self.arrays.shape(a) for a in drawn}
+            of_which = np.array([table[a] for a in which.tolist()], dtype=np.int64).reshape(n, len(out_shape))
+        else:
+            for a in drawn:
+                shapes[a] = self.arrays.shape(a)
+            of_which = shapes[which]
+        top = np.maximum(0, of_which - sizes) // self.align + 1
         origins = np.stack([order.integers(k, idx, self._ORIGIN + ax, top[:, ax]) for ax in range(len(out_shape))], axis=1) * self.align
         origins = origins.reshape(n, len(out_shape))
         if self.offsets is not None:
             origins = origins + self.offsets[which]
         if self.foreground is not None:
-            self._centre_on_foreground(k, idx, which, origins, sizes, shapes)
+            self._centre_on_foreground(k, idx, which, origins, sizes)
         out = []
         for j, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
             flip = tuple(ax for ax, f in zip(self.flips, flipped[j]) if f) if flipped is not None else ()
             axes = self.transposes[orders[j]] if orders is not None else None
-            out.append(_sample(self.arrays[a][0], tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=axes))
+            out.append(_sample(self.arrays.where(a), tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=axes))
         return out
 
-    def _centre_on_foreground(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
+    def _centre_on_foreground(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray) -> None:
         """Move the boxes chosen by ``foreground_fraction`` to centre on foreground (in place)."""
         chosen = order.uniform(k, idx, self._CHOSEN) < self.foreground_fraction
         for a, (cells, mask_shape) in enumerate(self.foreground):
@@ -637,7 +713,7 @@ class RandomBoxes(_Sampler):
             ks = np.flatnonzero(chosen & (which == a))
             if not len(ks):
                 continue
-            shape = shapes[a]
+            shape = np.array(self.arrays.shape(a), dtype=np.int64)
             cell = cells[order.integers(k, idx[ks], self._CELL, len(cells))]  # a foreground element each
             extent = shape / mask_shape  # of the array per mask element
             within = np.stack([order.uniform(k, idx[ks], self._POINT + ax) for ax in range(len(shape))], axis=1)
@@ -728,10 +804,11 @@ class GridBoxes(_Sampler):
         super().__init__(0, rank, world_size, window=window, chunks_of=chunks_of)
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
-        self.arrays = _shapes(arrays, shape_of)
+        self.sample_shape = tuple(int(n) for n in sample_shape)
+        self.arrays = _shapes(arrays, shape_of, level, len(self.sample_shape))
+        list(self.arrays)  # a grid counts every array's windows: every shape, read concurrently
         self.offsets = _offsets(arrays, self.align)
         self.normalize = _check_normalize(normalize, self.arrays)
-        self.sample_shape = tuple(int(n) for n in sample_shape)
         self.step = self.sample_shape if step is None else tuple(int(n) for n in step)
         if len(self.step) != len(self.sample_shape) or any(s < 1 for s in self.step) or any(k < 1 for k in self.sample_shape):
             raise InvalidArgument(f"step {self.step} must give a positive step for each of the {len(self.sample_shape)} axes")

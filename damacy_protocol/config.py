@@ -34,7 +34,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     - ``prepared_batches``: batch slots (ready or being filled).
     - ``io_workers``, ``decode_workers``: threads reading and decoding (default: the CPUs, at
       least 4 readers; the CPUs plus one decoders).
-    - ``array_cache_entries``, ``shard_index_cache_entries``: metadata cache bounds.
+    - ``array_cache_entries``, ``shard_index_cache_entries``, ``shard_index_cache_bytes``:
+      metadata cache bounds (parsed arrays by entries, shard indexes by entries and bytes).
     - ``chunk_cache_bytes``: decoded chunks kept for reuse across batches (0: off; beside
       ``max_memory_bytes``). A daemon has one cache for all its clients instead.
     - ``chunk_cache_dir``, ``chunk_cache_dir_bytes``: a folder on local disk (NVMe) where bytes
@@ -69,6 +70,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     decode_workers: Count | None = None
     array_cache_entries: Size = 256
     shard_index_cache_entries: Size = 8192
+    shard_index_cache_bytes: Size = 256 << 20
     chunk_cache_bytes: Size = 0
     chunk_cache_dir: str | None = None
     chunk_cache_dir_bytes: Count = 64 << 30

@@ -108,7 +108,7 @@ class Pipeline(PipelineAPI):
             planner = ChunkPlanner(
                 ZarrMetadata(
                     FileMetadataReader(),
-                    MetadataCache(config.array_cache_entries, config.shard_index_cache_entries),
+                    MetadataCache(config.array_cache_entries, config.shard_index_cache_entries, config.shard_index_cache_bytes),
                     RemoteStores(config.storage_options) if config.storage_options else None,
                 ),
                 PlanLimits(),

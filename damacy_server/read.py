@@ -153,3 +153,11 @@ def open_image(uri: str, *, metadata: ZarrMetadata | None = None):
     units) and its levels (path, uri, shape, dtype, scale and translation per axis); read a
     level with ``damacy.read(uri, selection, level=k)`` or ``scale=...``."""
     return (metadata if metadata is not None else default_metadata()).image(uri)
+
+
+def open_plate(uri: str, *, metadata: ZarrMetadata | None = None):
+    """The OME-NGFF plate at ``uri`` (0.4 or 0.5): rows, columns and wells, each well's fields
+    (NGFF images) as uris; ``plate.images`` lists them all. Reads the plate's and the wells'
+    metadata only: the images are opened when read (a sampler over a plate's fields reads an
+    image's metadata when it first draws it)."""
+    return (metadata if metadata is not None else default_metadata()).plate(uri)

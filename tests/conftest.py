@@ -176,3 +176,13 @@ def make(request):
         return cuda_host
     endpoint = request.getfixturevalue("daemon").endpoint
     return lambda cfg: damacy.Pipeline(cfg, endpoint=endpoint)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run only when asked for (``-m slow``): CI keeps its time."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

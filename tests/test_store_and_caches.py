@@ -65,6 +65,21 @@ def test_shards_are_read_by_range_and_indexes_once(tmp_path):
     assert stats["shard_indexes"]["hits"] >= 1 and stats["shard_indexes"]["misses"] == 1
 
 
+def test_shard_indexes_are_bounded_by_bytes_and_reported(tmp_path):
+    # 4 shards of 64 chunks: an index of 64 x 16 bytes each; 3 fit in the bound
+    data = random_data((32, 32), "uint16", seed=2)
+    serializer = ShardingCodec(chunk_shape=(2, 2), codecs=[LE], index_codecs=[LE, Crc32cCodec()])
+    write_array(tmp_path / "s", data, chunks=(16, 16), serializer=serializer)
+    bound = 3 * (64 * 16 + 64) + 10
+    md = damacy.ZarrMetadata(reader=CountingStore(), cache=damacy.MetadataCache(shard_index_entries=100, shard_index_bytes=bound))
+    got = damacy.read(tmp_path / "s", np.s_[:, :], metadata=md)
+    assert np.array_equal(got, data)
+    stats = md.cache.stats()["shard_indexes"]
+    assert stats["entries"] == 3 and stats["bytes"] == 3 * (64 * 16 + 64) <= bound and stats["evictions"] == 1
+    with pytest.raises(damacy.InvalidArgument, match="shard_index_bytes"):
+        damacy.MetadataCache(shard_index_bytes=-1)
+
+
 def test_lru_bounds_and_counters():
     c = LRUCache(2)
     c.put("a", 1)

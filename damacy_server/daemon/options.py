@@ -20,6 +20,7 @@ class DaemonOptions:
     decode_workers: int = os.cpu_count() or 1
     array_cache_entries: int = 1024
     shard_index_cache_entries: int = 65536
+    shard_index_cache_bytes: int = 1 << 30
     socket_mode: int = 0o600
     socket_group: str | None = None
     curve_secret_key: bytes | None = None

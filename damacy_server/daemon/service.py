@@ -82,7 +82,7 @@ class Daemon:
             log.warning("no --allow-root or --allow-prefix given: every sample will be refused until damacyd serves data")
         self.metadata = ZarrMetadata(
             FileMetadataReader(roots=roots),
-            MetadataCache(options.array_cache_entries, options.shard_index_cache_entries),
+            MetadataCache(options.array_cache_entries, options.shard_index_cache_entries, options.shard_index_cache_bytes),
             self.remote,
         )
         self.planner = ChunkPlanner(self.metadata, PlanLimits())

@@ -3,6 +3,10 @@
 :class:`ZarrMetadata` is shared by every pipeline of a process (and every session of the
 daemon): parsed ``zarr.json`` files and shard indexes are read once and kept in bounded
 LRU caches.
+
+(Over 400 lines: one job, metadata behind uris: arrays, NGFF images and plates resolve
+through the same node loading, consolidated metadata and caches, and units are located in
+the shard indexes those caches keep.)
 """
 
 from __future__ import annotations
@@ -31,23 +35,44 @@ from damacy_server.zarr.metadata import (
     load_node,
     parse_array_metadata,
 )
-from damacy_server.zarr.ngff import Image, Level, image_multiscale, multiscale_path, parse_axes, transforms
+from damacy_server.zarr.ngff import (
+    Image,
+    Level,
+    Plate,
+    Well,
+    image_multiscale,
+    multiscale_path,
+    parse_axes,
+    plate_wells,
+    transforms,
+    well_fields,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 class MetadataCache:
-    """Bounded caches of parsed array metadata and of shard indexes."""
+    """Bounded caches of parsed array metadata (by entries: a parsed ``zarr.json`` is a few
+    KiB) and of shard indexes (by entries and by bytes: a shard's index grows with its chunks,
+    16 bytes each, so 8192 indexes of 10^4 chunks would hold 1.3 GiB). ``stats()`` reports
+    the shard indexes' bytes."""
 
-    def __init__(self, array_entries: int = 256, shard_index_entries: int = 8192) -> None:
+    def __init__(self, array_entries: int = 256, shard_index_entries: int = 8192, shard_index_bytes: int = 256 << 20) -> None:
         checked("MetadataCache", "array_entries", array_entries, Size)
         checked("MetadataCache", "shard_index_entries", shard_index_entries, Size)
+        checked("MetadataCache", "shard_index_bytes", shard_index_bytes, Size)
         self.arrays: LRUCache[ArrayMetadata] = LRUCache(array_entries)
-        self.shard_indexes: LRUCache[tuple[np.ndarray, int]] = LRUCache(shard_index_entries)  # (table, shard bytes)
+        self.shard_indexes: LRUCache[tuple[np.ndarray, int]] = LRUCache(
+            shard_index_entries, max_bytes=shard_index_bytes, sizeof=_index_nbytes
+        )  # (table, shard bytes)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {"arrays": self.arrays.stats(), "shard_indexes": self.shard_indexes.stats()}
+
+
+def _index_nbytes(entry: tuple[np.ndarray, int]) -> int:
+    return int(entry[0].nbytes) + 64
 
 
 @dataclass(frozen=True)
@@ -223,6 +248,30 @@ class ZarrMetadata:
             cached = self._image(store, root, uri)
             self.cache.arrays.put((root, "ngff-image"), cached)
         return cached
+
+    def plate(self, uri: str) -> Plate:
+        """The NGFF plate at ``uri``: its wells and the uris of their fields, from the plate's
+        and the wells' metadata (read ``concurrency`` at a time); no image is opened."""
+        store, root = self.store_of(uri)
+        doc = self._node(store, root, str(uri))
+        if check_node(doc, str(uri)) != "group":
+            raise InvalidArgument("is an array, not an NGFF plate", uri=str(uri))
+        version, name, rows, columns, wells = plate_wells(doc, str(uri))
+        base = str(uri).rstrip("/")
+
+        def fields(well: tuple[str, str, str]) -> tuple[str, ...] | SampleError:
+            path = well[0]
+            try:
+                wdoc = self._node(store, store.join(root, *path.split("/")), f"{base}/{path}")
+                return tuple(f"{base}/{path}/{f}" for f in well_fields(wdoc, f"{base}/{path}"))
+            except SampleError as e:
+                return e
+
+        found = self._map(fields, wells)
+        for f in found:
+            if isinstance(f, SampleError):
+                raise f
+        return Plate(str(uri), version, name, rows, columns, tuple(Well(p, r, c, f) for (p, r, c), f in zip(wells, found)))
 
     def _image(self, store: Store, root: str, uri: str) -> Image:
         doc = self._node(store, root, str(uri))

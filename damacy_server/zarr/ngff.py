@@ -150,3 +150,98 @@ def transforms(entries: Any, ndim: int, uri: str) -> tuple[tuple[float, ...], tu
         elif kind != "identity":
             raise UnsupportedError(f"NGFF coordinate transformation {kind!r} is not supported (scale, translation are)", uri=uri)
     return tuple(float(v) for v in scale), tuple(float(v) for v in translation)
+
+
+# -- plates (high-content screening): wells of fields, each field an image ---------------------
+
+
+@dataclass(frozen=True)
+class Well:
+    """One well of a plate: its path (``"A/1"``), row and column names, and the uris of its
+    fields (each an NGFF image)."""
+
+    path: str
+    row: str
+    column: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plate:
+    """An OME-NGFF plate (``damacy.open_plate``): its rows, columns and wells, in the plate's
+    order; ``images`` lists every field of every well (NGFF images: read one with
+    ``damacy.open_image``, or give them to a sampler with ``level=``)."""
+
+    uri: str
+    version: str | None
+    name: str | None
+    rows: tuple[str, ...]
+    columns: tuple[str, ...]
+    wells: tuple[Well, ...]
+
+    @property
+    def images(self) -> list[str]:
+        return [f for w in self.wells for f in w.fields]
+
+
+def _ome(group: dict[str, Any], key: str) -> tuple[str | None, Any] | None:
+    """(version, attributes[key]) under 0.5's ``ome`` or at 0.4's top level; None if absent."""
+    attrs = group.get("attributes") or {}
+    if not isinstance(attrs, dict):
+        return None
+    ome = attrs.get("ome")
+    if isinstance(ome, dict) and ome.get(key) is not None:
+        return ome.get("version"), ome[key]
+    if attrs.get(key) is not None:
+        value = attrs[key]
+        return (value.get("version") if isinstance(value, dict) else None), value
+    return None
+
+
+def _relative(path: Any, what: str, uri: str) -> str:
+    if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
+        raise MetadataError(f"NGFF {what} path {path!r} is not a relative path inside the group", uri=uri)
+    return path
+
+
+def plate_wells(group: dict[str, Any], uri: str) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...], list[tuple[str, str, str]]]:
+    """(version, name, rows, columns, [(well path, row, column)]) of an NGFF plate group."""
+    found = _ome(group, "plate")
+    if found is None:
+        raise InvalidArgument("is not an NGFF plate (no plate in its group's attributes)", uri=uri)
+    version, plate = found
+    if not isinstance(plate, dict):
+        raise MetadataError("NGFF plate must be an object", uri=uri)
+    names = {}
+    for key in ("rows", "columns"):
+        entries = plate.get(key)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
+            raise MetadataError(f"NGFF plate {key} must be a list of objects with a name", uri=uri)
+        names[key] = tuple(e["name"] for e in entries)
+    wells = plate.get("wells")
+    if not isinstance(wells, list):
+        raise MetadataError("NGFF plate wells must be a list", uri=uri)
+    out = []
+    for w in wells:
+        if not isinstance(w, dict):
+            raise MetadataError("NGFF plate wells must be objects with a path", uri=uri)
+        path = _relative(w.get("path"), "well", uri)
+        row, col = w.get("rowIndex"), w.get("columnIndex")
+        if isinstance(row, int) and isinstance(col, int) and 0 <= row < len(names["rows"]) and 0 <= col < len(names["columns"]):
+            out.append((path, names["rows"][row], names["columns"][col]))
+        else:  # 0.4 before rowIndex: the path is row/column
+            parts = path.split("/")
+            out.append((path, parts[0], parts[-1]))
+    name = plate.get("name") if isinstance(plate.get("name"), str) else None
+    return version, name, names["rows"], names["columns"], out
+
+
+def well_fields(group: dict[str, Any], uri: str) -> list[str]:
+    """The paths of a well's fields (images), relative to the well."""
+    found = _ome(group, "well")
+    if found is None:
+        raise InvalidArgument("is not an NGFF well (no well in its group's attributes)", uri=uri)
+    images = found[1].get("images") if isinstance(found[1], dict) else None
+    if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):
+        raise MetadataError("NGFF well images must be a list of objects with a path", uri=uri)
+    return [_relative(i.get("path"), "field", uri) for i in images]
