@@ -91,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     th.add_argument("--repeats", type=int, default=3)
     th.add_argument("--readers", default="damacy,once,tensorstore,damacy-uniform")
     th.add_argument("--json", default=None)
+    sc = sub.add_parser("scale", help="how costs grow: samples per epoch, arrays (NGFF plates), daemon sessions, decode threads; a table and a PNG")
+    sc.add_argument("curves", nargs="*", default=["samples", "arrays", "sessions", "threads"], help="samples, arrays, sessions, threads")
+    sc.add_argument("--data", default="bench-data")
+    sc.add_argument("--samples", default="10000,100000,1000000,10000000,100000000", help="samples per epoch")
+    sc.add_argument("--arrays", default="10,100,1000,10000,100000", help="images per plate")
+    sc.add_argument("--sessions", default="1,2,4,8,16,32", help="client processes of one damacyd")
+    sc.add_argument("--threads", default=None, help="decode threads (default: 1 to the cores)")
+    sc.add_argument("--per-session", type=int, default=25, help="batches per session in the measured window")
+    sc.add_argument("--batches", type=int, default=24, help="batches of the default scenario per thread count")
+    sc.add_argument("--json", default=None)
     scenario_command("transforms", "damacy with random flips and axis orders on every sample vs the same boxes plain", "default", 12, 5)
     args = ap.parse_args(argv)
 
@@ -122,6 +132,22 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown {unknown}; readers: {', '.join(thin.READERS)}; kinds: {', '.join(thin.KINDS)}")
         memories = [parse_size(m) for m in args.memory.split(",") if m.strip()]
         return _write(thin.main(args.kinds, args.data, memories, args.repeats, readers), args.json, "thin-")
+
+    if args.cmd == "scale":
+        from bench import scale
+
+        unknown = sorted(set(args.curves) - set(scale.CURVES))
+        if unknown:
+            raise SystemExit(f"unknown curves {unknown}; choose from {', '.join(scale.CURVES)}")
+        ints = lambda text: [int(float(x)) for x in text.split(",") if x.strip()]  # noqa: E731
+        threads = ints(args.threads) if args.threads else list(range(1, runners.CPUS + 1))
+        res = scale.main(args.curves, args.data, ints(args.samples), ints(args.arrays), ints(args.sessions), threads, args.per_session, args.batches)
+        code = _write(res, args.json, "scale-")
+        out = Path(args.json) if args.json else sorted(Path("bench-results").glob("scale-*.json"))[-1]
+        png = scale.plot(res, out.with_suffix(".png"))
+        if png is not None:
+            print(f"plot: {png}")
+        return code
 
     if args.cmd == "transforms":
         from bench import transforms

@@ -122,6 +122,11 @@ def render(stats, before=None, seconds: float | None = None) -> str:
         time.strftime("%Y-%m-%d %H:%M:%S")
         + f"  damacyd pid {d['pid']} at {d['endpoint']}, up {d['uptime_s']:.0f} s, serving {', '.join(d['allow_roots'] + d.get('allow_prefixes', [])) or 'no paths'}"
     ]
+    if d.get("batches"):
+        lines.append(
+            f"loop: {1e3 * d.get('loop_cpu_s', 0.0) / d['batches']:.3f} ms of the loop's CPU per batch delivered, "
+            f"{(d['messages'] + d.get('replies', 0)) / d['batches']:.1f} messages per batch ({d['batches']} batches)"
+        )
     mem = stats["memory"]
     lines.append(
         f"memory: {_fmt_bytes(mem['in_use_bytes'])} in use of {_fmt_bytes(mem['budget_bytes'])} "

@@ -47,6 +47,21 @@ class DaemonFigures(_Figures):
     messages: int
     malformed_messages: int
     allow_prefixes: list[str] = []
+    replies: int = 0
+    loop_cpu_s: float = 0.0  # the socket loop thread's CPU time: receiving, pumping sessions, replying
+    batches: int = 0  # delivered to every session since start (ended ones included)
+    requests: dict[str, int] = {}  # requests handled, by kind (Pop, Release, Push, Ping...)
+
+    @property
+    def loop_ms_per_batch(self) -> float:
+        """The socket loop thread's CPU time per batch delivered: one thread serves every
+        session, so this bounds a daemon's batches/s (1000 / it)."""
+        return 1e3 * self.loop_cpu_s / self.batches if self.batches else 0.0
+
+    @property
+    def messages_per_batch(self) -> float:
+        """Requests and replies per batch delivered (a pop, its reply, a release...)."""
+        return (self.messages + self.replies) / self.batches if self.batches else 0.0
 
 
 class MemoryFigures(_Figures):

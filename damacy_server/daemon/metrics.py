@@ -48,6 +48,8 @@ class DaemonCollector:
         yield _gauge("uptime_seconds", "Seconds since damacyd started.", d.uptime_s)
         yield _counter("messages", "Requests received.", d.messages)
         yield _counter("malformed_messages", "Requests that could not be decoded (their connection was dropped).", d.malformed_messages)
+        yield _counter("replies", "Replies sent.", d.replies)
+        yield _counter("loop_cpu_seconds", "The socket loop thread's CPU time (receiving, pumping sessions, replying).", d.loop_cpu_s)
 
         sessions = [s for s in stats.sessions if not s.control]
         yield _gauge("sessions", "Pipeline sessions open now.", len(sessions))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import collections
 import os
 import queue
 import resource
@@ -128,6 +129,9 @@ class Daemon:
         self.endpoint = options.endpoint
         self.malformed = 0
         self.received = 0  # messages read from the socket
+        self.sent = 0  # replies written to it
+        self.requests: collections.Counter[str] = collections.Counter()  # requests handled, by kind
+        self.loop_cpu_s = 0.0  # the loop thread's CPU time handling messages, pumping sessions and replying
         self.totals = Totals()  # since start, all sessions (ended ones included): what --metrics exports
         self.metrics_server = None
 
@@ -174,12 +178,14 @@ class Daemon:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(250))
+                busy = time.thread_time()
                 if self.socket in events:
                     self._receive_all()
                 if self._waker.fd in events:
                     self._waker.drain()
                 self._pump()
                 self._flush()
+                self.loop_cpu_s += time.thread_time() - busy
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + 0.5
@@ -214,6 +220,7 @@ class Daemon:
                 return
             try:
                 self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
+                self.sent += 1
             except zmq.ZMQError as e:  # the peer is gone (or its queue is full)
                 log.debug("dropped a reply to a gone client: %s", e)
 
@@ -230,6 +237,7 @@ class Daemon:
             if conn.state is State.FAILED and session is not None:
                 self.end_session(session, "protocol version mismatch")
             return
+        self.requests[type(msg).__name__] += 1
         if session is None and isinstance(msg, m.Ping):
             self.post(identity, m.encode(m.Pong(reply_to=msg.id, session="")))  # no session here
             return
@@ -445,6 +453,10 @@ class Daemon:
                 allow_prefixes=list(self.remote.allow or []),
                 messages=self.received,
                 malformed_messages=self.malformed,
+                replies=self.sent,
+                loop_cpu_s=self.loop_cpu_s,
+                batches=self.totals.snapshot()["batches"],
+                requests=dict(self.requests),
             ),
             stages={name: st.StageFigures(**d) for name, d in ex.stats.snapshot().items()},
             cache=st.MetadataCacheFigures(st.CacheFigures(**cache["arrays"]), st.CacheFigures(**cache["shard_indexes"])),

@@ -1,0 +1,81 @@
+"""Many sessions on one damacyd: at equal demand every session gets its share of the batches
+(no starvation), and the socket loop's cost per batch is measured (messages and busy time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from zarr.codecs import ZstdCodec
+
+from conftest import random_data, write_array
+from daemon_helpers import DaemonProcess, wait_for
+
+CLIENT = textwrap.dedent(
+    """
+    import sys, os, damacy
+    endpoint, uri, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(32, 32, 32), dtype="u16", prepared_batches=2)
+    sampler = damacy.RandomBoxes({uri: (128, 128, 128)}, (32, 32, 32), seed=int(sys.argv[4]), samples_per_epoch=10**6, rank=0, world_size=1)
+    with damacy.Pipeline(cfg, endpoint=endpoint) as pipe:
+        pipe.push(sampler)
+        n = 0
+        while not os.path.exists(stop):  # as fast as it can: every session asks alike
+            pipe.pop().release()
+            n += 1
+    print(n)
+    """
+)
+
+
+def _stats(endpoint):
+    from damacy_client.transport import Connection
+    from damacy_protocol import messages as m
+    from damacy_protocol.stats import as_dict
+
+    conn = Connection(endpoint, connect_timeout_s=5.0)
+    try:
+        conn.call(lambda i: m.Attached(id=i), 5.0, "attach")
+        return as_dict(conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats)
+    finally:
+        conn.close()
+
+
+def test_sessions_at_equal_demand_get_equal_shares(tmp_path):
+    sessions = 8
+    write_array(tmp_path / "v.zarr", random_data((128, 128, 128), "uint16", seed=3), chunks=(32, 32, 32), compressors=[ZstdCodec()])
+    uri = str(tmp_path / "v.zarr")
+    daemon = DaemonProcess(tmp_path, [tmp_path], ["--decode-workers", "2", "--io-workers", "2"])
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    stop = tmp_path / "stop"
+    clients = [
+        subprocess.Popen([sys.executable, str(script), daemon.endpoint, uri, str(stop), str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k in range(sessions)
+    ]
+    try:
+        # every session streaming, then a window of 8 x 100 batches measured from there
+        def snapshot():
+            stats = _stats(daemon.endpoint)
+            return {s["pid"]: s["samples"] for s in stats["sessions"] if not s["control"]}, stats["daemon"]
+
+        start, before = wait_for(lambda: (d := snapshot()) and len(d[0]) == sessions and all(d[0].values()) and d, 120, "every session streaming")
+        end, after = wait_for(lambda: (d := snapshot()) and sum(d[0].values()) - sum(start.values()) >= sessions * 100 * 4 and d, 300, "the window's batches")
+    finally:
+        stop.touch()
+        outs = [c.communicate(timeout=60) for c in clients]
+        assert daemon.stop() == 0, daemon.log_path.read_text()
+    assert all(c.returncode == 0 for c in clients), [o[1][-2000:] for o in outs]
+    shares = [end[pid] - start[pid] for pid in start]
+    mean = sum(shares) / len(shares)
+    assert all(abs(s - mean) <= 0.1 * mean for s in shares), f"per-session samples over the window: {shares}"
+    # the loop's cost per batch, as damacy stats prints it: per batch one Pop, one Release and
+    # one Push of its samples (the client pushes as the sampler is pulled), whatever the sessions
+    batches = after["batches"] - before["batches"]
+    kinds = {k: after["requests"].get(k, 0) - before["requests"].get(k, 0) for k in ("Pop", "Push", "Release")}
+    assert batches >= sessions * 100 and all(0.9 <= n / batches <= 1.1 for n in kinds.values()), (kinds, batches)
+    assert after["loop_cpu_s"] > before["loop_cpu_s"] and after["replies"] > before["replies"]
+    print(json.dumps({"shares": shares, "requests_per_batch": {k: n / batches for k, n in kinds.items()},
+                      "loop_ms_per_batch": 1e3 * (after["loop_cpu_s"] - before["loop_cpu_s"]) / batches}))
