@@ -309,8 +309,10 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.set_xlabel("samples per epoch")
         ax.set_title("sampler: rank 63 of 64")
         ax2 = ax.twinx()
-        ax2.semilogx(x, [r["rss_growth_MiB"] for r in rows], "^--", color="gray", label="RSS growth (MiB)")
-        ax2.set_ylabel("MiB")
+        rss = [r["rss_growth_MiB"] for r in rows]
+        ax2.semilogx(x, rss, "^--", color="gray", label="RSS growth (MiB)")
+        ax2.set_ylim(0, max(16.0, 1.5 * max(rss)))  # flat means flat, not a zoomed-in jump
+        ax2.set_ylabel("resident memory growth, MiB (gray)")
         ax.legend(loc="upper left")
     if "arrays" in results:
         rows = results["arrays"]

@@ -137,6 +137,28 @@ def test_a_folder_swapped_for_a_link_out_of_the_root_is_refused_after_a_read(tmp
         damacy.read(store, FIRST, metadata=md)
 
 
+def test_the_early_check_remembers_a_path_briefly_and_the_open_still_refuses(tmp_path, world, open_rule, monkeypatch):
+    # the push-time check (a courtesy) does not resolve a path it found inside again for a
+    # second; a link swapped to the outside meanwhile is still refused where it matters, at open
+    from damacy_server.store import file
+
+    root = tmp_path / "root"
+    shutil.copytree(world["root"], root)
+    md = rooted_metadata(root)
+    store = root / "vol.zarr"
+    md.check_allowed(str(store))
+    assert np.array_equal(damacy.read(store, FIRST, metadata=md), world["inside"][FIRST])
+    shutil.rmtree(store)
+    os.symlink(world["outside"] / "vol.zarr", store)
+    md.check_allowed(str(store))  # remembered: not resolved again within ALLOWED_TTL_S
+    with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed roots"):
+        damacy.read(store, FIRST, metadata=md)
+    later = time.monotonic() + file.ALLOWED_TTL_S + 1
+    monkeypatch.setattr(file.time, "monotonic", lambda: later)
+    with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed roots"):
+        md.check_allowed(str(store))
+
+
 def test_links_that_stay_inside_the_root_are_followed(tmp_path, world, open_rule):
     root = tmp_path / "root"
     shutil.copytree(world["root"], root)

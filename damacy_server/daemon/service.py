@@ -17,9 +17,9 @@ all act on the daemon's one state, owned by the loop thread.)
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
-import collections
 import os
 import queue
 import resource
