@@ -123,10 +123,6 @@ class _Arrays(Sequence):
             self._check(self._entries[a][0], shape)
             self._entries[a] = (self._entries[a][0], shape)
 
-    def lazy(self) -> int:
-        """How many shapes are not read yet."""
-        return sum(shape is None for _, shape in self._entries)
-
     def __getitem__(self, a: int) -> tuple[Any, tuple[int, ...]]:  # type: ignore[override]
         return (self._entries[a][0], self.shape(a))
 
@@ -681,15 +677,8 @@ class RandomBoxes(_Sampler):
         if orders is not None:
             inverse = np.array([np.argsort(t) for t in self.transposes], dtype=np.int64)
             sizes = out_shape[inverse[orders]]
-        drawn = np.unique(which).tolist()
-        shapes = np.zeros((len(self.arrays), len(out_shape)), dtype=np.int64) if len(drawn) > 64 else None
-        if shapes is None:  # few arrays drawn: their shapes only, not a table of them all
-            table = {a: self.arrays.shape(a) for a in drawn}
-            of_which = np.array([table[a] for a in which.tolist()], dtype=np.int64).reshape(n, len(out_shape))
-        else:
-            for a in drawn:
-                shapes[a] = self.arrays.shape(a)
-            of_which = shapes[which]
+        table = {a: self.arrays.shape(a) for a in np.unique(which).tolist()}  # the drawn arrays' shapes only
+        of_which = np.array([table[a] for a in which.tolist()], dtype=np.int64).reshape(n, len(out_shape))
         top = np.maximum(0, of_which - sizes) // self.align + 1
         origins = np.stack([order.integers(k, idx, self._ORIGIN + ax, top[:, ax]) for ax in range(len(out_shape))], axis=1) * self.align
         origins = origins.reshape(n, len(out_shape))

@@ -424,6 +424,8 @@ def test_stats_watch_shows_rates_since_the_last_refresh(cached_daemon):
     assert "count/s" in text and "busy" in text
     assert " 5.0 " in row and "2.0 MiB/s" in row and row.endswith(" 0.50")  # 10 in 2 s, 4 MiB in 2 s, half a thread busy
     assert "count/s" not in render(after)  # a single snapshot: totals only
+    after["daemon"].update(batches=40, loop_cpu_s=0.1, messages=100, replies=60)
+    assert "loop: 2.500 ms of the loop's CPU per batch delivered, 4.0 messages per batch (40 batches)" in render(after)
 
 
 def test_warm_says_when_the_chunk_cache_kept_less_than_it_warmed(tmp_path_factory, data):
