@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy import labels as labels_
 from damacy import order
 from damacy.windows import CellIndex, Cells, ChunksOf, batch_diversity, check_window, window_order
 from damacy_protocol.errors import InvalidArgument
@@ -500,41 +501,6 @@ def _padding(s: Any) -> Any:
     return MultiSample({name: _padding(part) for name, part in s.parts.items()})
 
 
-def _foreground(foreground: Any, arrays: list[tuple[Any, tuple[int, ...]]]) -> list[tuple[np.ndarray | None, np.ndarray]] | None:
-    """Per array (the foreground elements' coordinates, the mask's shape), or None."""
-    if foreground is None:
-        return None
-    if isinstance(foreground, Mapping):
-        keys = {str(where) for where, _ in arrays if not isinstance(where, dict)}
-        unknown = set(map(str, foreground)) - keys
-        if unknown:
-            raise InvalidArgument(f"foreground names {sorted(unknown)}, which are not among the arrays")
-        by_uri = {str(k): v for k, v in foreground.items()}
-        masks = [None if isinstance(where, dict) else by_uri.get(str(where)) for where, _ in arrays]
-    else:
-        masks = list(foreground)
-        if len(masks) != len(arrays):
-            raise InvalidArgument(f"foreground lists {len(masks)} masks for {len(arrays)} arrays")
-    out: list[tuple[np.ndarray | None, np.ndarray]] = []
-    for (where, shape), mask in zip(arrays, masks):
-        name = str(next(iter(where.values())) if isinstance(where, dict) else where)
-        if mask is None:
-            out.append((None, np.zeros(0)))
-            continue
-        if isinstance(mask, (str, os.PathLike)):
-            from damacy_server.read import read
-
-            mask = read(os.fspath(mask))
-        mask = np.asarray(mask)
-        if mask.ndim != len(shape):
-            raise InvalidArgument(f"the foreground mask has {mask.ndim} axes, the array {len(shape)}", uri=name)
-        cells = np.argwhere(mask != 0)
-        if not len(cells):
-            raise InvalidArgument("the foreground mask has no foreground", uri=name)
-        out.append((cells, np.array(mask.shape, dtype=np.float64)))
-    return out if any(cells is not None for cells, _ in out) else None
-
-
 class RandomBoxes(_Sampler):
     """``samples_per_epoch`` boxes of ``sample_shape`` per epoch: an array drawn (by
     ``weights``, default equal), then an origin uniform over the positions where the box
@@ -569,6 +535,16 @@ class RandomBoxes(_Sampler):
     drawn as above: nnU-Net's foreground oversampling. A mask without foreground is refused.
     The sampler keeps the coordinates of every foreground element: give a coarse mask (a label
     map's low level), not a full-resolution one.
+
+    ``labels`` (the same forms as ``foreground``: label maps, any shape) with
+    ``label_ratios={class: weight}``: a box of a labelled array is centred on a point of a
+    class drawn by the ratios among the classes its map holds (MONAI's crops by label
+    classes; ``foreground_fraction`` of the boxes, default all). ``min_foreground``: a box of
+    an array with a map (``foreground`` or ``labels``, nonzero as foreground) must hold at
+    least that share of foreground, measured on the map with a summed-area table (never by
+    reading labels per draw); a box short of it is drawn again, up to ``max_tries`` times,
+    then the one with the most foreground of those tried is kept (gunpowder's minimum masked
+    fraction). See :mod:`damacy.labels`.
     """
 
     def __init__(
@@ -590,6 +566,10 @@ class RandomBoxes(_Sampler):
         normalize: Any = None,
         foreground: Sequence[Any] | Mapping[str, Any] | None = None,
         foreground_fraction: float = 1.0,
+        labels: Sequence[Any] | Mapping[str, Any] | None = None,
+        label_ratios: Mapping[Any, float] | None = None,
+        min_foreground: float = 0.0,
+        max_tries: int = 32,
         window: int | None = None,
         share_windows: bool = False,
         shape_of: Callable[[str], Sequence[int]] | None = None,
@@ -610,8 +590,8 @@ class RandomBoxes(_Sampler):
         if not len(self.arrays):
             raise InvalidArgument("RandomBoxes needs at least one array")
         self.offsets = _offsets(arrays, self.align)
-        if self.offsets is not None and foreground is not None:
-            raise InvalidArgument("foreground masks are per whole array: give arrays, not regions, with foreground")
+        if self.offsets is not None and (foreground is not None or labels is not None):
+            raise InvalidArgument("foreground masks and label maps are per whole array: give arrays, not regions, with them")
         self.normalize = _check_normalize(normalize, [(self.arrays.where(a), None) for a in range(len(self.arrays))])
         if not isinstance(samples_per_epoch, int) or samples_per_epoch < self.world_size:
             raise InvalidArgument(f"samples_per_epoch must be an integer of at least world_size ({self.world_size}), got {samples_per_epoch!r}")
@@ -643,14 +623,38 @@ class RandomBoxes(_Sampler):
                             f"a box of {e} does not fit in the region of {shape} (it would read another region's data): "
                             "split into larger blocks (block=) or draw smaller boxes", uri=str(uri)
                         )
-        self.foreground = _foreground(foreground, self.arrays)
+        if foreground is not None and labels is not None:
+            raise InvalidArgument("give foreground masks or label maps, not both (label maps' nonzero elements are their foreground)")
+        if label_ratios is not None and labels is None:
+            raise InvalidArgument("label_ratios needs labels: the label map of each array")
         if not isinstance(foreground_fraction, (int, float)) or not 0.0 <= foreground_fraction <= 1.0:
             raise InvalidArgument(f"foreground_fraction must be a probability (0 to 1), got {foreground_fraction!r}")
+        if not isinstance(min_foreground, (int, float)) or not 0.0 <= min_foreground <= 1.0:
+            raise InvalidArgument(f"min_foreground must be a share (0 to 1), got {min_foreground!r}")
+        if not isinstance(max_tries, int) or max_tries < 1:
+            raise InvalidArgument(f"max_tries must be a positive integer, got {max_tries!r}")
         self.foreground_fraction = float(foreground_fraction)
+        self.min_foreground = float(min_foreground)
+        self.max_tries = max_tries
+        # the maps (foreground masks or label maps) and the classes boxes are centred on
+        self.maps: labels_.LabelMaps | None = None
+        self.centre: tuple[list[Any], np.ndarray] | None = None
+        given = foreground if foreground is not None else labels
+        loaded = labels_.load_maps(given, list(self.arrays), "foreground" if foreground is not None else "labels") if given is not None else None
+        if loaded is not None:
+            names = [str(self.arrays.where(a) if not isinstance(self.arrays.where(a), dict) else next(iter(self.arrays.where(a).values()))) for a in range(len(self.arrays))]
+            if label_ratios is not None:
+                self.centre = labels_.check_ratios(label_ratios)
+                self.maps = labels_.LabelMaps(loaded, names, self.centre[0])
+                self._label_maps = labels_.LabelMaps(loaded, names)  # nonzero as foreground, for min_foreground
+            else:
+                self.maps = self._label_maps = labels_.LabelMaps(loaded, names)
+                if foreground is not None:
+                    self.centre = ([labels_.FOREGROUND], np.ones(1))
 
     # the streams of a sample's draws (see order.uniform): one value each, per axis from the
     # axis' stream on; fixed, so adding a draw never moves the others
-    _ARRAY, _TRANSPOSE, _FLIPS, _ORIGIN, _CHOSEN, _CELL, _POINT = 0, 1, 2, 64, 128, 129, 130
+    _ARRAY, _TRANSPOSE, _FLIPS, _ORIGIN, _CHOSEN, _CELL, _POINT, _CLASS, _RETRY = 0, 1, 2, 64, 128, 129, 130, 160, 256
 
     def _count(self) -> int:
         return self.samples_per_epoch
@@ -684,8 +688,10 @@ class RandomBoxes(_Sampler):
         origins = origins.reshape(n, len(out_shape))
         if self.offsets is not None:
             origins = origins + self.offsets[which]
-        if self.foreground is not None:
-            self._centre_on_foreground(k, idx, which, origins, sizes)
+        if self.centre is not None:
+            self._centre(k, idx, which, origins, sizes)
+        if self.min_foreground > 0 and self.maps is not None:
+            self._enough_foreground(k, idx, which, origins, sizes, top)
         out = []
         for j, (a, o, size) in enumerate(zip(which.tolist(), origins, sizes)):
             flip = tuple(ax for ax, f in zip(self.flips, flipped[j]) if f) if flipped is not None else ()
@@ -693,23 +699,60 @@ class RandomBoxes(_Sampler):
             out.append(_sample(self.arrays.where(a), tuple(zip(o.tolist(), (o + size).tolist())), self.scales, self.normalize, level=self.level, flip=flip, transpose=axes))
         return out
 
-    def _centre_on_foreground(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray) -> None:
-        """Move the boxes chosen by ``foreground_fraction`` to centre on foreground (in place)."""
+    def _centre(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray) -> None:
+        """Move the boxes chosen by ``foreground_fraction`` to centre on a point of a class
+        drawn by the ratios (the foreground, for masks), in place."""
         chosen = order.uniform(k, idx, self._CHOSEN) < self.foreground_fraction
-        for a, (cells, mask_shape) in enumerate(self.foreground):
-            if cells is None:
+        classes, probs = self.centre
+        for a in range(len(self.arrays)) if len(self.arrays) <= 64 else np.unique(which).tolist():
+            if not self.maps.has(a):
                 continue
             ks = np.flatnonzero(chosen & (which == a))
             if not len(ks):
                 continue
             shape = np.array(self.arrays.shape(a), dtype=np.int64)
-            cell = cells[order.integers(k, idx[ks], self._CELL, len(cells))]  # a foreground element each
-            extent = shape / mask_shape  # of the array per mask element
-            within = np.stack([order.uniform(k, idx[ks], self._POINT + ax) for ax in range(len(shape))], axis=1)
-            point = np.floor((cell + within) * extent).astype(np.int64)
-            size = sizes[ks]
-            top = np.maximum(0, shape - size) // self.align
-            origins[ks] = np.clip((point - size // 2) // self.align, 0, top) * self.align
+            held = [c for c in classes if c in self.maps.cells[a]]  # the classes this map holds
+            p = np.array([probs[classes.index(c)] for c in held], dtype=np.float64)
+            if p.sum() <= 0:
+                continue  # the map holds only classes of weight 0: boxes stay uniform
+            if len(held) == 1:
+                picks = np.zeros(len(ks), dtype=np.int64)
+            else:
+                cum = np.cumsum(p) / p.sum()
+                picks = np.minimum(np.searchsorted(cum, order.uniform(k, idx[ks], self._CLASS), side="right"), len(held) - 1)
+            for c_index, cls in enumerate(held):
+                sel = ks[picks == c_index]
+                if not len(sel):
+                    continue
+                point = self.maps.points(k, idx[sel], a, cls, shape, self._CELL, self._POINT)
+                size = sizes[sel]
+                top = np.maximum(0, shape - size) // self.align
+                origins[sel] = np.clip((point - size // 2) // self.align, 0, top) * self.align
+
+    def _enough_foreground(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray, top: np.ndarray) -> None:
+        """Boxes of arrays with a map holding less than ``min_foreground`` are drawn again
+        (uniformly, a stream per try) until one holds enough; after ``max_tries`` the one
+        with the most foreground stays (in place)."""
+        maps = self._label_maps
+        for a in np.unique(which).tolist():
+            if not maps.has(a):
+                continue
+            ks = np.flatnonzero(which == a)
+            shape = np.array(self.arrays.shape(a), dtype=np.int64)
+            best = maps.fraction(a, origins[ks], sizes[ks], shape)
+            short = best < self.min_foreground
+            for t in range(self.max_tries):
+                if not short.any():
+                    break
+                sel = ks[short]
+                tried = np.stack(
+                    [order.integers(k, idx[sel], self._RETRY + 16 * t + ax, top[sel, ax]) for ax in range(len(shape))], axis=1
+                ) * self.align
+                got = maps.fraction(a, tried, sizes[sel], shape)
+                better = got > best[short]
+                origins[sel[better]] = tried[better]
+                best[np.flatnonzero(short)[better]] = got[better]
+                short = best < self.min_foreground
 
     def _order(self, world: int, local: int) -> np.ndarray | None:
         if not self.locality or local <= 1:
