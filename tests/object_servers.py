@@ -1,5 +1,6 @@
-"""Servers the object-store tests read from: moto's S3 API server, and an HTTP server that
-answers Range requests and can fail or stall on purpose."""
+"""Servers the object-store tests read from: moto's S3 API server, Azurite (Azure's blob
+storage emulator), and an HTTP server that answers Range requests and can fail or stall on
+purpose."""
 
 from __future__ import annotations
 
@@ -13,35 +14,124 @@ from urllib.parse import unquote, urlsplit
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a free port for the server (it cannot say which it took)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(proc, port: int, name: str) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:  # until it accepts connections (or has died)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{name} did not start (exit code {proc.poll()})") from None
+            time.sleep(0.05)
+
+
+def _upload_all(folder: Path, put) -> int:
+    """``put(relative path, bytes)`` of every file below ``folder``, 8 at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [path for path in sorted(Path(folder).rglob("*")) if path.is_file()]
+    with ThreadPoolExecutor(8) as pool:  # the servers answer requests concurrently: a corpus goes up in parallel
+        list(pool.map(lambda path: put(path.relative_to(folder).as_posix(), path.read_bytes()), files))
+    return len(files)
+
+
+#: Azurite's well-known development account (its documented key, not a secret)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def azurite_command() -> str | None:
+    """Azurite's blob server as installed: ``DAMACY_AZURITE`` (a path to ``azurite-blob``),
+    ``node_modules/.bin/azurite-blob`` under the checkout (``npm install azurite``, as .ci/run
+    does), or ``azurite-blob`` on the PATH; None when none is there."""
+    import os
+    import shutil
+
+    given = os.environ.get("DAMACY_AZURITE")
+    if given:
+        return given
+    local = Path(__file__).resolve().parent.parent / "node_modules" / ".bin" / "azurite-blob"
+    if local.exists():
+        return str(local)
+    return shutil.which("azurite-blob")
+
+
+class AzuriteServer:
+    """Azurite's blob service on 127.0.0.1, started as users start it (``azurite-blob``,
+    Node.js), its data in a temporary folder; ``env`` holds what obstore (and so damacy)
+    reads to reach it: the development account, ``AZURE_STORAGE_USE_EMULATOR`` and the
+    emulator's address."""
+
+    scheme = "az"
+
+    def __init__(self, command: str) -> None:
+        import subprocess
+        import tempfile
+
+        port = _free_port()
+        self._data = tempfile.TemporaryDirectory(prefix="azurite-")
+        self._proc = subprocess.Popen(
+            [command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", self._data.name, "--silent", "--skipApiVersionCheck", "--loose"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_for_port(self._proc, port, "Azurite")
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.env = {
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+            "AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": self.endpoint, "AZURE_ALLOW_HTTP": "true",
+        }
+        from azure.storage.blob import BlobServiceClient
+
+        self.client = BlobServiceClient.from_connection_string(
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint}/{AZURITE_ACCOUNT};"
+        )
+
+    def bucket(self, name: str) -> str:
+        self.client.create_container(name)
+        return name
+
+    def upload(self, folder: Path, bucket: str, prefix: str) -> int:
+        """Every file below ``folder`` to ``az://bucket/prefix/<relative path>``."""
+        container = self.client.get_container_client(bucket)
+        return _upload_all(folder, lambda rel, data: container.upload_blob(f"{prefix}/{rel}".lstrip("/"), data, overwrite=True))
+
+    def stop(self) -> None:
+        self._proc.kill()  # its data is a temporary folder: nothing to flush
+        self._proc.wait()
+        self._data.cleanup()
+
+
 class S3Server:
     """moto's S3 API server on 127.0.0.1 (a real HTTP server answering the S3 API), started as
     users start it: ``python -m moto.server``, a process of its own."""
 
+    scheme = "s3"
+
     def __init__(self) -> None:
-        import socket
         import subprocess
         import sys
-        import time
 
-        with socket.socket() as s:  # a free port for the server (it cannot say which it took)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _free_port()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         self.endpoint = f"http://127.0.0.1:{port}"
         self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.endpoint}
-        deadline = time.monotonic() + 60
-        while True:  # until it accepts connections (or has died)
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    self._proc.kill()
-                    raise RuntimeError(f"moto's S3 server did not start (exit code {self._proc.poll()})") from None
-                time.sleep(0.05)
+        _wait_for_port(self._proc, port, "moto's S3 server")
         import boto3
 
         self.client = boto3.client(
@@ -58,17 +148,7 @@ class S3Server:
 
     def upload(self, folder: Path, bucket: str, prefix: str) -> int:
         """Every file below ``folder`` to ``s3://bucket/prefix/<relative path>``."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        files = [path for path in sorted(Path(folder).rglob("*")) if path.is_file()]
-
-        def put(path: Path) -> None:
-            key = f"{prefix}/{path.relative_to(folder).as_posix()}".lstrip("/")
-            self.client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
-
-        with ThreadPoolExecutor(8) as pool:  # the server answers requests in threads: a corpus of files goes up in parallel
-            list(pool.map(put, files))
-        return len(files)
+        return _upload_all(folder, lambda rel, data: self.client.put_object(Bucket=bucket, Key=f"{prefix}/{rel}".lstrip("/"), Body=data))
 
     def stop(self) -> None:
         self._proc.terminate()

@@ -1,4 +1,5 @@
-"""Object stores: arrays in a real S3 API server (moto's, on loopback) and on an HTTP server
+"""Object stores: arrays in a real S3 API server (moto's, on loopback), in Azurite (Azure's
+blob storage emulator, when installed: ``npm install azurite``) and on an HTTP server
 answering Range requests, read by damacy.read, embedded pipelines and damacyd, compared
 with what zarr-python reads from the same files."""
 
@@ -20,7 +21,7 @@ from damacy_server.store.remote import RemoteStores, is_remote, normalized
 
 from conftest import random_data, write_array
 from daemon_helpers import DaemonProcess, wait_for
-from object_servers import RangeServer, S3Server
+from object_servers import AzuriteServer, RangeServer, S3Server, azurite_command
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -41,6 +42,26 @@ def s3(s3_server, monkeypatch):
     for name, value in s3_server.env.items():
         monkeypatch.setenv(name, value)
     return s3_server
+
+
+@pytest.fixture(scope="module")
+def azurite_server():
+    command = azurite_command()
+    if command is None:
+        pytest.skip("Azurite is not installed (npm install azurite, as .ci/run does; or DAMACY_AZURITE=path/to/azurite-blob)")
+    server = AzuriteServer(command)  # installed: a failure to start fails the tests
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["s3", "az"])
+def objects(request, monkeypatch):
+    """Each object store server in turn (S3: moto's; Azure: Azurite), with the environment
+    its clients read pointing at it for this test."""
+    server = request.getfixturevalue("s3_server" if request.param == "s3" else "azurite_server")
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    return server
 
 
 def _bucket(s3) -> str:
@@ -67,11 +88,11 @@ def _boxes(shape, n, size, seed=0):
 
 
 # -- S3 ------------------------------------------------------------------------------
-def test_s3_boxes_of_a_sharded_array_match_zarr(s3, sharded):
+def test_boxes_of_a_sharded_array_in_a_bucket_match_zarr(objects, sharded):
     folder, expected = sharded
-    bucket = _bucket(s3)
-    s3.upload(folder, bucket, "data")
-    uri = f"s3://{bucket}/data/a.zarr"
+    bucket = _bucket(objects)
+    objects.upload(folder, bucket, "data")
+    uri = f"{objects.scheme}://{bucket}/data/a.zarr"
     assert not any(p.name == "1.1" for p in folder.rglob("*"))  # the fill shard has no object
     np.testing.assert_array_equal(damacy.read(uri), expected)
     np.testing.assert_array_equal(damacy.read(uri, np.s_[3:41, 7:33]), expected[3:41, 7:33])
@@ -88,31 +109,31 @@ def test_s3_boxes_of_a_sharded_array_match_zarr(s3, sharded):
         np.testing.assert_array_equal(sample, expected[box])
 
 
-def test_s3_missing_array_is_named(s3):
-    bucket = _bucket(s3)
-    with pytest.raises(damacy.NotFound, match=rf"s3://{bucket}/nothing\.zarr: no Zarr array"):
-        damacy.read(f"s3://{bucket}/nothing.zarr", np.s_[0:1])
+def test_a_missing_array_in_a_bucket_is_named(objects):
+    bucket = _bucket(objects)
+    with pytest.raises(damacy.NotFound, match=rf"{objects.scheme}://{bucket}/nothing\.zarr: no Zarr array"):
+        damacy.read(f"{objects.scheme}://{bucket}/nothing.zarr", np.s_[0:1])
 
 
-def test_s3_missing_objects_read_as_fill(s3, tmp_path):
+def test_missing_objects_in_a_bucket_read_as_fill(objects, tmp_path):
     data = np.arange(400, dtype="float32").reshape(20, 20)
     write_array(tmp_path / "f.zarr", data, chunks=(5, 5), compressors=[BloscCodec(cname="lz4", shuffle="shuffle")], fill_value=-1.0)
     (tmp_path / "f.zarr" / "c" / "1" / "2").unlink()  # a chunk object never written
-    bucket = _bucket(s3)
-    s3.upload(tmp_path, bucket, "")
+    bucket = _bucket(objects)
+    objects.upload(tmp_path, bucket, "")
     expected = data.copy()
     expected[5:10, 10:15] = -1
-    np.testing.assert_array_equal(damacy.read(f"s3://{bucket}/f.zarr"), expected)
+    np.testing.assert_array_equal(damacy.read(f"{objects.scheme}://{bucket}/f.zarr"), expected)
 
 
-def test_the_conformance_corpus_from_a_bucket(s3, conformance_dir):
+def test_the_conformance_corpus_from_a_bucket(objects, conformance_dir):
     from test_conformance import read_corpus
 
-    bucket = _bucket(s3)
+    bucket = _bucket(objects)
     for store_set in sorted(p for p in conformance_dir.iterdir() if p.is_dir() and p.name != "expected"):  # the values stay local
-        s3.upload(store_set, bucket, f"corpus/{store_set.name}")
+        objects.upload(store_set, bucket, f"corpus/{store_set.name}")
     matched, refused, failures, must_read = read_corpus(
-        conformance_dir, lambda path: f"s3://{bucket}/corpus/{path.relative_to(conformance_dir).as_posix()}"
+        conformance_dir, lambda path: f"{objects.scheme}://{bucket}/corpus/{path.relative_to(conformance_dir).as_posix()}"
     )
     assert not failures, "\n".join(failures)
     assert sorted(matched) == sorted(must_read) and refused
@@ -322,19 +343,20 @@ def test_the_fetch_window_follows_bandwidth_times_latency():
 
 
 # -- damacyd ---------------------------------------------------------------------------
-def test_damacyd_serves_allowed_prefixes_only(s3, sharded, tmp_path_factory):
+def test_damacyd_serves_allowed_prefixes_only(objects, sharded, tmp_path_factory):
     folder, expected = sharded
-    bucket = _bucket(s3)
-    s3.upload(folder, bucket, "allowed")
-    s3.upload(folder, bucket, "private")
-    env = {**os.environ, **s3.env}
-    d = DaemonProcess(tmp_path_factory.mktemp("d"), [], ["--allow-prefix", f"s3://{bucket}/allowed"], env=env)
+    bucket = _bucket(objects)
+    objects.upload(folder, bucket, "allowed")
+    objects.upload(folder, bucket, "private")
+    env = {**os.environ, **objects.env}
+    scheme = objects.scheme
+    d = DaemonProcess(tmp_path_factory.mktemp("d"), [], ["--allow-prefix", f"{scheme}://{bucket}/allowed"], env=env)
     try:
         cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype="u16", on_error="fill")
         with damacy.Pipeline(cfg, endpoint=d.endpoint) as p:
             p.push([
-                damacy.Sample(f"s3://{bucket}/allowed/a.zarr", np.s_[8:12, 9:13]),
-                damacy.Sample(f"s3://{bucket}/private/a.zarr", np.s_[8:12, 9:13]),
+                damacy.Sample(f"{scheme}://{bucket}/allowed/a.zarr", np.s_[8:12, 9:13]),
+                damacy.Sample(f"{scheme}://{bucket}/private/a.zarr", np.s_[8:12, 9:13]),
             ])
             batch = p.pop()
             got = np.from_dlpack(batch)
@@ -342,8 +364,8 @@ def test_damacyd_serves_allowed_prefixes_only(s3, sharded, tmp_path_factory):
         np.testing.assert_array_equal(got[0], expected[8:12, 9:13])
         assert list(errors) == [1] and "outside the daemon's allowed prefixes" in str(errors[1])
         started = d.log_path.read_text()  # the start-up line says what it serves and how
-        assert f"prefixes s3://{bucket}/allowed" in started and "roots none" in started and "native decode path" in started
-        options = {f"s3://{bucket}": {"region": "x"}}
+        assert f"prefixes {scheme}://{bucket}/allowed" in started and "roots none" in started and "native decode path" in started
+        options = {f"{scheme}://{bucket}": {"region": "x"}}
         with pytest.raises(damacy.InvalidArgument, match="storage_options applies to embedded pipelines"):
             damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(4, 4), storage_options=options), endpoint=d.endpoint)
     finally:
@@ -510,3 +532,16 @@ def test_an_azure_container_at_account_uri_is_not_taken_for_credentials():
     assert normalized("abfss://data@account.dfs.core.windows.net/a.zarr") == "abfss://data@account.dfs.core.windows.net/a.zarr"
     with pytest.raises(damacy.InvalidArgument, match="credentials"):
         normalized("abfss://user:secret@account.dfs.core.windows.net/a.zarr")
+
+
+def test_range_options_are_ones_obstore_takes(tmp_path):
+    # bounded, open-ended and suffix ranges in the forms obstore's get accepts
+    import obstore
+    from obstore.store import LocalStore
+
+    from damacy_server.store.remote import _range_option
+
+    (tmp_path / "x.bin").write_bytes(bytes(range(10)))
+    store = LocalStore(str(tmp_path))
+    get = lambda offset, length: bytes(obstore.get(store, "x.bin", options={"range": _range_option(offset, length)}).bytes())  # noqa: E731
+    assert get(2, 3) == bytes([2, 3, 4]) and get(7, -1) == bytes([7, 8, 9]) and get(-4, 4) == bytes([6, 7, 8, 9])

@@ -53,6 +53,8 @@ DEFAULT_RETRY = {"max_retries": 3, "retry_timeout": 60.0}
 
 #: where the environment holds a scheme's client options (``AWS_ALLOW_HTTP``, ...)
 _ENV_PREFIX = {"s3": "AWS", "s3a": "AWS", "gs": "GOOGLE", "az": "AZURE", "azure": "AZURE", "abfs": "AZURE", "abfss": "AZURE"}
+#: schemes whose stores cannot ask for the last n bytes of an object (Azure's blob API)
+_NO_SUFFIX = ("az://", "azure://", "abfs://", "abfss://")
 _STATUS = re.compile(r"status(?: code)?:? (\d{3})")
 _RETRIES = re.compile(r"\bretries: (\d+)")
 
@@ -101,6 +103,9 @@ class ObjectStore(Store):
             ) from e
         self.base = base
         self.allow = None if allow is None else tuple(allow)
+        # Azure's blob API has no suffix ranges ("the last n bytes", how shard indexes at the
+        # end are read): there the object's size is asked first and the range counted from it
+        self.suffix_ranges = not base.startswith(_NO_SUFFIX)
         config: dict[str, str] = {}
         client, retry = dict(DEFAULT_CLIENT), dict(DEFAULT_RETRY)
         # client options given replace obstore's own reading of them from the environment
@@ -180,6 +185,11 @@ class ObjectStore(Store):
         import obstore
 
         path = self.path(key)
+        if offset < 0 and not self.suffix_ranges:
+            size = self.size(key)
+            if size is None:
+                return None
+            offset, length = max(0, size + offset), min(-offset, size)
         try:
             got = obstore.get(self._store, path, options={"range": _range_option(offset, length)})
             return bytes(got.bytes()), got.meta["size"]
@@ -203,7 +213,14 @@ class ObjectStore(Store):
             gate = gate or asyncio.Semaphore(most)
             async with gate:
                 try:
-                    got = await obstore.get_async(self._store, self.path(key), options={"range": _range_option(offset, length)})
+                    start, count = offset, length
+                    if offset < 0 and not self.suffix_ranges:
+                        try:
+                            size = (await obstore.head_async(self._store, self.path(key)))["size"]
+                        except FileNotFoundError:
+                            return None
+                        start, count = max(0, size + offset), min(-offset, size)
+                    got = await obstore.get_async(self._store, self.path(key), options={"range": _range_option(start, count)})
                     return bytes(await got.bytes_async()), got.meta["size"]
                 except FileNotFoundError:
                     return None
@@ -240,6 +257,11 @@ class ObjectStore(Store):
         path = self.path(key)
         if length == 0:
             return b"" if self.size(key) is not None else None
+        if offset < 0 and not self.suffix_ranges:
+            size = self.size(key)
+            if size is None:
+                return None
+            offset, length = max(0, size + offset), min(-offset, size)
         try:
             if offset >= 0:
                 return bytes(obstore.get_range(self._store, path, start=offset, length=length))
@@ -312,7 +334,8 @@ def _gather(coroutines: list) -> list:
 
 
 def _range_option(offset: int, length: int) -> dict:
-    return {"suffix": -offset} if offset < 0 else {"offset": offset} if length < 0 else {"start": offset, "end": offset + length}
+    """obstore's range option: the last -offset bytes, from offset on, or [offset, offset + length)."""
+    return {"suffix": -offset} if offset < 0 else {"offset": offset} if length < 0 else (offset, offset + length)
 
 
 def _first_line(e: BaseException) -> str:
