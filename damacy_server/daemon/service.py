@@ -77,7 +77,7 @@ class Daemon:
         remove_stale(log.info)
         roots = [os.path.realpath(r) for r in options.allow_roots]
         self.roots = roots
-        self.remote = RemoteStores(options.storage_options, allow=options.allow_prefixes)
+        self.remote = RemoteStores(options.storage_options, allow=options.allow_prefixes, roots=options.allow_roots)
         self._refusals_logged: set[str] = set()  # causes of refused samples already logged
         if not roots and not options.allow_prefixes:
             log.warning("no --allow-root or --allow-prefix given: every sample will be refused until damacyd serves data")

@@ -1,6 +1,7 @@
 """Storage backends behind one small interface (:class:`Store`), and uri resolution: local
 paths and ``file://`` through :class:`FileStore`, object-store uris (``s3://``, ``gs://``,
-``az://``, ``http(s)://``) through :class:`ObjectStore` (obstore)."""
+``az://``, ``http(s)://``) through :class:`ObjectStore` (obstore), icechunk repositories
+(``icechunk+file://...``, ``icechunk+s3://...``) through :class:`IcechunkStore`."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
     """The store that holds ``uri`` and the key of its root (for files: an absolute path; for
     objects: the normalised uri).
 
-    Accepted: a local path (absolute or relative to the working directory), ``file://``, or an
-    object-store uri, read through ``remote`` (default: the process's, options from the
-    environment).
+    Accepted: a local path (absolute or relative to the working directory), ``file://``, an
+    object-store uri or an icechunk uri, read through ``remote`` (default: the process's,
+    options from the environment).
     """
     if not isinstance(uri, (str, os.PathLike)):
         raise InvalidArgument(f"a uri must be a string or path, not {type(uri).__name__}")
@@ -33,6 +34,10 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
         raise InvalidArgument("the uri is empty")
     if "\0" in text:
         raise InvalidArgument("the uri contains a NUL byte", uri=text)
+    if text.startswith("icechunk+"):
+        store, root = (remote if remote is not None else _REMOTE).icechunk.resolve(text)
+        store.check_allowed(root)
+        return store, root
     parsed = urlparse(text)
     scheme = parsed.scheme.lower()
     if scheme == "file":

@@ -60,8 +60,9 @@ _RETRIES = re.compile(r"\bretries: (\d+)")
 
 
 def is_remote(key: str) -> bool:
-    """Does ``key`` (a uri or a store key) name an object in an object store?"""
-    return key.startswith(_PREFIXES)
+    """Does ``key`` (a uri or a store key) name an object in an object store (or in an
+    icechunk repository: read like one)?"""
+    return key.startswith(_PREFIXES) or key.startswith("icechunk+")
 
 
 def normalized(uri: str) -> str:
@@ -363,11 +364,18 @@ def storage_error(e: BaseException, key: str) -> StorageError:
 class RemoteStores:
     """Makes the :class:`ObjectStore` of each bucket on demand, with the options of the
     longest matching prefix in ``options`` ({uri prefix: {option: value}}). ``allow``:
-    ``None`` reads any uri; a list reads only uris under one of those prefixes (a daemon)."""
+    ``None`` reads any uri; a list reads only uris under one of those prefixes (a daemon).
+    Icechunk repositories (``icechunk+...``) are opened by :attr:`icechunk`, under those
+    prefixes or the local ``roots`` when ``allow`` is given."""
 
-    def __init__(self, options: Mapping[str, Mapping[str, str]] | None = None, allow: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, options: Mapping[str, Mapping[str, str]] | None = None, allow: Sequence[str] | None = None, roots: Sequence[str] = ()
+    ) -> None:
+        from damacy_server.store.icechunk import IcechunkStores
+
         self.options = {normalized(p): dict(o) for p, o in (options or {}).items()}
         self.allow = None if allow is None else [normalized(p) for p in allow]
+        self.icechunk = IcechunkStores(None if allow is None else [*self.allow, *(os.path.realpath(r) for r in roots)])
         self._stores: dict[tuple[str, str | None], ObjectStore] = {}
         self._lock = threading.Lock()
 
