@@ -171,19 +171,6 @@ def arrays_curve(counts: list[int], data: Path) -> list[dict]:
     return rows
 
 
-def _daemon_figures(endpoint: str) -> dict:
-    from damacy_client.transport import Connection
-    from damacy_protocol import messages as m
-    from damacy_protocol.stats import as_dict
-
-    conn = Connection(endpoint, connect_timeout_s=5.0)
-    try:
-        conn.call(lambda i: m.Attached(id=i), 5.0, "attach")
-        return as_dict(conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats)
-    finally:
-        conn.close()
-
-
 def sessions_curve(counts: list[int], data: Path, per_session: int) -> list[dict]:
     import zarr
     from zarr.codecs import ZstdCodec
@@ -203,6 +190,8 @@ def sessions_curve(counts: list[int], data: Path, per_session: int) -> list[dict
 
 def _sessions_run(n: int, vol: Path, data: Path, per_session: int) -> dict:
     """One damacyd, ``n`` clients streaming; the figures of a window of batches."""
+    from damacy_client.transport import daemon_stats
+
     daemon_exe = shutil.which("damacyd", path=os.path.dirname(sys.executable)) or "damacyd"
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/d.sock"
@@ -212,7 +201,7 @@ def _sessions_run(n: int, vol: Path, data: Path, per_session: int) -> dict:
         clients = []
 
         def snapshot():
-            s = _daemon_figures(endpoint)
+            s = daemon_stats(endpoint)
             return {x["pid"]: x["samples"] for x in s["sessions"] if not x["control"]}, s["daemon"]
 
         try:

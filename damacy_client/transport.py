@@ -278,3 +278,16 @@ class Connection:
                 self._deferred.get_nowait()
             except queue.Empty:
                 break
+
+
+def daemon_stats(endpoint: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The daemon's figures as plain data, asked by a control session (no pipeline): what
+    ``damacy stats --json`` prints."""
+    from damacy_protocol.stats import as_dict
+
+    conn = Connection(endpoint, connect_timeout_s=timeout_s)
+    try:
+        conn.call(lambda i: m.Attached(id=i), timeout_s, "attach")
+        return as_dict(conn.call(lambda i: m.Stats(id=i), timeout_s, "stats").stats)
+    finally:
+        conn.close()

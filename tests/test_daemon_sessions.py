@@ -10,6 +10,8 @@ import textwrap
 
 from zarr.codecs import ZstdCodec
 
+from damacy_client.transport import daemon_stats
+
 from conftest import random_data, write_array
 from daemon_helpers import DaemonProcess, wait_for
 
@@ -30,19 +32,6 @@ CLIENT = textwrap.dedent(
 )
 
 
-def _stats(endpoint):
-    from damacy_client.transport import Connection
-    from damacy_protocol import messages as m
-    from damacy_protocol.stats import as_dict
-
-    conn = Connection(endpoint, connect_timeout_s=5.0)
-    try:
-        conn.call(lambda i: m.Attached(id=i), 5.0, "attach")
-        return as_dict(conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats)
-    finally:
-        conn.close()
-
-
 def test_sessions_at_equal_demand_get_equal_shares(tmp_path):
     sessions = 8
     write_array(tmp_path / "v.zarr", random_data((128, 128, 128), "uint16", seed=3), chunks=(32, 32, 32), compressors=[ZstdCodec()])
@@ -58,7 +47,7 @@ def test_sessions_at_equal_demand_get_equal_shares(tmp_path):
     try:
         # every session streaming, then a window of 8 x 100 batches measured from there
         def snapshot():
-            stats = _stats(daemon.endpoint)
+            stats = daemon_stats(daemon.endpoint)
             return {s["pid"]: s["samples"] for s in stats["sessions"] if not s["control"]}, stats["daemon"]
 
         start, before = wait_for(lambda: (d := snapshot()) and len(d[0]) == sessions and all(d[0].values()) and d, 120, "every session streaming")

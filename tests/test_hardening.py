@@ -29,7 +29,6 @@ from zarr.codecs import BytesCodec, ShardingCodec
 import damacy
 from damacy_client.transport import Connection
 from damacy_protocol import messages as m
-from damacy_protocol.stats import as_dict
 
 from conftest import random_data, write_array
 from daemon_helpers import DaemonProcess, shm_segments, wait_for
@@ -49,11 +48,9 @@ def control(endpoint: str) -> Connection:
 
 
 def daemon_stats(endpoint: str) -> dict:
-    conn = control(endpoint)
-    try:
-        return as_dict(conn.call(lambda i: m.Stats(id=i), 30.0, "stats").stats)
-    finally:
-        conn.close()
+    from damacy_client.transport import daemon_stats as ask
+
+    return ask(endpoint, 30.0)
 
 
 def proc_status(pid: int) -> dict[str, int]:

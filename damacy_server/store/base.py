@@ -48,3 +48,17 @@ class Store(ABC):
     @abstractmethod
     def join(self, base: str, *parts: str) -> str:
         """The key of ``parts`` below ``base``."""
+
+
+def join_segments(base: str, *parts: str) -> str:
+    """``parts`` below ``base`` joined with "/", refusing empty, "." and ".." segments (a key
+    a server or a prefix check could read two ways)."""
+    from damacy_protocol.errors import InvalidArgument
+
+    out = base.rstrip("/")
+    for part in parts:
+        for segment in part.split("/"):
+            if segment in ("", ".", ".."):
+                raise InvalidArgument(f"a path below {base} has an empty, '.' or '..' segment ({part!r})", path=base)
+            out += "/" + segment
+    return out

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from damacy_protocol.errors import InvalidArgument, NotFound, SampleError, StorageError, UnsupportedError
-from damacy_server.store.base import ByteRange, Store
+from damacy_server.store.base import ByteRange, Store, join_segments
 
 PREFIX = "icechunk+"
 #: the repositories' own storage kinds damacy opens
@@ -112,13 +112,7 @@ class IcechunkStore(Store):
         return key[len(self.base) :].strip("/")
 
     def join(self, base: str, *parts: str) -> str:
-        out = base.rstrip("/")
-        for part in parts:
-            for segment in part.split("/"):
-                if segment in ("", ".", ".."):
-                    raise InvalidArgument(f"a path below {base} has an empty, '.' or '..' segment ({part!r})", path=base)
-                out += "/" + segment
-        return out
+        return join_segments(base, *parts)
 
     def check_allowed(self, key: str) -> None:
         """A daemon serves a repository only under one of its allowed roots (local) or

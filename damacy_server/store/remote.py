@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
 from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
-from damacy_server.store.base import ByteRange, Store
+from damacy_server.store.base import ByteRange, Store, join_segments
 
 #: uri schemes read through obstore
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -150,13 +150,7 @@ class ObjectStore(Store):
             raise self.outside(key)
 
     def join(self, base: str, *parts: str) -> str:
-        out = base.rstrip("/")
-        for part in parts:
-            for segment in part.split("/"):
-                if segment in ("", ".", ".."):
-                    raise InvalidArgument(f"a path below {base} has an empty, '.' or '..' segment ({part!r})", path=base)
-                out += "/" + segment
-        return out
+        return join_segments(base, *parts)
 
     # -- reads ----------------------------------------------------------------------
     def read(self, key: str) -> bytes | None:
@@ -182,15 +176,21 @@ class ObjectStore(Store):
     def read_range(self, key: str, offset: int, length: int) -> bytes | None:
         return self._range(key, offset, length)
 
+    def _from_start(self, key: str, offset: int) -> tuple[int, int] | None:
+        """The last ``-offset`` bytes of ``key`` as (offset, length) from its start, for a
+        store without suffix ranges; None when the object does not exist."""
+        size = self.size(key)
+        return None if size is None else (max(0, size + offset), min(-offset, size))
+
     def read_range_sized(self, key: str, offset: int, length: int) -> tuple[bytes, int] | None:
         import obstore
 
         path = self.path(key)
         if offset < 0 and not self.suffix_ranges:
-            size = self.size(key)
-            if size is None:
+            counted = self._from_start(key, offset)
+            if counted is None:
                 return None
-            offset, length = max(0, size + offset), min(-offset, size)
+            offset, length = counted
         try:
             got = obstore.get(self._store, path, options={"range": _range_option(offset, length)})
             return bytes(got.bytes()), got.meta["size"]
@@ -259,10 +259,10 @@ class ObjectStore(Store):
         if length == 0:
             return b"" if self.size(key) is not None else None
         if offset < 0 and not self.suffix_ranges:
-            size = self.size(key)
-            if size is None:
+            counted = self._from_start(key, offset)
+            if counted is None:
                 return None
-            offset, length = max(0, size + offset), min(-offset, size)
+            offset, length = counted
         try:
             if offset >= 0:
                 return bytes(obstore.get_range(self._store, path, start=offset, length=length))
@@ -334,7 +334,7 @@ def _gather(coroutines: list) -> list:
         return pool.submit(asyncio.run, all_of()).result()
 
 
-def _range_option(offset: int, length: int) -> dict:
+def _range_option(offset: int, length: int) -> dict | tuple[int, int]:
     """obstore's range option: the last -offset bytes, from offset on, or [offset, offset + length)."""
     return {"suffix": -offset} if offset < 0 else {"offset": offset} if length < 0 else (offset, offset + length)
 
