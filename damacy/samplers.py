@@ -166,6 +166,11 @@ def _shapes(
             out.append((dict(u), None))
         else:
             out.append((str(u), None))
+    if shape_of is None and any(shape is None for _, shape in out):
+        # the metadata readers, imported now: importing them holds the interpreter for a while,
+        # which must not happen in the middle of an epoch (a daemon client's heartbeats
+        # would stop), only the reads of the shapes do
+        import damacy_server.read  # noqa: F401
     return _Arrays(out, shape_of, level, ndim)
 
 
