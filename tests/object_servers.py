@@ -39,11 +39,11 @@ def _wait_for_port(proc, port: int, name: str) -> None:
 
 
 def _upload_all(folder: Path, put) -> int:
-    """``put(relative path, bytes)`` of every file below ``folder``, 8 at a time."""
+    """``put(relative path, bytes)`` of every file below ``folder``, 32 at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     files = [path for path in sorted(Path(folder).rglob("*")) if path.is_file()]
-    with ThreadPoolExecutor(8) as pool:  # the servers answer requests concurrently: a corpus goes up in parallel
+    with ThreadPoolExecutor(32) as pool:  # the servers answer requests concurrently: a corpus goes up in parallel
         list(pool.map(lambda path: put(path.relative_to(folder).as_posix(), path.read_bytes()), files))
     return len(files)
 
