@@ -650,10 +650,9 @@ class RandomBoxes(_Sampler):
             names = [str(self.arrays.where(a) if not isinstance(self.arrays.where(a), dict) else next(iter(self.arrays.where(a).values()))) for a in range(len(self.arrays))]
             if label_ratios is not None:
                 self.centre = labels_.check_ratios(label_ratios)
-                self.maps = labels_.LabelMaps(loaded, names, self.centre[0])
-                self._label_maps = labels_.LabelMaps(loaded, names)  # nonzero as foreground, for min_foreground
+                self.maps = labels_.LabelMaps(loaded, names, self.centre[0])  # its foreground (nonzero) serves min_foreground
             else:
-                self.maps = self._label_maps = labels_.LabelMaps(loaded, names)
+                self.maps = labels_.LabelMaps(loaded, names)
                 if foreground is not None:
                     self.centre = ([labels_.FOREGROUND], np.ones(1))
 
@@ -709,7 +708,7 @@ class RandomBoxes(_Sampler):
         drawn by the ratios (the foreground, for masks), in place."""
         chosen = order.uniform(k, idx, self._CHOSEN) < self.foreground_fraction
         classes, probs = self.centre
-        for a in range(len(self.arrays)) if len(self.arrays) <= 64 else np.unique(which).tolist():
+        for a in np.unique(which).tolist():
             if not self.maps.has(a):
                 continue
             ks = np.flatnonzero(chosen & (which == a))
@@ -738,7 +737,7 @@ class RandomBoxes(_Sampler):
         """Boxes of arrays with a map holding less than ``min_foreground`` are drawn again
         (uniformly, a stream per try) until one holds enough; after ``max_tries`` the one
         with the most foreground stays (in place)."""
-        maps = self._label_maps
+        maps = self.maps
         for a in np.unique(which).tolist():
             if not maps.has(a):
                 continue
@@ -858,9 +857,7 @@ class GridBoxes(_Sampler):
         self.edge = edge
         self._grid_cache: tuple[list[list[np.ndarray]], np.ndarray] | None = None
         self.level = level
-        for uri, shape in self.arrays:
-            if len(shape) != len(self.sample_shape):
-                raise InvalidArgument(f"sample_shape {self.sample_shape} has {len(self.sample_shape)} axes, the array has {len(shape)}", uri=str(uri))
+        for uri, shape in self.arrays:  # (their axes were checked as the shapes were read)
             if self.offsets is not None and (edge == "pad" or any(n < k for n, k in zip(shape, self.sample_shape))):
                 raise InvalidArgument(
                     f"windows of {self.sample_shape} over a region of {shape} with edge={edge!r} would read past the region "
