@@ -1,5 +1,5 @@
 """Servers the object-store tests read from: moto's S3 API server, Azurite (Azure's blob
-storage emulator), and an HTTP server that answers Range requests and can fail or stall on
+storage emulator), gcp-storage-emulator (Google Cloud Storage's), and an HTTP server that answers Range requests and can fail or stall on
 purpose."""
 
 from __future__ import annotations
@@ -112,6 +112,54 @@ class AzuriteServer:
         self._proc.kill()  # its data is a temporary folder: nothing to flush
         self._proc.wait()
         self._data.cleanup()
+
+
+class GcsServer:
+    """gcp-storage-emulator on 127.0.0.1, a process of its own (``tests/gcs_emulator.py``: the
+    emulator with the answers of GCS it lacks), in memory; ``env`` points obstore at it
+    (``GOOGLE_BASE_URL``, unsigned requests, plain HTTP)."""
+
+    scheme = "gs"
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        port = _free_port()
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _wait_for_port(self._proc, port, "gcp-storage-emulator")
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.env = {"GOOGLE_BASE_URL": self.endpoint, "GOOGLE_SKIP_SIGNATURE": "true", "GOOGLE_ALLOW_HTTP": "true"}
+
+    def _call(self, path: str, data: bytes, content_type: str) -> None:
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.endpoint}{path}", data=data, headers={"Content-Type": content_type}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as answer:
+            answer.read()
+
+    def bucket(self, name: str) -> str:
+        import json
+
+        self._call("/storage/v1/b?project=damacy", json.dumps({"name": name}).encode(), "application/json")
+        return name
+
+    def upload(self, folder: Path, bucket: str, prefix: str) -> int:
+        """Every file below ``folder`` to ``gs://bucket/prefix/<relative path>``."""
+        from urllib.parse import quote
+
+        def put(rel: str, data: bytes) -> None:
+            name = quote(f"{prefix}/{rel}".lstrip("/"), safe="")
+            self._call(f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}", data, "application/octet-stream")
+
+        return _upload_all(folder, put)
+
+    def stop(self) -> None:
+        self._proc.kill()  # in memory: nothing to flush
+        self._proc.wait()
 
 
 class S3Server:

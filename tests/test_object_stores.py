@@ -1,5 +1,6 @@
 """Object stores: arrays in a real S3 API server (moto's, on loopback), in Azurite (Azure's
-blob storage emulator, when installed: ``npm install azurite``) and on an HTTP server
+blob storage emulator, when installed: ``npm install azurite``), in gcp-storage-emulator
+(GCS's; tests/gcs_emulator.py) and on an HTTP server
 answering Range requests, read by damacy.read, embedded pipelines and damacyd, compared
 with what zarr-python reads from the same files."""
 
@@ -21,7 +22,7 @@ from damacy_server.store.remote import RemoteStores, is_remote, normalized
 
 from conftest import random_data, write_array
 from daemon_helpers import DaemonProcess, wait_for
-from object_servers import AzuriteServer, RangeServer, S3Server, azurite_command
+from object_servers import AzuriteServer, GcsServer, RangeServer, S3Server, azurite_command
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -54,11 +55,20 @@ def azurite_server():
     server.stop()
 
 
-@pytest.fixture(params=["s3", "az"])
+@pytest.fixture(scope="module")
+def gcs_server():
+    pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator is not installed (it is in the test extra)")
+    server = GcsServer()  # installed: a failure to start fails the tests
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["s3", "az", "gs"])
 def objects(request, monkeypatch):
-    """Each object store server in turn (S3: moto's; Azure: Azurite), with the environment
-    its clients read pointing at it for this test."""
-    server = request.getfixturevalue("s3_server" if request.param == "s3" else "azurite_server")
+    """Each object store server in turn (S3: moto's; Azure: Azurite; GCS:
+    gcp-storage-emulator), with the environment its clients read pointing at it for this
+    test."""
+    server = request.getfixturevalue({"s3": "s3_server", "az": "azurite_server", "gs": "gcs_server"}[request.param])
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
     return server
