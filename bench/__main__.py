@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--per-session", type=int, default=25, help="batches per session in the measured window")
     sc.add_argument("--batches", type=int, default=24, help="batches of the default scenario per thread count")
     sc.add_argument("--json", default=None)
+    ry = sub.add_parser("ray", help="damacy.ray beside ray.data.read_zarr (Zarr v2, zarr-python 2) on a local Ray cluster")
+    ry.add_argument("--data", default="bench-data")
+    ry.add_argument("--repeats", type=int, default=3)
+    ry.add_argument("--tasks", type=int, default=8, help="read tasks per dataset, for both readers")
+    ry.add_argument("--json", default=None)
     scenario_command("transforms", "damacy with random flips and axis orders on every sample vs the same boxes plain", "default", 12, 5)
     args = ap.parse_args(argv)
 
@@ -148,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         if png is not None:
             print(f"plot: {png}")
         return code
+
+    if args.cmd == "ray":
+        from bench import raydata
+
+        return _write(raydata.main(args.data, args.repeats, args.tasks), args.json, "ray-")
 
     if args.cmd == "transforms":
         from bench import transforms
