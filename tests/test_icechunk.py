@@ -123,3 +123,52 @@ def test_a_daemons_roots_and_prefixes_bound_the_repositories_it_opens(repo, tmp_
     elsewhere = RemoteStores(allow=["s3://bucket/data"], roots=[str(tmp_path_factory.mktemp("other"))])
     with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed roots and prefixes"):
         resolve_uri(f"icechunk+file://{root}?branch=main#/plain", elsewhere)
+
+
+def _virtual_repo(tmp_path):
+    """A repository whose array's two chunks are virtual: references into a raw file (after a
+    99-byte header, uncompressed, back to back) in a container of the repository's config."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    data = random_data((8, 12, 10), "uint16", seed=9)
+    blob = raw / "blob.bin"
+    blob.write_bytes(b"HDR" * 33 + data[0:4].tobytes() + data[4:8].tobytes())
+    config = icechunk.RepositoryConfig.default()
+    container = f"file://{raw}/"
+    config.set_virtual_chunk_container(icechunk.VirtualChunkContainer(container, icechunk.local_filesystem_store(str(raw))))
+    repository = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "repo")), config=config)
+    session = repository.writable_session("main")
+    zarr.create_array(session.store, name="v", shape=data.shape, dtype="uint16", chunks=(4, 12, 10), compressors=None, fill_value=0)
+    n = 4 * 12 * 10 * 2
+    session.store.set_virtual_ref("v/c/0/0/0", f"file://{blob}", offset=99, length=n)
+    session.store.set_virtual_ref("v/c/1/0/0", f"file://{blob}", offset=99 + n, length=n)
+    session.commit("virtual chunks")
+    return tmp_path / "repo", container, data
+
+
+def test_virtual_chunks_read_as_zarr_reads_them(tmp_path):
+    root, container, data = _virtual_repo(tmp_path)
+    uri = f"icechunk+file://{root}?branch=main#/v"
+    authorised = icechunk.Repository.open(icechunk.local_filesystem_storage(str(root)), authorize_virtual_chunk_access={container: None})
+    want = zarr.open_array(authorised.readonly_session(branch="main").store, path="v", mode="r")[...]
+    np.testing.assert_array_equal(want, data)
+    np.testing.assert_array_equal(damacy.read(uri), want)
+    np.testing.assert_array_equal(damacy.read(uri, np.s_[2:7, 1:11, 3:9], dtype="f32"), want[2:7, 1:11, 3:9].astype("f4"))
+
+
+def test_a_daemon_reads_virtual_chunks_only_in_containers_it_may(tmp_path):
+    import os
+
+    from damacy_server.store import resolve_uri
+    from damacy_server.store.remote import RemoteStores
+
+    root, container, data = _virtual_repo(tmp_path)
+    uri = f"icechunk+file://{root}?branch=main#/v"
+    only_repo = RemoteStores(allow=[], roots=[os.path.realpath(root)])  # the repository, not the raw file's folder
+    store, key = resolve_uri(uri, only_repo)
+    assert store.read(store.join(key, "zarr.json")) is not None
+    with pytest.raises(damacy.InvalidArgument, match=rf"virtual chunk .* is in {container}, outside the daemon's allowed roots"):
+        store.read(store.join(key, "c/0/0/0"))
+    both = RemoteStores(allow=[], roots=[os.path.realpath(tmp_path)])
+    store, key = resolve_uri(uri, both)
+    assert store.read(store.join(key, "c/1/0/0")) == data[4:8].tobytes()

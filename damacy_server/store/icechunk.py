@@ -14,6 +14,12 @@ a commit made meanwhile never mixes versions within a run (a new process, or
 credentials from the environment as the S3 stores do (``AWS_*``). Keys are the uri prefix
 ``icechunk+...?...#`` followed by the path in the repository, so they never collide with
 other stores' in the caches; reads go through icechunk's async store on a loop of their own.
+
+Virtual chunks (references into other files or objects, e.g. made by VirtualiZarr) are read
+by icechunk from the virtual chunk containers its repository's config declares, each only
+once authorised: a process authorises every container (S3, GCS and Azure credentials from
+the environment, as icechunk reads them), a daemon only those under its allowed roots and
+prefixes; a chunk in any other is refused naming its container.
 """
 
 from __future__ import annotations
@@ -95,7 +101,13 @@ class IcechunkStore(Store):
         self.allow = None if allow is None else tuple(allow)
         what = f"{PREFIX}{location}"
         try:
-            repo = icechunk.Repository.open(_storage(icechunk, location))
+            storage = _storage(icechunk, location)
+            config = icechunk.Repository.fetch_config(storage)
+            containers = list((config.virtual_chunk_containers or {}) if config is not None else {})
+            self.containers = {c: self._allowed(c) for c in containers}  # url prefix -> authorised
+            repo = icechunk.Repository.open(
+                storage, authorize_virtual_chunk_access={c: _credentials(icechunk, c) for c, ok in self.containers.items() if ok} or None
+            )
         except Exception as e:
             raise NotFound(f"no icechunk repository here ({_first_line(e)})", uri=what) from None
         try:
@@ -125,6 +137,16 @@ class IcechunkStore(Store):
         if not any(location == a or location.startswith(a.rstrip("/") + "/") for a in self.allow):
             raise InvalidArgument(f"{self.location} is outside the daemon's allowed roots and prefixes ({', '.join(self.allow)})", path=key)
 
+    def _allowed(self, container: str) -> bool:
+        """May this process read the virtual chunks of ``container`` (a url prefix)?"""
+        if self.allow is None:
+            return True
+        if container.startswith("file://"):
+            where = os.path.realpath(unquote(container[len("file://") :]))
+            return any(where == a or where.startswith(a.rstrip("/") + "/") for a in self.allow)
+        prefix = container.rstrip("/")
+        return any(prefix == a or prefix.startswith(a.rstrip("/") + "/") for a in self.allow if "://" in a)
+
     # -- reads --------------------------------------------------------------------------
     async def _get(self, key: str, offset: int, length: int) -> bytes | None:
         from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
@@ -141,6 +163,13 @@ class IcechunkStore(Store):
         except SampleError:
             raise
         except Exception as e:
+            text = " ".join(str(e).replace("|", " ").split())  # (icechunk's message comes folded)
+            if "authorize the virtual chunk container" in text:
+                refused = [c for c, ok in self.containers.items() if not ok and c in text] or [c for c, ok in self.containers.items() if not ok]
+                raise InvalidArgument(
+                    f"a virtual chunk of {PREFIX}{self.location} is in {', '.join(refused) or 'a container the repository does not declare'}, "
+                    f"outside the daemon's allowed roots and prefixes ({', '.join(self.allow or ())})", path=key
+                ) from None
             raise StorageError(f"icechunk: {_first_line(e)}", path=key) from None
         return None if got is None else got.to_bytes()
 
@@ -212,6 +241,19 @@ def _storage(icechunk, location: str):
         access_key_id=env.get("AWS_ACCESS_KEY_ID"), secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
         session_token=env.get("AWS_SESSION_TOKEN"), force_path_style=bool(env.get("AWS_ENDPOINT_URL")),
     )
+
+
+def _credentials(icechunk, container: str):
+    """The credentials icechunk reads a virtual chunk container's objects with: from the
+    environment for S3, GCS and Azure, none for local files and HTTP."""
+    scheme = container.split("://", 1)[0].lower()
+    if scheme in ("s3", "s3a"):
+        return icechunk.s3_from_env_credentials()
+    if scheme in ("gs", "gcs"):
+        return icechunk.gcs_from_env_credentials()
+    if scheme in ("az", "azure", "abfs", "abfss"):
+        return icechunk.azure_from_env_credentials()
+    return None
 
 
 def _first_line(e: BaseException) -> str:
