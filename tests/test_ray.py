@@ -183,3 +183,21 @@ def test_what_a_datasource_refuses(arrays):
     with pytest.raises(damacy.InvalidArgument, match="clash"):
         damacy_ray.Datasource([], {"index": cfg})
     assert damacy_ray.Datasource([], cfg).get_read_tasks(4) == []
+
+
+def test_the_readme_and_guide_blocks_run(cluster, arrays, tmp_path):
+    from test_readme import block
+
+    volume = tmp_path / "volume.zarr"
+    data = random_data((64, 256, 256), "uint16", seed=5)
+    write_array(volume, data, chunks=(32, 128, 128), compressors=[ZstdCodec()])
+    code = block("ray")
+    assert '"s3://bucket/volume.zarr"' in code
+    scope: dict = {}
+    exec(compile(code.replace("s3://bucket/volume.zarr", str(volume)), "README ray", "exec"), scope)
+    assert tuple(scope["x"].shape) == (1, 64, 256, 256) and scope["where"].tolist() == [[0, 0, 0]]
+    np.testing.assert_array_equal(scope["x"][0].numpy(), data.astype("f4"))
+    vol, other = list(arrays)[:2]
+    code = block("raydata")
+    assert '"data/a.zarr", "data/b.zarr"' in code
+    exec(compile(code.replace("data/a.zarr", vol).replace("data/b.zarr", other), "the guide's Ray Data block", "exec"), {})
