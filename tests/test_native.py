@@ -55,7 +55,10 @@ def test_native_equals_numpy(tmp_path, src, codec):
     data = random_data(SHAPE, src, seed=7)
     write_array(tmp_path / "a", data, chunks=(4, 4, 5), serializer=BytesCodec(endian=endian if np.dtype(src).itemsize > 1 else None), compressors=compressors, fill_value=np.ones((), src)[()])
     aabbs = boxes(6, seed=len(src))
-    for out in OUT:
+    # every output for the plain chunks of either byte order (the casts do not depend on the
+    # codec); after the other codecs, f32, native and one more, rotating with the source
+    outs = OUT if codec in ("raw-big", "zstd-little") else ["f32", "native", OUT[DTYPES.index(src) % len(OUT)]]
+    for out in outs:
         want, used = run(str(tmp_path / "a"), out, False, aabbs)
         got, native_units = run(str(tmp_path / "a"), out, True, aabbs)
         assert used == 0
