@@ -149,6 +149,24 @@ def test_the_conformance_corpus_from_a_bucket(objects, conformance_dir):
     assert sorted(matched) == sorted(must_read) and refused
 
 
+@pytest.mark.parametrize("scheme", ["s3", "az", "gs"])
+def test_an_unreachable_server_is_named_with_the_cause(scheme, monkeypatch):
+    from object_servers import AZURITE_ACCOUNT, AZURITE_KEY, S3_ENV, _free_port
+
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    env = {
+        "s3": {**S3_ENV, "AWS_ENDPOINT_URL": dead},
+        "az": {"AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY, "AZURE_STORAGE_USE_EMULATOR": "true",
+               "AZURITE_BLOB_STORAGE_URL": dead, "AZURE_ALLOW_HTTP": "true"},
+        "gs": {"GOOGLE_BASE_URL": dead, "GOOGLE_SKIP_SIGNATURE": "true", "GOOGLE_ALLOW_HTTP": "true"},
+    }[scheme]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    uri = f"{scheme}://nowhere-{os.getpid()}/a.zarr"
+    with pytest.raises(damacy.StorageError, match=rf"{uri}/zarr.json: could not reach the server \(tcp connect error to 127.0.0.1:\d+: Connection refused\)"):
+        damacy.read(uri, np.s_[0:1])
+
+
 def test_storage_options_name_the_endpoint_without_the_environment(s3_server, sharded, monkeypatch):
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ALLOW_HTTP"):
         monkeypatch.delenv(name, raising=False)

@@ -57,6 +57,10 @@ _ENV_PREFIX = {"s3": "AWS", "s3a": "AWS", "gs": "GOOGLE", "az": "AZURE", "azure"
 _NO_SUFFIX = ("az://", "azure://", "abfs://", "abfss://")
 _STATUS = re.compile(r"status(?: code)?:? (\d{3})")
 _RETRIES = re.compile(r"\bretries: (\d+)")
+#: a connection's failure in obstore's debug text: its kind, the address when one was tried,
+#: and the system's words for it
+_CONNECT = re.compile(r'ConnectError\(\s*"([^"]+)",\s*(?:([\w.:\[\]-]+:\d+),)?')
+_CAUSE = re.compile(r'(?:message|error): "([^"]+)"')
 
 
 def is_remote(key: str) -> bool:
@@ -351,6 +355,11 @@ def storage_error(e: BaseException, key: str) -> StorageError:
     status = _STATUS.search(text)
     if status:
         reason = f"HTTP {status.group(1)}"
+    elif "kind: Connect" in text:  # no answer at all: a wrong endpoint, a server down, a name unknown
+        found = _CONNECT.search(text)
+        what, where = (found.group(1), found.group(2)) if found else ("connect error", None)
+        cause = _CAUSE.search(text[found.end() :] if found else text)
+        reason = f"could not reach the server ({what}{' to ' + where if where else ''}{': ' + cause.group(1) if cause else ''})"
     elif "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower():
         reason = "the request timed out"
     else:
