@@ -61,26 +61,17 @@ from ray.data.datasource import ReadTask
 from damacy.multi import MultiPipeline, MultiSample
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
+from damacy_protocol.dtypes import numpy_dtype
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample
 
 log = logging.getLogger("damacy")
 
-_ITEMSIZE = {
-    "f32": 4,
-    "bf16": 2,
-    "f16": 2,
-    "f64": 8,
-    "u8": 1,
-    "u16": 2,
-    "u32": 4,
-    "u64": 8,
-    "i8": 1,
-    "i16": 2,
-    "i32": 4,
-    "i64": 8,
-    "bool": 1,
-}
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a batch dtype (``native``: not known before the arrays are read;
+    4 for the estimate Ray makes of a dataset's size)."""
+    return 4 if dtype == "native" else numpy_dtype(dtype).itemsize
 
 
 class _Positions:
@@ -189,7 +180,7 @@ class Datasource(ray.data.Datasource):
         self._first = next(iter(self.configs)) if self.configs is not None else None
         self.uris, self._boxes = self._describe(samples)
         self._row_bytes = sum(
-            math.prod(c.sample_shape) * _ITEMSIZE.get(c.dtype, 4) for c in configs.values()
+            math.prod(c.sample_shape) * _itemsize(c.dtype) for c in configs.values()
         )  # native: a guess
 
     def _describe(self, samples: Any) -> tuple[tuple[str, ...], int | None]:
