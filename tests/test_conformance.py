@@ -40,14 +40,18 @@ def _expected_refusal(entry) -> str | None:
     return None
 
 
-def read_corpus(root, uri_of=str, read=None):
+def read_corpus(root, uri_of=str, read=None, workers=1):
     """Read every store of the corpus at ``root`` (store ``s`` at ``uri_of(root / s)``, read
-    with ``read``, by default :func:`damacy.read`); returns (matched, refused, failures,
-    must_read)."""
+    with ``read``, by default :func:`damacy.read`; ``workers`` stores at a time: a server's
+    round trips overlap); returns (matched, refused, failures, must_read)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     read = read or damacy.read
     manifest = _manifest(root)
-    matched, refused, failures = [], [], []
-    for store, entry in sorted(manifest.items()):
+
+    def one(item):
+        """(outcome, store, message): outcome "matched", "refused" or "failed"."""
+        store, entry = item
         uri = uri_of(root / store)
         must_refuse = _expected_refusal(entry)
         try:
@@ -61,16 +65,12 @@ def read_corpus(root, uri_of=str, read=None):
                 expected = np.load(root / entry["expected_file"], allow_pickle=False)
         except damacy.UnsupportedError as e:
             if must_refuse is not None and must_refuse in str(e):
-                refused.append(store)
-            else:
-                failures.append(f"{store}: refused unexpectedly: {e}")
-            continue
+                return "refused", store, None
+            return "failed", store, f"{store}: refused unexpectedly: {e}"
         except Exception as e:  # noqa: BLE001 - collect every failure, report them together
-            failures.append(f"{store}: {type(e).__name__}: {e}")
-            continue
+            return "failed", store, f"{store}: {type(e).__name__}: {e}"
         if must_refuse is not None:
-            failures.append(f"{store}: read although it uses {must_refuse}")
-            continue
+            return "failed", store, f"{store}: read although it uses {must_refuse}"
         tol = entry.get("tolerance")
         ok = got.shape == expected.shape and got.dtype == expected.dtype
         if ok:
@@ -81,9 +81,18 @@ def read_corpus(root, uri_of=str, read=None):
             else:
                 ok = bool(np.array_equal(got, expected))
         if ok:
-            matched.append(store)
-        else:
-            failures.append(f"{store}: values differ (got {got.dtype}{got.shape}, expected {expected.dtype}{expected.shape})")
+            return "matched", store, None
+        return "failed", store, f"{store}: values differ (got {got.dtype}{got.shape}, expected {expected.dtype}{expected.shape})"
+
+    matched, refused, failures = [], [], []
+    with ThreadPoolExecutor(workers) as pool:
+        for outcome, store, message in pool.map(one, sorted(manifest.items())):
+            if outcome == "matched":
+                matched.append(store)
+            elif outcome == "refused":
+                refused.append(store)
+            else:
+                failures.append(message)
     must_read = [s for s, e in manifest.items() if _expected_refusal(e) is None]
     return matched, refused, failures, must_read
 

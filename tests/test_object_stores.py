@@ -143,7 +143,7 @@ def test_the_conformance_corpus_from_a_bucket(objects, conformance_dir):
     for store_set in sorted(p for p in conformance_dir.iterdir() if p.is_dir() and p.name != "expected"):  # the values stay local
         objects.upload(store_set, bucket, f"corpus/{store_set.name}")
     matched, refused, failures, must_read = read_corpus(
-        conformance_dir, lambda path: f"{objects.scheme}://{bucket}/corpus/{path.relative_to(conformance_dir).as_posix()}"
+        conformance_dir, lambda path: f"{objects.scheme}://{bucket}/corpus/{path.relative_to(conformance_dir).as_posix()}", workers=8
     )
     assert not failures, "\n".join(failures)
     assert sorted(matched) == sorted(must_read) and refused

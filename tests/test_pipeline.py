@@ -675,7 +675,7 @@ def test_switch_interval_is_lowered_and_restored():
         assert sys.getswitchinterval() == before
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_index_queries(store, data):
     arrays = list(store[1].values())
