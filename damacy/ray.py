@@ -165,6 +165,11 @@ class Datasource(ray.data.Datasource):
         for name, c in configs.items():
             if c.dtype == "bf16":
                 raise InvalidArgument(f"{name}: bf16 has no Arrow tensor type; read f32 or f16 and cast in the model")
+            if c.drop_last:
+                raise InvalidArgument(
+                    f"{name}: drop_last would drop the last rows of every read task; a dataset reads every sample "
+                    "(drop short batches where they are consumed: iter_batches(drop_last=True))"
+                )
             if c.device is not None:
                 raise InvalidArgument(
                     f"{name}: Ray Data blocks live in host memory: config.device must be None, got {c.device}"

@@ -171,6 +171,7 @@ def test_what_a_datasource_refuses(arrays):
     for bad, match in [
         ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), dtype="bf16")), "bf16"),
         ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), device=0)), "host memory"),
+        ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), drop_last=True)), "drop_last"),
         ((s, {"image": cfg}), "MultiSamples"),
         ((s, "f32"), "damacy.Config"),
     ]:
