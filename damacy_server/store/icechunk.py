@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from damacy_protocol.errors import InvalidArgument, NotFound, SampleError, StorageError, UnsupportedError
 from damacy_server.store.base import ByteRange, Store, join_segments
+from damacy_server.store.failures import first_line
 
 PREFIX = "icechunk+"
 #: the repositories' own storage kinds damacy opens
@@ -109,11 +110,11 @@ class IcechunkStore(Store):
                 storage, authorize_virtual_chunk_access={c: _credentials(icechunk, c) for c, ok in self.containers.items() if ok} or None
             )
         except Exception as e:
-            raise NotFound(f"no icechunk repository here ({_first_line(e)})", uri=what) from None
+            raise NotFound(f"no icechunk repository here ({first_line(e)})", uri=what) from None
         try:
             session = repo.readonly_session(**{"snapshot_id" if ref_kind == "snapshot" else ref_kind: ref})
         except Exception as e:
-            raise NotFound(f"the repository has no {ref_kind} {ref!r} ({_first_line(e)})", uri=what) from None
+            raise NotFound(f"the repository has no {ref_kind} {ref!r} ({first_line(e)})", uri=what) from None
         self.snapshot = session.snapshot_id  # what every read of this store sees
         self._store = session.store
 
@@ -170,7 +171,7 @@ class IcechunkStore(Store):
                     f"a virtual chunk of {PREFIX}{self.location} is in {', '.join(refused) or 'a container the repository does not declare'}, "
                     f"outside the daemon's allowed roots and prefixes ({', '.join(self.allow or ())})", path=key
                 ) from None
-            raise StorageError(f"icechunk: {_first_line(e)}", path=key) from None
+            raise StorageError(f"icechunk: {first_line(e)}", path=key) from None
         return None if got is None else got.to_bytes()
 
     async def _size(self, key: str) -> int | None:
@@ -183,7 +184,7 @@ class IcechunkStore(Store):
         except Exception as e:
             if "not found" in str(e).lower():
                 return None
-            raise StorageError(f"icechunk: {_first_line(e)}", path=key) from None
+            raise StorageError(f"icechunk: {first_line(e)}", path=key) from None
 
     def read(self, key: str) -> bytes | None:
         return _LOOP.run(self._get(key, 0, -1))
@@ -254,12 +255,6 @@ def _credentials(icechunk, container: str):
     if scheme in ("az", "azure", "abfs", "abfss"):
         return icechunk.azure_from_env_credentials()
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    first = next((line.strip(" x|") for line in text if line.strip(" x|")), type(e).__name__)
-    return first
 
 
 class IcechunkStores:

@@ -25,13 +25,13 @@ import asyncio
 import concurrent.futures
 import datetime
 import os
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, SampleError, UnsupportedError
 from damacy_server.store.base import ByteRange, Store, join_segments
+from damacy_server.store.failures import first_line, storage_error
 
 #: uri schemes read through obstore
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -55,12 +55,6 @@ DEFAULT_RETRY = {"max_retries": 3, "retry_timeout": 60.0}
 _ENV_PREFIX = {"s3": "AWS", "s3a": "AWS", "gs": "GOOGLE", "az": "AZURE", "azure": "AZURE", "abfs": "AZURE", "abfss": "AZURE"}
 #: schemes whose stores cannot ask for the last n bytes of an object (Azure's blob API)
 _NO_SUFFIX = ("az://", "azure://", "abfs://", "abfss://")
-_STATUS = re.compile(r"status(?: code)?:? (\d{3})")
-_RETRIES = re.compile(r"\bretries: (\d+)")
-#: a connection's failure in obstore's debug text: its kind, the address when one was tried,
-#: and the system's words for it
-_CONNECT = re.compile(r'ConnectError\(\s*"([^"]+)",\s*(?:([\w.:\[\]-]+:\d+),)?')
-_CAUSE = re.compile(r'(?:message|error): "([^"]+)"')
 
 
 def is_remote(key: str) -> bool:
@@ -132,7 +126,7 @@ class ObjectStore(Store):
         except (ValueError, TypeError) as e:
             raise InvalidArgument(f"storage options for {base}: {e}", uri=base) from None
         except Exception as e:  # obstore's configuration errors (an unknown key, a bad value)
-            raise InvalidArgument(f"storage options for {base}: {_first_line(e)}", uri=base) from None
+            raise InvalidArgument(f"storage options for {base}: {first_line(e)}", uri=base) from None
 
     # -- keys ---------------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -341,33 +335,6 @@ def _gather(coroutines: list) -> list:
 def _range_option(offset: int, length: int) -> dict | tuple[int, int]:
     """obstore's range option: the last -offset bytes, from offset on, or [offset, offset + length)."""
     return {"suffix": -offset} if offset < 0 else {"offset": offset} if length < 0 else (offset, offset + length)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
-
-
-def storage_error(e: BaseException, key: str) -> StorageError:
-    """An obstore failure as a :class:`StorageError` naming the object, the HTTP status
-    (when the server answered) and the cause."""
-    text = str(e)
-    status = _STATUS.search(text)
-    if status:
-        reason = f"HTTP {status.group(1)}"
-    elif "kind: Connect" in text:  # no answer at all: a wrong endpoint, a server down, a name unknown
-        found = _CONNECT.search(text)
-        what, where = (found.group(1), found.group(2)) if found else ("connect error", None)
-        cause = _CAUSE.search(text[found.end() :] if found else text)
-        reason = f"could not reach the server ({what}{' to ' + where if where else ''}{': ' + cause.group(1) if cause else ''})"
-    elif "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower():
-        reason = "the request timed out"
-    else:
-        reason = "the request failed"
-    retries = _RETRIES.search(text)
-    if retries and int(retries.group(1)):
-        reason += f" after {retries.group(1)} retries"
-    return StorageError(f"{reason} ({_first_line(e)})", path=key)
 
 
 class RemoteStores:
