@@ -14,9 +14,10 @@ damacy samples with damacy's engine on each Ray worker.
 The samples are a sampler (``RandomBoxes``, ``Shuffled``, ``GridBoxes``: read tasks carry
 the sampler and a range of its positions and compute their samples on the worker, so an
 epoch is never listed on the driver), a sequence of samples (sliced), or any other finite
-iterable of them (listed once, on the driver). A sampler's current epoch and rank are read:
-``set_epoch`` before making a dataset of the next epoch; with ``world_size=1`` the dataset
-holds the whole epoch, every position once.
+iterable of them (listed once, on the driver). A sampler is copied as it is when the dataset
+is made (its epoch and rank: ``set_epoch`` first; datasets of several epochs may be made
+before any is read); with ``world_size=1`` the dataset holds the whole epoch, every
+position once.
 
 Each block is one damacy batch (``config.samples_per_batch`` rows; a task's last may be
 shorter) with the columns
@@ -45,6 +46,7 @@ to the CPUs a task is given (``read(..., num_cpus=k)``) when many tasks share a 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -80,7 +82,9 @@ class _Positions:
 
     def __init__(self, samples: Any) -> None:
         if callable(getattr(samples, "iter_from", None)) and hasattr(samples, "__len__"):
-            self.sampler: Any = samples
+            # a copy as it is now: a dataset is read when consumed, after the caller may have
+            # moved the sampler on to its next epoch
+            self.sampler: Any = copy.deepcopy(samples)
             self.items: list | None = None
             self.n = len(samples)
         else:

@@ -84,6 +84,16 @@ def test_a_sampler_computes_its_positions_in_the_tasks(cluster, arrays):
     for i, x in zip(rows["index"], rows["data"]):
         s = want[i]
         np.testing.assert_array_equal(x, arrays[s.uri][s.selection])
+    # datasets are read when consumed: each keeps the epoch its sampler had when it was made
+    early = damacy_ray.read(boxes, cfg, rows_per_task=10, embedded=True)  # epoch 3
+    boxes.set_epoch(4)
+    late = _rows(damacy_ray.read(boxes, cfg, rows_per_task=10, embedded=True))
+    rows = _rows(early)
+    epoch4 = list(boxes)
+    assert epoch4 != want
+    for got, samples in ((rows, want), (late, epoch4)):
+        for i, x in zip(got["index"], got["data"]):
+            np.testing.assert_array_equal(x, arrays[samples[i].uri][samples[i].selection])
     # a shuffled list: its order of this epoch, an index query among the boxes
     items = [damacy.Sample(vol, np.s_[z : z + 8, 0:12, 0:12]) for z in range(0, 32, 4)] + [
         damacy.IndexQuery(other, ([0, 5] * 4, [1, 2] * 6, np.s_[0:12]))
