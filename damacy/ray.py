@@ -52,7 +52,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -91,7 +91,7 @@ class _Positions:
             if isinstance(samples, (str, bytes, Sample, IndexQuery, MultiSample, Mapping)):
                 raise InvalidArgument(f"a Datasource takes an iterable of samples, got one {type(samples).__name__}")
             self.sampler = None
-            self.items = list(samples) if not isinstance(samples, Sequence) else samples  # finite: listed once
+            self.items = list(samples)  # finite: listed once (and a list changed later is not what is read)
             self.n = len(self.items)
             for i, s in enumerate(self.items):
                 if not isinstance(s, (Sample, IndexQuery, MultiSample)):
