@@ -25,7 +25,9 @@ def test_help_says_what_it_checks():
 
 @pytest.mark.skipif(not twin.available(), reason="the kernels' host twin was not built (no C compiler)")
 def test_every_check_passes_on_the_host_stand_in(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    work = tmp_path / ("tmp-" + "x" * 64)  # a long TMPDIR: the daemon's socket must not go there (107 bytes at most)
+    work.mkdir()
+    env = {**os.environ, "TMPDIR": str(work)}
     run = subprocess.run([sys.executable, str(SCRIPT), "--host", "--quick", "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
