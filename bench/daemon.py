@@ -82,13 +82,6 @@ def measure_pop(cfg, uri: str, endpoint: str | None, rounds: int = 10, step_s: f
     return statistics.median(times)
 
 
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds a process has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -123,7 +116,7 @@ def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients:
             rates["embedded"].append(n / runners.run_damacy(scn, scn.samples(uris, batches, seed=rep))["seconds"])
             cpu_ms["embedded"].append(1e3 * (_self_cpu() - c0) / n)
             for k in clients:
-                d0 = _proc_cpu(proc.pid)
+                d0 = runners.proc_cpu(proc.pid)
                 procs = [
                     subprocess.Popen(
                         [sys.executable, "-c", CLIENT.format(root=root, scenario=scenario_name, uris=uris, batches=batches, seed=100 * rep + c, endpoint=endpoint)],
@@ -133,7 +126,7 @@ def main(scenario_name: str, data_dir: str, batches: int, repeats: int, clients:
                     for c in range(k)
                 ]
                 results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
-                daemon_cpu = _proc_cpu(proc.pid) - d0
+                daemon_cpu = runners.proc_cpu(proc.pid) - d0
                 wall = max(r["end"] for r in results) - min(r["start"] for r in results)
                 total = sum(r["samples"] for r in results)
                 rates[f"daemon_{k}"].append(total / wall)

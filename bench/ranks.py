@@ -34,8 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.daemon import _proc_cpu, start_daemon
+from bench.daemon import start_daemon
 from bench.data import ensure
+from bench.runners import proc_cpu
 
 READERS = ("damacyd", "embedded", "tensorstore-cache", "tensorstore", "damacyd-sampler", "damacyd-locality")
 
@@ -162,7 +163,7 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
                 if daemon:  # a fresh daemon each repeat: every reader starts cold
                     extra = os.environ.get("DAMACY_BENCH_DAEMON_ARGS", "").split()  # e.g. "--decode-workers 4"
                     proc, endpoint = start_daemon(data, folder, ["--chunk-cache", str(cache_bytes), *extra])
-                d0 = _proc_cpu(proc.pid) if daemon else 0.0
+                d0 = proc_cpu(proc.pid) if daemon else 0.0
                 share = cache_bytes if daemon else cache_bytes // ranks
                 sampler = None
                 if reader in ("damacyd-sampler", "damacyd-locality"):
@@ -202,7 +203,7 @@ def main(scenario_name: str, data_dir: str, ranks: int, epochs: int, cache_bytes
                 results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
                 daemon_cpu = 0.0
                 if daemon:
-                    daemon_cpu = _proc_cpu(proc.pid) - d0
+                    daemon_cpu = proc_cpu(proc.pid) - d0
                     hits, misses = _daemon_cache(endpoint)
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(30)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.runners import proc_stat
+
 VOLUMES = 4
 SHAPE = (256, 512, 512)
 CHUNKS = (32, 256, 256)
@@ -55,24 +57,19 @@ def _write(root: Path) -> list[str]:
 
 def _tree_cpu() -> float:
     """CPU seconds of this process and every process under it (the cluster: raylet, workers)."""
-    tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
-    stats: dict[int, float] = {}
+    cpu: dict[int, float] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(entry)
-        children.setdefault(int(fields[1]), []).append(pid)
-        stats[pid] = (int(fields[11]) + int(fields[12])) / tick
+        if entry.isdigit():
+            try:
+                parent, cpu[int(entry)] = proc_stat(int(entry))
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry))
     total, todo = 0.0, [os.getpid()]
     while todo:
         pid = todo.pop()
-        total += stats.get(pid, 0.0)
+        total += cpu.get(pid, 0.0)
         todo.extend(children.get(pid, ()))
     return total
 

@@ -11,7 +11,6 @@ link instead, which this machine's kernel does not offer.
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import subprocess
@@ -29,12 +28,6 @@ from bench.scenarios import SCENARIOS
 def _cpu(who=resource.RUSAGE_SELF) -> float:
     r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
-
-
-def _server_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(root: Path, latency_ms: float) -> tuple[subprocess.Popen, str]:
@@ -90,10 +83,10 @@ def main(scenario: str, data: str, latency_ms: float, batches: int, repeats: int
             samples = _over_http(scn.samples(uris, batches, seed=rep), root, url)
             order = readers if rep % 2 == 0 else readers[::-1]  # interleaved, alternating first place
             for r in order:
-                c0, s0 = _cpu(), _server_cpu(server.pid)
+                c0, s0 = _cpu(), runners.proc_cpu(server.pid)
                 out = runners.READERS[r](scn, samples)
                 cpu[r].append(_cpu() - c0)
-                server_cpu[r].append(_server_cpu(server.pid) - s0)
+                server_cpu[r].append(runners.proc_cpu(server.pid) - s0)
                 seconds[r].append(out["seconds"])
                 print(f"  repeat {rep}: {r:12} {n / out['seconds']:8.1f} samples/s", flush=True)
         rows = {}

@@ -19,6 +19,18 @@ from damacy_protocol.dtypes import numpy_dtype
 CPUS = os.cpu_count() or 1
 
 
+def proc_stat(pid: int) -> tuple[int, float]:
+    """A process's parent and the CPU seconds it has used so far (Linux' /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds a process has used so far."""
+    return proc_stat(pid)[1]
+
+
 def batches_of(samples: list, n: int) -> list[list]:
     return [samples[i : i + n] for i in range(0, len(samples), n)]
 
