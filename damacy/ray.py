@@ -117,10 +117,6 @@ def _key(sample: Any, first: str | None) -> Any:
     return sample.parts[first] if first is not None else sample
 
 
-def _uri_of(sample: Any, first: str | None) -> str:
-    return _key(sample, first).uri
-
-
 def _origin(sample: Any) -> list[int] | None:
     """A box's start per axis, None unless it is a box with every axis named and closed."""
     if not isinstance(sample, Sample):
@@ -216,7 +212,7 @@ class Datasource(ray.data.Datasource):
                 )
             if isinstance(s, MultiSample) and list(s.parts) != list(self.configs):  # type: ignore[arg-type]
                 raise InvalidArgument(f"a MultiSample names {list(s.parts)}, the configs {list(self.configs)}")  # type: ignore[arg-type]
-            uris.append(_uri_of(s, self._first))
+            uris.append(_key(s, self._first).uri)
             o = _origin(_key(s, self._first))
             ndims.add(None if o is None else len(o))
         ndim = ndims.pop() if len(ndims) == 1 else None
@@ -259,6 +255,7 @@ class _Reader:
     def __init__(self, source: Datasource, part: Any) -> None:
         self.config = source.config
         self.first = source._first
+        self.names = list(source.configs) if source.configs is not None else None  # the data columns
         self.uris = {u: i for i, u in enumerate(source.uris)}
         self.boxes = source._boxes
         self.embedded = source.embedded
@@ -290,7 +287,7 @@ class _Reader:
                     yield self._block(batch, pending, lock)
 
     def _block(self, batch: Any, pending: dict[Any, deque[int]], lock: threading.Lock) -> Any:
-        names = list(self.config) if isinstance(self.config, Mapping) else None
+        names = self.names
         head = batch[names[0]] if names is not None else batch
         info = head.info
         keep = [k for k, s in enumerate(info.samples) if not isinstance(s, Padding)]
