@@ -20,7 +20,8 @@ switches rules (and the shadow starts playing the one it left). Counts are halve
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -72,7 +73,7 @@ class LRUCache(Generic[V]):
         self.evictions = 0
         self.rejections = 0
         self.switches = 0
-        self._freq: dict[Hashable, int] | None = {} if admit_by_frequency else None
+        self._freq: Counter[Hashable] | None = Counter() if admit_by_frequency else None
         self._lookups = 0
         # the adaptive admission (admit_by_frequency): the rule in force, and a key-only
         # shadow of the cache playing the other one, with both hit counts this period
@@ -96,18 +97,22 @@ class LRUCache(Generic[V]):
         """:meth:`get` of each key, under one acquisition of the lock (the planner looks up a
         batch's units, hundreds at a time: this is the cache's hot loop)."""
         with self._lock:
-            data = self._data
-            found = [data.get(key) for key in keys]
-            hit = [item is not None for item in found]
-            for key, item in zip(keys, found):
-                if item is not None:
-                    data.move_to_end(key)
-            out = [None if item is None else item[0] for item in found]
-            hits = sum(hit)
-            self.hits += hits
-            self.misses += len(keys) - hits
+            get, move = self._data.get, self._data.move_to_end
+            out: list[V | None] = []
+            add = out.append
+            missed: list[int] = []  # positions of the misses
+            for i, key in enumerate(keys):
+                item = get(key)
+                if item is None:
+                    add(None)
+                    missed.append(i)
+                else:
+                    move(key)
+                    add(item[0])
+            self.hits += len(keys) - len(missed)
+            self.misses += len(missed)
             if self._freq is not None:
-                self._count(keys, hit)
+                self._count(keys, missed)
             return out
 
     def peek(self, key: Hashable) -> V | None:
@@ -117,34 +122,36 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def _count(self, keys: list[Hashable], hit: list[bool]) -> None:
-        """Count the lookups of ``keys`` (``hit``: whether each hit) for admission, play them
-        on the shadow, and end a period (perhaps switching rules) at its length."""
-        freq = self._freq
+    def _count(self, keys: list[Hashable], missed: list[int]) -> None:
+        """Count the lookups of ``keys`` (``missed``: the positions of the misses, ascending) for
+        admission, play them on the shadow, and end a period (perhaps switching rules) at its
+        length. The keys go in runs that end where the counts age or a period ends (exactly
+        where a key-by-key pass would), each run counted by C loops."""
         span = max(len(self._data), 64)  # a period's lookups (lookups do not change the size)
         age_at = 10 * span
-        lookups = self._lookups
         seen, hits, shadow_hits = self._period
-        shadow = self._shadow
-        for key, h in zip(keys, hit):
-            freq[key] = freq.get(key, 0) + 1
-            lookups += 1
-            if lookups >= age_at:  # age: recent counts weigh most
-                lookups = 0
-                self._freq = freq = {k: n >> 1 for k, n in freq.items() if n > 1}
-            seen += 1
-            hits += h
-            if key in shadow:
-                shadow_hits += 1
-                shadow.move_to_end(key)
+        i, n = 0, len(keys)
+        while i < n:
+            step = max(1, min(n - i, age_at - self._lookups, span - seen))
+            run = keys[i : i + step] if step < n else keys
+            self._freq.update(run)
+            self._lookups += step
+            if self._lookups >= age_at:  # age: recent counts weigh most
+                self._lookups = 0
+                self._freq = Counter({k: c >> 1 for k, c in self._freq.items() if c > 1})
+            seen += step
+            hits += step - (bisect_left(missed, i + step) - bisect_left(missed, i))
+            shadow = self._shadow
+            again = list(filter(shadow.__contains__, run))
+            shadow_hits += len(again)
+            deque(map(shadow.move_to_end, again), maxlen=0)
             if seen >= span:
                 won = shadow_hits >= SWITCH_MIN_HITS and shadow_hits > SWITCH_RATIO * hits
                 self._wins = self._wins + 1 if won else 0
                 if self._wins >= SWITCH_PERIODS[not self._by_frequency]:
                     self._switch()
-                    shadow = self._shadow
                 seen = hits = shadow_hits = 0
-        self._lookups = lookups
+            i += step
         self._period = [seen, hits, shadow_hits]
 
     def _switch(self) -> None:

@@ -112,5 +112,7 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     arr = np.zeros((8, 32, 32), dtype="u2")
     cache.put((units[0].meta.root, units[0].unit), arr)
     planned = planner.plan([box], (8, 64, 64), cache=cache)
-    assert [(u.unit, a is arr) for u, a in planned.cached] == [(units[0].unit, True)]
+    (block,) = planned.cached
+    assert [(block.unit(p), a is arr) for p, a in enumerate(block.arrays)] == [(units[0].unit, True)]
+    assert block.rows.tolist() == block.table.rows[: len(block.rows)].tolist() and set(block.rows[:, 0].tolist()) == {0}
     assert [u.unit for g in planned.groups for u in g.units] == [u.unit for u in units[1:]]

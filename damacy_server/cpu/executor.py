@@ -44,7 +44,7 @@ from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
 from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.plan.planner import BatchPlan, sample_view
 from damacy_server.plan.reads import ReadGroup, shrink
-from damacy_server.plan.units import UnitJob
+from damacy_server.plan.units import CachedUnits, UnitJob
 from damacy_server.store import is_remote
 from damacy_server.store.disk import DiskTier
 from damacy_server.store.fetch import Fetcher
@@ -172,11 +172,10 @@ class CpuExecutor(BudgetedExecutor):
             self.stats.add("assemble", time.perf_counter() - t0, count=0)
         run.pending = 2  # this call, until all is queued, and the copies from the chunk cache
         groups, late = self._share(run, plan.groups)
-        cached = plan.cached + late
         with run.lock:
             run.pending += len(groups)
-        if cached:
-            self._decode.submit(self._copy_cached, run, cached, key=key, priority=run.order)
+        if plan.cached or late:
+            self._decode.submit(self._copy_cached, run, plan.cached, late, key=key, priority=run.order)
         else:
             run.group_done()  # no copies from the cache
         stop = lambda: cancelled() or self._closed  # noqa: E731
@@ -243,7 +242,7 @@ class CpuExecutor(BudgetedExecutor):
         def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
             if array is not None:
                 self.stats.add("shared", 0.0, bytes_out=array.nbytes)
-                self._copy_cached(run, [(u, array)])  # reports the unit done
+                self._copy_cached(run, [], [(u, array)])  # reports the unit done
                 return
             if error is None and not missing:  # abandoned: read it alone
                 self._decode.submit(self._read_alone, run, u, key=run.key, priority=run.order)
@@ -294,29 +293,41 @@ class CpuExecutor(BudgetedExecutor):
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
         return optable.copy_rows(u.rows, u.table.ndim, u.table.pool, run.views, arr, run.plan.norms)
 
-    def _copy_cached(self, run: Run, cached: list[tuple[UnitJob, np.ndarray]]) -> None:
-        """Copy units found in the chunk cache: those of one plan table in one native call
-        where the native path applies, the rest with numpy."""
+    def _copy_cached(self, run: Run, blocks: Sequence[CachedUnits], late: list[tuple[UnitJob, np.ndarray]]) -> None:
+        """Copy units found in the chunk cache: the plan's (``blocks``, each a plan table's, in
+        one native call where the native path applies) and those the cache took after the plan
+        looked (``late``, grouped by table the same way); the rest with numpy."""
         t0 = time.perf_counter()
-        assembled = 0
-        done: set[int] = set()  # ids of the tables whose units' copies are made
+        assembled = count = 0
+        by_table: dict[int, list[tuple[UnitJob, np.ndarray]]] = {}
+        for item in late:
+            by_table.setdefault(id(item[0].table), []).append(item)
+        parts: list = [*blocks, *by_table.values()]
+        done = 0  # parts whose copies are made
         try:
             if run.cancelled() or self._closed:
                 return
-            by_table: dict[int, list[tuple[UnitJob, np.ndarray]]] = {}
-            for item in cached:
-                by_table.setdefault(id(item[0].table), []).append(item)
             with np.errstate(invalid="ignore", over="ignore"):
-                for items in by_table.values():
-                    written = self.native.copy_decoded(run, items) if self.native is not None else None
-                    if written is None:
-                        written = sum(self._apply(run, u, arr) for u, arr in items)
+                for part in parts:
+                    if isinstance(part, CachedUnits):
+                        written = self.native.copy_cached(run, part) if self.native is not None else None
+                        if written is None:
+                            table = part.table
+                            written = sum(
+                                optable.copy_rows(part.unit_rows(p), table.ndim, table.pool, run.views, a, run.plan.norms)
+                                for p, a in enumerate(part.arrays)
+                            )
+                    else:
+                        written = self.native.copy_decoded(run, part) if self.native is not None else None
+                        if written is None:
+                            written = sum(self._apply(run, u, arr) for u, arr in part)
                     assembled += written
-                    done.add(id(items[0][0].table))
+                    count += len(part)
+                    done += 1
         except Exception as e:
-            run.crash([u for u, _ in cached if id(u.table) not in done], e)
+            run.crash([x for part in parts[done:] for x in ([part] if isinstance(part, CachedUnits) else [u for u, _ in part])], e)
         finally:
-            self.stats.add("assemble", time.perf_counter() - t0, count=len(cached), bytes_out=assembled)
+            self.stats.add("assemble", time.perf_counter() - t0, count=count, bytes_out=assembled)
             run.group_done()
 
     def _direct_ok(self, run: Run, group: ReadGroup) -> bool:

@@ -2,7 +2,8 @@
 
 :class:`NativeTasks` serves one executor: it picks the kernel for a task (per array and
 output dtype), builds the op table, decodes from bytes in memory, from the page cache
-(``read_file``) or from chunk cache entries (``copy_decoded``), fills the chunk cache with
+(``read_file``) or from chunk cache entries (``copy_cached`` for a plan's, ``copy_decoded``
+for units the cache took while a batch was planned), fills the chunk cache with
 the units it would admit and hands units other batches wait for to them (both decoded
 whole, straight into their buffer), and turns the units that failed into errors of their
 samples.
@@ -22,7 +23,7 @@ from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
 from damacy_server.cpu.run import Run, samples_of
 from damacy_server.plan.reads import ReadGroup
-from damacy_server.plan.units import UnitJob
+from damacy_server.plan.units import CachedUnits, UnitJob
 
 
 class NativeTasks:
@@ -33,10 +34,14 @@ class NativeTasks:
 
     def kernel(self, run: Run, units: list[UnitJob]) -> native.NativeKernel | None:
         """The native kernel for this task, when it applies (one array, plain views)."""
-        if run.dtype is None:
-            return None
         meta = units[0].meta
         if units[-1].meta is not meta:  # a task's units are one object's, so one array's
+            return None
+        return self.kernel_of(run, meta)
+
+    def kernel_of(self, run: Run, meta) -> native.NativeKernel | None:
+        """The native kernel for ``meta``'s units in this run, when it applies (plain views)."""
+        if run.dtype is None:
             return None
         kernel = run.kernels.get(id(meta), False)  # the run holds its metas: ids are stable
         if kernel is False:
@@ -97,14 +102,36 @@ class NativeTasks:
             run.fail(samples_of((u,)), DecodeError(f.describe(kernel.decoded_nbytes), uri=u.meta.uri, path=u.key, chunk=u.unit))
         return elements * run.dtype.itemsize
 
+    def copy_cached(self, run: Run, block: CachedUnits) -> int | None:
+        """Copy the units of a plan table found in the chunk cache (the head of the table) in
+        one call; returns the bytes written, or None when the native path does not apply."""
+        meta = block.meta
+        kernel = self.kernel_of(run, meta)
+        if kernel is None:
+            return None
+        sources = native.decoded_sources(kernel, block.arrays)
+        if sources is None:
+            return None
+        t = block.table
+        n = len(block)
+        table = native.OpTable(block.rows, t.ndim, t.pool, 0, t.spans[:n])
+        failures, _, elements = native.run_decoded(kernel, sources, table, self._targets(run, t.ndim))
+        for f in failures:  # only a planning error can fail a copy here
+            run.fail(set(block.unit_rows(f.unit)[:, 1].tolist()), DecodeError(f.describe(kernel.decoded_nbytes), uri=meta.uri, chunk=block.unit(f.unit)))
+        return elements * run.dtype.itemsize
+
     # -- helpers ------------------------------------------------------------------------
     def _tables(self, run: Run, units: list[UnitJob]) -> tuple[native.OpTable, np.ndarray]:
         """The ops of ``units`` and the run's targets, for native code."""
         table = optable.build(units)
-        targets = run.targets.get(table.ndim)
+        return table, self._targets(run, table.ndim)
+
+    @staticmethod
+    def _targets(run: Run, ndim: int) -> np.ndarray:
+        targets = run.targets.get(ndim)
         if targets is None:
-            targets = run.targets.setdefault(table.ndim, native.targets(run.views, table.ndim, run.plan.norms))
-        return table, targets
+            targets = run.targets.setdefault(ndim, native.targets(run.views, ndim, run.plan.norms))
+        return targets
 
     def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
         """A buffer for each unit the chunk cache would admit or another batch waits for,

@@ -31,7 +31,7 @@ from damacy_server.decode import contract
 from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import UnitLocations, ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
-from damacy_server.plan.units import CopyTable, UnitJob
+from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -58,8 +58,9 @@ class BatchPlan:
     units_unique: int = 0
     reads_merged: int = 0  # ranges saved by merging
     seconds: float = 0.0
-    # units found in the executor's chunk cache, with their decoded arrays (not in groups)
-    cached: list[tuple[UnitJob, np.ndarray]] = field(default_factory=list)
+    # per plan table the units found in the executor's chunk cache, with their decoded
+    # arrays (not in groups)
+    cached: list[CachedUnits] = field(default_factory=list)
     # per sample its normalisation (offset, scale), fused into the cast (None: none)
     norms: list[tuple[float, float] | None] = field(default_factory=list)
 
@@ -70,15 +71,18 @@ class BatchPlan:
 class _ArrayRows:
     """The copies of one array's samples while a batch is planned: per sample a block of rows
     (sample, unit coordinates, source starts, destination starts, extents), and the pool of
-    index lists they point to."""
+    index lists they point to. Boxes (a range on every axis, the common case) are kept as
+    their edges and turned into rows all at once (:func:`_box_rows`); a sample with an index
+    list gets its block at once."""
 
-    __slots__ = ("meta", "blocks", "pool", "pool_len")
+    __slots__ = ("meta", "blocks", "pool", "pool_len", "boxes")
 
     def __init__(self, meta: ArrayMetadata) -> None:
         self.meta = meta
         self.blocks: list[np.ndarray] = []
         self.pool: list[np.ndarray] = []
         self.pool_len = 0
+        self.boxes: list[tuple[int, ...]] = []  # per box: sample, then each axis' start, then stop
 
     def pooled(self, indices: np.ndarray) -> int:
         """Keep an index list; returns its reference (a negative start)."""
@@ -87,9 +91,20 @@ class _ArrayRows:
         self.pool_len += len(indices)
         return ref
 
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.boxes)
+
     def add(self, sample: int, axes: list[AxisSelection]) -> bool:
         """The rows of one sample; returns whether they cover all of it (else it is padded)."""
         meta = self.meta
+        if all(type(a) is AxisRange for a in axes):
+            covered = wanted = 1
+            for a, size in zip(axes, meta.shape):
+                covered *= max(0, min(a.stop, size) - max(a.start, 0))
+                wanted *= a.size
+            if covered:
+                self.boxes.append((sample, *(a.start for a in axes), *(a.stop for a in axes)))
+            return covered >= wanted
         ndim = meta.ndim
         per_axis = [self._axis(a, size, unit) for a, size, unit in zip(axes, meta.shape, meta.layout.unit_shape)]
         covered = math.prod(sum(p[3] for p in parts) for parts in per_axis)
@@ -124,9 +139,16 @@ class _ArrayRows:
         return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All rows; the unique units (n, ndim) they touch; each row's unit (index into them)."""
+        """All rows, in sample order; the unique units (n, ndim) they touch; each row's unit
+        (index into them)."""
         ndim = self.meta.ndim
-        rows = np.concatenate(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
+        blocks = self.blocks
+        if self.boxes:
+            boxes = _box_rows(np.array(self.boxes, dtype=np.int64), self.meta.shape, self.meta.layout.unit_shape)
+            blocks = [boxes, *blocks]
+        rows = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+        if self.boxes and self.blocks:  # boxes and index lists: back in sample order
+            rows = rows[np.argsort(rows[:, 0], kind="stable")]
         coords = rows[:, 1 : 1 + ndim]
         grid = tuple(-(-s // u) for s, u in zip(self.meta.shape, self.meta.layout.unit_shape))
         if ndim == 0:
@@ -140,6 +162,37 @@ class _ArrayRows:
         return rows, units, inverse.reshape(-1)
 
 
+def _box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray:
+    """The rows of boxes (per box: sample, starts, stops; each reaching into the array), as
+    :meth:`_ArrayRows.add` makes them for one sample: per box the units it cuts in C order,
+    each row the sample, then per axis the unit coordinate, source start, destination start
+    and extent (columns ``1 + a + k * ndim``)."""
+    ndim = len(shape)
+    starts, stops = boxes[:, 1 : 1 + ndim], boxes[:, 1 + ndim :]
+    size, unit = np.asarray(shape, dtype=np.int64), np.asarray(unit_shape, dtype=np.int64)
+    lo, hi = np.maximum(starts, 0), np.minimum(stops, size)
+    first, last = lo // unit, (hi - 1) // unit
+    counts = last - first + 1  # units cut per axis
+    per_box = np.prod(counts, axis=1)
+    total = int(per_box.sum())
+    box = np.repeat(np.arange(len(boxes)), per_box)
+    rows = np.empty((total, 1 + 4 * ndim), dtype=np.int64)
+    rows[:, 0] = boxes[box, 0]
+    # the position of each row in its box's grid of units, last axis fastest
+    left = np.arange(total) - np.repeat(np.cumsum(per_box) - per_box, per_box)
+    for a in range(ndim - 1, -1, -1):
+        n = counts[box, a]
+        u = first[box, a] + left % n
+        left //= n
+        begin = u * unit[a]
+        a0 = np.maximum(lo[box, a], begin)
+        rows[:, 1 + a] = u
+        rows[:, 1 + ndim + a] = a0 - begin
+        rows[:, 1 + 2 * ndim + a] = a0 - starts[box, a]
+        rows[:, 1 + 3 * ndim + a] = np.minimum(hi[box, a], begin + unit[a]) - a0
+    return rows
+
+
 class ChunkPlanner:
     """Turns the samples of a batch into a :class:`BatchPlan`."""
 
@@ -147,25 +200,26 @@ class ChunkPlanner:
         self.metadata = metadata if metadata is not None else ZarrMetadata()
         self.limits = limits if limits is not None else PlanLimits()
 
-    def _locate(self, meta: ArrayMetadata, units: np.ndarray, hits: list[np.ndarray | None] | None) -> UnitLocations:
-        """Where ``units`` are; those found in the chunk cache (``hits``) are not looked up
+    def _locate(self, meta: ArrayMetadata, units: np.ndarray, hit: np.ndarray | None) -> UnitLocations:
+        """Where ``units`` are; those found in the chunk cache (``hit``) are not looked up
         (their places are left empty: they are copied from the cache, not read)."""
-        if hits is None:
+        if hit is None:
             return self.metadata.locate(meta, units)
         n = len(units)
-        wanted = np.fromiter((a is None for a in hits), dtype=bool, count=n)
-        idx = np.flatnonzero(wanted)
+        idx = np.flatnonzero(~hit)
+        owners = np.full(n, -1, dtype=np.int64)
+        offsets = np.zeros(n, dtype=np.int64)
+        nbytes = np.zeros(n, dtype=np.int64)
+        missing = np.zeros(n, dtype=bool)
+        if not len(idx):  # all in the cache
+            return UnitLocations([""] * n, owners, [], offsets, nbytes, missing, {})
         sub = self.metadata.locate(meta, units[idx])
         keys = [""] * n
         for j, k in enumerate(idx.tolist()):
             keys[k] = sub.keys[j]
-        owners = np.full(n, -1, dtype=np.int64)
         owners[idx] = sub.owners
-        offsets = np.zeros(n, dtype=np.int64)
         offsets[idx] = sub.offsets
-        nbytes = np.zeros(n, dtype=np.int64)
         nbytes[idx] = sub.nbytes
-        missing = np.zeros(n, dtype=bool)
         missing[idx] = sub.missing
         errors = {int(idx[j]): e for j, e in sub.errors.items()}
         return UnitLocations(keys, owners, sub.objects, offsets, nbytes, missing, errors)
@@ -183,7 +237,8 @@ class ChunkPlanner:
     ) -> BatchPlan:
         """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
         flight) merged reads that would not fit are split again; with its chunk ``cache``,
-        units found there leave their reads and come with their arrays (``plan.cached``).
+        units found there leave their reads and come with their arrays (``plan.cached``, a
+        :class:`CachedUnits` per plan table).
         ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's).
         ``dtype``: the batch's (None: the array's own), which a normalised sample needs to
         be a float type."""
@@ -237,11 +292,12 @@ class ChunkPlanner:
         located = []
         total = unique = 0
         for acc in by_array.values():
-            if not acc.blocks:  # only boxes wholly outside the array
+            if not acc:  # only boxes wholly outside the array
                 continue
             rows, units, inverse = acc.rows()
             hits = _cache_hits(acc.meta, units, cache)
-            locs = self._locate(acc.meta, units, hits)
+            hit = None if hits is None else np.fromiter((a is not None for a in hits), dtype=bool, count=len(units))
+            locs = self._locate(acc.meta, units, hit)
             total += len(rows)
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
@@ -251,12 +307,12 @@ class ChunkPlanner:
                 for s, r in zip(first[0].tolist(), hit[first[1]].tolist()):
                     if s not in errors:
                         errors[s] = _copy_error(locs.errors[int(inverse[r])]).with_context(sample=samples[s])
-            located.append((acc, rows, units, inverse, locs, hits))
+            located.append((acc, rows, units, inverse, locs, hits, hit))
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
         present: list[UnitJob] = []
-        cached: list[tuple[UnitJob, np.ndarray]] = []
-        for acc, rows, units, inverse, locs, hits in located:
+        cached: list[CachedUnits] = []
+        for acc, rows, units, inverse, locs, hits, hit in located:
             meta = acc.meta
             ok = ~np.isin(rows[:, 0], failed) if len(failed) else np.ones(len(rows), dtype=bool)
             gone = locs.missing[inverse]  # never written (or failed): reads as the fill value
@@ -265,9 +321,13 @@ class ChunkPlanner:
             used = np.zeros(len(units), dtype=bool)
             used[inverse[keep]] = True
             idx = np.flatnonzero(used)
-            # unit order: by object, then by offset (what merging and executors expect)
+            # unit order: the units in the cache first (their rows are the head of the table,
+            # copied in one go), then by object and by offset (what merging and executors expect)
             keys = locs.keys
-            order = idx[np.lexsort((locs.offsets[idx], locs.owners[idx]))]
+            hit_idx = idx[hit[idx]] if hit is not None else idx[:0]
+            if len(hit_idx):
+                idx = idx[~hit[idx]]
+            order = np.concatenate([hit_idx, idx[np.lexsort((locs.offsets[idx], locs.owners[idx]))]])
             pos_of = np.full(len(units), -1, dtype=np.int64)
             pos_of[order] = np.arange(len(order))
             kept = rows[keep]
@@ -282,16 +342,18 @@ class ChunkPlanner:
             spans = np.stack([np.where(locs.nbytes[order] < 0, 0, locs.offsets[order]), locs.nbytes[order]], axis=1)
             pool = np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64)
             table = CopyTable(ndim, table_rows, pool, np.ascontiguousarray(spans, dtype=np.int64))
-            bounds = np.searchsorted(pos, np.arange(len(order) + 1)).tolist()
+            bounds = np.searchsorted(pos, np.arange(len(order) + 1))
+            n_hit = len(hit_idx)
+            if n_hit:
+                arrays = [hits[k] for k in hit_idx.tolist()]
+                cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[hit_idx]))
+            if n_hit == len(order):
+                continue
+            bounds = bounds.tolist()
             coords = units.tolist()
             offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()
-            for p, k in enumerate(order.tolist()):
-                job = UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1])
-                arr = hits[k] if hits is not None else None
-                if arr is None:
-                    present.append(job)
-                else:
-                    cached.append((job, arr))
+            for p, k in enumerate(order[n_hit:].tolist(), n_hit):
+                present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
 
         groups, merged = merge_reads(present, self.limits)
         groups = fit_reads(groups, capacity)

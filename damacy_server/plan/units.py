@@ -1,6 +1,7 @@
 """What a plan is made of: per array one copy table (the copies from read units into the
-samples of a batch, in the one form executors consume), and per read unit a job (where its
-bytes are, and its rows of the table)."""
+samples of a batch, in the one form executors consume), per read unit a job (where its
+bytes are, and its rows of the table), and per table the units the chunk cache holds (their
+decoded arrays, and the head of the table that copies them)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,41 @@ class UnitJob:
 
     def __repr__(self) -> str:
         return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
+
+
+class CachedUnits:
+    """The units of one copy table found in the chunk cache, with their decoded arrays: the
+    table's first ``len(arrays)`` units (positions 0, 1, ...), so their copies are its first
+    ``bounds[-1]`` rows, unit ``p``'s rows ``bounds[p]`` to ``bounds[p + 1]``. They are
+    copied in one go: no job per unit (a thin sample cuts tens of units, a batch hundreds)."""
+
+    __slots__ = ("meta", "table", "arrays", "bounds", "coords")
+
+    def __init__(self, meta: ArrayMetadata, table: CopyTable, arrays: list[np.ndarray], bounds: np.ndarray, coords: np.ndarray) -> None:
+        self.meta = meta
+        self.table = table
+        self.arrays = arrays
+        self.bounds = bounds  # int64 (len(arrays) + 1,)
+        self.coords = coords  # int64 (len(arrays), ndim): each unit's coordinates
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The copies of these units (the head of their table)."""
+        return self.table.rows[: int(self.bounds[-1])]
+
+    def unit_rows(self, p: int) -> np.ndarray:
+        return self.table.rows[int(self.bounds[p]) : int(self.bounds[p + 1])]
+
+    def unit(self, p: int) -> tuple[int, ...]:
+        return tuple(self.coords[p].tolist())
+
+    @property
+    def samples(self) -> list[int]:
+        """The sample of each copy (a sample may appear more than once)."""
+        return self.rows[:, 1].tolist()
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __repr__(self) -> str:
+        return f"CachedUnits({self.meta.uri!r}, units={len(self.arrays)}, copies={int(self.bounds[-1])})"
