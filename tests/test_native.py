@@ -95,6 +95,10 @@ def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monk
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (src, out, codec)
         cache = executor.chunk_cache
         assert native_units > 0 and sum(calls) > 0 and cache.stats()["hits"] >= sum(calls)
+        # the numpy path serves the same hits the same way
+        plain = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=False, chunk_cache_bytes=1 << 20))
+        got, _ = run(str(tmp_path / "a"), out, False, aabbs, executor=plain)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)) and plain.chunk_cache.stats()["hits"] > 0
         meta = damacy.open_array(tmp_path / "a")
         for (root, unit), (arr, _) in list(cache._data.items()):
             assert root == meta.root and not arr.flags.writeable

@@ -146,3 +146,62 @@ def test_a_stride_is_checked_by_the_positions_it_selects(array):
     assert damacy.IndexQuery(uri, np.s_[15:]).shape_for(SHAPE) == (0, 10, 9)
     with pytest.raises(damacy.OutOfBounds, match="15:"):
         damacy.read(uri, np.s_[15:])
+
+
+def test_box_rows_are_each_box_cut_by_the_units_it_touches():
+    # boxes become copy rows all at once (numpy); each box's rows are the units it cuts in C
+    # order, with where the piece lies in the unit and in the sample, as a per-box walk says
+    import itertools
+
+    from damacy_server.plan.planner import _box_rows
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(x) for x in rng.integers(1, 30, ndim))
+        unit = tuple(int(x) for x in rng.integers(1, 9, ndim))
+        boxes, want = [], []
+        for sample in range(int(rng.integers(1, 6))):
+            start = [int(rng.integers(-5, s)) for s in shape]
+            stop = [max(b + 1, int(rng.integers(1, s + 6))) for b, s in zip(start, shape)]
+            if any(max(b, 0) >= min(e, s) for b, e, s in zip(start, stop, shape)):
+                continue  # wholly outside: no rows (the planner pads it)
+            boxes.append((sample, *start, *stop))
+            per_axis = []
+            for b, e, s, u in zip(start, stop, shape, unit):
+                lo, hi = max(b, 0), min(e, s)
+                per_axis.append([(k, max(lo, k * u) - k * u, max(lo, k * u) - b, min(hi, (k + 1) * u) - max(lo, k * u)) for k in range(lo // u, (hi - 1) // u + 1)])
+            for parts in itertools.product(*per_axis):
+                want.append([sample, *[p[c] for c in range(4) for p in parts]])
+        if not boxes:
+            continue
+        got = _box_rows(np.array(boxes, dtype=np.int64), shape, unit)
+        assert got.tolist() == want
+
+
+def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):
+    # a batch mixing boxes (their rows made together) and an index query (its rows made on
+    # its own) plans each unit's copies in sample order, and reads what zarr-python reads
+    import zarr
+
+    data = random_data(SHAPE, "int16", 4)
+    write_array(tmp_path / "a", data, chunks=(4, 4, 4), fill_value=FILL)
+    uri = str(tmp_path / "a")
+    samples = [
+        damacy.Sample(uri, np.s_[0:4, 2:6, 1:5]),
+        damacy.IndexQuery(uri, (np.array([7, 1, 3, 2]), slice(2, 6), slice(5, 9))),
+        damacy.Sample(uri, np.s_[-2:2, 6:10, 5:9]),  # pads
+    ]
+    plan = damacy.ChunkPlanner().plan(samples, (4, 4, 4))
+    table = plan.groups[0].units[0].table
+    assert {u.table is table for g in plan.groups for u in g.units} == {True}
+    for unit_rows in np.split(table.rows, np.flatnonzero(np.diff(table.rows[:, 0])) + 1):
+        assert unit_rows[:, 1].tolist() == sorted(unit_rows[:, 1].tolist())
+    assert sorted(set(table.rows[:, 1].tolist())) == [0, 1, 2]
+    z = zarr.open_array(uri, mode="r")
+    want = [z[0:4, 2:6, 1:5], z.oindex[[7, 1, 3, 2], 2:6, 5:9], padded_selection(data, np.s_[-2:2, 6:10, 5:9], FILL)]
+    with damacy.Pipeline(damacy.Config(samples_per_batch=3, sample_shape=(4, 4, 4), dtype="i16")) as p:
+        p.push(samples)
+        with p.pop() as batch:
+            for got, w in zip(batch.numpy(), want):
+                assert np.array_equal(got, w)

@@ -273,6 +273,58 @@ def test_get_many_is_get_of_each_key():
     assert many.stats() == one.stats() and list(many._data) == list(one._data) and many._freq == one._freq
 
 
+class _KeyByKey(LRUCache):
+    """The lookup counting written key by key: the model the cache's runs must equal."""
+
+    def _count(self, keys, missed):
+        from damacy_server.cache import SWITCH_MIN_HITS, SWITCH_PERIODS, SWITCH_RATIO, Counter
+
+        span = max(len(self._data), 64)
+        seen, hits, shadow_hits = self._period
+        for i, key in enumerate(keys):
+            self._freq[key] += 1
+            self._lookups += 1
+            if self._lookups >= 10 * span:
+                self._lookups = 0
+                self._freq = Counter({k: c >> 1 for k, c in self._freq.items() if c > 1})
+            seen += 1
+            hits += i not in missed
+            if key in self._shadow:
+                shadow_hits += 1
+                self._shadow.move_to_end(key)
+            if seen >= span:
+                won = shadow_hits >= SWITCH_MIN_HITS and shadow_hits > SWITCH_RATIO * hits
+                self._wins = self._wins + 1 if won else 0
+                if self._wins >= SWITCH_PERIODS[not self._by_frequency]:
+                    self._switch()
+                seen = hits = shadow_hits = 0
+        self._period = [seen, hits, shadow_hits]
+
+
+def test_lookups_are_counted_as_key_by_key_across_periods_ageing_and_switches():
+    # a batch's lookups are counted in runs that end where a key-by-key pass would end a
+    # period, age the counts or switch rules: after any trace the state is the model's
+    import random
+
+    rnd = random.Random(7)
+    switches = 0
+    for trial in range(40):
+        size = (8, 100)[trial % 2]  # past 64 entries a period follows the size, ageing apart
+        model, cache = _KeyByKey(size, admit_by_frequency=True), LRUCache(size, admit_by_frequency=True)
+        base = 0
+        for step in range(120):
+            if rnd.random() < 0.05:
+                base += 3 * size  # the working set moves
+            keys = [base + rnd.randrange(4 * size) for _ in range(rnd.randrange(1, 200))]
+            assert cache.get_many(keys) == model.get_many(keys)
+            for k in keys[:5]:
+                assert cache.put(k, k) == model.put(k, k)
+        assert cache.stats() == model.stats() and list(cache._data) == list(model._data)
+        assert cache._freq == model._freq and list(cache._shadow) == list(model._shadow) and cache._period == model._period
+        switches += cache.switches
+    assert switches  # the traces do switch rules
+
+
 def test_taking_the_frequency_rule_needs_longer_evidence_than_leaving_it():
     # the shadow playing the frequency rule must hit clearly more for 4 periods in a row (a
     # windowed epoch's turn lets it win a period or two, then lose); playing recency, 2 do
