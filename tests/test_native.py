@@ -645,3 +645,47 @@ def test_cached_units_are_handed_to_native_code_by_address_only_when_they_fit():
     assert raw[0] == a.ctypes.data and raw[1] == 0 and raw[2] != 0 and raw[3] == 0 and raw[4] == 0
     arrays, keep = native.keep_buffers(kernel, 3)
     assert keep.tolist() == [x.ctypes.data for x in arrays] and all(x.shape == (4, 6) for x in arrays)
+
+
+def test_cached_units_are_copied_in_the_destinations_order_for_every_kind_of_sample(tmp_path, monkeypatch):
+    """Units served from the chunk cache are copied in one native call: box copies in the
+    destination's order (a strip of copies written row by row), flipped, transposed and
+    index-list samples unit by unit. Every kind, normalised and padded ones too, equals what
+    zarr-python reads, the same from the cache as when first decoded."""
+    import zarr
+
+    data = random_data((12, 40, 44), "uint16", 5)
+    write_array(tmp_path / "a", data, chunks=(4, 8, 8), compressors=[ZstdCodec(level=1)], fill_value=7)
+    uri = str(tmp_path / "a")
+    z = zarr.open_array(uri, mode="r")
+    norm = (100.0, 0.5)
+    samples = [
+        damacy.Sample(uri, np.s_[1:5, 3:19, 5:21]),
+        damacy.Sample(uri, np.s_[0:4, 10:26, 20:36], flip=(1, 2)),
+        damacy.Sample(uri, np.s_[6:10, 20:36, 1:17], transpose=(0, 2, 1)),
+        damacy.Sample(uri, np.s_[5:9, 22:38, 26:42], normalize=norm),
+        damacy.IndexQuery(uri, (np.array([11, 0, 5, 5]), slice(7, 23), slice(9, 25))),
+        damacy.Sample(uri, np.s_[-1:3, 30:46, 35:51]),  # pads
+    ]
+    want = [
+        z[1:5, 3:19, 5:21],
+        np.flip(z[0:4, 10:26, 20:36], (1, 2)),
+        np.transpose(z[6:10, 20:36, 1:17], (0, 2, 1)),
+        (z[5:9, 22:38, 26:42].astype(np.float32) - np.float32(norm[0])) * np.float32(norm[1]),
+        z.oindex[[11, 0, 5, 5], 7:23, 9:25],
+        padded_selection(data, np.s_[-1:3, 30:46, 35:51], 7),
+    ]
+    calls = []
+    real = native.run_decoded
+    monkeypatch.setattr(native, "run_decoded", lambda *a: calls.append(len(a[1])) or real(*a))
+    cfg = damacy.Config(samples_per_batch=len(samples), sample_shape=(4, 16, 16), dtype="f32", chunk_cache_bytes=8 << 20, prepared_batches=1)
+    with damacy.Pipeline(cfg) as p:
+        for round in range(2):  # the second round finds every unit in the cache
+            p.push(samples)
+            with p.pop() as batch:
+                assert not batch.info.errors
+                out = batch.copy()
+            for got, w in zip(out, want):
+                assert np.array_equal(got, np.asarray(w, dtype=np.float32)), round
+        hits = p.stats()["chunk_cache"]["hits"]
+    assert sum(calls) > 0 and hits >= sum(calls)

@@ -302,9 +302,9 @@ class ChunkPlanner:
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
                 bad = np.fromiter(locs.errors, dtype=np.int64, count=len(locs.errors))
-                hit = np.flatnonzero(np.isin(inverse, bad))
-                first = np.unique(rows[hit, 0], return_index=True)
-                for s, r in zip(first[0].tolist(), hit[first[1]].tolist()):
+                at = np.flatnonzero(np.isin(inverse, bad))
+                first = np.unique(rows[at, 0], return_index=True)
+                for s, r in zip(first[0].tolist(), at[first[1]].tolist()):
                     if s not in errors:
                         errors[s] = _copy_error(locs.errors[int(inverse[r])]).with_context(sample=samples[s])
             located.append((acc, rows, units, inverse, locs, hits, hit))
