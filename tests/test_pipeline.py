@@ -138,6 +138,47 @@ def test_native_dtype_is_the_first_arrays_for_the_whole_pipeline(store, make):
             assert b.numpy().dtype == np.int8 and b.info.errors
 
 
+def test_native_dtype_is_the_first_batchs_when_batches_plan_side_by_side(store):
+    # on a plan pool (damacyd's) batches plan on several threads; the first array read must
+    # still be the first batch's: batch 1 (int8) waits for batch 0 (uint16) to be planned
+    import threading
+
+    from damacy_server.engine.batches import BatchEngine
+    from damacy_server.engine.slots import OutputSpec
+    from damacy_server.workers import WorkerPool
+
+    u16, i8 = store[1]["u16"][0], store[1]["i8-blosc"][0]
+    box = np.s_[0:6, 3:10, 40:48]
+    second = threading.Event()
+
+    class Planner(damacy.ChunkPlanner):
+        def plan(self, samples, *args, **kw):
+            if samples[0].uri == u16:
+                second.wait(1)  # unordered, batch 1 plans meanwhile and its int8 comes first
+            else:
+                second.set()
+            return super().plan(samples, *args, **kw)
+
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    pool = WorkerPool(2, "plan")
+    engine = BatchEngine(OutputSpec(1, (6, 7, 8), None, "fill"), Planner(), executor, 2, plan_pool=pool)
+    try:
+        engine.start([damacy.Sample(u16, box)])
+        engine.start([damacy.Sample(i8, box)])
+        got = []
+        while len(got) < 2:
+            with engine.cond:
+                assert engine.cond.wait_for(engine.ready, timeout=30)
+            got.append(engine.next_delivery())
+        first, later = got
+        assert first.dtype == np.uint16 and not first.errors and first.error is None
+        assert later.dtype == np.uint16 and "int8" in str(later.errors[0][1])
+    finally:
+        engine.close()
+        executor.close()
+        pool.close()
+
+
 def test_index_queries_with_duplicates_and_reversed_order(store, make):
     uri, arr = store[1]["f32-sharded"]
     uri2, arr2 = store[1]["u16"]

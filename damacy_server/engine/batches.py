@@ -150,6 +150,10 @@ class BatchEngine:
         self._next_id = 0  # the next batch id to start
         self._next_out = 0  # the next batch id to deliver
         self._native: np.dtype | None = None  # dtype="native": the first array's, for every batch
+        # dtype="native" until an array fixes it: batches started and not yet planned. On a
+        # plan pool batches plan side by side; the first array must be the first batch's, so
+        # a batch waits for the ones before it to be planned (the pool takes the earliest first)
+        self._unplanned: list[int] = []
         self.closed = False
         self.sample_errors = 0
         self.deduplicated = 0
@@ -216,6 +220,8 @@ class BatchEngine:
             slot = self._free.popleft()
             batch_id = self._next_id
             self._next_id += 1
+            if self.spec.dtype is None and self._native is None:
+                self._unplanned.append(batch_id)
         slot.acquire()  # held while the batch is assembled and waits to be delivered
         pending = _Pending(batch_id, slot, list(samples))
         self._run(pending, list(range(len(pending.samples))))
@@ -254,15 +260,24 @@ class BatchEngine:
         spec = self.spec
         samples = [pending.samples[p] for p in positions]
         executor = self.executor
-        plan = self.planner.plan(
-            samples,
-            spec.sample_shape,
-            spec.out_of_bounds,
-            capacity=executor.inflight_capacity,
-            cache=executor.chunk_cache,
-            accept=self._accept_native if spec.dtype is None else None,
-            dtype=spec.dtype,
-        )
+        if spec.dtype is None:
+            self._native_turn(pending.batch_id)
+        try:
+            plan = self.planner.plan(
+                samples,
+                spec.sample_shape,
+                spec.out_of_bounds,
+                capacity=executor.inflight_capacity,
+                cache=executor.chunk_cache,
+                accept=self._accept_native if spec.dtype is None else None,
+                dtype=spec.dtype,
+            )
+        finally:
+            if spec.dtype is None:
+                with self.cond:
+                    if pending.batch_id in self._unplanned:
+                        self._unplanned.remove(pending.batch_id)
+                        self.cond.notify_all()
         self.executor.stats.add("plan", plan.seconds, count=len(samples))
         with self.cond:
             self.deduplicated += plan.units_total - plan.units_unique
@@ -277,6 +292,15 @@ class BatchEngine:
             self._executed(pending, positions, plan, {**plan.errors, **errors}, targets)
 
         self.executor.execute(plan, targets, done, lambda: self.closed, key=id(self))
+
+    def _native_turn(self, batch_id: int) -> None:
+        """dtype="native" before an array fixed it: wait until the batches started before this
+        one are planned (the first array read is the first batch's, whichever thread plans)."""
+        with self.cond:
+            while self._native is None and not self.closed and self._unplanned and min(self._unplanned) < batch_id:
+                self.cond.wait()
+            if self._native is not None:
+                self._unplanned.clear()
 
     def _accept_native(self, meta: Any) -> None:
         """dtype="native": the first array read fixes the dtype of every batch; an array that
