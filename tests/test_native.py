@@ -680,12 +680,12 @@ def test_cached_units_are_copied_in_the_destinations_order_for_every_kind_of_sam
     monkeypatch.setattr(native, "run_decoded", lambda *a: calls.append(len(a[1])) or real(*a))
     cfg = damacy.Config(samples_per_batch=len(samples), sample_shape=(4, 16, 16), dtype="f32", chunk_cache_bytes=8 << 20, prepared_batches=1)
     with damacy.Pipeline(cfg) as p:
-        for round in range(2):  # the second round finds every unit in the cache
+        for rnd in range(2):  # the second round finds every unit in the cache
             p.push(samples)
             with p.pop() as batch:
                 assert not batch.info.errors
                 out = batch.copy()
             for got, w in zip(out, want):
-                assert np.array_equal(got, np.asarray(w, dtype=np.float32)), round
+                assert np.array_equal(got, np.asarray(w, dtype=np.float32)), rnd
         hits = p.stats()["chunk_cache"]["hits"]
     assert sum(calls) > 0 and hits >= sum(calls)

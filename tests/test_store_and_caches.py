@@ -312,7 +312,7 @@ def test_lookups_are_counted_as_key_by_key_across_periods_ageing_and_switches():
         size = (8, 100)[trial % 2]  # past 64 entries a period follows the size, ageing apart
         model, cache = _KeyByKey(size, admit_by_frequency=True), LRUCache(size, admit_by_frequency=True)
         base = 0
-        for step in range(120):
+        for _ in range(120):
             if rnd.random() < 0.05:
                 base += 3 * size  # the working set moves
             keys = [base + rnd.randrange(4 * size) for _ in range(rnd.randrange(1, 200))]
