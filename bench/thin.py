@@ -79,21 +79,30 @@ def orders(uris: list[str], kind: str, memory: int, seed: int) -> tuple[list, li
     return a, b
 
 
+def _read(pipe: damacy.Pipeline, samples: list, consume=None, t0: float | None = None) -> dict:
+    """Push ``samples`` and take every batch: seconds and the first batch (from ``t0``, default
+    now), CPU, bytes decoded, the pipeline's stats."""
+    before = pipe.stats()["stages"].get("decode", {}).get("bytes_out", 0)
+    c0, t0 = _cpu(), time.perf_counter() if t0 is None else t0
+    pipe.push(samples)
+    first = None
+    for batch in pipe.batches():
+        with batch:
+            first = first or time.perf_counter() - t0
+            if consume is not None:
+                consume(batch.numpy())
+    seconds, cpu = time.perf_counter() - t0, _cpu() - c0
+    stats = pipe.stats()
+    decoded = stats["stages"].get("decode", {}).get("bytes_out", 0) - before
+    return {"seconds": seconds, "cpu": cpu, "first_batch_s": first, "decoded_bytes": decoded, "stats": stats}
+
+
 def run_damacy(scn: Scn, samples: list, memory: int, consume=None) -> dict:
-    t0 = time.perf_counter()
-    cfg = runners.damacy_config(scn, chunk_cache_bytes=memory)
-    with damacy.Pipeline(cfg) as pipe:
-        pipe.push(samples)
-        first = None
-        for batch in pipe.batches():
-            with batch:
-                first = first or time.perf_counter() - t0
-                if consume is not None:
-                    consume(batch.numpy())
-        seconds = time.perf_counter() - t0
-        stats = pipe.stats()
-    decode = stats["stages"].get("decode", {})
-    return {"seconds": seconds, "first_batch_s": first, "decoded_bytes": decode.get("bytes_out", 0), "stats": stats}
+    t0 = time.perf_counter()  # the pipeline's start counts, as the other readers' opening does
+    with damacy.Pipeline(runners.damacy_config(scn, chunk_cache_bytes=memory)) as pipe:
+        out = _read(pipe, samples, consume, t0)
+    del out["cpu"]  # measured by the caller around the whole run, as for the other readers
+    return out
 
 
 def run_once(scn: Scn, samples: list, memory: int, consume=None) -> dict:
@@ -151,23 +160,9 @@ def run_damacy_warm(scn: Scn, samples: list, memory: int, consume=None) -> dict:
     """damacy reading ``samples`` with every chunk they touch already in its chunk cache (one
     that holds all the data; ``memory`` is not the bound here): planning and copies alone."""
     data_bytes = DEFAULT.volumes * int(np.prod(DEFAULT.shape)) * 2
-    cfg = runners.damacy_config(scn, chunk_cache_bytes=2 * data_bytes)
-    with damacy.Pipeline(cfg) as pipe:
-        pipe.push(samples)
-        for batch in pipe.batches():  # fills the cache
-            batch.release()
-        before = pipe.stats()["stages"].get("decode", {}).get("bytes_out", 0)
-        c0, t0 = _cpu(), time.perf_counter()
-        pipe.push(samples)
-        first = None
-        for batch in pipe.batches():
-            with batch:
-                first = first or time.perf_counter() - t0
-                if consume is not None:
-                    consume(batch.numpy())
-        seconds, cpu = time.perf_counter() - t0, _cpu() - c0
-        decoded = pipe.stats()["stages"].get("decode", {}).get("bytes_out", 0) - before
-    return {"seconds": seconds, "cpu": cpu, "first_batch_s": first, "decoded_bytes": decoded}
+    with damacy.Pipeline(runners.damacy_config(scn, chunk_cache_bytes=2 * data_bytes)) as pipe:
+        _read(pipe, samples)  # fills the cache
+        return _read(pipe, samples, consume)
 
 
 RUN = {"damacy": run_damacy, "once": run_once, "tensorstore": run_tensorstore, "damacy-uniform": run_damacy, "damacy-warm": run_damacy_warm}
