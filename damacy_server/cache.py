@@ -146,13 +146,18 @@ class LRUCache(Generic[V]):
             shadow_hits += len(again)
             deque(map(shadow.move_to_end, again), maxlen=0)
             if seen >= span:
-                won = shadow_hits >= SWITCH_MIN_HITS and shadow_hits > SWITCH_RATIO * hits
-                self._wins = self._wins + 1 if won else 0
-                if self._wins >= SWITCH_PERIODS[not self._by_frequency]:
-                    self._switch()
+                self._end_period(hits, shadow_hits)
                 seen = hits = shadow_hits = 0
             i += step
         self._period = [seen, hits, shadow_hits]
+
+    def _end_period(self, hits: int, shadow_hits: int) -> None:
+        """A period's lookups are counted: switch rules when the shadow has hit clearly more
+        for enough periods in a row."""
+        won = shadow_hits >= SWITCH_MIN_HITS and shadow_hits > SWITCH_RATIO * hits
+        self._wins = self._wins + 1 if won else 0
+        if self._wins >= SWITCH_PERIODS[not self._by_frequency]:
+            self._switch()
 
     def _switch(self) -> None:
         """Take the shadow's rule; the shadow starts from this cache's keys, playing the other.

@@ -277,7 +277,7 @@ class _KeyByKey(LRUCache):
     """The lookup counting written key by key: the model the cache's runs must equal."""
 
     def _count(self, keys, missed):
-        from damacy_server.cache import SWITCH_MIN_HITS, SWITCH_PERIODS, SWITCH_RATIO, Counter
+        from damacy_server.cache import Counter
 
         span = max(len(self._data), 64)
         seen, hits, shadow_hits = self._period
@@ -292,11 +292,8 @@ class _KeyByKey(LRUCache):
             if key in self._shadow:
                 shadow_hits += 1
                 self._shadow.move_to_end(key)
-            if seen >= span:
-                won = shadow_hits >= SWITCH_MIN_HITS and shadow_hits > SWITCH_RATIO * hits
-                self._wins = self._wins + 1 if won else 0
-                if self._wins >= SWITCH_PERIODS[not self._by_frequency]:
-                    self._switch()
+            if seen >= span:  # the period's verdict is the cache's own
+                self._end_period(hits, shadow_hits)
                 seen = hits = shadow_hits = 0
         self._period = [seen, hits, shadow_hits]
 

@@ -89,35 +89,35 @@ class NativeTasks:
         """Copy units of one plan table from their decoded arrays (chunk cache entries) in one
         call; returns the bytes written, or None when the native path does not apply."""
         units = [u for u, _ in items]
-        kernel = self.kernel(run, units)
-        if kernel is None:
-            return None
-        sources = native.decoded_sources(kernel, [a for _, a in items])
-        if sources is None:
-            return None
-        table, targets = self._tables(run, units)
-        failures, _, elements = native.run_decoded(kernel, sources, table, targets)
-        for f in failures:  # only a planning error can fail a copy here
-            u = units[f.unit]
-            run.fail(samples_of((u,)), DecodeError(f.describe(kernel.decoded_nbytes), uri=u.meta.uri, path=u.key, chunk=u.unit))
-        return elements * run.dtype.itemsize
+        return self._from_arrays(
+            run, self.kernel(run, units), units[0].meta, [a for _, a in items], lambda: optable.build(units),
+            lambda k: (samples_of((units[k],)), units[k].key, units[k].unit),
+        )
 
     def copy_cached(self, run: Run, block: CachedUnits) -> int | None:
         """Copy the units of a plan table found in the chunk cache (the head of the table) in
         one call; returns the bytes written, or None when the native path does not apply."""
-        meta = block.meta
-        kernel = self.kernel_of(run, meta)
+        t = block.table
+        return self._from_arrays(
+            run, self.kernel_of(run, block.meta), block.meta, block.arrays,
+            lambda: native.OpTable(block.rows, t.ndim, t.pool, 0, t.spans[: len(block)]),
+            lambda k: (set(block.unit_rows(k)[:, 1].tolist()), None, block.unit(k)),
+        )
+
+    def _from_arrays(self, run: Run, kernel, meta, arrays: list[np.ndarray], ops, unit) -> int | None:
+        """Copy units of ``meta`` from their decoded ``arrays`` in one native call: ``ops()``
+        their op table, ``unit(k)`` unit k's samples, object key and coordinates (for a
+        failure). The bytes written, or None when the native path does not apply."""
         if kernel is None:
             return None
-        sources = native.decoded_sources(kernel, block.arrays)
+        sources = native.decoded_sources(kernel, arrays)
         if sources is None:
             return None
-        t = block.table
-        n = len(block)
-        table = native.OpTable(block.rows, t.ndim, t.pool, 0, t.spans[:n])
-        failures, _, elements = native.run_decoded(kernel, sources, table, self._targets(run, t.ndim))
+        table = ops()
+        failures, _, elements = native.run_decoded(kernel, sources, table, self._targets(run, table.ndim))
         for f in failures:  # only a planning error can fail a copy here
-            run.fail(set(block.unit_rows(f.unit)[:, 1].tolist()), DecodeError(f.describe(kernel.decoded_nbytes), uri=meta.uri, chunk=block.unit(f.unit)))
+            samples, path, chunk = unit(f.unit)
+            run.fail(samples, DecodeError(f.describe(kernel.decoded_nbytes), uri=meta.uri, path=path, chunk=chunk))
         return elements * run.dtype.itemsize
 
     # -- helpers ------------------------------------------------------------------------

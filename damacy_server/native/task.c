@@ -163,26 +163,52 @@ static int check_ops(const task_t *t, Py_ssize_t u, Py_ssize_t op, const int64_t
     return OK;
 }
 
+/* The conversion target tg takes: the normalising one (its offset and scale into nm, and
+ * *nmp = nm) when it normalises, else the plain one (*nmp = NULL); both checked in
+ * task_prepare. */
+static const conv_t *target_conv(const task_t *t, const int64_t *tg, double nm[2], const double **nmp) {
+    const int64_t *flag = tg + 1 + 2 * t->ndim;
+    if (!*flag) {
+        *nmp = NULL;
+        return &dm_conv[t->src_type][t->dst_type];
+    }
+    memcpy(nm, flag + 1, 2 * sizeof(double));
+    *nmp = nm;
+    return &dm_nconv[t->src_type][t->dst_type];
+}
+
+/* The elements op o writes (0 when any extent is empty). */
+static int64_t op_elements(const int64_t *o, int ndim) {
+    int64_t n = 1;
+    for (int a = 0; a < ndim; a++) n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
+    return n;
+}
+
+/* Make op o (checked) from the decoded unit at chunk, its box at a time (dm_copy_box). */
+static void copy_op(const task_t *t, const char *chunk, const int64_t *o) {
+    const int ndim = t->ndim;
+    const int64_t *tg = (const int64_t *)t->targets.buf + o[1] * TARGET_WIDTH(ndim);
+    double nm[2];
+    const double *nmp;
+    const conv_t *c = target_conv(t, tg, nm, &nmp);
+    dm_copy_box(chunk, (const int64_t *)t->shape.buf, ndim, ITEMSIZE[t->src_type], (char *)(intptr_t)tg[0], tg + 1,
+                ITEMSIZE[t->dst_type], o + 2, o + 2 + ndim, o + 2 + 2 * ndim, (const int64_t *)t->pool.buf, c->row, c->gather,
+                c->scatter, t->swap, nmp);
+}
+
 /* Without the GIL: decode every unit and make its copies. */
 void dm_task_assemble(task_t *t) {
     unit_in *views = t->views;
     int *status = t->status;
     size_t *err_codes = t->err_codes;
     const int64_t *ops = (const int64_t *)t->ops.buf;
-    const int64_t *targets = (const int64_t *)t->targets.buf;
     const int64_t *unit_shape = (const int64_t *)t->shape.buf;
-    const int64_t *pool = (const int64_t *)t->pool.buf;
-    const int ndim = t->ndim, codec = t->codec, swap = t->swap;
+    const int ndim = t->ndim, codec = t->codec;
     const Py_ssize_t n_units = t->n_units, n_ops = t->n_ops, width = t->width;
     const Py_ssize_t decoded_nbytes = t->decoded_nbytes;
     const int64_t base = t->base;
     const int64_t *keep = t->keep.len ? (const int64_t *)t->keep.buf : NULL;
     long long encoded = 0, elements = 0;
-    const int src_type = t->src_type, dst_type = t->dst_type;
-    row_fn row = dm_conv[t->src_type][t->dst_type].row;
-    gather_fn gather = dm_conv[t->src_type][t->dst_type].gather;
-    scatter_fn scatter = dm_conv[t->src_type][t->dst_type].scatter;
-    int src_size = ITEMSIZE[t->src_type], dst_size = ITEMSIZE[t->dst_type];
     char *scratch = NULL;
     void *dctx = NULL;
     if (codec == CODEC_ZSTD && dm_zstd_ok) {
@@ -305,21 +331,9 @@ void dm_task_assemble(task_t *t) {
         /* ops are grouped by unit, in unit order */
         while (op < n_ops && ops[op * width] - base == u) {
             const int64_t *o = ops + op * width;
-            if (status[u] == OK) {
-                const int64_t *t = targets + o[1] * TARGET_WIDTH(ndim); /* checked above */
-                if (t[1 + 2 * ndim]) {
-                    const conv_t *nc = &dm_nconv[src_type][dst_type]; /* checked in task_prepare */
-                    double nm[2];
-                    memcpy(nm, t + 2 + 2 * ndim, sizeof nm);
-                    dm_copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                             o + 2 + ndim, o + 2 + 2 * ndim, pool, nc->row, nc->gather, nc->scatter, swap, nm);
-                } else {
-                    dm_copy_box(chunk, unit_shape, ndim, src_size, (char *)(intptr_t)t[0], t + 1, dst_size, o + 2,
-                             o + 2 + ndim, o + 2 + 2 * ndim, pool, row, gather, scatter, swap, NULL);
-                }
-                long long n = 1;
-                for (int a = 0; a < ndim; a++) n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
-                elements += n;
+            if (status[u] == OK) { /* its ops were checked above */
+                copy_op(t, chunk, o);
+                elements += op_elements(o, ndim);
             }
             op++;
         }
@@ -358,10 +372,8 @@ static void assemble_decoded(task_t *t) {
     const int64_t *ops = (const int64_t *)t->ops.buf;
     const int64_t *targets = (const int64_t *)t->targets.buf;
     const int64_t *unit_shape = (const int64_t *)t->shape.buf;
-    const int64_t *pool = (const int64_t *)t->pool.buf;
     const int ndim = t->ndim, swap = t->swap, last = t->ndim - 1;
     const Py_ssize_t width = t->width;
-    const conv_t *plain = &dm_conv[t->src_type][t->dst_type], *normed = &dm_nconv[t->src_type][t->dst_type];
     const int src_size = ITEMSIZE[t->src_type], dst_size = ITEMSIZE[t->dst_type];
     long long elements = 0;
     int64_t unit_strides[MAX_NDIM];
@@ -386,13 +398,10 @@ static void assemble_decoded(task_t *t) {
         for (; op < t->n_ops && ops[op * width] - t->base == u; op++) {
             if (t->status[u] != OK) continue;
             const int64_t *o = ops + op * width, *tg = targets + o[1] * TARGET_WIDTH(ndim);
-            int64_t n = 1;
-            int boxed = keys != NULL && tg[1 + last] == 1;
-            for (int a = 0; a < ndim; a++) {
-                n *= o[2 + 2 * ndim + a] > 0 ? o[2 + 2 * ndim + a] : 0;
-                boxed = boxed && o[2 + a] >= 0 && o[2 + ndim + a] >= 0;
-            }
+            int64_t n = op_elements(o, ndim);
             if (n == 0) continue;
+            int boxed = keys != NULL && tg[1 + last] == 1;
+            for (int a = 0; a < ndim; a++) boxed = boxed && o[2 + a] >= 0 && o[2 + ndim + a] >= 0;
             elements += n;
             if (boxed) {
                 strip_key *k = &keys[n_keys++];
@@ -406,11 +415,7 @@ static void assemble_decoded(task_t *t) {
                 k->q = op;
                 continue;
             }
-            const conv_t *c = tg[1 + 2 * ndim] ? normed : plain;
-            double nm[2];
-            memcpy(nm, tg + 2 + 2 * ndim, sizeof nm);
-            dm_copy_box(t->views[u].src, unit_shape, ndim, src_size, (char *)(intptr_t)tg[0], tg + 1, dst_size, o + 2, o + 2 + ndim,
-                        o + 2 + 2 * ndim, pool, c->row, c->gather, c->scatter, swap, tg[1 + 2 * ndim] ? nm : NULL);
+            copy_op(t, t->views[u].src, o);
         }
     }
     if (n_keys) qsort(keys, (size_t)n_keys, sizeof *keys, cmp_strip);
@@ -418,10 +423,9 @@ static void assemble_decoded(task_t *t) {
         for (j = i + 1; j < n_keys && keys[j].sample == keys[i].sample && !memcmp(keys[j].rows, keys[i].rows, sizeof keys[i].rows); j++) {
         }
         const int64_t *tg = targets + keys[i].sample * TARGET_WIDTH(ndim), *dst_strides = tg + 1;
-        const conv_t *c = tg[1 + 2 * ndim] ? normed : plain;
         double nm[2];
-        memcpy(nm, tg + 2 + 2 * ndim, sizeof nm);
-        const double *nmp = tg[1 + 2 * ndim] ? nm : NULL;
+        const double *nmp;
+        const conv_t *c = target_conv(t, tg, nm, &nmp);
         char *dst_base = (char *)(intptr_t)tg[0];
         int64_t idx[MAX_NDIM] = {0};
         for (;;) { /* one destination row of the strip: a piece from each copy, left to right */

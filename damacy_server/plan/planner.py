@@ -295,8 +295,7 @@ class ChunkPlanner:
             if not acc:  # only boxes wholly outside the array
                 continue
             rows, units, inverse = acc.rows()
-            hits = _cache_hits(acc.meta, units, cache)
-            hit = None if hits is None else np.fromiter((a is not None for a in hits), dtype=bool, count=len(units))
+            hits, hit = _cache_hits(acc.meta, units, cache)
             locs = self._locate(acc.meta, units, hit)
             total += len(rows)
             unique += len(units)
@@ -376,14 +375,16 @@ class ChunkPlanner:
         )
 
 
-def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) -> list[np.ndarray | None] | None:
-    """Each unit's decoded array from the chunk cache (None: not there); None when no unit is
-    there. Looked up before the units are located: a unit in the cache needs no shard index."""
+def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
+    """Each unit's decoded array from the chunk cache (None: not there) and whether it is
+    there; (None, None) when no unit is. Looked up before the units are located: a unit in the
+    cache needs no shard index."""
     if cache is None or not len(units):
-        return None
+        return None, None
     root = meta.root
     found = cache.get_many([(root, tuple(c)) for c in units.tolist()])
-    return found if any(a is not None for a in found) else None
+    hit = np.fromiter((a is not None for a in found), dtype=bool, count=len(found))
+    return (found, hit) if hit.any() else (None, None)
 
 
 def _part_len(p) -> int:
