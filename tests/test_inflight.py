@@ -16,6 +16,7 @@ from damacy_server.cpu.inflight import InFlight
 from damacy_server.store.file import FileReader
 
 from conftest import random_data, write_array
+from daemon_helpers import wait_for
 
 SHAPE = (16, 32, 32)
 CHUNKS = (4, 16, 16)
@@ -224,4 +225,47 @@ def test_small_units_are_not_shared(volume, monkeypatch):
         for out, box in zip(first + second, BOXES + BOXES):
             assert np.array_equal(out, data[box].astype("f4"))
     finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_units_waited_for_are_copied_together_once_they_arrive(volume, native):
+    """A batch waiting for units another batch decodes copies those that have arrived in one
+    task, not one task each: here every unit arrives before the copy task gets a thread."""
+    uri, data = volume
+    reader = GatedReader()
+    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=1, native=native))
+    copies = []
+    real = executor._copy_cached
+
+    def spy(run, blocks, late, reports=1):
+        copies.append((run, len(late), reports))
+        real(run, blocks, late, reports)
+
+    executor._copy_cached = spy
+    started, hold = threading.Event(), threading.Event()
+
+    def blocker():  # holds the one decode thread until every read has landed
+        started.set()
+        hold.wait(30)
+
+    try:
+        first, done1, err1, refs = run_plan(executor, uri, BOXES[2:])
+        second, done2, err2, _ = run_plan(executor, uri, BOXES[2:])
+        joined = executor.inflight.stats()["joined"]
+        assert joined == refs > 1  # the second batch waits for every unit of the first
+        executor._decode.submit(blocker, priority=-1)
+        assert started.wait(30)
+        reader.gate.set()
+        wait_for(lambda: executor._decode.queued() == refs, what="the first batch's decodes queued")
+        hold.set()
+        wait_all(done1 + done2)
+        assert not err1 and not err2
+        want = data[BOXES[2]].astype("f4")
+        assert np.array_equal(first[0], want) and np.array_equal(second[0], want)
+        waited = [(n, r) for run, n, r in copies if n]
+        assert waited == [(joined, joined)]  # one task copied them all and reported them all
+        assert executor.stats.snapshot()["shared"]["count"] == joined
+    finally:
+        hold.set()
         executor.close()

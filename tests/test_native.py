@@ -581,6 +581,86 @@ def test_every_direct_read_outcome_settles_its_memory_once(tmp_path, monkeypatch
     assert all("internal error: RuntimeError: boom" in str(e) for e in errors)
 
 
+def _thin_sharded(tmp_path):
+    """One shard of 2 x 2 x 2 units of 8 KiB: the units a plane cuts lie a unit apart in it
+    (zarr-python writes a shard's chunks in Morton order), so each is a read of its own when
+    nothing between reads is merged."""
+    data = random_data((8, 64, 64), "uint16", 3)
+    write_array(tmp_path / "t", data, chunks=(4, 32, 32), shards=(8, 64, 64), compressors=[ZstdCodec(level=1)])
+    return str(tmp_path / "t"), data
+
+
+PLANE = ((0, 1), (0, 64), (0, 64))
+
+
+def test_a_sparse_direct_read_reads_the_units_and_not_the_holes(tmp_path):
+    import os
+
+    from damacy_server.cpu import optable
+
+    uri, data = _thin_sharded(tmp_path)
+    meta = damacy.open_array(uri)
+    plan = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0)).plan([damacy.Sample(uri, PLANE)], (1, 64, 64))
+    groups = plan.groups
+    assert len(groups) == 4 and all(b.offset > a.offset + a.length for a, b in zip(groups, groups[1:]))  # holes
+    units = [u for g in groups for u in g.units]
+    start, length = groups[0].offset, groups[-1].offset + groups[-1].length - groups[0].offset
+    kernel = native.kernel_for(meta, np.dtype("f4"))
+    out = np.zeros((1, 64, 64), dtype="f4")
+    targets = native.targets([out], 3)
+    table = optable.build(units)
+    where = (groups[0].key, os.O_RDONLY | os.O_CLOEXEC, None)
+    code, failures, _, nbytes, encoded, elements = native.run_file(kernel, where, start, length, table, targets, None, True)
+    # the bytes read are the units' (each run of adjacent ones a read), not the range's
+    assert code == 0 and failures == [] and nbytes == encoded == sum(u.nbytes for u in units) < length
+    assert elements == out.size and np.array_equal(out, data[:1].astype("f4"))
+    out[...] = 0
+    code, *_ = native.run_file(kernel, where, start, length - 1, table, targets, None, True)  # a unit past the range
+    assert code == -1 and not out.any()
+
+
+def _read_planes(uri, data, executor):
+    pipe = damacy.Pipeline(
+        planner=damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0)),
+        executor=executor,
+        output=damacy.BatchSpec(2, (1, 64, 64), "f32"),
+        on_error="raise",
+    )
+    with pipe:
+        pipe.push([damacy.Sample(uri, ((z, z + 1), (0, 64), (0, 64))) for z in range(8)])
+        for k, batch in enumerate(pipe.batches()):
+            with batch:
+                assert np.array_equal(batch.numpy(), data[2 * k : 2 * k + 2, None].astype("f4"))
+        assert executor.budget.used == executor.budget.slots  # every read's memory returned
+        return pipe.stats()["stages"]
+
+
+def test_reads_of_one_object_apart_are_decoded_in_one_direct_task(tmp_path):
+    uri, data = _thin_sharded(tmp_path)
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    stages = _read_planes(uri, data, executor)
+    # 4 batches of 2 planes, each cutting the 4 units of its half of the shard, a read each
+    assert stages["native"]["count"] == 16
+    assert stages["direct"]["count"] == stages["read"]["count"] == 4
+
+
+def test_reads_made_in_one_task_go_to_the_io_threads_one_by_one_when_not_cached(tmp_path, monkeypatch):
+    uri, data = _thin_sharded(tmp_path)
+    real, sparse_calls = native.run_file, []
+
+    def not_cached_when_sparse(*args):
+        if args[-1]:
+            sparse_calls.append(args)
+            return -1, None, 0, 0, 0, 0
+        return real(*args)
+
+    monkeypatch.setattr(native, "run_file", not_cached_when_sparse)
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    stages = _read_planes(uri, data, executor)
+    assert len(sparse_calls) == 4 and stages["direct"]["count"] == 0
+    assert stages["read"]["count"] == 16 and stages["native"]["count"] == 16
+
+
 def test_corrupt_shard_index_values_are_decode_errors(tmp_path):
     import crc32c
 

@@ -54,3 +54,25 @@ def test_op_table_holds_index_copies_in_the_callers_order(tmp_path):
     out = np.zeros((1, 4, 5, 5), dtype="u2")
     optable.apply(table, decoded, [out[0]])
     assert np.array_equal(out[0], data[np.ix_([19, 3, 3, 0], range(4, 9), [39, 1, 22, 22, 7])])
+
+
+def test_op_table_of_units_in_any_order_numbers_them_as_given(tmp_path):
+    """Units given out of table order (units other batches decoded arrive in any order):
+    unit k of the op table is the k-th given, even when the first and last given are as far
+    apart in the table as a run in order would be."""
+    data = random_data((8, 8, 8), "uint16", 6)
+    write_array(tmp_path / "u", data, chunks=(4, 4, 4), compressors=[ZstdCodec(level=1)])
+    uri = str(tmp_path / "u")
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, ((0, 8), (0, 8), (0, 8)))], (8, 8, 8))
+    units = sorted((u for g in plan.groups for u in g.units), key=lambda u: u.pos)
+    assert len(units) == 8
+    order = [units[0], units[2], units[1], *units[3:]]  # first and last where a run in order has them
+    table = optable.build(order)
+    assert table.ops[:, 0].tolist() == [k for k, u in enumerate(order) for _ in range(u.hi - u.lo)]
+    assert table.spans.tolist() == [u.table.spans[u.pos].tolist() for u in order]
+    decoded = [decode_unit(u.meta, u.meta.store.read(u.key), u.unit, u.key) for u in order]
+    out = np.zeros((1, 8, 8, 8), dtype="u2")
+    optable.apply(table, decoded, [out[0]])
+    assert np.array_equal(out[0], data)
+    run = optable.build(units)  # in table order: a view of the table
+    assert run.base == units[0].pos and np.shares_memory(run.ops, units[0].table.rows)

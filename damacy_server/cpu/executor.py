@@ -96,6 +96,23 @@ class CpuLimits:
         )
 
 
+def _joins(bundle: list[ReadGroup], group: ReadGroup) -> bool:
+    """May ``group`` be read and decoded in the same task as the reads in ``bundle``? Reads of
+    one object, each a byte range, in order, that together decode to at most TASK_BYTES and
+    span at most RUN_FILE_MAX: the units of a thin sample lie a unit or more apart in their
+    shard (chunks in Morton or C order), a read each, and one task per read would cost more
+    in bookkeeping than the decode of a small unit."""
+    first, last = bundle[0], bundle[-1]
+    return (
+        group.key == first.key
+        and first.length >= 0
+        and group.length >= 0
+        and group.offset >= last.offset + last.length
+        and group.offset + group.length - first.offset <= native.RUN_FILE_MAX
+        and sum(u.decoded_nbytes for g in (*bundle, group) for u in g.units) <= TASK_BYTES
+    )
+
+
 def _frozen(arr: np.ndarray) -> np.ndarray:
     """A read-only array holding only its own bytes (a view into a larger read is copied)."""
     base = arr.base
@@ -179,6 +196,7 @@ class CpuExecutor(BudgetedExecutor):
         else:
             run.group_done()  # no copies from the cache
         stop = lambda: cancelled() or self._closed  # noqa: E731
+        bundle: list[ReadGroup] = []  # direct reads of one object, made in one task
         for group in groups:
             need = group.reserve_nbytes
             status = self.budget.reserve(need, stop)
@@ -187,7 +205,10 @@ class CpuExecutor(BudgetedExecutor):
                     self._fetch(run, group, need)
                     continue
                 if self._direct_ok(run, group):
-                    self._decode.submit(self._read_direct, run, group, need, key=key, priority=run.order)
+                    if bundle and not _joins(bundle, group):
+                        self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
+                        bundle = []
+                    bundle.append(group)
                     continue
                 self._io_slots.acquire()
                 self._io.submit(self._read, run, group, need, key=key, priority=run.order)
@@ -203,6 +224,8 @@ class CpuExecutor(BudgetedExecutor):
                     ),
                 )
             run.group_done()
+        if bundle:
+            self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
         run.group_done()
 
     # -- units in flight ------------------------------------------------------------
@@ -240,9 +263,13 @@ class CpuExecutor(BudgetedExecutor):
         """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""
 
         def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
-            if array is not None:
-                self.stats.add("shared", 0.0, bytes_out=array.nbytes)
-                self._copy_cached(run, [], [(u, array)])  # reports the unit done
+            if array is not None:  # copied with the others that arrive meanwhile, in one go
+                with run.lock:
+                    run.arrived.append((u, array))
+                    if run.copying:
+                        return
+                    run.copying = True
+                self._decode.submit(self._copy_arrived, run, key=run.key, priority=run.order)
                 return
             if error is None and not missing:  # abandoned: read it alone
                 self._decode.submit(self._read_alone, run, u, key=run.key, priority=run.order)
@@ -258,6 +285,16 @@ class CpuExecutor(BudgetedExecutor):
                 run.group_done()
 
         return take
+
+    def _copy_arrived(self, run: Run) -> None:
+        """Copy the units other batches decoded for ``run`` since the last such task: one task
+        (and one native call per plan table) for as many as arrived while it was queued, not
+        one per unit (a thin sample waits for tens of units, a windowed epoch for thousands)."""
+        with run.lock:
+            items, run.arrived = run.arrived, []
+            run.copying = False
+        self.stats.add("shared", 0.0, count=len(items), bytes_out=sum(a.nbytes for _, a in items))
+        self._copy_cached(run, [], items, reports=len(items))
 
     def _abandon(self, units: Sequence[UnitJob]) -> None:
         """Units this run registered and did not settle: their waiters read them alone."""
@@ -293,14 +330,17 @@ class CpuExecutor(BudgetedExecutor):
         """Make every copy of unit ``u`` from its decoded array; returns the bytes written."""
         return optable.copy_rows(u.rows, u.table.ndim, u.table.pool, run.views, arr, run.plan.norms)
 
-    def _copy_cached(self, run: Run, blocks: Sequence[CachedUnits], late: list[tuple[UnitJob, np.ndarray]]) -> None:
+    def _copy_cached(
+        self, run: Run, blocks: Sequence[CachedUnits], late: list[tuple[UnitJob, np.ndarray]], reports: int = 1
+    ) -> None:
         """Copy units found in the chunk cache: the plan's (``blocks``, each a plan table's, in
         one native call where the native path applies) and those the cache took after the plan
-        looked (``late``, grouped by table the same way); the rest with numpy."""
+        looked or another batch decoded (``late``, grouped by table the same way); the rest
+        with numpy. Reports ``reports`` of the run's pending items done."""
         t0 = time.perf_counter()
         assembled = count = 0
         by_table: dict[int, list[tuple[UnitJob, np.ndarray]]] = {}
-        for item in late:
+        for item in sorted(late, key=lambda item: item[0].pos):  # in table order: views of it
             by_table.setdefault(id(item[0].table), []).append(item)
         parts: list = [*blocks, *by_table.values()]
         done = 0  # parts whose copies are made
@@ -328,7 +368,7 @@ class CpuExecutor(BudgetedExecutor):
             run.crash([x for part in parts[done:] for x in ([part] if isinstance(part, CachedUnits) else [u for u, _ in part])], e)
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=count, bytes_out=assembled)
-            run.group_done()
+            run.group_done(reports)
 
     def _direct_ok(self, run: Run, group: ReadGroup) -> bool:
         """Should a decode thread try to read this group itself (from the page cache)?"""
@@ -342,10 +382,16 @@ class CpuExecutor(BudgetedExecutor):
             and self.native.kernel(run, group.units) is not None
         )
 
-    def _read_direct(self, run: Run, group: ReadGroup, reserved: int) -> None:
-        """Read, decode and copy a group in one native call when its bytes are in the page
-        cache (no I/O thread, no GIL between the steps); otherwise hand it to the I/O threads."""
+    def _read_direct(self, run: Run, groups: list[ReadGroup]) -> None:
+        """Read, decode and copy reads of one object (see :func:`_joins`) in one native call
+        when their bytes are in the page cache (no I/O thread, no GIL between the steps; of
+        several reads only their units' bytes are read); otherwise hand them to the I/O
+        threads. Each read's memory was reserved (its ``reserve_nbytes``)."""
         finished = True
+        first, last = groups[0], groups[-1]
+        group = first if len(groups) == 1 else ReadGroup(
+            first.key, first.offset, last.offset + last.length - first.offset, [u for g in groups for u in g.units]
+        )
         try:
             if run.cancelled() or self._closed:
                 return
@@ -356,7 +402,9 @@ class CpuExecutor(BudgetedExecutor):
                 finished = False
                 return
             t0 = time.perf_counter()
-            code, read_ns, nbytes, (encoded, decoded, assembled) = self.native.read_file(kernel, run, group, where)
+            code, read_ns, nbytes, (encoded, decoded, assembled) = self.native.read_file(
+                kernel, run, group, where, sparse=len(groups) > 1
+            )
             if code != 0:
                 if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
                     self._direct_missed()
@@ -374,11 +422,12 @@ class CpuExecutor(BudgetedExecutor):
         finally:
             if finished:
                 self._abandon(group.units)
-                self.budget.release(reserved)
-                run.group_done()
-            else:  # the ordinary path reads it, reports errors fully and settles the group
-                self._io_slots.acquire()
-                self._io.submit(self._read, run, group, reserved, key=run.key, priority=run.order)
+                self.budget.release(sum(g.reserve_nbytes for g in groups))
+                run.group_done(len(groups))
+            else:  # the ordinary path reads them, reports errors fully and settles the groups
+                for g in groups:
+                    self._io_slots.acquire()
+                    self._io.submit(self._read, run, g, g.reserve_nbytes, key=run.key, priority=run.order)
 
     def _direct_missed(self) -> None:
         """After many direct reads in a row found their data out of the page cache (or a file

@@ -31,7 +31,7 @@ def build(units: Sequence[Any]) -> OpTable:
     first = units[0]
     table = first.table
     last = units[-1]
-    if last.table is table and last.pos - first.pos == len(units) - 1 and all(u.table is table for u in units):
+    if last.pos - first.pos == len(units) - 1 and all(u.table is table and u.pos == first.pos + k for k, u in enumerate(units)):
         return OpTable(table.rows[first.lo : last.hi], table.ndim, table.pool, first.pos, table.spans[first.pos : last.pos + 1])
     if any(u.table is not table for u in units):
         raise ValueError("an op table holds the units of one plan table")

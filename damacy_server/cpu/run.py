@@ -37,7 +37,7 @@ class Run:
 
     __slots__ = (
         "plan", "views", "errors", "pending", "lock", "on_done", "cancelled", "key", "order", "dtype", "targets",
-        "kernels", "all_normalized",
+        "kernels", "all_normalized", "arrived", "copying",
     )
 
     def __init__(self, plan: BatchPlan, views: list, on_done, cancelled, key, order: int) -> None:
@@ -46,7 +46,7 @@ class Run:
         self.plan = plan
         self.views = views
         self.errors: dict[int, SampleError] = {}
-        self.pending = 0  # reads (and the cached-units task) not yet reported
+        self.pending = 0  # reads, units waited for, and the cached-units task, not yet reported
         self.lock = threading.Lock()
         self.on_done = on_done
         self.cancelled = cancelled
@@ -65,6 +65,10 @@ class Run:
         )
         self.targets: dict[int, np.ndarray] = {}
         self.kernels: dict[int, Any] = {}  # id(meta) -> native kernel or None, for this run
+        # units other batches decoded for this one, waiting to be copied in one go (see
+        # CpuExecutor._waiter), and whether a task to copy them is queued
+        self.arrived: list[tuple[UnitJob, np.ndarray]] = []
+        self.copying = False
 
     def fail(self, samples, err: SampleError) -> None:
         with self.lock:
@@ -79,9 +83,10 @@ class Run:
         err.__cause__ = exc
         self.fail(samples_of(units), err)
 
-    def group_done(self) -> None:
+    def group_done(self, n: int = 1) -> None:
+        """``n`` of the reads (or units waited for) are reported."""
         with self.lock:
-            self.pending -= 1
+            self.pending -= n
             last = self.pending == 0
         if last:
             try:

@@ -69,21 +69,24 @@ class NativeTasks:
         self._cache_kept(units, kept, failures)
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
-    def read_file(self, kernel, run: Run, group: ReadGroup, where) -> tuple[int, int, int, tuple[int, int, int]]:
+    def read_file(
+        self, kernel, run: Run, group: ReadGroup, where, sparse: bool = False
+    ) -> tuple[int, int, int, tuple[int, int, int]]:
         """As :meth:`decode`, reading the group from the page cache in the same call (see
-        :func:`native.run_file`). Returns (code, read_ns, nbytes, (encoded, decoded,
-        assembled)); a non-zero code means nothing was done."""
+        :func:`native.run_file`; ``sparse``: only its units' bytes). Returns (code, read_ns,
+        nbytes, (encoded, decoded, assembled)); a non-zero code means nothing was done."""
         units = group.units
         table, targets = self._tables(run, units)
         kept, keep = self._keep(kernel, units)
         code, failures, read_ns, nbytes, encoded, elements = native.run_file(
-            kernel, where, group.offset, group.length, table, targets, keep
+            kernel, where, group.offset, group.length, table, targets, keep, sparse
         )
         if code != 0:
             return code, read_ns, 0, (0, 0, 0)
         self._cache_kept(units, kept, failures)
         offset = max(group.offset, 0)
-        return 0, read_ns, nbytes, self._done(kernel, run, units, table, failures, encoded, elements, offset, nbytes)
+        data_len = group.length if sparse else nbytes  # the range read, holes and all
+        return 0, read_ns, nbytes, self._done(kernel, run, units, table, failures, encoded, elements, offset, data_len)
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
         """Copy units of one plan table from their decoded arrays (chunk cache entries) in one

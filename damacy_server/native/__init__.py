@@ -210,16 +210,19 @@ def run_file(
     table: OpTable,
     targets: np.ndarray,
     keep: np.ndarray | None = None,
+    sparse: bool = False,
 ) -> tuple[int, list[Failure] | None, int, int, int, int]:
     """As :func:`run`, reading ``length`` bytes at ``offset`` (-1: the whole file) of the file
     ``where`` = (path, open flags, roots) from :meth:`FileStore.direct` first, in the same
     call, only if the page cache holds them, opened by the same rule as ``FileStore.open``.
+    ``sparse``: read only the units' spans in that range (each run of adjacent ones in one
+    read), not the holes between them.
     Returns (code, failures, read_ns, nbytes, encoded, elements): code 0 when done, else -1
     (not cached, short, not a regular file, or the file system cannot read without
     waiting), -2 (larger than RUN_FILE_MAX), -3 (outside the roots) or an errno from open;
     then nothing was copied and the caller reads the ordinary way."""
     path, flags, roots = where
-    code, failures, read_ns, nbytes, encoded, elements = _assemble.run_file(path, flags, roots, offset, length, *_task(kernel, table, targets, keep))
+    code, failures, read_ns, nbytes, encoded, elements = _assemble.run_file(path, flags, roots, offset, length, sparse, *_task(kernel, table, targets, keep))
     return code, None if failures is None else _failures(failures), read_ns, nbytes, encoded, elements
 
 
@@ -259,3 +262,4 @@ def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: OpTable, targe
     :func:`decoded_sources`; the caller keeps the arrays alive through the call)."""
     failures, encoded, elements = _assemble.run_decoded(sources, *_task(kernel, table, targets))
     return _failures(failures), encoded, elements
+

@@ -7,10 +7,11 @@
 #include <unistd.h>
 
 /*
- * run_file(path, flags, roots, offset, length, spans, ops, base, targets, unit_shape, src_type,
- *          dst_type, swap, codec, decoded_nbytes, pool)
+ * run_file(path, flags, roots, offset, length, sparse, spans, ops, base, targets, unit_shape,
+ *          src_type, dst_type, swap, codec, decoded_nbytes, pool)
  * As run, reading bytes [offset, offset + length) of the file at path (length -1: all of it)
- * first, all without the GIL, but only from the page cache: a read that would wait for the
+ * first, or with sparse only the units' spans in it (the holes between them are not read and
+ * not touched), all without the GIL, but only from the page cache: a read that would wait for the
  * device (or that the file system cannot promise not to) is not made. roots (None, or the
  * store's roots as open_checked takes them) applies FileStore.open's rule. Returns
  * (code, failures, read_ns, nbytes, encoded, elements): code 0, the bytes read and the rest as
@@ -19,20 +20,36 @@
  * or an errno from open, with nothing copied: the caller reads the ordinary way, which
  * reports errors fully.
  */
+#ifdef RWF_NOWAIT
+/* Read length bytes at offset into buf, only from the page cache: 0, or -1 when a read would
+ * wait for the device (EAGAIN), is unsupported, fails or ends short. */
+static int read_cached(int fd, char *buf, long long offset, long long length) {
+    long long got = 0;
+    while (got < length) {
+        struct iovec iov = {buf + got, (size_t)(length - got)};
+        ssize_t r = preadv2(fd, &iov, 1, (off_t)(offset + got), RWF_NOWAIT);
+        if (r <= 0) return -1;
+        got += r;
+    }
+    return 0;
+}
+#endif
+
 PyObject *dm_py_run_file(PyObject *self, PyObject *args) {
     PyObject *path_obj;
     int flags;
     const char *roots = NULL;
     Py_ssize_t roots_len = 0;
     long long offset, length;
+    int sparse;
     task_t t;
     memset(&t, 0, sizeof t);
-    if (!PyArg_ParseTuple(args, "O&iz#LL" TASK_FORMAT, PyUnicode_FSConverter, &path_obj, &flags, &roots, &roots_len,
-                          &offset, &length, TASK_ARGS(t)))
+    if (!PyArg_ParseTuple(args, "O&iz#LLp" TASK_FORMAT, PyUnicode_FSConverter, &path_obj, &flags, &roots, &roots_len,
+                          &offset, &length, &sparse, TASK_ARGS(t)))
         return NULL;
     PyObject *result = NULL;
     int code = 0;
-    long long read_ns = 0;
+    long long read_ns = 0, nread = 0;
     if (dm_task_prepare(&t) == 0) {
         const char *path = PyBytes_AS_STRING(path_obj);
         Py_BEGIN_ALLOW_THREADS;
@@ -51,14 +68,33 @@ PyObject *dm_py_run_file(PyObject *self, PyObject *args) {
             }
             if (length > RUN_FILE_MAX) code = -2;
             if (offset >= 0 && length >= 0 && length <= RUN_FILE_MAX && (buf = malloc((size_t)length + 1))) {
-                long long got = 0;
-                while (got < length) {
-                    struct iovec iov = {buf + got, (size_t)(length - got)};
-                    ssize_t r = preadv2(fd, &iov, 1, (off_t)(offset + got), RWF_NOWAIT);
-                    if (r <= 0) break; /* EAGAIN (not cached), unsupported, an error or the end */
-                    got += r;
+                if (!sparse) {
+                    code = read_cached(fd, buf, offset, length);
+                    nread = length;
+                } else { /* each run of adjacent spans in one read, at its place in buf */
+                    const int64_t *spans = (const int64_t *)t.spans.buf;
+                    long long from = 0, to = 0; /* the run being gathered, relative to offset */
+                    code = 0;
+                    for (Py_ssize_t u = 0; u <= t.n_units && code == 0; u++) {
+                        long long a = 0, b = 0;
+                        if (u < t.n_units) {
+                            a = spans[2 * u] - offset;
+                            b = a + spans[2 * u + 1];
+                            if (spans[2 * u + 1] < 0 || a < 0 || b > length) code = -1;
+                            if (code == 0 && a <= to && b >= from && to > from) { /* touches the run: extend it */
+                                if (a < from) from = a;
+                                if (b > to) to = b;
+                                continue;
+                            }
+                        }
+                        if (code == 0 && to > from) {
+                            code = read_cached(fd, buf + from, offset + from, to - from);
+                            nread += to - from;
+                        }
+                        from = a;
+                        to = b;
+                    }
                 }
-                if (got == length) code = 0;
             }
             close(fd);
         }
@@ -73,7 +109,7 @@ PyObject *dm_py_run_file(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS;
         if (code == 0) {
             PyObject *failures = dm_task_failures(&t);
-            if (failures) result = Py_BuildValue("(iNLLLL)", 0, failures, read_ns, length, t.encoded, t.elements);
+            if (failures) result = Py_BuildValue("(iNLLLL)", 0, failures, read_ns, nread, t.encoded, t.elements);
         } else {
             result = Py_BuildValue("(iOLLLL)", code, Py_None, read_ns, 0LL, 0LL, 0LL);
         }
