@@ -148,12 +148,20 @@ def test_a_stride_is_checked_by_the_positions_it_selects(array):
         damacy.read(uri, np.s_[15:])
 
 
-def test_box_rows_are_each_box_cut_by_the_units_it_touches():
-    # boxes become copy rows all at once (numpy); each box's rows are the units it cuts in C
-    # order, with where the piece lies in the unit and in the sample, as a per-box walk says
+@pytest.mark.parametrize("how", ["native", "numpy"])
+def test_box_rows_are_each_box_cut_by_the_units_it_touches(how):
+    # boxes become copy rows all at once (one native pass, or numpy without the native
+    # module); each box's rows are the units it cuts in C order, with where the piece lies in
+    # the unit and in the sample, as a per-box walk says; the distinct units they cut, and
+    # each row's, are np.unique's
     import itertools
 
-    from damacy_server.plan.planner import _box_rows
+    from damacy_server import native
+    from damacy_server.plan import planner
+
+    if how == "native" and not native.available():
+        pytest.skip("the native module is not built")
+    _box_rows = native.box_rows if how == "native" else planner._box_rows_numpy
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -177,6 +185,10 @@ def test_box_rows_are_each_box_cut_by_the_units_it_touches():
             continue
         got = _box_rows(np.array(boxes, dtype=np.int64), shape, unit)
         assert got.tolist() == want
+        grid = tuple(-(-s // u) for s, u in zip(shape, unit))
+        units, inverse = native.unique_units(got, 1, grid) if how == "native" else planner._unique_units_numpy(got, grid)
+        want_units, want_inverse = np.unique(got[:, 1 : 1 + ndim], axis=0, return_inverse=True)
+        assert units.tolist() == want_units.tolist() and inverse.tolist() == want_inverse.reshape(-1).tolist()
 
 
 def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):

@@ -263,3 +263,27 @@ def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: OpTable, targe
     failures, encoded, elements = _assemble.run_decoded(sources, *_task(kernel, table, targets))
     return _failures(failures), encoded, elements
 
+
+# -- the planner's array passes (plan.c) ----------------------------------------------------
+
+
+def box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray | None:
+    """The copy rows of ``boxes`` as :func:`damacy_server.plan.planner._box_rows_numpy` makes
+    them, in one pass; None without the native module (or for a 0-d array)."""
+    if _assemble is None or not shape:
+        return None
+    out = _assemble.box_rows(
+        np.ascontiguousarray(boxes, dtype=np.int64), np.asarray(shape, dtype=np.int64), np.asarray(unit_shape, dtype=np.int64)
+    )
+    return np.frombuffer(out, dtype=np.int64).reshape(-1, 1 + 4 * len(shape))
+
+
+def unique_units(rows: np.ndarray, column: int, grid: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The distinct units (C order) whose coordinates are columns ``column`` on of ``rows``
+    (in a grid of ``grid`` units, fewer than 2**62), and each row's index in them, as
+    ``np.unique`` gives them; None without the native module."""
+    if _assemble is None:
+        return None
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    units, inverse = _assemble.unique_units(rows, rows.shape[1], column, np.asarray(grid, dtype=np.int64))
+    return np.frombuffer(units, dtype=np.int64).reshape(-1, len(grid)), np.frombuffer(inverse, dtype=np.int64)

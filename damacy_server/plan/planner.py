@@ -26,6 +26,7 @@ import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, SampleError
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
 from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads
@@ -153,20 +154,39 @@ class _ArrayRows:
         grid = tuple(-(-s // u) for s, u in zip(self.meta.shape, self.meta.layout.unit_shape))
         if ndim == 0:
             return rows, np.zeros((1, 0), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
-        if math.prod(grid) < 1 << 62:
-            ids = np.ravel_multi_index(tuple(coords.T), grid)
-            uniq, inverse = np.unique(ids, return_inverse=True)
-            units = np.stack(np.unravel_index(uniq, grid), axis=1).astype(np.int64, copy=False)
-        else:
+        if math.prod(grid) >= 1 << 62:
             units, inverse = np.unique(coords, axis=0, return_inverse=True)
-        return rows, units, inverse.reshape(-1)
+            return rows, units, inverse.reshape(-1)
+        units, inverse = _unique_units(rows, grid)
+        return rows, units, inverse
 
 
 def _box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray:
     """The rows of boxes (per box: sample, starts, stops; each reaching into the array), as
     :meth:`_ArrayRows.add` makes them for one sample: per box the units it cuts in C order,
     each row the sample, then per axis the unit coordinate, source start, destination start
-    and extent (columns ``1 + a + k * ndim``)."""
+    and extent (columns ``1 + a + k * ndim``). In one native pass where the native module is
+    built (numpy takes tens of calls, each costing more than the rows of a batch)."""
+    rows = native.box_rows(boxes, shape, unit_shape)
+    return rows if rows is not None else _box_rows_numpy(boxes, shape, unit_shape)
+
+
+def _unique_units(rows: np.ndarray, grid: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct units of ``rows`` (coordinates in columns 1 to ndim, in a grid of fewer
+    than 2**62 units), in C order, and each row's index in them."""
+    found = native.unique_units(rows, 1, grid)
+    return found if found is not None else _unique_units_numpy(rows, grid)
+
+
+def _unique_units_numpy(rows: np.ndarray, grid: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_unique_units` with numpy (no native module)."""
+    ids = np.ravel_multi_index(tuple(rows[:, 1 : 1 + len(grid)].T), grid)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return np.stack(np.unravel_index(uniq, grid), axis=1).astype(np.int64, copy=False), inverse.reshape(-1)
+
+
+def _box_rows_numpy(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray:
+    """:func:`_box_rows` with numpy (no native module)."""
     ndim = len(shape)
     starts, stops = boxes[:, 1 : 1 + ndim], boxes[:, 1 + ndim :]
     size, unit = np.asarray(shape, dtype=np.int64), np.asarray(unit_shape, dtype=np.int64)

@@ -1,0 +1,174 @@
+#include "native.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/*
+ * The two array passes of the planner that numpy makes in tens of calls (each costing more
+ * than the work for the hundreds of rows a batch has): the rows of a batch's boxes, and the
+ * distinct units those rows cut. plan/planner.py keeps the numpy forms they equal, for
+ * builds without a compiler.
+ */
+
+static int int64_args(Py_buffer *b, Py_ssize_t width, const char *what) {
+    if (b->len % (Py_ssize_t)(sizeof(int64_t) * (size_t)width)) {
+        PyErr_Format(PyExc_ValueError, "%s: not whole rows of %zd int64", what, width);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * box_rows(boxes, shape, unit_shape): boxes is int64 (n, 1 + 2 * ndim): per box its sample,
+ * then each axis' start, then each axis' stop, every box reaching into the array on every
+ * axis. Returns a bytearray of int64 rows (total, 1 + 4 * ndim): per box the units it cuts
+ * in C order, each row the sample, then per axis the unit coordinate, the source start (in
+ * the unit), the destination start (in the sample) and the extent.
+ */
+PyObject *dm_py_box_rows(PyObject *self, PyObject *args) {
+    Py_buffer boxes, shape, unit;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &boxes, &shape, &unit)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t ndim = shape.len / (Py_ssize_t)sizeof(int64_t);
+    if (ndim < 1 || ndim > MAX_NDIM || shape.len != ndim * (Py_ssize_t)sizeof(int64_t) || unit.len != shape.len) {
+        PyErr_SetString(PyExc_ValueError, "box_rows: shape and unit shape need 1 to 8 int64 each");
+        goto done;
+    }
+    if (int64_args(&boxes, 1 + 2 * ndim, "box_rows") < 0) goto done;
+    const int64_t *b = boxes.buf, *size = shape.buf, *us = unit.buf;
+    Py_ssize_t n = boxes.len / (Py_ssize_t)sizeof(int64_t) / (1 + 2 * ndim), width = 1 + 4 * ndim;
+    for (Py_ssize_t a = 0; a < ndim; a++) {
+        if (us[a] < 1 || size[a] < 1) {
+            PyErr_SetString(PyExc_ValueError, "box_rows: a unit or array axis of length < 1");
+            goto done;
+        }
+    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *box = b + i * (1 + 2 * ndim);
+        int64_t per = 1;
+        for (Py_ssize_t a = 0; a < ndim; a++) {
+            int64_t lo = box[1 + a] > 0 ? box[1 + a] : 0, hi = box[1 + ndim + a] < size[a] ? box[1 + ndim + a] : size[a];
+            if (hi <= lo) {
+                PyErr_Format(PyExc_ValueError, "box_rows: box %zd does not reach into the array on axis %zd", i, a);
+                goto done;
+            }
+            per *= (hi - 1) / us[a] - lo / us[a] + 1; /* at most size: no overflow for real arrays */
+        }
+        total += per;
+        if (total > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t) / width) {
+            PyErr_SetString(PyExc_MemoryError, "box_rows: too many rows");
+            goto done;
+        }
+    }
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)total * width * (Py_ssize_t)sizeof(int64_t));
+    if (!out) goto done;
+    int64_t *r = (int64_t *)PyByteArray_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *box = b + i * (1 + 2 * ndim);
+        int64_t lo[MAX_NDIM], hi[MAX_NDIM], first[MAX_NDIM], last[MAX_NDIM], at[MAX_NDIM];
+        for (Py_ssize_t a = 0; a < ndim; a++) {
+            lo[a] = box[1 + a] > 0 ? box[1 + a] : 0;
+            hi[a] = box[1 + ndim + a] < size[a] ? box[1 + ndim + a] : size[a];
+            first[a] = at[a] = lo[a] / us[a];
+            last[a] = (hi[a] - 1) / us[a];
+        }
+        for (;;) { /* the units of the box, last axis fastest */
+            r[0] = box[0];
+            for (Py_ssize_t a = 0; a < ndim; a++) {
+                int64_t begin = at[a] * us[a], a0 = lo[a] > begin ? lo[a] : begin;
+                int64_t end = hi[a] < begin + us[a] ? hi[a] : begin + us[a];
+                r[1 + a] = at[a];
+                r[1 + ndim + a] = a0 - begin;
+                r[1 + 2 * ndim + a] = a0 - box[1 + a];
+                r[1 + 3 * ndim + a] = end - a0;
+            }
+            r += width;
+            Py_ssize_t a = ndim - 1;
+            while (a >= 0 && ++at[a] > last[a]) {
+                at[a] = first[a];
+                a--;
+            }
+            if (a < 0) break;
+        }
+    }
+done:
+    PyBuffer_Release(&boxes);
+    PyBuffer_Release(&shape);
+    PyBuffer_Release(&unit);
+    return out;
+}
+
+typedef struct {
+    int64_t id;
+    int64_t row;
+} id_row;
+
+static int cmp_id_row(const void *pa, const void *pb) {
+    const id_row *x = pa, *y = pb;
+    if (x->id != y->id) return x->id < y->id ? -1 : 1;
+    return x->row < y->row ? -1 : x->row > y->row;
+}
+
+/*
+ * unique_units(rows, width, column, grid): rows is int64 (n, width) whose columns column to
+ * column + ndim - 1 hold a unit's coordinates in a grid of units ``grid`` (int64, ndim;
+ * every coordinate inside it, the grid's size below 2**62). Returns (units, inverse) as
+ * bytearrays of int64: the distinct units (m, ndim) in C order, and each row's index in them.
+ */
+PyObject *dm_py_unique_units(PyObject *self, PyObject *args) {
+    Py_buffer rows, grid;
+    Py_ssize_t width, column;
+    if (!PyArg_ParseTuple(args, "y*nny*", &rows, &width, &column, &grid)) return NULL;
+    PyObject *units = NULL, *inverse = NULL, *result = NULL;
+    id_row *ids = NULL;
+    Py_ssize_t ndim = grid.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *g = grid.buf, *r = rows.buf;
+    if (ndim < 1 || ndim > MAX_NDIM || width < 1 || column < 0 || column + ndim > width) {
+        PyErr_SetString(PyExc_ValueError, "unique_units: the coordinates are not inside a row");
+        goto done;
+    }
+    if (int64_args(&rows, width, "unique_units") < 0) goto done;
+    Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t) / width;
+    ids = malloc(sizeof *ids * (size_t)(n ? n : 1));
+    if (!ids) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = 0;
+        for (Py_ssize_t a = 0; a < ndim; a++) {
+            int64_t c = r[i * width + column + a];
+            if (c < 0 || c >= g[a]) {
+                PyErr_Format(PyExc_ValueError, "unique_units: row %zd's unit is outside the grid on axis %zd", i, a);
+                goto done;
+            }
+            id = id * g[a] + c;
+        }
+        ids[i].id = id;
+        ids[i].row = i;
+    }
+    qsort(ids, (size_t)n, sizeof *ids, cmp_id_row);
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) m += i == 0 || ids[i].id != ids[i - 1].id;
+    units = PyByteArray_FromStringAndSize(NULL, m * ndim * (Py_ssize_t)sizeof(int64_t));
+    inverse = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (!units || !inverse) goto done;
+    int64_t *u = (int64_t *)PyByteArray_AS_STRING(units), *inv = (int64_t *)PyByteArray_AS_STRING(inverse);
+    Py_ssize_t k = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == 0 || ids[i].id != ids[i - 1].id) {
+            k++;
+            memcpy(u + k * ndim, r + ids[i].row * width + column, sizeof(int64_t) * (size_t)ndim);
+        }
+        inv[ids[i].row] = k;
+    }
+    result = PyTuple_Pack(2, units, inverse);
+done:
+    free(ids);
+    Py_XDECREF(units);
+    Py_XDECREF(inverse);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&grid);
+    return result;
+}
