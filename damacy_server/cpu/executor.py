@@ -96,12 +96,12 @@ class CpuLimits:
         )
 
 
-def _joins(bundle: list[ReadGroup], group: ReadGroup) -> bool:
-    """May ``group`` be read and decoded in the same task as the reads in ``bundle``? Reads of
-    one object, each a byte range, in order, that together decode to at most TASK_BYTES and
-    span at most RUN_FILE_MAX: the units of a thin sample lie a unit or more apart in their
-    shard (chunks in Morton or C order), a read each, and one task per read would cost more
-    in bookkeeping than the decode of a small unit."""
+def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int) -> bool:
+    """May ``group`` be read and decoded in the same task as the reads in ``bundle``, all of
+    them decoding to ``decoded`` bytes? Reads of one object, each a byte range, in order, that
+    together decode to at most TASK_BYTES and span at most RUN_FILE_MAX: the units of a thin
+    sample lie a unit or more apart in their shard (chunks in Morton or C order), a read each,
+    and one task per read would cost more in bookkeeping than the decode of a small unit."""
     first, last = bundle[0], bundle[-1]
     return (
         group.key == first.key
@@ -109,7 +109,7 @@ def _joins(bundle: list[ReadGroup], group: ReadGroup) -> bool:
         and group.length >= 0
         and group.offset >= last.offset + last.length
         and group.offset + group.length - first.offset <= native.RUN_FILE_MAX
-        and sum(u.decoded_nbytes for g in (*bundle, group) for u in g.units) <= TASK_BYTES
+        and decoded <= TASK_BYTES
     )
 
 
@@ -197,6 +197,7 @@ class CpuExecutor(BudgetedExecutor):
             run.group_done()  # no copies from the cache
         stop = lambda: cancelled() or self._closed  # noqa: E731
         bundle: list[ReadGroup] = []  # direct reads of one object, made in one task
+        bundled = 0  # the bytes their units decode to
         for group in groups:
             need = group.reserve_nbytes
             status = self.budget.reserve(need, stop)
@@ -205,10 +206,12 @@ class CpuExecutor(BudgetedExecutor):
                     self._fetch(run, group, need)
                     continue
                 if self._direct_ok(run, group):
-                    if bundle and not _joins(bundle, group):
+                    decoded = sum(u.decoded_nbytes for u in group.units)
+                    if bundle and not _joins(bundle, group, bundled + decoded):
                         self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
-                        bundle = []
+                        bundle, bundled = [], 0
                     bundle.append(group)
+                    bundled += decoded
                     continue
                 self._io_slots.acquire()
                 self._io.submit(self._read, run, group, need, key=key, priority=run.order)
