@@ -24,6 +24,12 @@ def _say_once(what: str) -> None:
         log.info("damacy: %s", what)
 
 
+#: how long Pipeline() waits for the node's damacyd to answer once a process listens on its
+#: socket: a daemon busy serving ranks may take a while, and a rank that gave up on it would
+#: read on its own, with memory of its own; a socket nobody listens on is told at once
+NODE_PING_S = 5.0
+
+
 def _node_daemon() -> str | None:
     """The node's default endpoint when a damacyd answers there (in a folder of this user's
     own), else None."""
@@ -38,9 +44,28 @@ def _node_daemon() -> str | None:
     except InvalidArgument as e:
         _say_once(f"not using the socket at {path}: {e}")
         return None
+    if not _listening(path):  # left by a daemon that is gone
+        return None
     from damacy_runtime.probe import ping
 
-    return endpoint if ping(endpoint, 0.5) else None
+    if ping(endpoint, NODE_PING_S):
+        return endpoint
+    _say_once(f"a process listens on {path} but did not answer a ping in {NODE_PING_S:g} s")
+    return None
+
+
+def _listening(path: str) -> bool:
+    """Does a process accept connections on the unix socket at ``path``? (refused at once
+    when none does)"""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(NODE_PING_S)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 class _AnyPipeline(type):

@@ -494,3 +494,48 @@ def test_json_logs_name_slow_batches_and_reclaimed_clients(tmp_path_factory, dat
         if client is not None and client.poll() is None:
             client.kill()
         assert d.stop() == 0, d.log_path.read_text()
+
+
+@pytest.mark.node_daemon
+def test_a_busy_node_daemon_is_still_found_and_a_dead_socket_passed_over_at_once(monkeypatch):
+    # the node's socket in a folder of this test's own (a short path: unix sockets take 107 bytes)
+    import socket
+    import tempfile
+    import threading
+
+    from damacy import pipeline
+    from damacy_runtime import endpoint as endpoints
+    from damacy_runtime import probe
+
+    with tempfile.TemporaryDirectory(prefix="dmc") as folder:
+        path = os.path.join(folder, "damacyd.sock")
+        monkeypatch.setattr(endpoints, "node_endpoint", lambda: f"ipc://{path}")
+        pings = []
+        real_ping = probe.ping
+        monkeypatch.setattr(probe, "ping", lambda *a, **k: pings.append(a) or real_ping(*a, **k))
+        # a socket file whose daemon is gone: nobody listens, nothing is pinged
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+            dead.bind(path)
+        assert os.path.exists(path) and pipeline._node_daemon() is None and pings == []
+        os.unlink(path)
+        # a daemon that answers only after a second (busy serving ranks): found
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(f"ipc://{path}")
+        answered = threading.Event()
+
+        def answer_late():
+            if router.poll(30_000):
+                peer, *_ = router.recv_multipart()
+                time.sleep(1.0)  # the daemon's delay, not a wait for a condition
+                router.send_multipart([peer, b"pong"])
+                answered.set()
+
+        t = threading.Thread(target=answer_late, daemon=True)
+        t.start()
+        try:
+            assert pipeline._node_daemon() == f"ipc://{path}" and len(pings) == 1
+            assert answered.is_set()
+        finally:
+            t.join(30)
+            router.close(0)
