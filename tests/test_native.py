@@ -661,6 +661,32 @@ def test_reads_made_in_one_task_go_to_the_io_threads_one_by_one_when_not_cached(
     assert stages["read"]["count"] == 16 and stages["native"]["count"] == 16
 
 
+def test_a_shard_cut_short_under_a_task_of_reads_fails_the_sample_and_returns_its_memory(tmp_path):
+    # the shard index is cached from a first batch; then the file is cut inside the units a
+    # second plane cuts: the task's reads come short, each read goes to the I/O threads, and
+    # the sample fails naming the truncation
+    uri, data = _thin_sharded(tmp_path)
+    shard = tmp_path / "t" / "c" / "0" / "0" / "0"
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    planner = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0))
+    pipe = damacy.Pipeline(planner=planner, executor=executor, output=damacy.BatchSpec(1, (1, 64, 64), "f32"), on_error="fill")
+    with pipe:
+        pipe.push([damacy.Sample(uri, PLANE)])
+        with pipe.pop() as b:
+            assert not b.info.errors and np.array_equal(b.numpy()[0], data[:1].astype("f4"))
+        deep = planner.plan([damacy.Sample(uri, ((4, 5), (0, 64), (0, 64)))], (1, 64, 64)).groups
+        assert len(deep) == 4
+        with open(shard, "r+b") as f:
+            f.truncate(deep[-1].offset + deep[-1].length // 2)
+        pipe.push([damacy.Sample(uri, ((4, 5), (0, 64), (0, 64)))])
+        with pipe.pop() as b:
+            (_, err), = b.info.errors
+        assert executor.budget.used == executor.budget.slots
+    assert isinstance(err, damacy.DecodeError) and "truncated" in str(err), err
+    stages = pipe.stats()["stages"]
+    assert stages["direct"]["count"] == 1 and stages["read"]["count"] == 1 + 4  # the task's reads, one by one
+
+
 def test_corrupt_shard_index_values_are_decode_errors(tmp_path):
     import crc32c
 
