@@ -795,3 +795,38 @@ def test_cached_units_are_copied_in_the_destinations_order_for_every_kind_of_sam
                 assert np.array_equal(got, np.asarray(w, dtype=np.float32)), rnd
         hits = p.stats()["chunk_cache"]["hits"]
     assert sum(calls) > 0 and hits >= sum(calls)
+
+
+def test_a_run_sends_the_reads_it_holds_before_it_waits_for_memory(tmp_path):
+    # room in flight for two of a plane's four reads: the run must send the two it bundled
+    # before it waits for room for the third, or it waits for memory only it holds
+    import threading
+    import time
+
+    uri, data = _thin_sharded(tmp_path)
+    plan = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0)).plan([damacy.Sample(uri, PLANE)], (1, 64, 64))
+    assert len(plan.groups) == 4
+    need = max(g.reserve_nbytes for g in plan.groups)
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=2 * need, decode_workers=1))
+    out = np.zeros((1, 64, 64), dtype="f4")
+    done, gave_up, errors = threading.Event(), threading.Event(), {}
+    deadline = time.monotonic() + 30
+
+    def cancelled():
+        if time.monotonic() > deadline:
+            gave_up.set()
+        return gave_up.is_set()
+
+    def finished(errs):
+        errors.update(errs)
+        done.set()
+
+    try:
+        executor.execute(plan, [out], finished, cancelled)
+        assert done.wait(60) and not gave_up.is_set() and not errors
+        assert np.array_equal(out, data[:1].astype("f4"))
+        stages = executor.stats.snapshot()
+        assert stages["native"]["count"] == 4 and stages["direct"]["count"] >= 2
+        assert executor.budget.used == 0
+    finally:
+        executor.close()

@@ -200,7 +200,13 @@ class CpuExecutor(BudgetedExecutor):
         bundled = 0  # the bytes their units decode to
         for group in groups:
             need = group.reserve_nbytes
-            status = self.budget.reserve(need, stop)
+            if bundle and self.budget.try_reserve(need):
+                status = Reservation.TAKEN
+            else:
+                if bundle:  # before waiting for memory: the reads held here free theirs once made
+                    self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
+                    bundle, bundled = [], 0
+                status = self.budget.reserve(need, stop)
             if status is Reservation.TAKEN:
                 if is_remote(group.key):
                     self._fetch(run, group, need)

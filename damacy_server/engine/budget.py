@@ -92,6 +92,14 @@ class MemoryBudget:
                     return Reservation.CANCELLED
                 self._cond.wait(0.05)
 
+    def try_reserve(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of room in flight if there is room now (never waits)."""
+        with self._cond:
+            if nbytes > self.capacity or self.used + nbytes > self.total:
+                return False
+            self._take(nbytes)
+            return True
+
     def _take(self, nbytes: int) -> None:
         self.used += nbytes
         self.peak = max(self.peak, self.used)
