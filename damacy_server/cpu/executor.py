@@ -272,7 +272,11 @@ class CpuExecutor(BudgetedExecutor):
         """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""
 
         def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
-            if array is not None:  # copied with the others that arrive meanwhile, in one go
+            if array is not None and not self._cached(u, array):  # copied now: its memory goes with the owner's task
+                self.stats.add("shared", 0.0, bytes_out=array.nbytes)
+                self._copy_cached(run, [], [(u, array)])  # reports the unit done
+                return
+            if array is not None:  # a cache entry: copied with the others that arrive meanwhile
                 with run.lock:
                     run.arrived.append((u, array))
                     if run.copying:
@@ -295,10 +299,17 @@ class CpuExecutor(BudgetedExecutor):
 
         return take
 
+    def _cached(self, u: UnitJob, array: np.ndarray) -> bool:
+        """Is ``array`` the chunk cache's entry for ``u`` (memory the cache accounts for)? A
+        unit's array that is not stays within the memory budget only while its owner's task
+        holds it, so it is copied then, not queued."""
+        return self.chunk_cache is not None and self.chunk_cache.peek((u.meta.root, u.unit)) is array
+
     def _copy_arrived(self, run: Run) -> None:
-        """Copy the units other batches decoded for ``run`` since the last such task: one task
-        (and one native call per plan table) for as many as arrived while it was queued, not
-        one per unit (a thin sample waits for tens of units, a windowed epoch for thousands)."""
+        """Copy the units other batches decoded for ``run`` into the chunk cache since the last
+        such task: one task (and one native call per plan table) for as many as arrived while
+        it was queued, not one per unit (a thin sample waits for tens of units, a windowed
+        epoch for thousands)."""
         with run.lock:
             items, run.arrived = run.arrived, []
             run.copying = False

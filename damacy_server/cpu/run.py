@@ -65,7 +65,7 @@ class Run:
         )
         self.targets: dict[int, np.ndarray] = {}
         self.kernels: dict[int, Any] = {}  # id(meta) -> native kernel or None, for this run
-        # units other batches decoded for this one, waiting to be copied in one go (see
+        # units other batches decoded into the chunk cache for this one, waiting to be copied in one go (see
         # CpuExecutor._waiter), and whether a task to copy them is queued
         self.arrived: list[tuple[UnitJob, np.ndarray]] = []
         self.copying = False
