@@ -198,24 +198,28 @@ class CpuExecutor(BudgetedExecutor):
         stop = lambda: cancelled() or self._closed  # noqa: E731
         bundle: list[ReadGroup] = []  # direct reads of one object, made in one task
         bundled = 0  # the bytes their units decode to
+
+        def send() -> None:
+            nonlocal bundle, bundled
+            self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
+            bundle, bundled = [], 0
+
         for group in groups:
             need = group.reserve_nbytes
             if bundle and self.budget.try_reserve(need):
                 status = Reservation.TAKEN
             else:
                 if bundle:  # before waiting for memory: the reads held here free theirs once made
-                    self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
-                    bundle, bundled = [], 0
+                    send()
                 status = self.budget.reserve(need, stop)
             if status is Reservation.TAKEN:
                 if is_remote(group.key):
                     self._fetch(run, group, need)
                     continue
                 if self._direct_ok(run, group):
-                    decoded = sum(u.decoded_nbytes for u in group.units)
+                    decoded = group.decoded_nbytes
                     if bundle and not _joins(bundle, group, bundled + decoded):
-                        self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
-                        bundle, bundled = [], 0
+                        send()
                     bundle.append(group)
                     bundled += decoded
                     continue
@@ -234,7 +238,7 @@ class CpuExecutor(BudgetedExecutor):
                 )
             run.group_done()
         if bundle:
-            self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
+            send()
         run.group_done()
 
     # -- units in flight ------------------------------------------------------------
@@ -272,12 +276,12 @@ class CpuExecutor(BudgetedExecutor):
         """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""
 
         def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
-            if array is not None and not self._cached(u, array):  # copied now: its memory goes with the owner's task
-                self.stats.add("shared", 0.0, bytes_out=array.nbytes)
-                self._copy_cached(run, [], [(u, array)])  # reports the unit done
-                return
-            if array is not None:  # a cache entry: copied with the others that arrive meanwhile
-                with run.lock:
+            if array is not None:
+                if not self._cached(u, array):  # copied now: its memory goes with the owner's task
+                    self.stats.add("shared", 0.0, bytes_out=array.nbytes)
+                    self._copy_cached(run, [], [(u, array)])  # reports the unit done
+                    return
+                with run.lock:  # a cache entry: copied with the others that arrive meanwhile
                     run.arrived.append((u, array))
                     if run.copying:
                         return
@@ -568,7 +572,7 @@ class CpuExecutor(BudgetedExecutor):
                     size = 0
                 tasks[-1].append(u)
                 size += u.decoded_nbytes
-            state = GroupState(len(tasks), reserved - sum(u.decoded_nbytes for u in group.units))
+            state = GroupState(len(tasks), reserved - group.decoded_nbytes)
             view = memoryview(data)
             for units in tasks:
                 self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key, priority=run.order)

@@ -113,7 +113,6 @@ int dm_task_prepare(task_t *t);
 void dm_task_locate(task_t *t, const char *data, Py_ssize_t data_len, long long data_offset);
 void dm_task_assemble(task_t *t);
 PyObject *dm_task_failures(task_t *t);
-PyObject *dm_task_run(task_t *t);
 PyObject *dm_py_run(PyObject *self, PyObject *args);
 PyObject *dm_py_run_decoded(PyObject *self, PyObject *args);
 

@@ -486,10 +486,11 @@ PyObject *dm_task_failures(task_t *t) {
     return result;
 }
 
-/* Assemble a prepared, located task without the GIL; (failures, encoded, elements) or NULL. */
-PyObject *dm_task_run(task_t *t) {
+/* Assemble a prepared, located task without the GIL (decoding it, or copying units already
+ * decoded); (failures, encoded, elements) or NULL. */
+static PyObject *task_run(task_t *t, void (*assemble)(task_t *)) {
     Py_BEGIN_ALLOW_THREADS;
-    dm_task_assemble(t);
+    assemble(t);
     Py_END_ALLOW_THREADS;
     PyObject *failures = dm_task_failures(t);
     return failures ? Py_BuildValue("(NLL)", failures, t->encoded, t->elements) : NULL;
@@ -525,7 +526,7 @@ PyObject *dm_py_run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "a negative data offset");
     } else if (dm_task_prepare(&t) == 0) {
         dm_task_locate(&t, (const char *)data_buf.buf, data_buf.len, data_offset);
-        result = dm_task_run(&t);
+        result = task_run(&t, dm_task_assemble);
     }
     dm_task_release(&t);
     PyBuffer_Release(&data_buf);
@@ -553,11 +554,7 @@ PyObject *dm_py_run_decoded(PyObject *self, PyObject *args) {
                 t.views[u].src = (const char *)(intptr_t)src[u];
                 t.views[u].src_len = src[u] ? t.decoded_nbytes : 0;
             }
-            Py_BEGIN_ALLOW_THREADS;
-            assemble_decoded(&t);
-            Py_END_ALLOW_THREADS;
-            PyObject *failures = dm_task_failures(&t);
-            result = failures ? Py_BuildValue("(NLL)", failures, t.encoded, t.elements) : NULL;
+            result = task_run(&t, assemble_decoded);
         }
     }
     dm_task_release(&t);

@@ -46,9 +46,14 @@ class ReadGroup:
     units: list[UnitJob]
 
     @property
+    def decoded_nbytes(self) -> int:
+        """The bytes its units decode to."""
+        return sum(u.decoded_nbytes for u in self.units)
+
+    @property
     def reserve_nbytes(self) -> int:
         """Memory this read needs while in flight: its bytes plus its decoded units."""
-        decoded = sum(u.decoded_nbytes for u in self.units)
+        decoded = self.decoded_nbytes
         encoded = self.length if self.length >= 0 else decoded + decoded // 64 + 4096
         return encoded + decoded
 
