@@ -522,20 +522,21 @@ def test_a_busy_node_daemon_is_still_found_and_a_dead_socket_passed_over_at_once
         router = zmq.Context.instance().socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(f"ipc://{path}")
-        answered = threading.Event()
+        # set before the answer goes out: the client can take the pong before this thread runs on
+        answering = threading.Event()
 
         def answer_late():
             if router.poll(30_000):
                 peer, *_ = router.recv_multipart()
                 time.sleep(1.0)  # the daemon's delay, not a wait for a condition
+                answering.set()
                 router.send_multipart([peer, b"pong"])
-                answered.set()
 
         t = threading.Thread(target=answer_late, daemon=True)
         t.start()
         try:
             assert pipeline._node_daemon() == f"ipc://{path}" and len(pings) == 1
-            assert answered.is_set()
+            assert answering.is_set()  # found by the late answer, not by anything before it
         finally:
             t.join(30)
             router.close(0)
