@@ -212,7 +212,7 @@ class RangeServer:
 
     ``fail[path] = [500, 500]`` answers the next requests for ``path`` with those statuses
     first; a path in ``stall`` is answered only once ``release`` is set. ``requests`` logs
-    (method, path, status) of every request answered or stalled, ``ranges`` (path, Range
+    (method, path, status) of every request answered (before its answer goes) or stalled, ``ranges`` (path, Range
     header) of every GET; ``suffix_peak`` is the most suffix-range requests (``bytes=-n``: shard indexes at the end) in flight at once."""
 
     def __init__(self, root: Path) -> None:
@@ -234,21 +234,30 @@ class RangeServer:
                 pass
 
             def do_HEAD(self) -> None:
+                self._suffix = False
                 self._answer(body=False)
 
             def do_GET(self) -> None:
-                suffix = (self.headers.get("Range") or "").strip().startswith("bytes=-")
+                self._suffix = (self.headers.get("Range") or "").strip().startswith("bytes=-")
                 with server.lock:
                     server.ranges.append((unquote(urlsplit(self.path).path), (self.headers.get("Range") or "").strip()))
-                    server.suffix_inflight += suffix
+                    server.suffix_inflight += self._suffix
                     server.suffix_peak = max(server.suffix_peak, server.suffix_inflight)
                 try:
                     self._answer(body=True)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (a timeout under test)
                 finally:
-                    with server.lock:
-                        server.suffix_inflight -= suffix
+                    self._log(None, None)  # no longer in flight, if not said already
+
+            def _log(self, path: str | None, status: int | None) -> None:
+                # logged, and out of flight, before the answer goes: a client that holds the
+                # answer finds it in ``requests``, and its next request never counts this one
+                with server.lock:
+                    if path is not None:
+                        server.requests.append((self.command, path, status))
+                    server.suffix_inflight -= self._suffix
+                    self._suffix = False
 
             def _answer(self, body: bool) -> None:
                 path = unquote(urlsplit(self.path).path)
@@ -280,6 +289,7 @@ class RangeServer:
                     if start >= len(data):
                         return self._status(416, path)
                     code = 206
+                self._log(path, code)
                 self.send_response(code)
                 self.send_header("Content-Length", str(end - start))
                 self.send_header("Accept-Ranges", "bytes")
@@ -288,15 +298,12 @@ class RangeServer:
                 self.end_headers()
                 if body:
                     self.wfile.write(data[start:end])
-                with server.lock:
-                    server.requests.append((self.command, path, code))
 
             def _status(self, status: int, path: str) -> None:
+                self._log(path, status)
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
-                with server.lock:
-                    server.requests.append((self.command, path, status))
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +134,7 @@ def test_close_wakes_the_connection_thread(daemon, data, monkeypatch):
         pass
     thread = pipe._conn._thread
     pipe.close()
+    thread.join(30)  # woken by close, it ends at once; left in its poll, it would outlast this wait
     assert not thread.is_alive()
 
 
@@ -148,13 +150,13 @@ def test_killed_clients_are_reclaimed(tmp_path, data):
             client.wait()
         wait_for(
             lambda: not [x for x in stats(proc.endpoint)["sessions"] if not x.get("control")],
-            timeout=20,
+            timeout=60,
             what="dead sessions to be reclaimed",
         )
         # the slots are unmapped and their bytes returned once no task writes into them
         wait_for(
             lambda: stats(proc.endpoint)["memory"]["in_use_bytes"] == base,
-            timeout=20,
+            timeout=60,
             what="the dead sessions' memory to return to the budget",
         )
         assert stats(proc.endpoint)["memory"]["retiring_slot_bytes"] == 0
@@ -179,11 +181,10 @@ def test_killed_daemon_is_reported_and_replaced(tmp_path, data):
     pipe.pop().release()
     dead_pid = proc.pid
     proc.kill()
-    t0 = time.monotonic()
-    with pytest.raises(damacy.DaemonUnavailable):
+    # the loss is noticed by the heartbeats: a pop that waited out its timeout would raise TimeoutError
+    with pytest.raises(damacy.DaemonUnavailable, match=f"damacyd at {re.escape(proc.endpoint)} stopped answering"):
         while True:  # batches already delivered may still come; then the loss shows
             pipe.pop().release()
-    assert time.monotonic() - t0 < 10
     pipe.close()
     # a segment left by a dead daemon (as if it died before its client mapped it)
     stale = Path("/dev/shm") / f"damacy-{dead_pid}-deadbeef0000-0"
@@ -266,7 +267,7 @@ def test_malformed_messages_get_an_error_and_the_daemon_goes_on(daemon):
             (m.encode(m.Pop(id=4)), "UnknownSession", "before hello"),
         ]:
             sock.send(payload)
-            assert sock.poll(5000), "no reply"
+            assert sock.poll(60_000), "no reply"
             reply = m.decode_daemon(sock.recv())
             assert isinstance(reply, m.Failed) and reply.error.kind == kind and words in reply.error.reason, reply
         sock.send_multipart([b"", b"three", b"frames"])  # not even our framing
@@ -304,19 +305,19 @@ def test_tcp_with_curve_keys(tmp_path, data, monkeypatch):
     try:
         monkeypatch.setenv("DAMACY_CURVE_SERVER_KEY", public.decode())
         cfg = damacy.Config(samples_per_batch=1, sample_shape=BOX, pop_timeout_s=30)
-        pipe = wait_for(lambda: _try_connect(cfg, f"tcp://127.0.0.1:{port}"), what="the CURVE daemon")
+        pipe = wait_for(lambda: _try_connect(cfg, f"tcp://127.0.0.1:{port}"), timeout=60, what="the CURVE daemon")
         with pipe:
             pipe.push([damacy.Sample(str(data / "vol.zarr"), np.s_[0:8, 0:12, 0:10])])
             with pipe.pop() as b:
                 assert len(b) == 1
     finally:
         daemon_proc.send_signal(signal.SIGTERM)
-        daemon_proc.wait(15)
+        daemon_proc.wait(60)
 
 
 def _try_connect(cfg, endpoint):
     try:
-        return damacy.RemotePipeline(cfg, endpoint, connect_timeout_s=1.0)
+        return damacy.RemotePipeline(cfg, endpoint, connect_timeout_s=10.0)
     except damacy.DaemonUnavailable:
         return None
 
@@ -326,7 +327,7 @@ def _try_connect(cfg, endpoint):
 
 def test_cli_ping_warm_stats(cached_daemon, data):
     env = {**os.environ, "DAMACY_ENDPOINT": cached_daemon.endpoint}
-    out = subprocess.run(["damacy", "ping"], capture_output=True, text=True, env=env, timeout=30)
+    out = subprocess.run(["damacy", "ping", "--timeout", "30"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and "answered" in out.stdout
     out = subprocess.run(["damacy", "warm", str(data / "vol.zarr"), "--shard-indexes", "--chunks"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -47,7 +47,7 @@ def test_sessions_at_equal_demand_get_equal_shares(tmp_path):
     try:
         # every session streaming, then a window of 8 x 60 batches measured from there
         def snapshot():
-            stats = daemon_stats(daemon.endpoint)
+            stats = daemon_stats(daemon.endpoint, 60.0)  # the loop answers eight busy sessions too
             return {s["pid"]: s["samples"] for s in stats["sessions"] if not s["control"]}, stats["daemon"]
 
         start, before = wait_for(lambda: (d := snapshot()) and len(d[0]) == sessions and all(d[0].values()) and d, 120, "every session streaming")

@@ -84,7 +84,7 @@ def test_slots_wait_for_chunk_data_in_flight():
         time.sleep(0.01)
     assert budget.waiting == 1 and not done.is_set()  # it fits the budget, but only once the reads are done
     budget.release(MIN_INFLIGHT_BYTES + 500)
-    assert done.wait(5)
+    assert done.wait(60)
     assert budget.reserve(MIN_INFLIGHT_BYTES + 1, lambda: False) is Reservation.TOO_BIG  # beside the slots it never fits
     with pytest.raises(damacy.BudgetExceeded, match="set max_memory_bytes >="):
         budget.admit_slots(10, "more slots")

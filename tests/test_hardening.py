@@ -42,7 +42,7 @@ FIRST = np.s_[0:8, 0:12, 0:10]  # exactly chunk c/0/0/0
 
 def control(endpoint: str) -> Connection:
     """A session without a pipeline, as the `damacy` command opens."""
-    conn = Connection(endpoint)
+    conn = Connection(endpoint, connect_timeout_s=60.0)
     conn.call(lambda i: m.Attached(id=i), 30.0, "attach")
     return conn
 
@@ -394,6 +394,8 @@ def test_sessions_over_the_slot_cap_or_the_descriptor_limit_are_refused_with_a_r
             damacy.Pipeline(cfg, endpoint=proc.endpoint)
         first.close()
         second.close()
+        # (a close whose goodbye came late leaves its session to the daemon's liveness check)
+        wait_for(lambda: not [x for x in daemon_stats(proc.endpoint)["sessions"] if not x.get("control")], timeout=60, what="the closed sessions to end")
         # the descriptors come back, and a session of the same size is served again
         with damacy.Pipeline(cfg, endpoint=proc.endpoint) as third:
             third.push([damacy.Sample(str(root / "vol.zarr"), FIRST)])
@@ -531,8 +533,11 @@ def test_a_flooding_client_does_not_hold_up_another_clients_answers(served):
 
 
 @pytest.mark.timeout(120)
-def test_a_restarted_daemon_fails_the_old_sessions_calls_with_daemon_unavailable(tmp_path, fresh):
+def test_a_restarted_daemon_fails_the_old_sessions_calls_with_daemon_unavailable(tmp_path, fresh, monkeypatch):
     root, _ = fresh
+    # silence never ends the session here, however long the replacement takes to start: only
+    # the restart can
+    monkeypatch.setattr("damacy_client.transport.DEAD_AFTER_S", 600.0)
     proc = DaemonProcess(tmp_path, [root])
     replacement = None
     release = __import__("threading").Event()

@@ -19,7 +19,7 @@ def test_one_greedy_key_does_not_starve_another():
         pool.submit(order.append, f"light{i}", key="light")
     pool.submit(done.set, key="light")
     gate.set()
-    assert done.wait(10)
+    assert done.wait(60)
     # the light client's tasks ran after at most one greedy task each, not after all 100
     assert order.index("light2") <= 6, order[:10]
     pool.close()
@@ -30,5 +30,5 @@ def test_a_failing_task_does_not_kill_the_worker():
     done = threading.Event()
     pool.submit(lambda: 1 / 0)
     pool.submit(done.set)
-    assert done.wait(10)
+    assert done.wait(60)
     pool.close()
