@@ -1,7 +1,7 @@
 """Long fuzzing runs: ``python -m fuzz TARGET [--minutes N] [--inputs K] [--sanitize]``.
 
 TARGET is one of the targets of ``fuzz/targets.py`` (zarr_json_v3, zarr_json_v2,
-shard_index, blosc_frame, copy_table), ``wire`` (a real damacyd, started here), or ``all``.
+shard_index, blosc_frame, copy_table, plan_passes), ``wire`` (a real damacyd, started here), or ``all``.
 Each runs until K inputs (default 100,000) or N minutes, whichever comes first, and prints
 the inputs run. ``--sanitize`` first builds damacy's native extension with AddressSanitizer
 and UndefinedBehaviorSanitizer and runs the targets in a child process that loads it (any
@@ -51,7 +51,9 @@ def _load_native(path: str) -> None:
 
 
 def _run_target(name: str, inputs: int, seconds: float) -> dict:
-    from hypothesis import HealthCheck, given, settings
+    import random
+
+    from hypothesis import HealthCheck, given, seed, settings
 
     from fuzz.targets import STRATEGIES
 
@@ -64,9 +66,12 @@ def _run_target(name: str, inputs: int, seconds: float) -> dict:
     count = [0]
     deadline = time.monotonic() + seconds
 
-    class Done(Exception):
+    class Done(BaseException):  # not an Exception: hypothesis lets it out as it is (no replay, no shrinking)
         pass
 
+    drawn = random.SystemRandom().getrandbits(64)  # printed with the result: the run can be replayed
+
+    @seed(drawn)
     @settings(max_examples=inputs, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(strategy)
     def run(item):
@@ -80,11 +85,10 @@ def _run_target(name: str, inputs: int, seconds: float) -> dict:
         run()
     except Done:
         pass
-    except Exception as e:  # hypothesis re-raises the smallest failing input's error
-        if not isinstance(e, Done) and "Done" not in type(e).__name__:
-            _stop(daemon)
-            raise
-    result = {"target": name, "inputs": count[0], "seconds": round(time.monotonic() - t0, 1)}
+    except Exception:  # hypothesis re-raises the smallest failing input's error
+        _stop(daemon)
+        raise
+    result = {"target": name, "inputs": count[0], "seconds": round(time.monotonic() - t0, 1), "seed": drawn}
     if daemon is not None:
         result.update(_after_wire(daemon, target))
     return result

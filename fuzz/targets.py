@@ -303,10 +303,65 @@ def check_copy_table(t: dict) -> None:
         assert np.all(arena[:GUARD] == 0x5A) and np.all(arena[len(arena) - GUARD :] == 0x5A), "a write outside its target"
 
 
+@st.composite
+def plan_passes(draw) -> dict:
+    """Boxes, an array and its unit shape for the planner's native passes: mostly small and
+    valid (boxes reaching into the array), sometimes out of the array or at int64's edges."""
+    ndim = draw(st.integers(1, 4))
+    edge = st.sampled_from([-(2**63), -(2**61) - 1, -(2**61), 2**61, 2**61 + 1, 2**62, 2**63 - 1])
+    shape = draw(st.lists(st.one_of(st.integers(1, 12), st.integers(-1, 0), edge), min_size=ndim, max_size=ndim))
+    unit = draw(st.lists(st.one_of(st.integers(1, 5), st.integers(-1, 0), edge), min_size=ndim, max_size=ndim))
+    coord = st.one_of(st.integers(-4, 16), edge)
+    boxes = [
+        [draw(st.integers(0, 5))] + starts + [a + draw(st.one_of(st.integers(0, 6), edge)) for a in starts]
+        for starts in draw(st.lists(st.lists(coord, min_size=ndim, max_size=ndim), max_size=5))
+    ]
+    return dict(shape=shape, unit=unit, boxes=[[max(-(2**63), min(2**63 - 1, v)) for v in b] for b in boxes])
+
+
+def check_plan_passes(t: dict) -> None:
+    """``box_rows`` and ``unique_units`` (native/plan.c) on any input: a ValueError (or
+    MemoryError: too many rows), or the rows and units numpy's forms give (small inputs)."""
+    from damacy_server import native
+    from damacy_server.plan import planner
+
+    if not native.available():
+        return
+    shape, unit = tuple(t["shape"]), tuple(t["unit"])
+    boxes = np.array(t["boxes"], dtype=np.int64).reshape(-1, 1 + 2 * len(shape))
+    try:
+        rows = native.box_rows(boxes, shape, unit)
+    except (ValueError, MemoryError):
+        return
+    small = all(0 < n <= 12 for n in shape) and all(0 < u <= 5 for u in unit) and np.abs(boxes).max(initial=0) <= 64
+    if small:
+        assert np.array_equal(rows, planner._box_rows_numpy(boxes, shape, unit)), "box_rows differs from numpy"
+    grid = tuple(-(-s // u) for s, u in zip(shape, unit))
+    for cut in (rows, rows[::-1], rows[: len(rows) // 2]):
+        try:
+            units, inverse = native.unique_units(cut, 1, grid)
+        except ValueError:
+            assert not small, "unique_units refused the units of boxes inside the array"
+            continue
+        if small:
+            want_units, want_inverse = planner._unique_units_numpy(cut, grid)
+            assert np.array_equal(units, want_units) and np.array_equal(inverse, want_inverse), "unique_units differs from numpy"
+    # coordinates outside the grid, and grids of no units or of 2**62 and more, are refused
+    bad = rows.copy()
+    if len(bad):
+        bad[0, 1] = grid[0]
+        try:
+            native.unique_units(bad, 1, grid)
+            raise AssertionError("unique_units took a unit outside the grid")
+        except ValueError:
+            pass
+
+
 STRATEGIES = {
     "zarr_json_v3": (st.deferred(lambda: mutated_json(V3)), check_zarr_json_v3),
     "zarr_json_v2": (st.deferred(lambda: mutated_json(V2)), check_zarr_json_v2),
     "shard_index": (st.deferred(lambda: mutated_bytes(sharded_array()[2], tail=4 * 16 + 4)), check_shard_index),
     "blosc_frame": (st.deferred(mutated_frame), check_blosc_frame),
     "copy_table": (st.deferred(copy_tables), check_copy_table),
+    "plan_passes": (plan_passes(), check_plan_passes),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -63,6 +64,14 @@ def test_the_targets_notice_what_they_guard(tmp_path, monkeypatch):
     t = dict(ndim=1, unit_shape=[6], rows=[[0, 0, 0, 4, 6]], pool=[], out_shapes=[[4]], spans=[(0, 6)], dtypes=("uint8", "uint8"), norm=False, base=0)
     with pytest.raises(AssertionError, match="outside its target"):
         targets.check_copy_table(t)
+    # the planner's native passes are held to numpy's forms: a numpy form that differs is caught
+    from damacy_server.plan import planner
+
+    passes = dict(shape=[10, 7], unit=[4, 3], boxes=[[0, 1, 2, 6, 7], [1, 0, 0, 10, 7]])
+    targets.check_plan_passes(passes)
+    monkeypatch.setattr(planner, "_box_rows_numpy", lambda boxes, shape, unit: np.zeros((1, 9), dtype=np.int64))
+    with pytest.raises(AssertionError, match="box_rows differs"):
+        targets.check_plan_passes(passes)
 
 
 
@@ -70,7 +79,6 @@ def test_the_wire_protocol_fuzzed_against_a_real_damacyd(tmp_path):
     """Random, mutated and out-of-order messages on many connections: the daemon answers a
     ping after each conversation, then serves a correct batch, its sessions reclaimed and its
     memory near where it started."""
-    import numpy as np
     from zarr.codecs import ZstdCodec
 
     import damacy
@@ -124,8 +132,6 @@ def test_what_fuzzing_found_stays_fixed(tmp_path):
     too, so only ``python -m fuzz copy_table --sanitize`` tells the two apart: this checks the
     refusal)."""
     import json
-
-    import numpy as np
 
     import damacy
 

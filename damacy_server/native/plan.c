@@ -18,6 +18,11 @@ static int int64_args(Py_buffer *b, Py_ssize_t width, const char *what) {
     return 0;
 }
 
+/* The largest magnitude box_rows takes for a coordinate, an array or unit length: every
+ * difference and sum it makes then stays inside int64 (larger values are refused, not
+ * wrapped; no real array comes near). */
+#define PLAN_LIMIT ((int64_t)1 << 61)
+
 /*
  * box_rows(boxes, shape, unit_shape): boxes is int64 (n, 1 + 2 * ndim): per box its sample,
  * then each axis' start, then each axis' stop, every box reaching into the array on every
@@ -38,8 +43,8 @@ PyObject *dm_py_box_rows(PyObject *self, PyObject *args) {
     const int64_t *b = boxes.buf, *size = shape.buf, *us = unit.buf;
     Py_ssize_t n = boxes.len / (Py_ssize_t)sizeof(int64_t) / (1 + 2 * ndim), width = 1 + 4 * ndim;
     for (Py_ssize_t a = 0; a < ndim; a++) {
-        if (us[a] < 1 || size[a] < 1) {
-            PyErr_SetString(PyExc_ValueError, "box_rows: a unit or array axis of length < 1");
+        if (us[a] < 1 || size[a] < 1 || us[a] > PLAN_LIMIT || size[a] > PLAN_LIMIT) {
+            PyErr_SetString(PyExc_ValueError, "box_rows: a unit or array axis of length < 1 or >= 2**61");
             goto done;
         }
     }
@@ -48,15 +53,18 @@ PyObject *dm_py_box_rows(PyObject *self, PyObject *args) {
         const int64_t *box = b + i * (1 + 2 * ndim);
         int64_t per = 1;
         for (Py_ssize_t a = 0; a < ndim; a++) {
+            if (box[1 + a] < -PLAN_LIMIT || box[1 + a] > PLAN_LIMIT || box[1 + ndim + a] < -PLAN_LIMIT || box[1 + ndim + a] > PLAN_LIMIT) {
+                PyErr_Format(PyExc_ValueError, "box_rows: box %zd has a start or stop beyond 2**61 on axis %zd", i, a);
+                goto done;
+            }
             int64_t lo = box[1 + a] > 0 ? box[1 + a] : 0, hi = box[1 + ndim + a] < size[a] ? box[1 + ndim + a] : size[a];
             if (hi <= lo) {
                 PyErr_Format(PyExc_ValueError, "box_rows: box %zd does not reach into the array on axis %zd", i, a);
                 goto done;
             }
-            per *= (hi - 1) / us[a] - lo / us[a] + 1; /* at most size: no overflow for real arrays */
+            if (__builtin_mul_overflow(per, (hi - 1) / us[a] - lo / us[a] + 1, &per)) per = INT64_MAX;
         }
-        total += per;
-        if (total > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t) / width) {
+        if (__builtin_add_overflow(total, per, &total) || total > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t) / width) {
             PyErr_SetString(PyExc_MemoryError, "box_rows: too many rows");
             goto done;
         }
@@ -129,6 +137,12 @@ PyObject *dm_py_unique_units(PyObject *self, PyObject *args) {
         goto done;
     }
     if (int64_args(&rows, width, "unique_units") < 0) goto done;
+    for (Py_ssize_t a = 0, cells = 1; a < ndim; a++) { /* ids are C-order positions in the grid */
+        if (g[a] < 1 || __builtin_mul_overflow(cells, g[a], &cells) || cells >= (Py_ssize_t)1 << 62) {
+            PyErr_SetString(PyExc_ValueError, "unique_units: the grid needs 1 to 2**62 units, each axis at least 1");
+            goto done;
+        }
+    }
     Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t) / width;
     ids = malloc(sizeof *ids * (size_t)(n ? n : 1));
     if (!ids) {
