@@ -191,6 +191,25 @@ def test_box_rows_are_each_box_cut_by_the_units_it_touches(how):
         assert units.tolist() == want_units.tolist() and inverse.tolist() == want_inverse.reshape(-1).tolist()
 
 
+def test_an_array_as_long_as_zarr_metadata_allows_reads_its_last_rows_and_pads_past_them(tmp_path):
+    # an axis of 2**62 - 8 (the metadata's limit is 2**62 - 1): the planner's native passes
+    # take coordinates that large (their limit is 2**62) and read what zarr-python wrote there
+    import zarr
+
+    n = 2**62 - 8
+    a = zarr.create_array(str(tmp_path / "a"), shape=(n, 8), chunks=(4, 8), dtype="uint16", fill_value=FILL)
+    a[n - 6 : n] = np.arange(48, dtype="uint16").reshape(6, 8)
+    uri = str(tmp_path / "a")
+    cfg = damacy.Config(samples_per_batch=3, sample_shape=(4, 8), dtype="u16")
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, np.s_[n - 4 : n, :]), damacy.Sample(uri, np.s_[0:4, :]), damacy.Sample(uri, np.s_[n - 2 : n + 2, :])])
+        with p.pop() as b:
+            got = b.numpy().copy()
+            assert b.info.errors == ()
+    assert np.array_equal(got[0], a[n - 4 : n]) and np.all(got[1] == FILL)
+    assert np.array_equal(got[2][:2], a[n - 2 : n]) and np.all(got[2][2:] == FILL)
+
+
 def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):
     # a batch mixing boxes (their rows made together) and an index query (its rows made on
     # its own) plans each unit's copies in sample order, and reads what zarr-python reads

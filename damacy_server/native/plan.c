@@ -18,10 +18,11 @@ static int int64_args(Py_buffer *b, Py_ssize_t width, const char *what) {
     return 0;
 }
 
-/* The largest magnitude box_rows takes for a coordinate, an array or unit length: every
- * difference and sum it makes then stays inside int64 (larger values are refused, not
- * wrapped; no real array comes near). */
-#define PLAN_LIMIT ((int64_t)1 << 61)
+/* The largest magnitude box_rows takes for a coordinate, an array or unit length (an array's
+ * shape is below it, as its metadata must say): every difference and sum it makes then stays
+ * inside int64 (a unit's end at most 2**62 - 1 + 2**62; a box start to the array's end, at
+ * most 2**62 + 2**62 - 1). Larger values are refused, not wrapped. */
+#define PLAN_LIMIT ((int64_t)1 << 62)
 
 /*
  * box_rows(boxes, shape, unit_shape): boxes is int64 (n, 1 + 2 * ndim): per box its sample,
@@ -44,7 +45,7 @@ PyObject *dm_py_box_rows(PyObject *self, PyObject *args) {
     Py_ssize_t n = boxes.len / (Py_ssize_t)sizeof(int64_t) / (1 + 2 * ndim), width = 1 + 4 * ndim;
     for (Py_ssize_t a = 0; a < ndim; a++) {
         if (us[a] < 1 || size[a] < 1 || us[a] > PLAN_LIMIT || size[a] > PLAN_LIMIT) {
-            PyErr_SetString(PyExc_ValueError, "box_rows: a unit or array axis of length < 1 or >= 2**61");
+            PyErr_SetString(PyExc_ValueError, "box_rows: a unit or array axis of length < 1 or > 2**62");
             goto done;
         }
     }
@@ -54,7 +55,7 @@ PyObject *dm_py_box_rows(PyObject *self, PyObject *args) {
         int64_t per = 1;
         for (Py_ssize_t a = 0; a < ndim; a++) {
             if (box[1 + a] < -PLAN_LIMIT || box[1 + a] > PLAN_LIMIT || box[1 + ndim + a] < -PLAN_LIMIT || box[1 + ndim + a] > PLAN_LIMIT) {
-                PyErr_Format(PyExc_ValueError, "box_rows: box %zd has a start or stop beyond 2**61 on axis %zd", i, a);
+                PyErr_Format(PyExc_ValueError, "box_rows: box %zd has a start or stop beyond 2**62 on axis %zd", i, a);
                 goto done;
             }
             int64_t lo = box[1 + a] > 0 ? box[1 + a] : 0, hi = box[1 + ndim + a] < size[a] ? box[1 + ndim + a] : size[a];
