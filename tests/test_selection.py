@@ -210,6 +210,27 @@ def test_an_array_as_long_as_zarr_metadata_allows_reads_its_last_rows_and_pads_p
     assert np.array_equal(got[2][:2], a[n - 2 : n]) and np.all(got[2][2:] == FILL)
 
 
+def test_an_array_of_more_axes_than_native_code_takes_is_planned_by_numpy(tmp_path):
+    # 9 axes (native code takes up to 8): the planner's passes fall back to numpy, and boxes
+    # (padded past the end too) read what zarr-python reads
+    import zarr
+
+    shape = (3, 2, 2, 2, 2, 2, 2, 2, 4)
+    data = random_data(shape, "uint16", 9)
+    write_array(tmp_path / "a", data, chunks=(2, 1, 2, 1, 2, 1, 2, 1, 3), fill_value=FILL)
+    uri = str(tmp_path / "a")
+    boxes = [np.s_[0:2, :, :, :, :, :, :, :, 1:3], np.s_[2:4, :, :, :, :, :, :, :, 2:4]]
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, *shape[1:8], 2), dtype="u16")
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, b) for b in boxes])
+        with p.pop() as b:
+            got = b.numpy().copy()
+            assert b.info.errors == ()
+    a = zarr.open_array(uri, mode="r")
+    assert np.array_equal(got[0], a[boxes[0]])
+    assert np.array_equal(got[1][:1], a[2:3, ..., 2:4]) and np.all(got[1][1:] == FILL)  # row 3 is past the end
+
+
 def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):
     # a batch mixing boxes (their rows made together) and an index query (its rows made on
     # its own) plans each unit's copies in sample order, and reads what zarr-python reads

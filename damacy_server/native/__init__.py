@@ -269,8 +269,9 @@ def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: OpTable, targe
 
 def box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray | None:
     """The copy rows of ``boxes`` as :func:`damacy_server.plan.planner._box_rows_numpy` makes
-    them, in one pass; None without the native module (or for a 0-d array)."""
-    if _assemble is None or not shape:
+    them, in one pass; None without the native module, or for a 0-d array or one of more than
+    :data:`MAX_NDIM` axes (numpy's form takes any)."""
+    if _assemble is None or not 0 < len(shape) <= MAX_NDIM:
         return None
     out = _assemble.box_rows(
         np.ascontiguousarray(boxes, dtype=np.int64), np.asarray(shape, dtype=np.int64), np.asarray(unit_shape, dtype=np.int64)
@@ -281,8 +282,9 @@ def box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, .
 def unique_units(rows: np.ndarray, column: int, grid: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
     """The distinct units (C order) whose coordinates are columns ``column`` on of ``rows``
     (in a grid of ``grid`` units, fewer than 2**62), and each row's index in them, as
-    ``np.unique`` gives them; None without the native module."""
-    if _assemble is None:
+    ``np.unique`` gives them; None without the native module, or for a grid of more than
+    :data:`MAX_NDIM` axes."""
+    if _assemble is None or not 0 < len(grid) <= MAX_NDIM:
         return None
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     units, inverse = _assemble.unique_units(rows, rows.shape[1], column, np.asarray(grid, dtype=np.int64))
