@@ -229,12 +229,14 @@ def test_small_units_are_not_shared(volume, monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("cache", [True, False, "budget full"])
 def test_units_waited_for_are_copied_together_once_they_arrive(volume, native, cache):
     """A batch waiting for units another batch decodes into the chunk cache copies those that
     have arrived in one task, not one task each: here every unit arrives before the copy task
-    gets a thread. Without the cache a unit's array lives only as long as its owner's task
-    (the memory budget counts it there), so each is copied at once, in that task."""
+    gets a thread. The memory budget counts them while they wait (the cache may evict them
+    meanwhile): with no room left there ("budget full"), each is copied at once, in the task
+    that decoded it, as without the cache, where a unit's array lives only as long as its
+    owner's task (the budget counts it there)."""
     uri, data = volume
     reader = GatedReader()
     limits = damacy.CpuLimits(decode_workers=1, native=native, chunk_cache_bytes=(64 << 20) if cache else 0)
@@ -242,9 +244,9 @@ def test_units_waited_for_are_copied_together_once_they_arrive(volume, native, c
     copies = []
     real = executor._copy_cached
 
-    def spy(run, blocks, late, reports=1):
+    def spy(run, blocks, late, reports=1, release=0):
         copies.append((run, len(late), reports))
-        real(run, blocks, late, reports)
+        real(run, blocks, late, reports, release)
 
     executor._copy_cached = spy
     started, hold = threading.Event(), threading.Event()
@@ -260,6 +262,8 @@ def test_units_waited_for_are_copied_together_once_they_arrive(volume, native, c
         assert joined == refs > 1  # the second batch waits for every unit of the first
         executor._decode.submit(blocker, priority=-1)
         assert started.wait(30)
+        if cache == "budget full":  # no room for units to wait in, whenever they arrive
+            executor.budget.try_reserve = lambda nbytes: False
         reader.gate.set()
         wait_for(lambda: executor._decode.queued() == refs, what="the first batch's decodes queued")
         hold.set()
@@ -268,11 +272,13 @@ def test_units_waited_for_are_copied_together_once_they_arrive(volume, native, c
         want = data[BOXES[2]].astype("f4")
         assert np.array_equal(first[0], want) and np.array_equal(second[0], want)
         waited = [(n, r) for run, n, r in copies if n]
-        if cache:
+        if cache is True:
             assert waited == [(joined, joined)]  # one task copied them all and reported them all
         else:
             assert waited == [(1, 1)] * joined
         assert executor.stats.snapshot()["shared"]["count"] == joined
+        # every reservation returned: the reads', and what counted the units while they waited
+        assert executor.budget.used == executor.budget.slots
     finally:
         hold.set()
         executor.close()

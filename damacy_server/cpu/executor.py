@@ -281,7 +281,13 @@ class CpuExecutor(BudgetedExecutor):
                     self.stats.add("shared", 0.0, bytes_out=array.nbytes)
                     self._copy_cached(run, [], [(u, array)])  # reports the unit done
                     return
-                with run.lock:  # a cache entry: copied with the others that arrive meanwhile
+                # a cache entry: copied with the others that arrive meanwhile, by one task. The
+                # cache may evict it before that task runs, leaving it held by this run alone:
+                # the memory budget counts it while it waits; with no room there, it is copied now
+                if not self.budget.try_reserve(array.nbytes):
+                    self._copy_items(run, [(u, array)], reserved=0)
+                    return
+                with run.lock:
                     run.arrived.append((u, array))
                     if run.copying:
                         return
@@ -317,8 +323,13 @@ class CpuExecutor(BudgetedExecutor):
         with run.lock:
             items, run.arrived = run.arrived, []
             run.copying = False
+        self._copy_items(run, items, reserved=sum(a.nbytes for _, a in items))
+
+    def _copy_items(self, run: Run, items: list[tuple[UnitJob, np.ndarray]], reserved: int) -> None:
+        """Copy units waited for that arrived in the chunk cache and report each done, the
+        budget's ``reserved`` bytes (what counted them while they waited) returned first."""
         self.stats.add("shared", 0.0, count=len(items), bytes_out=sum(a.nbytes for _, a in items))
-        self._copy_cached(run, [], items, reports=len(items))
+        self._copy_cached(run, [], items, reports=len(items), release=reserved)
 
     def _abandon(self, units: Sequence[UnitJob]) -> None:
         """Units this run registered and did not settle: their waiters read them alone."""
@@ -355,12 +366,14 @@ class CpuExecutor(BudgetedExecutor):
         return optable.copy_rows(u.rows, u.table.ndim, u.table.pool, run.views, arr, run.plan.norms)
 
     def _copy_cached(
-        self, run: Run, blocks: Sequence[CachedUnits], late: list[tuple[UnitJob, np.ndarray]], reports: int = 1
+        self, run: Run, blocks: Sequence[CachedUnits], late: list[tuple[UnitJob, np.ndarray]], reports: int = 1,
+        release: int = 0,
     ) -> None:
         """Copy units found in the chunk cache: the plan's (``blocks``, each a plan table's, in
         one native call where the native path applies) and those the cache took after the plan
         looked or another batch decoded (``late``, grouped by table the same way); the rest
-        with numpy. Reports ``reports`` of the run's pending items done."""
+        with numpy. Returns ``release`` bytes to the budget, then reports ``reports`` of the
+        run's pending items done."""
         t0 = time.perf_counter()
         assembled = count = 0
         by_table: dict[int, list[tuple[UnitJob, np.ndarray]]] = {}
@@ -392,6 +405,7 @@ class CpuExecutor(BudgetedExecutor):
             run.crash([x for part in parts[done:] for x in ([part] if isinstance(part, CachedUnits) else [u for u, _ in part])], e)
         finally:
             self.stats.add("assemble", time.perf_counter() - t0, count=count, bytes_out=assembled)
+            self.budget.release(release)
             run.group_done(reports)
 
     def _direct_ok(self, run: Run, group: ReadGroup) -> bool:
