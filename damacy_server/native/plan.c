@@ -140,7 +140,7 @@ PyObject *dm_py_unique_units(PyObject *self, PyObject *args) {
     if (int64_args(&rows, width, "unique_units") < 0) goto done;
     for (Py_ssize_t a = 0, cells = 1; a < ndim; a++) { /* ids are C-order positions in the grid */
         if (g[a] < 1 || __builtin_mul_overflow(cells, g[a], &cells) || cells >= (Py_ssize_t)1 << 62) {
-            PyErr_SetString(PyExc_ValueError, "unique_units: the grid needs 1 to 2**62 units, each axis at least 1");
+            PyErr_SetString(PyExc_ValueError, "unique_units: the grid needs fewer than 2**62 units, each axis at least 1");
             goto done;
         }
     }
