@@ -277,14 +277,12 @@ class CpuExecutor(BudgetedExecutor):
 
         def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
             if array is not None:
-                if not self._cached(u, array):  # copied now: its memory goes with the owner's task
-                    self.stats.add("shared", 0.0, bytes_out=array.nbytes)
-                    self._copy_cached(run, [], [(u, array)])  # reports the unit done
-                    return
-                # a cache entry: copied with the others that arrive meanwhile, by one task. The
-                # cache may evict it before that task runs, leaving it held by this run alone:
-                # the memory budget counts it while it waits; with no room there, it is copied now
-                if not self.budget.try_reserve(array.nbytes):
+                # a cache entry waits to be copied with the others that arrive meanwhile, by one
+                # task, the memory budget counting it meanwhile (the cache may evict it before
+                # that task runs, leaving it held by this run alone); copied now, in the owner's
+                # task, is an array the cache did not take (its memory goes with that task) or
+                # one the budget has no room for
+                if not self._cached(u, array) or not self.budget.try_reserve(array.nbytes):
                     self._copy_items(run, [(u, array)], reserved=0)
                     return
                 with run.lock:
