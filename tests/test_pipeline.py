@@ -291,23 +291,30 @@ def test_infinite_generator_is_pulled_lazily(store, make):
         assert delivered + cfg.lookahead_samples <= pulled[0] <= delivered + cfg.lookahead_samples + ahead + 1
 
 
-def _returns(fn):
-    """Run ``fn`` in a thread; fail if it has not returned in a minute (it hangs), else
-    raise what it raised."""
+def _outcome(fn, what: str):
+    """What ``fn()`` returns or raises, run in a thread that must finish within a minute
+    (``what`` names it when it does not: it hangs)."""
     outcome = []
     finished = threading.Event()
 
     def run():
         try:
-            fn()
+            outcome.append(fn())
         except BaseException as e:  # noqa: BLE001 - handed to the test
             outcome.append(e)
         finished.set()
 
     threading.Thread(target=run, daemon=True).start()
-    assert finished.wait(60), f"{fn.__name__} hangs"
-    if outcome:
-        raise outcome[0]
+    assert finished.wait(60), what
+    return outcome[0]
+
+
+def _returns(fn):
+    """Run ``fn`` in a thread; fail if it has not returned in a minute (it hangs), else
+    raise what it raised."""
+    got = _outcome(fn, f"{fn.__name__} hangs")
+    if isinstance(got, BaseException):
+        raise got
 
 
 def test_close_with_an_infinite_generator_does_not_hang(store, make):
@@ -398,19 +405,7 @@ def test_pop_timeout_names_what_it_waited_for(store, make):
 def _pop_outcome(p, timeout):
     """What ``p.pop(timeout)`` raises (or returns), run in a thread that must finish well
     before any timeout given here runs out."""
-    outcome = []
-    finished = threading.Event()
-
-    def pop():
-        try:
-            outcome.append(p.pop(timeout))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome.append(e)
-        finished.set()
-
-    threading.Thread(target=pop, daemon=True).start()
-    assert finished.wait(60), f"pop(timeout={timeout}) waited instead of answering at once"
-    return outcome[0]
+    return _outcome(lambda: p.pop(timeout), f"pop(timeout={timeout}) waited instead of answering at once")
 
 
 def test_pop_says_at_once_that_every_slot_is_held_whatever_the_timeout(store, make):
