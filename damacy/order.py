@@ -153,7 +153,9 @@ def share_positions(n: int, rank: int, world: int, fill: str, js: np.ndarray, *,
         start = rank * base + min(rank, extra)
         size = base + (1 if rank < extra else 0)
         padding = js >= size
-        return start + np.minimum(js, max(size - 1, 0)), padding
+        if not size:  # fewer entries than ranks: this rank's are all padding, the pool's last again
+            return np.full(len(js), n - 1, dtype=np.int64), padding
+        return start + np.minimum(js, size - 1), padding
     per_rank = equal_share(n, world, fill)
     if runs is None:
         k = rank + js * world
@@ -161,6 +163,20 @@ def share_positions(n: int, rank: int, world: int, fill: str, js: np.ndarray, *,
         node, turn = divmod(rank, runs)
         k = node * per_rank * runs + turn + js * runs
     return (k % n if fill == "repeat" else k), padding
+
+
+def share_cuts(n: int, world: int, fill: str, runs: int | None) -> list[int]:
+    """Where the contiguous runs of :func:`share_positions` begin in a pool of ``n`` (after the
+    first; the end of the last where a "drop" leaves a tail out): the places a windowed order
+    cuts before packing windows, so that each rank (each node with shared windows) reads whole
+    windows. Strides (``runs=None`` without padding) have no runs: none."""
+    if fill == "padding":
+        base, extra = divmod(n, world)
+        return [r * base + min(r, extra) for r in range(1, world)]
+    if runs is None:
+        return []
+    per_run = equal_share(n, world, fill) * runs
+    return [g * per_run for g in range(1, world // runs + 1) if g * per_run < n]
 
 
 def consumed_ranges(positions: np.ndarray) -> list[tuple[int, int]]:

@@ -32,9 +32,10 @@ epoch's samples grouped by the chunk cell they start in, the cells shuffled and 
 windows whose decoded chunks fit ``window`` bytes, the samples shuffled within each window; a
 pipeline whose chunk cache holds ``window`` bytes then decodes each chunk once per epoch
 (``shuffle_quality(batch_size)`` says how much mixing that costs). The samples drawn stay the
-same; each rank reads a contiguous run of windows (``share_windows=True``: the
-``local_world_size`` ranks of a node take turns in one run, so their damacyd decodes it once
-for all of them); ``GridBoxes`` keeps its cells in C order. ``chunks_of(uri, level)`` gives
+same; each rank reads a contiguous run of the epoch packed into windows of its own (only a
+cell cut by a run's edge is read by two ranks; ``share_windows=True``: the
+``local_world_size`` ranks of a node take turns in the node's run, so their damacyd decodes it
+once for all of them); ``GridBoxes`` keeps its cells in C order. ``chunks_of(uri, level)`` gives
 (shape, chunk shape, item size) where the arrays' metadata should not be read.
 
 ``set_epoch(e)`` picks the epoch; ``rank``/``world_size`` default to torch.distributed's
@@ -58,7 +59,7 @@ import numpy as np
 
 from damacy import labels as labels_
 from damacy import order
-from damacy.windows import CellIndex, Cells, ChunksOf, batch_diversity, check_window, window_order
+from damacy.windows import WINDOW_ORDER, CellIndex, Cells, ChunksOf, batch_diversity, check_window, window_order
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample, normalize_pair
 
@@ -252,6 +253,8 @@ class _Sampler:
     #: how the ranks' equal shares are cut ("drop": the rest left out; "repeat": the shortest
     #: ranks repeat the first; "padding": GridBoxes' own, a Padding sample)
     _fill = "drop"
+    #: RandomBoxes' option: the order groups a node's ranks' boxes by chunk
+    locality = False
 
     def __init__(
         self,
@@ -299,6 +302,7 @@ class _Sampler:
             "seed": self.seed, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
             "local_world_size": self.local_world_size, "consumed": [list(r) for r in self.consumed],
             "window": self.window, "share_windows": self.share_windows, "order": order.ORDER_VERSION,
+            "window_order": WINDOW_ORDER,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -306,8 +310,33 @@ class _Sampler:
         saved state (this rank's, the same number of ranks; for another number see
         :meth:`resume`)."""
         self._check_seed(state)
+        self._check_partition(state)
         self.set_epoch(int(state["epoch"]))
         self.consumed = order.merge_ranges(state.get("consumed", []))
+
+    def _check_partition(self, state: Mapping[str, Any]) -> None:
+        """A state restores its own rank of the same partition: the same rank and number of
+        ranks, and, where the order depends on them, the same ranks per node and window
+        sharing (else the saved offset names other samples)."""
+        rank, world = int(state.get("rank", self.rank)), int(state.get("world_size", self.world_size))
+        if (rank, world) != (self.rank, self.world_size):
+            raise InvalidArgument(
+                f"the state was saved by rank {rank} of {world}, this sampler is rank {self.rank} of "
+                f"{self.world_size}: each rank loads its own state; for another number of ranks, gather "
+                "every rank's state and call resume(states)"
+            )
+        local = int(state.get("local_world_size", world))
+        shared = bool(state.get("share_windows", False))
+        if self.window is not None and shared != self.share_windows:
+            raise InvalidArgument(
+                f"the state was saved with share_windows={shared}, this sampler has "
+                f"share_windows={self.share_windows}: the ranks' runs differ, so the saved offset names other samples"
+            )
+        if ((self.window is not None and shared) or self.locality) and local != self.local_world_size:
+            raise InvalidArgument(
+                f"the state was saved with local_world_size={local}, this sampler has {self.local_world_size}: "
+                "the order groups a node's ranks, so the saved offset names other samples"
+            )
 
     def _check_seed(self, state: Mapping[str, Any]) -> None:
         version = state.get("order", 1)
@@ -325,6 +354,14 @@ class _Sampler:
             raise InvalidArgument(
                 f"the state was saved with window={window}, this sampler has window={self.window}: "
                 "the epoch's order differs, so the saved position would name other samples"
+            )
+        saved = state.get("window_order", 1)
+        if window is not None and int(state.get("world_size", 1)) > 1 and saved != WINDOW_ORDER:
+            raise InvalidArgument(
+                f"the state was saved by a windowed order of version {saved}; this damacy's is version "
+                f"{WINDOW_ORDER} (each rank's run packed into windows of its own), so the saved position "
+                "would name other samples: finish that epoch with the damacy that saved it, or go on from "
+                "the next epoch (set_epoch) without load_state_dict"
             )
 
     def resume(self, states: Sequence[Mapping[str, Any]]) -> None:
@@ -351,12 +388,15 @@ class _Sampler:
             self._check_seed(x)
         self.set_epoch(epochs.pop())
         before = order.merge_ranges(sources[0].get("consumed", []))
-        old_local = int(sources[0].get("local_world_size", old_world))
-        pool = self._pool(before, old_world, old_local)
+        shares = {(int(x.get("local_world_size", old_world)), bool(x.get("share_windows", False))) for x in sources}
+        if len(shares) != 1:
+            raise InvalidArgument(f"the states come from ranks of different partitions ((local_world_size, share_windows): {sorted(shares)})")
+        (old_local, old_shared), = shares
+        pool = self._pool(before, old_world, old_local, old_shared)
         offsets = [0] * old_world
         for st, x in zip(states, sources):
             offsets[int(x["rank"])] = int(st["offset"])
-        read = _read_ranges(len(pool), offsets, self._fill, self._runs(old_local))
+        read = _read_ranges(len(pool), offsets, self._fill, self._runs(old_local, old_shared))
         if pool.order is not None:  # a materialised order (windows, locality): its positions
             parts = [pool.order[a:b] for a, b in read] + [np.arange(a, b) for a, b in before]
             self.consumed = order.consumed_ranges(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
@@ -378,33 +418,44 @@ class _Sampler:
         position) alone."""
         raise NotImplementedError
 
-    def _order(self, world: int, local: int) -> np.ndarray | None:
-        """The global list's positions in the order they are shared out: None for the list's
-        own (computed, never built); else built, when the sampler reorders it by chunk
-        windows (or for locality)."""
-        if self.window is not None:
-            return np.asarray(self._windows(self.epoch_samples())[0], dtype=np.int64)
-        return None
+    def _order(self, consumed: Sequence[tuple[int, int]], world: int, local: int, shared: bool) -> np.ndarray | None:
+        """The positions not ``consumed`` of the global list in the order they are shared out
+        among ``world`` ranks (``local`` per node, ``shared``: share_windows): None for the
+        list's own (computed, never built); else built, when the sampler reorders it by chunk
+        windows (or for locality; positions consumed may then stay in, the pool drops them).
+        Windows are packed within each rank's run (each node's, shared), so a rank reads
+        whole windows."""
+        if self.window is None:
+            return None
+        count = self._count()
+        keep = np.ones(count, dtype=bool)
+        for a, b in consumed:
+            keep[a:b] = False
+        remaining = np.flatnonzero(keep)
+        cuts = order.share_cuts(len(remaining), world, self._fill, self._runs(local, shared))
+        return np.asarray(self._windows(self.epoch_samples(), remaining.tolist(), cuts)[0], dtype=np.int64)
 
-    def _pool(self, consumed: Sequence[tuple[int, int]], world: int, local: int) -> order.Pool:
-        return order.Pool(self._count(), self._order(world, local), consumed)
+    def _pool(self, consumed: Sequence[tuple[int, int]], world: int, local: int, shared: bool | None = None) -> order.Pool:
+        shared = self.share_windows if shared is None else shared
+        return order.Pool(self._count(), self._order(consumed, world, local, shared), consumed)
 
-    def _runs(self, local: int) -> int | None:
+    def _runs(self, local: int, shared: bool | None = None) -> int | None:
         """How the ranks share the pool: None for strides (entries r, r + W, ...); with a
         window, contiguous runs (so each rank reads whole windows), the ``local`` ranks of a
-        node taking turns within their node's run with ``share_windows`` (for one damacyd to
-        decode it once for all of them)."""
+        node taking turns within their node's run with ``shared`` windows (default this
+        sampler's ``share_windows``: for one damacyd to decode it once for all of them)."""
         if self.window is None or self._fill == "padding":
             return None
-        return local if self.share_windows else 1
+        return local if (self.share_windows if shared is None else shared) else 1
 
-    def _windows(self, items: list) -> tuple[list[int], list[int], Cells]:
-        """The windowed order of ``items`` (see :mod:`damacy.windows`), the windows' starts
-        in it, and the items' cells. Shuffled from (seed, epoch) by a stream of its own, so the
-        samples drawn are the same with or without a window."""
+    def _windows(self, items: list, positions: list[int] | None = None, cuts: Sequence[int] = ()) -> tuple[list[int], list[int], Cells]:
+        """The windowed order of ``items`` (see :mod:`damacy.windows`; ``positions`` and
+        ``cuts`` as :func:`window_order` takes them), the windows' starts in it, and the
+        items' cells. Shuffled from (seed, epoch) by a stream of its own, so the samples
+        drawn are the same with or without a window."""
         cells = self._cells.cells(items)
         rng = np.random.default_rng([self.seed, self.epoch, 2])
-        order_, starts = window_order(cells, self.window, rng)
+        order_, starts = window_order(cells, self.window, rng, positions=positions, cuts=cuts)
         return order_, starts, cells
 
     def shuffle_quality(self, batch_size: int) -> dict[str, float]:
@@ -413,11 +464,12 @@ class _Sampler:
         samples of the global order over a uniform permutation's (1.0: as mixed as a full
         shuffle), with the number of windows and their mean samples and decoded bytes."""
         items = self.epoch_samples()
-        if self.window is not None:
-            order_, starts, cells = self._windows(items)
+        if self.window is not None:  # as this sampler's ranks share the epoch
+            cuts = order.share_cuts(len(items), self.world_size, self._fill, self._runs(self.local_world_size))
+            order_, starts, cells = self._windows(items, None, cuts)
         else:
             cells = self._cells.cells(items)
-            built = self._order(self.world_size, self.local_world_size)
+            built = self._order([], self.world_size, self.local_world_size, self.share_windows)
             order_, starts = (list(range(len(items))) if built is None else built.tolist()), [0]
         of = [cells.of[p] for p in order_]
         per_window = np.diff(starts + [len(order_)])
@@ -469,11 +521,13 @@ def _read_ranges(n: int, offsets: list[int], fill: str, runs: int | None) -> lis
     world = len(offsets)
     per_rank = order.equal_share(n, world, fill)
     out: list[tuple[int, int]] = []
-    if fill == "padding":  # contiguous blocks; a padding entry repeats the block's last
+    if fill == "padding":  # contiguous blocks; padding entries (past a block's end) read nothing new
+        base, extra = divmod(n, world)
         for r, off in enumerate(offsets):
-            ks, _ = order.share_positions(n, r, world, fill, np.array([0, max(off - 1, 0)]))
-            if off:
-                out.append((int(ks[0]), int(ks[1]) + 1))
+            real = min(off, base + (1 if r < extra else 0))
+            if real:
+                start = r * base + min(r, extra)
+                out.append((start, start + real))
         return order.merge_ranges(out)
     stride = world if runs is None else runs
     for first in range(0, world, stride):  # one group of ranks taking turns
@@ -758,9 +812,9 @@ class RandomBoxes(_Sampler):
                 best[np.flatnonzero(short)[better]] = got[better]
                 short = best < self.min_foreground
 
-    def _order(self, world: int, local: int) -> np.ndarray | None:
+    def _order(self, consumed: Sequence[tuple[int, int]], world: int, local: int, shared: bool) -> np.ndarray | None:
         if not self.locality or local <= 1:
-            return super()._order(world, local)
+            return super()._order(consumed, world, local, shared)
         items = self.epoch_samples()  # locality sorts the epoch's boxes: built whole
         rng = np.random.default_rng([self.seed, self.epoch, 1])
         size = self.sample_shape
@@ -911,8 +965,8 @@ class GridBoxes(_Sampler):
 
     _fill = "padding"
 
-    def _windows(self, items: list) -> tuple[list[int], list[int], Cells]:
+    def _windows(self, items: list, positions: list[int] | None = None, cuts: Sequence[int] = ()) -> tuple[list[int], list[int], Cells]:
         """Sequential: the cells in the arrays' C order, each cell's windows in theirs."""
         cells = self._cells.cells(items)
-        order_, starts = window_order(cells, self.window, None, keys=self._cells.cell_keys())
+        order_, starts = window_order(cells, self.window, None, keys=self._cells.cell_keys(), positions=positions, cuts=cuts)
         return order_, starts, cells

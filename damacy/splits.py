@@ -24,6 +24,7 @@ import numpy as np
 from damacy.windows import ChunksOf, metadata_chunks
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.selection import expand
 
 Box = tuple[tuple[int, int], ...]
 
@@ -43,13 +44,25 @@ class Split:
 
     def owner(self, sample: Sample | IndexQuery) -> str | None:
         """The split whose regions hold every element ``sample`` reads (None: it reads from
-        more than one split, or outside them all)."""
-        spans = _spans(sample)
+        more than one split, or outside them all). Axes the selection leaves open (``a:``,
+        ``...``, axes not named) reach the array's edges, known from the shapes
+        :func:`split_chunks` records."""
+        spans = None
         for name, arrays in self.parts.items():
             for box in arrays.get(sample.uri, ()):
+                if spans is None:
+                    spans = _spans(sample, len(box), self._shape(sample.uri))
                 if all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(spans, box)):
                     return name
         return None
+
+    def _shape(self, uri: str) -> tuple[int, ...] | None:
+        """The array's shape, where the split recorded it (states saved before it did: None)."""
+        shapes = self.params.get("shapes")
+        arrays = self.params.get("arrays")
+        if not shapes or not arrays or uri not in arrays:
+            return None
+        return tuple(int(n) for n in shapes[list(arrays).index(uri)])
 
     def filter(self, samples: Iterable[Any], name: str) -> list[Any]:
         """The samples that read only split ``name``'s data."""
@@ -72,18 +85,24 @@ class Split:
         return cls(parts, dict(state.get("params", {})))
 
 
-def _spans(sample: Sample | IndexQuery) -> list[tuple[int, int]]:
+def _spans(sample: Sample | IndexQuery, ndim: int, shape: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    """Per axis of the ``ndim``-d array, the [start, stop) the sample's selection reaches."""
     out = []
-    for entry in sample.selection:
+    for axis, entry in enumerate(expand(sample.selection, ndim, sample.uri)):
         if isinstance(entry, slice):
-            if entry.stop is None:
-                raise InvalidArgument("a split places samples whose boxes say where they stop on every axis", uri=sample.uri)
-            out.append((entry.start or 0, entry.stop))
+            stop = entry.stop if entry.stop is not None else shape[axis] if shape is not None else None
+            if stop is None:
+                raise InvalidArgument(
+                    f"axis {axis}: the selection reaches the array's end, whose place this split did not record "
+                    "(made before split_chunks kept shapes); give the box's stop on every axis",
+                    uri=sample.uri,
+                )
+            out.append((entry.start or 0, stop))
         elif isinstance(entry, int):
             out.append((entry, entry + 1))
         else:
             values = list(entry)
-            out.append((min(values), max(values) + 1))
+            out.append((min(values), max(values) + 1) if values else (0, 0))
     return out
 
 
@@ -145,7 +164,10 @@ def split_chunks(
                 boxes[-1] = tuple(last)
             else:
                 boxes.append(tuple((lo, hi) if d == a else (0, n) for d, n in enumerate(shape)))
-    params = {"arrays": uris, "fractions": shares, "seed": int(seed), "axis": axis, "block": block}
+    params = {
+        "arrays": uris, "fractions": shares, "seed": int(seed), "axis": axis, "block": block,
+        "shapes": [list(shape) for shape in shapes],
+    }
     return Split(parts, params)
 
 

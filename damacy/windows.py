@@ -29,6 +29,11 @@ import numpy as np
 
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.selection import expand
+
+#: the windowed orders' version: 1 packed the whole epoch into windows, the ranks' runs cut
+#: through them; 2 packs each rank's run (each node's, with shared windows) on its own
+WINDOW_ORDER = 2
 
 #: (uri, level) -> (array shape, chunk shape (the inner chunk of a sharded array), item size)
 ChunksOf = Callable[[str, "int | None"], tuple[tuple[int, ...], tuple[int, ...], int]]
@@ -63,16 +68,21 @@ def _parts(item: Any) -> list[Sample | IndexQuery]:
 
 
 def _span(entry: Any, n: int) -> tuple[int, int]:
-    """The [first, last] element an axis' selection touches, inside [0, n)."""
+    """The [first, last] element an axis' selection touches, inside [0, n) (an empty index
+    list: the first element, so its sample still has a cell)."""
     if isinstance(entry, slice):
         lo = 0 if entry.start is None else entry.start
         hi = n if entry.stop is None else entry.stop
         lo, hi = max(lo, 0), min(hi, n)
         return (lo, hi - 1) if hi > lo else (min(lo, n - 1), min(lo, n - 1))
     if isinstance(entry, int):
-        return entry, entry
-    values = list(entry)
-    return min(values), max(values)
+        values = [entry]
+    else:
+        values = list(entry)
+        if not values:
+            return 0, 0
+    last = max(n - 1, 0)  # a position outside the array pads: its cell is the nearest edge's
+    return min(max(min(values), 0), last), min(max(max(values), 0), last)
 
 
 #: a cell whose box of chunks holds more than this is packed by its bytes alone (its chunks
@@ -114,8 +124,8 @@ class CellIndex:
         got = self._arrays.get(key)
         if got is None:
             shape, chunks, itemsize = self._chunks_of(s.uri, s.level)
-            if len(chunks) != len(shape) or len(s.selection) != len(shape):
-                raise InvalidArgument(f"the selection has {len(s.selection)} axes, the array {len(shape)}", uri=s.uri)
+            if len(chunks) != len(shape):
+                raise InvalidArgument(f"chunks_of gave a {len(shape)}-d shape and {len(chunks)}-d chunks", uri=s.uri)
             got = self._arrays[key] = (len(self._arrays), tuple(shape), tuple(chunks), itemsize)
         return got
 
@@ -129,7 +139,8 @@ class CellIndex:
             spans = []
             for s in parts:
                 array, shape, chunks, itemsize = self._array(s)
-                lo, hi = zip(*(_span(e, n) for e, n in zip(s.selection, shape)))
+                # a selection naming fewer axes (or with ``...``) takes the others whole
+                lo, hi = zip(*(_span(e, n) for e, n in zip(expand(s.selection, len(shape), s.uri), shape)))
                 first = tuple(a // c for a, c in zip(lo, chunks))
                 last = tuple(b // c for b, c in zip(hi, chunks))
                 spans.append((array, first, last, math.prod(chunks) * itemsize))
@@ -171,7 +182,15 @@ class CellIndex:
         return self._keys
 
 
-def window_order(cells: Cells, window: int, rng: np.random.Generator | None, keys: list[tuple] | None = None) -> tuple[list[int], list[int]]:
+def window_order(
+    cells: Cells,
+    window: int,
+    rng: np.random.Generator | None,
+    keys: list[tuple] | None = None,
+    *,
+    positions: Sequence[int] | None = None,
+    cuts: Sequence[int] = (),
+) -> tuple[list[int], list[int]]:
     """The positions of an epoch in windowed order, and where each window starts in it.
 
     With ``rng``: the cells shuffled; each window opens with the next cell of that order not
@@ -181,64 +200,100 @@ def window_order(cells: Cells, window: int, rng: np.random.Generator | None, key
     that is a window of its own); the positions of each window are shuffled. Without (a
     sequential order): the same with the cells in the order of ``keys`` and each window's
     positions as given.
+
+    ``positions``: those to order (None: all; an elastic resume leaves out those read).
+    ``cuts``: where the ranks' runs begin, as indices into the order (their number of
+    positions before each): the positions, in the cells' order, are cut there first and each
+    run is packed into windows of its own, so no window spans two runs (a rank reads whole
+    windows; only a cell cut by a run's edge is read by both).
     """
     n = len(cells.nbytes)
     members: list[list[int]] = [[] for _ in range(n)]
-    for position, k in enumerate(cells.of):
-        members[k].append(position)
+    for position in range(len(cells.of)) if positions is None else sorted(positions):
+        members[cells.of[position]].append(position)
     if rng is not None:
         cell_order = rng.permutation(n).tolist()
     else:
         cell_order = sorted(range(n), key=lambda k: keys[k]) if keys is not None else list(range(n))
-    rank = [0] * n
-    for i, k in enumerate(cell_order):
-        rank[k] = i
     listed = [cells.chunks(k) for k in range(n)]
-    readers: dict[tuple, list[int]] = {}  # chunk -> the cells that read it
-    for k, chunks in enumerate(listed):
-        for chunk in chunks or ():
-            readers.setdefault(chunk, []).append(k)
-    placed = [False] * n
+    # the runs: per run its cells in order, with their positions in it
+    runs: list[list[tuple[int, list[int]]]] = [[]]
+    bounds = iter(sorted(set(int(c) for c in cuts)))
+    cut = next(bounds, None)
+    at = 0  # positions placed in runs so far
+    for k in cell_order:
+        left = members[k]
+        while left:
+            while cut is not None and cut <= at:
+                if runs[-1]:
+                    runs.append([])
+                cut = next(bounds, None)
+            take = len(left) if cut is None else min(len(left), cut - at)
+            runs[-1].append((k, left[:take]))
+            left = left[take:]
+            at += take
     order: list[int] = []
     starts: list[int] = []
+    for run in runs:
+        _pack(run, cells, listed, window, rng, order, starts)
+    return order, starts
+
+
+def _pack(
+    run: list[tuple[int, list[int]]],
+    cells: Cells,
+    listed: list[dict[tuple, int] | None],
+    window: int,
+    rng: np.random.Generator | None,
+    order: list[int],
+    starts: list[int],
+) -> None:
+    """Pack one run's cells (in their order, each with its positions) into windows, appended
+    to ``order`` and ``starts`` (see :func:`window_order`)."""
+    n = len(run)
+    readers: dict[tuple, list[int]] = {}  # chunk -> the run's cells (by index in it) that read it
+    for i, (k, _) in enumerate(run):
+        for chunk in listed[k] or ():
+            readers.setdefault(chunk, []).append(i)
+    placed = [False] * n
     nxt = 0
     while True:
-        while nxt < n and placed[cell_order[nxt]]:
+        while nxt < n and placed[nxt]:
             nxt += 1
         if nxt == n:
             break
         held: dict[tuple, int] = {}
         used = 0
         current: list[int] = []
-        near: list[tuple[int, int]] = []  # (rank, cell): unplaced cells reading chunks held
+        near: list[int] = []  # unplaced cells of the run reading chunks held, by place in it
         scan = nxt
         while True:
-            while near and placed[near[0][1]]:
+            while near and placed[near[0]]:
                 heapq.heappop(near)
             if near:
-                k = near[0][1]
+                i = near[0]
             else:
-                while scan < n and placed[cell_order[scan]]:
+                while scan < n and placed[scan]:
                     scan += 1
                 if scan == n:
                     break
-                k = cell_order[scan]
+                i = scan
+            k, mine = run[i]
             chunks = listed[k]
             cost = cells.nbytes[k] if chunks is None else sum(b for c, b in chunks.items() if c not in held)
             if current and used + cost > window:
                 break
-            placed[k] = True
-            current.extend(members[k])
+            placed[i] = True
+            current.extend(mine)
             used += cost
             for chunk, b in (chunks or {}).items():
                 if chunk not in held:
                     held[chunk] = b
                     for other in readers[chunk]:
                         if not placed[other]:
-                            heapq.heappush(near, (rank[other], other))
+                            heapq.heappush(near, other)
         starts.append(len(order))
         order.extend(np.asarray(current)[rng.permutation(len(current))].tolist() if rng is not None else current)
-    return order, starts
 
 
 def batch_diversity(cell_of: Sequence[int], batch_size: int) -> float:

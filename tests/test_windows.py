@@ -106,18 +106,78 @@ def test_cells_cover_the_chunks_of_every_sample():
 def test_ranks_read_whole_windows(share):
     world, local = 4, 2
     ranks = [_planes(window=2 * CELL, rank=r, world_size=world, local_world_size=local, share_windows=share) for r in range(world)]
-    whole = _planes(window=2 * CELL)
-    order = [_key(s) for s in whole]
+    whole = _planes()
     parts = [[_key(s) for s in r] for r in ranks]
-    assert len({len(p) for p in parts}) == 1 and len(parts[0]) == len(order) // world
-    assert sorted(sum(parts, [])) == sorted(order[: len(parts[0]) * world])
-    per = len(parts[0])
-    for r, p in enumerate(parts):
-        if share:  # the node's ranks take turns in the node's run of the order
-            node, turn = divmod(r, local)
-            assert p == order[node * per * local : (node + 1) * per * local][turn::local]
-        else:  # a contiguous run each
-            assert p == order[r * per : (r + 1) * per]
+    per = len(whole.epoch_samples()) // world
+    assert {len(p) for p in parts} == {per}
+    read = sum(parts, [])
+    assert Counter(read) == Counter(map(_key, whole.epoch_samples()))  # every draw once (300 % 4 = 0 dropped)
+    # windows are packed within each rank's run (each node's, shared): a chunk slab is read by
+    # two of them only where a run's edge cuts its cell, at most once per edge (cut through
+    # windows, the runs shared both cells of each window at an edge)
+    readers = [set(range(r, r + 1)) if not share else set(range(r // local * local, r // local * local + local)) for r in range(world)]
+    groups = world // local if share else world
+    by_cell: dict = {}
+    for r, part in enumerate(ranks):
+        for cell in _cells(list(part)):
+            by_cell.setdefault(cell, set()).add(min(readers[r]))
+    assert sum(len(g) - 1 for g in by_cell.values()) <= groups - 1, by_cell
+    for node in range(groups):  # each run's cells come window by window (2 cells a window)
+        turns = [list(ranks[node * (local if share else 1) + t]) for t in range(local if share else 1)]
+        merged = [turns[j % len(turns)][j // len(turns)] for j in range(per * len(turns))]
+        assert _open_cells(_cells(merged)) <= 2
+
+
+def _open_cells(cells):
+    """The most cells whose stretch (first to last sample) holds one place of the order."""
+    first, last = {}, {}
+    for i, c in enumerate(cells):
+        first.setdefault(c, i)
+        last[c] = i
+    return max(sum(first[c] <= i <= last[c] for c in first) for i in range(len(cells)))
+
+
+def test_a_window_with_about_as_many_samples_as_ranks_pads_or_repeats():
+    grid = [damacy.GridBoxes({"/w/v0.zarr": (16, 64, 64)}, (16, 64, 64), rank=r, world_size=3, window=CELL, chunks_of=chunks_of) for r in range(3)]
+    got = [list(g) for g in grid]  # one box for three ranks: the others pad with it
+    assert [len(g) for g in got] == [1, 1, 1]
+    assert type(got[0][0]) is damacy.Sample and all(type(g[0]) is damacy.Padding for g in got[1:])
+    assert {_key(g[0]) for g in got} == {_key(got[0][0])}
+    # Shuffled: 4 samples, 3 ranks of 2, the last rank's run short (its second entry wraps to the first)
+    items = [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1]) for z in range(4)]
+    shuffled = [list(damacy.Shuffled(items, seed=0, rank=r, world_size=3, window=CELL, chunks_of=chunks_of)) for r in range(3)]
+    assert [len(p) for p in shuffled] == [2, 2, 2] and {_key(s) for p in shuffled for s in p} == set(map(_key, items))
+    # a grid of 5 boxes, 4 read by one rank, resumed on 2: the last box and a padding of it
+    five = {"/w/v0.zarr": (16, 64, 5 * 64)}
+    one = damacy.GridBoxes(five, (16, 64, 64), window=CELL, chunks_of=chunks_of)
+    states = [{"version": 1, "push": 0, "offset": 4, "source_state": one.state_dict(), "batches": 0}]
+    last = list(one)[4]
+    resumed = []
+    for r in range(2):
+        g = damacy.GridBoxes(five, (16, 64, 64), window=CELL, chunks_of=chunks_of, rank=r, world_size=2)
+        g.resume(states)
+        resumed.append(list(g))
+    assert [[(type(x).__name__, _key(x)) for x in p] for p in resumed] == [[("Sample", _key(last))], [("Padding", _key(last))]]
+
+
+def test_window_orders_take_every_form_of_selection():
+    forms = [
+        [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1]) for z in range(64)],  # axes not named: whole
+        [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1, ...]) for z in range(64)],
+        [damacy.IndexQuery("/w/v0.zarr", (slice(z, z + 1), ..., [3, 70])) for z in range(64)],
+        [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1, 0:128, 0:128]) for z in range(64)],
+    ]
+    orders = []
+    for items in forms:
+        s = damacy.Shuffled(items, seed=2, window=CELL, chunks_of=chunks_of)
+        got = list(s)
+        at = {repr(x): i for i, x in enumerate(items)}
+        assert sorted(at[repr(x)] for x in got) == list(range(len(items)))
+        orders.append([at[repr(x)] for x in got])
+        assert s.shuffle_quality(8)["windows"] == 4  # a window per chunk slab, whatever the spelling
+    assert orders[0] == orders[1] == orders[2] == orders[3]
+    empty = damacy.IndexQuery("/w/v0.zarr", (slice(0, 1), [], slice(0, 4)))  # reads nothing: a cell still
+    assert list(damacy.Shuffled([empty], seed=0, window=CELL, chunks_of=chunks_of)) == [empty]
 
 
 def test_shuffled_and_grid_take_a_window():
@@ -150,6 +210,21 @@ def test_a_state_is_refused_by_a_sampler_with_another_window():
     with pytest.raises(damacy.InvalidArgument, match="window"):
         _planes(window=CELL).load_state_dict(saved)
     _planes(window=2 * CELL).load_state_dict(json.loads(json.dumps(saved)))
+    # a state restores its own rank of the same partition (another: resume, or other samples)
+    mine = _planes(window=2 * CELL, rank=1, world_size=4, local_world_size=2, share_windows=True).state_dict()
+    for other, what in [
+        (dict(rank=0, world_size=4, local_world_size=2, share_windows=True), "rank 1 of 4, this sampler is rank 0 of 4"),
+        (dict(rank=1, world_size=2, local_world_size=2, share_windows=True), "rank 1 of 4, this sampler is rank 1 of 2"),
+        (dict(rank=1, world_size=4, local_world_size=2, share_windows=False), "share_windows=True"),
+        (dict(rank=1, world_size=4, local_world_size=1, share_windows=True), "local_world_size=2"),
+    ]:
+        with pytest.raises(damacy.InvalidArgument, match=what):
+            _planes(window=2 * CELL, **other).load_state_dict(mine)
+    _planes(window=2 * CELL, rank=1, world_size=4, local_world_size=2, share_windows=True).load_state_dict(mine)
+    # a windowed state of several ranks from before each rank's run was packed on its own
+    with pytest.raises(damacy.InvalidArgument, match="windowed order of version 1"):
+        _planes(window=2 * CELL, rank=1, world_size=4, local_world_size=2, share_windows=True).load_state_dict({**mine, "window_order": 1})
+    _planes(window=2 * CELL).load_state_dict({k: v for k, v in saved.items() if k != "window_order"})  # one rank: the same order
     with pytest.raises(damacy.InvalidArgument, match="locality and window"):
         _planes(window=CELL, locality=True)
     with pytest.raises(damacy.InvalidArgument, match="window must be a positive number of bytes"):
@@ -172,6 +247,29 @@ def test_an_elastic_resume_keeps_the_windowed_order(old, new, taken):
     total = Counter(seen + rest)  # planes drawn at random: some twice
     glob = Counter(_key(x) for x in first[0].epoch_samples())
     assert not total - glob and sum((glob - total).values()) < old + new
+
+
+@pytest.mark.parametrize("before, after", [(True, False), (False, True), (True, True)])
+def test_an_elastic_resume_reads_the_runs_the_saved_partition_had(before, after):
+    # every plane once (drop_last, 192 of them): the first run's ranks shared windows per node
+    # or not; what they read is found from their states, whatever the new run does
+    items = [damacy.Sample(u, np.s_[z : z + 1, 0:128, 0:128]) for u in VOLS for z in range(64)]
+
+    def sampler(rank, world, share):
+        s = damacy.Shuffled(items, seed=3, drop_last=True, window=2 * CELL, chunks_of=chunks_of, rank=rank, world_size=world, local_world_size=2, share_windows=share)
+        s.set_epoch(2)
+        return s
+
+    first = [sampler(r, 4, before) for r in range(4)]
+    states, seen = [], []
+    for s in first:
+        seen += [_key(x) for x in s.rank_samples()[:10]]
+        states.append({"version": 1, "push": 0, "offset": 10, "source_state": s.state_dict(), "batches": 0})
+    second = [sampler(r, 2, after) for r in range(2)]
+    for s in second:
+        s.resume(json.loads(json.dumps(states)))
+    rest = [_key(x) for s in second for x in s]
+    assert len(rest) == len(items) - 40 and sorted(seen + rest) == sorted(map(_key, items))
 
 
 def test_chunk_windows_reorders_any_iterable_buffer_by_buffer():
@@ -296,6 +394,18 @@ def test_splits_refuse_what_would_cross_them():
         damacy.split_chunks(list(VOLS), {"train": 0.5, "val": 0.2}, seed=1, chunks_of=chunks_of)
     with pytest.raises(damacy.InvalidArgument, match="no split named 'test'"):
         split.regions("test")
+    # a selection naming fewer axes, or with '...', reads the others whole: across both splits
+    across = damacy.split_chunks(["/w/v0.zarr"], {"train": 0.5, "val": 0.5}, seed=0, axis=2, chunks_of=chunks_of)
+    left = next(n for n in ("train", "val") if across.regions(n)[0][1][2] == (0, 64))
+    for sel in (np.s_[0:4], np.s_[0:4, ...], np.s_[0:4, 0:8]):
+        assert across.owner(damacy.Sample("/w/v0.zarr", sel)) is None
+    assert across.owner(damacy.Sample("/w/v0.zarr", np.s_[0:4, ..., 0:64])) == left
+    assert across.owner(damacy.IndexQuery("/w/v0.zarr", (..., [3, 63]))) == left
+    assert across.owner(damacy.IndexQuery("/w/v0.zarr", (..., [3, 64]))) is None
+    old = damacy.Split.from_state({**across.state_dict(), "params": {}})  # saved without the shapes
+    with pytest.raises(damacy.InvalidArgument, match="axis 1: the selection reaches the array's end"):
+        old.owner(damacy.Sample("/w/v0.zarr", np.s_[0:4]))
+    assert old.owner(damacy.Sample("/w/v0.zarr", np.s_[0:4, 0:128, 0:64])) == left
     whole = damacy.split_chunks(list(VOLS), {"train": 2 / 3, "test": 1 / 3}, seed=1, axis=None, chunks_of=chunks_of)
     assert sorted(len(whole.parts[n]) for n in whole.parts) == [1, 2]  # whole arrays
     assert all(box == ((0, 64), (0, 128), (0, 128)) for _, box in whole.regions("train"))
