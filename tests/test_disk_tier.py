@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -27,16 +28,144 @@ def _payload(key: str, n: int) -> bytes:
 
 
 def test_entries_come_back_and_the_tier_keeps_its_bound(tmp_path):
-    tier = DiskTier(tmp_path / "t", max_bytes=3 * 1100)
+    probe = DiskTier(tmp_path / "probe", max_bytes=1 << 20)
+    block = probe._block
+    n = 3 * block - 200  # with its header, an entry takes 3 blocks of disk
+    tier = DiskTier(tmp_path / "t", max_bytes=9 * block + 100)
     for k in range(5):
-        assert tier.put(f"s3://b/c/{k}#0+1000", _payload(f"k{k}", 1000))
-    assert tier.nbytes <= 3 * 1100 and tier.stats()["evictions"] == 2
-    assert tier.get("s3://b/c/0#0+1000") is None and tier.get("s3://b/c/1#0+1000") is None  # the oldest went
-    assert tier.get("s3://b/c/4#0+1000") == _payload("k4", 1000)
-    assert not tier.put("big", b"x" * 4000)  # larger than the whole tier: not kept
+        assert tier.put(f"s3://b/c/{k}#0+{n}", _payload(f"k{k}", n))
+    assert tier.nbytes == 9 * block and tier.stats()["evictions"] == 2
+    assert tier.get(f"s3://b/c/0#0+{n}") is None and tier.get(f"s3://b/c/1#0+{n}") is None  # the oldest went
+    assert tier.get(f"s3://b/c/4#0+{n}") == _payload("k4", n)
+    assert not tier.put("big", b"x" * 10 * block)  # larger than the whole tier: not kept
     # a second tier on the folder (another process, or a restart) finds the entries
-    again = DiskTier(tmp_path / "t", max_bytes=3 * 1100)
-    assert again.get("s3://b/c/3#0+1000") == _payload("k3", 1000) and again.stats()["entries"] == 3
+    again = DiskTier(tmp_path / "t", max_bytes=9 * block + 100)
+    assert again.get(f"s3://b/c/3#0+{n}") == _payload("k3", n) and again.stats()["entries"] == 3
+    assert _on_disk(tmp_path / "t") <= tier.max_bytes
+
+
+def _on_disk(folder) -> int:
+    """The disk space the tier's entries take."""
+    return sum(p.stat().st_blocks * 512 for p in folder.glob("??/*") if p.is_file())
+
+
+def test_the_folder_is_the_tiers_own(tmp_path):
+    # a folder holding anything else is refused, and nothing in it is touched
+    other = tmp_path / "scratch"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "model.pt").write_bytes(b"weights")
+    with pytest.raises(damacy.InvalidArgument, match="not a damacy disk tier.*checkpoints"):
+        DiskTier(other, max_bytes=1 << 20)
+    assert (other / "checkpoints" / "model.pt").read_bytes() == b"weights"
+    # in a tier, only names of its own forms are read or removed; links are not followed
+    tier_dir = tmp_path / "tier"
+    tier = DiskTier(tier_dir, max_bytes=1 << 20)
+    tier.put("a", _payload("a", 5000))
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / ("0" * 38)).write_bytes(b"precious")
+    (tier_dir / "ab").symlink_to(outside)
+    (tier_dir / tier._name("a")).parent.joinpath("notes.txt").write_text("mine")
+    (tier_dir / "cd").mkdir()
+    (tier_dir / "cd" / ("1" * 38)).mkdir()  # a folder where an entry would be
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = tier_dir / "cd" / f"{'2' * 38}.{dead}.1{TMP_SUFFIX}"  # its writer is gone
+    live = tier_dir / "cd" / f"{'3' * 38}.{os.getppid()}.1{TMP_SUFFIX}"  # its writer still writes
+    stale.write_bytes(b"half")
+    live.write_bytes(b"half")
+    again = DiskTier(tier_dir, max_bytes=1)  # a bound below every entry: evicts all it indexed
+    assert again.stats()["evictions"] == 1 and again.stats()["entries"] == 0
+    assert (outside / ("0" * 38)).read_bytes() == b"precious"
+    assert (tier_dir / tier._name("a")).parent.joinpath("notes.txt").read_text() == "mine"
+    assert not stale.exists() and live.exists()
+
+
+def test_processes_sharing_a_folder_keep_its_bound_together(tmp_path):
+    # two tiers on one folder (two processes' own indexes): each rescans the folder after
+    # writing a sixteenth of the bound, so together they stay within it (plus that margin each)
+    bound = 64 * 8192
+    a, b = DiskTier(tmp_path, max_bytes=bound), DiskTier(tmp_path, max_bytes=bound)
+    for k in range(200):
+        (a if k % 2 else b).put(f"s3://b/c/{k}#0+8000", _payload(f"k{k}", 8000))
+    assert _on_disk(tmp_path) <= bound + 2 * (bound // 16 + 16384)
+    assert a.nbytes <= bound and b.nbytes <= bound
+    # the last entries written by either are still there
+    assert a.get("s3://b/c/198#0+8000") == _payload("k198", 8000) and b.get("s3://b/c/199#0+8000") == _payload("k199", 8000)
+
+
+def test_a_hit_keeps_its_entry_in_use_across_a_restart(tmp_path):
+    tier = DiskTier(tmp_path, max_bytes=2 * 8192 + 100)
+    for key in ("hot", "cold"):
+        tier.put(key, _payload(key, 7000))
+    os.utime(tmp_path / tier._name("hot"), (1000, 1000))  # written long ago, hot first
+    os.utime(tmp_path / tier._name("cold"), (2000, 2000))
+    assert tier.get("hot") is not None  # used now
+    again = DiskTier(tmp_path, max_bytes=2 * 8192 + 100)  # a restart: the order from the files
+    again.put("new", _payload("new", 7000))  # one has to go: the least recently used
+    assert again.get("hot") == _payload("hot", 7000) and again.get("cold") is None
+
+
+def test_a_miss_racing_a_put_of_its_key_leaves_the_entry_indexed(tmp_path, monkeypatch):
+    # a get finds no file; before it settles its miss, a put of the same key (another batch
+    # fetched it) lands: the entry must stay indexed, else its file is never evicted
+    import damacy_server.store.disk as disk
+
+    tier = DiskTier(tmp_path, max_bytes=6 * 8192)
+    key = "s3://b/c/x#0+7000"
+    missed, written = threading.Event(), threading.Event()
+    real_open = open
+
+    def racing_open(path, mode="r", *a, **kw):
+        if mode == "rb" and threading.current_thread().name == "reader":
+            try:
+                return real_open(path, mode, *a, **kw)
+            except FileNotFoundError:
+                missed.set()
+                assert written.wait(30)
+                raise
+        return real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(disk, "open", racing_open, raising=False)
+    reader = threading.Thread(target=tier.get, args=(key,), name="reader")
+    reader.start()
+    assert missed.wait(30)
+    assert tier.put(key, _payload(key, 7000))
+    written.set()
+    reader.join()
+    for k in range(12):  # more entries than the bound holds: the old ones go, x among them
+        tier.put(f"s3://b/c/{k}#0+7000", _payload(str(k), 7000))
+    files = {f"{p.parent.name}/{p.name}" for p in tmp_path.glob("??/*")}
+    assert files == set(tier._index) and tier._name(key) not in files
+
+
+def test_threads_keep_the_index_and_the_files_in_step(tmp_path):
+    # gets, puts and evictions of a few keys from many threads at once: every file on disk is
+    # indexed and counted, every indexed entry is on disk
+    tier = DiskTier(tmp_path, max_bytes=6 * 8192)
+    keys = [f"s3://b/c/{k}#0+7000" for k in range(10)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def work(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            for _ in range(400):
+                key = keys[int(rng.integers(len(keys)))]
+                if rng.random() < 0.5:
+                    got = tier.get(key)
+                    assert got is None or got == _payload(key, 7000)
+                else:
+                    tier.put(key, _payload(key, 7000))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    files = {f"{p.parent.name}/{p.name}" for p in tmp_path.glob("??/*") if not p.name.endswith(TMP_SUFFIX)}
+    assert files == set(tier._index) and tier.nbytes == sum(tier._index.values()) <= tier.max_bytes
+    assert not list(tmp_path.rglob(f"*{TMP_SUFFIX}"))
 
 
 def test_an_entry_cut_short_or_another_keys_is_refused_and_removed(tmp_path):
@@ -163,7 +292,7 @@ def test_a_second_epoch_reads_the_disk_tier_not_the_store(served, tmp_path_facto
             second = epoch(pipe)
         assert _data_reads(server) == fetched  # nothing fetched again: read from the disk tier
         assert second["stages"]["disk"]["count"] == fetched and second["disk_cache"]["hits"] == fetched
-        assert len(list(folder.rglob("*/*"))) == fetched
+        assert len(list(folder.glob("??/*"))) == fetched
     finally:
         if daemon is not None:
             assert daemon.stop() == 0, daemon.log_path.read_text()

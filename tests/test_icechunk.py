@@ -71,6 +71,51 @@ def test_the_snapshot_of_a_run_stays_while_others_commit(repo):
     np.testing.assert_array_equal(damacy.read(f"icechunk+file://{root}?snapshot={second}#/plain"), np.full((10, 10), -1, dtype="float32"))
 
 
+READ_THROUGH_TIER = """
+import json, sys, time
+import numpy as np
+import damacy
+
+uri, tier = sys.argv[1], sys.argv[2]
+cfg = damacy.Config(samples_per_batch=1, sample_shape=(10, 10), dtype="f32", chunk_cache_dir=tier, chunk_cache_dir_bytes=1 << 24)
+with damacy.Pipeline(cfg) as pipe:
+    pipe.push([damacy.Sample(uri, np.s_[0:10, 0:10])])
+    got = np.concatenate([np.array(np.from_dlpack(b)) for b in pipe.batches(1)])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # fetched ranges are written to the tier off the fetcher
+        disk = pipe.stats()["disk_cache"]
+        if disk["hits"] + disk["writes"] >= 9:  # the 9 chunks of the 10 x 10 array, chunks 4 x 4
+            break
+        time.sleep(0.05)
+    print(json.dumps({"values": sorted(set(got.ravel().tolist())), "hits": disk["hits"], "writes": disk["writes"]}))
+"""
+
+
+def test_a_disk_tier_never_serves_a_branch_the_commit_before(repo, tmp_path):
+    # the tier outlives the process: a new process resolves main to the new commit, and the
+    # entries of the old one (kept under their snapshot) are not its
+    import json
+    import subprocess
+    import sys
+
+    root, repository, _ = repo
+    uri, tier = f"icechunk+file://{root}?branch=main#/plain", str(tmp_path / "tier")
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", READ_THROUGH_TIER, uri, tier], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["values"] == list(range(100)) and first["writes"] == 9
+    session = repository.writable_session("main")
+    zarr.open_array(session.store, path="plain", mode="r+")[...] = -1
+    session.commit("overwrite")
+    second = run()
+    assert second == {"values": [-1.0], "hits": 0, "writes": 9}
+    assert run() == {"values": [-1.0], "hits": 9, "writes": 0}  # the new commit's entries serve
+
+
 def test_wrong_versions_and_repositories_are_named(repo, tmp_path):
     root, _, _ = repo
     with pytest.raises(damacy.NotFound, match="no branch 'nope'"):

@@ -167,6 +167,22 @@ def test_an_unreachable_server_is_named_with_the_cause(scheme, monkeypatch):
         damacy.read(uri, np.s_[0:1])
 
 
+def test_the_disk_tier_keys_name_the_endpoint(monkeypatch):
+    # one bucket name on two servers holds two sets of objects: a tier shared by both never
+    # serves one's bytes for the other's
+    from damacy_server.store.remote import RemoteStores
+
+    for name in [n for n in os.environ if n.startswith("AWS_") and ("ENDPOINT" in n or n.endswith("URL"))]:
+        monkeypatch.delenv(name)
+    key = "s3://bucket/a.zarr/c/0/0"
+    cloud = RemoteStores().resolve(key)[0]
+    minio = RemoteStores({"s3://bucket": {"endpoint": "http://127.0.0.1:9000"}}).resolve(key)[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9001")
+    local = RemoteStores().resolve(key)[0]
+    names = [cloud.cache_key(key), minio.cache_key(key), local.cache_key(key)]
+    assert names[0] == key and len(set(names)) == 3 and "127.0.0.1:9000" in names[1]
+
+
 def test_storage_options_name_the_endpoint_without_the_environment(s3_server, sharded, monkeypatch):
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ALLOW_HTTP"):
         monkeypatch.delenv(name, raising=False)

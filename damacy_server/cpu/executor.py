@@ -501,7 +501,9 @@ class CpuExecutor(BudgetedExecutor):
 
     @staticmethod
     def _disk_key(group: ReadGroup) -> str:
-        return f"{group.key}#{group.offset}+{group.length}"
+        """A read's name in the disk tier: its object as the store names it for caches that
+        outlive the process (a branch's snapshot, a bucket's endpoint), and its range."""
+        return f"{group.units[0].meta.store.cache_key(group.key)}#{group.offset}+{group.length}"
 
     def _from_disk(self, run: Run, group: ReadGroup, reserved: int) -> None:
         if run.cancelled() or self._closed:

@@ -49,6 +49,12 @@ class Store(ABC):
     def join(self, base: str, *parts: str) -> str:
         """The key of ``parts`` below ``base``."""
 
+    def cache_key(self, key: str) -> str:
+        """``key`` as a cache that outlives this process names the object (the disk tier):
+        with what the key leaves open added (the version a branch resolved to, the endpoint
+        of a bucket), so a later process or another endpoint never takes it for its own."""
+        return key
+
 
 def join_segments(base: str, *parts: str) -> str:
     """``parts`` below ``base`` joined with "/", refusing empty, "." and ".." segments (a key

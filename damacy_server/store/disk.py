@@ -1,15 +1,21 @@
 """A disk tier for bytes fetched from object stores: chunks read once from a bucket are read
 again from local disk (an NVMe scratch folder), for data whose epoch does not fit in memory.
 
-Each entry is one file, named by a hash of its key (the object's uri and byte range), in a
-folder of 256 subfolders. A file holds a header (magic, payload length, CRC-32 of the payload,
-the key) and the payload. An entry is written to a temporary file beside its place and renamed
-into it when whole, so a process killed mid-write leaves a temporary file (removed by the next
-tier opened on the folder) and never a torn entry; a reader checks length, key and CRC before
-it serves an entry, and deletes one that fails (a file cut short by a crash of the machine
-itself). The tier is bounded in bytes: the least recently used entries go first. Several
-processes may share a folder (each keeps its own index; an entry another one evicted is a
-miss); damacyd shares one tier among all the ranks of a node.
+Each entry is one file, named by a hash of its key (the object's uri, its version where the
+store has one, and the byte range), in a folder of 256 subfolders. A file holds a header (magic,
+payload length, CRC-32 of the payload, the key) and the payload. An entry is written to a
+temporary file beside its place and renamed into it when whole, so a process killed mid-write
+leaves a temporary file (removed by the next scan of the folder once its writer is gone)
+and never a torn entry; a reader checks length, key and CRC before it serves an entry, and
+deletes one that fails (a file cut short by a crash of the machine itself).
+
+The tier is bounded in bytes (the disk space its files take, whole blocks): the least recently
+used entries go first (a hit touches its file, so the order survives a restart). The folder is
+the tier's own: a marker file names it, a folder holding anything else is refused, and only
+names of the tier's own forms are ever read or removed. Several processes may share a folder:
+each keeps an index of the entries, and rescans the folder whenever it has written a sixteenth
+of the bound since its last scan, so the bound holds for them together within that margin per
+process; damacyd shares one tier among all the ranks of a node.
 
 Objects are taken to be immutable (training data): an entry is never checked against the
 store again. Clear the folder when the data is rewritten in place.
@@ -19,19 +25,38 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
 
+from damacy_protocol.errors import InvalidArgument
+
 MAGIC = b"DMCYDSK1"
 _HEADER = struct.Struct("<8sQII")  # magic, payload length, crc32, key length
 TMP_SUFFIX = ".part"
+#: the file naming a folder as a disk tier
+MARKER = "damacy-disk-tier"
+_SUB = re.compile(r"[0-9a-f]{2}")
+_ENTRY = re.compile(r"[0-9a-f]{38}")
+_PART = re.compile(r"([0-9a-f]{38})\.(\d+)\.(\d+)" + re.escape(TMP_SUFFIX))
+
+
+def _alive(pid: int) -> bool:
+    """Is process ``pid`` running (on this machine: the tier is local disk)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 class DiskTier:
-    """Bytes by key on local disk, at most ``max_bytes`` of them (payloads and headers)."""
+    """Bytes by key on local disk, at most ``max_bytes`` of them (the space their files take)."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -39,31 +64,70 @@ class DiskTier:
         self.folder = Path(folder)
         self.max_bytes = int(max_bytes)
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recent first
+        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes on disk, least recent first
         self._bytes = 0
         self.hits = self.misses = self.writes = self.evictions = self.refused = 0
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._claim()
+        self._block = max(512, os.statvfs(self.folder).f_frsize)
+        self._rescan_every = max(1, self.max_bytes // 16)
+        self._written = 0  # bytes written since the last scan
+        self._scanning = False
         self._scan()
 
+    def _claim(self) -> None:
+        """Make the folder a tier, or check that it is one (an empty folder becomes one)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        marker = self.folder / MARKER
+        if marker.is_file():
+            return
+        # a tier made before the marker was: its subfolders only
+        foreign = sorted(p.name for p in self.folder.iterdir() if not (_SUB.fullmatch(p.name) and p.is_dir() and not p.is_symlink()))
+        if foreign:
+            raise InvalidArgument(
+                f"the disk tier's folder {self.folder} holds files that are not a damacy disk tier "
+                f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); give an empty folder "
+                "or one a disk tier made"
+            )
+        marker.write_text("a damacy disk tier: entries of fetched object-store bytes, safe to delete whole\n")
+
+    def _size(self, st: os.stat_result) -> int:
+        return max(st.st_blocks * 512, self._on_disk(st.st_size))
+
+    def _on_disk(self, size: int) -> int:
+        """The space a file of ``size`` bytes takes: whole blocks."""
+        return -(-size // self._block) * self._block
+
     def _scan(self) -> None:
-        """Index what earlier processes left (oldest first by modification time); remove
-        temporary files, which are writes that never finished."""
+        """Index the folder's entries (least recently used first, by modification time: a hit
+        touches its file); remove temporary files whose writer is gone (writes that never
+        finished). Only names of the tier's own forms are looked at; links are not followed."""
         found = []
-        for sub in self.folder.iterdir():
-            if not sub.is_dir():
-                continue
-            for path in sub.iterdir():
+        with os.scandir(self.folder) as subs:
+            subs = [sub.path for sub in subs if _SUB.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)]
+        for sub in subs:
+            with os.scandir(sub) as entries:
+                entries = list(entries)
+            for entry in entries:
                 try:
-                    if path.name.endswith(TMP_SUFFIX):
-                        path.unlink(missing_ok=True)
+                    if not entry.is_file(follow_symlinks=False):
                         continue
-                    st = path.stat()
+                    part = _PART.fullmatch(entry.name)
+                    if part is not None:
+                        pid = int(part.group(2))
+                        if pid != os.getpid() and not _alive(pid):  # a write that never finishes
+                            os.unlink(entry.path)
+                        continue
+                    if not _ENTRY.fullmatch(entry.name):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
                 except OSError:  # another process removed it meanwhile
                     continue
-                found.append((st.st_mtime, f"{sub.name}/{path.name}", st.st_size))
-        for _, name, size in sorted(found):
-            self._index[name] = size
-            self._bytes += size
+                found.append((st.st_mtime, f"{os.path.basename(sub)}/{entry.name}", self._size(st)))
+        found.sort()
+        with self._lock:  # an entry written while the scan ran is found by the next one
+            self._index = OrderedDict((name, size) for _, name, size in found)
+            self._bytes = sum(self._index.values())
+            self._written = 0
         self._evict()
 
     @staticmethod
@@ -79,22 +143,30 @@ class DiskTier:
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:
-            self._forget(name)
             with self._lock:
                 self.misses += 1
+                if name in self._index and not path.exists():  # evicted by another process
+                    self._bytes -= self._index.pop(name)
             return None
         payload = self._check(data, key)
         with self._lock:
             if payload is None:
                 self.refused += 1
                 self.misses += 1
-            else:
-                self.hits += 1
-                if name in self._index:
-                    self._index.move_to_end(name)
-        if payload is None:
-            path.unlink(missing_ok=True)
-            self._forget(name)
+                # removed with its index entry, under the lock: a put of the key meanwhile is
+                # removed too, never left on disk outside the index
+                path.unlink(missing_ok=True)
+                size = self._index.pop(name, None)
+                if size is not None:
+                    self._bytes -= size
+                return None
+            self.hits += 1
+            if name in self._index:
+                self._index.move_to_end(name)
+        try:
+            os.utime(path)  # the use, for the order after a restart or in another process
+        except OSError:
+            pass
         return payload
 
     @staticmethod
@@ -113,7 +185,7 @@ class DiskTier:
         refused it; a tier is a cache, so that is never an error)."""
         payload = bytes(payload)
         key_bytes = key.encode()
-        size = _HEADER.size + len(key_bytes) + len(payload)
+        size = self._on_disk(_HEADER.size + len(key_bytes) + len(payload))
         if size > self.max_bytes:
             return False
         name = self._name(key)
@@ -125,35 +197,44 @@ class DiskTier:
                 f.write(_HEADER.pack(MAGIC, len(payload), zlib.crc32(payload), len(key_bytes)))
                 f.write(key_bytes)
                 f.write(payload)
-            os.replace(tmp, final)  # whole, or not there at all
         except OSError:
             tmp.unlink(missing_ok=True)
             return False
-        with self._lock:
+        with self._lock:  # the file and its index entry change together
+            try:
+                os.replace(tmp, final)  # whole, or not there at all
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                return False
             old = self._index.pop(name, None)
             if old is not None:
                 self._bytes -= old
             self._index[name] = size
             self._bytes += size
             self.writes += 1
-        self._evict()
+            self._written += size
+            rescan = self._written >= self._rescan_every and not self._scanning
+            if rescan:
+                self._scanning = True
+        if rescan:  # what the folder's other processes wrote counts against the bound too
+            try:
+                self._scan()
+            finally:
+                self._scanning = False
+        else:
+            self._evict()
         return True
 
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self._bytes -= size
-
     def _evict(self) -> None:
-        while True:
-            with self._lock:
-                if self._bytes <= self.max_bytes or not self._index:
-                    return
+        with self._lock:
+            while self._bytes > self.max_bytes and self._index:
                 name, size = self._index.popitem(last=False)
                 self._bytes -= size
                 self.evictions += 1
-            (self.folder / name).unlink(missing_ok=True)
+                try:
+                    (self.folder / name).unlink(missing_ok=True)
+                except OSError:  # a tier is a cache: a file it cannot remove is left
+                    pass
 
     @property
     def nbytes(self) -> int:

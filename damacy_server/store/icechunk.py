@@ -117,6 +117,7 @@ class IcechunkStore(Store):
             raise NotFound(f"the repository has no {ref_kind} {ref!r} ({first_line(e)})", uri=what) from None
         self.snapshot = session.snapshot_id  # what every read of this store sees
         self._store = session.store
+        self._pinned = f"{PREFIX}{location}?snapshot={self.snapshot}#"
 
     # -- keys ---------------------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -126,6 +127,11 @@ class IcechunkStore(Store):
 
     def join(self, base: str, *parts: str) -> str:
         return join_segments(base, *parts)
+
+    def cache_key(self, key: str) -> str:
+        """The key with the snapshot in place of the branch or tag (a later process may
+        resolve them to a later commit)."""
+        return self._pinned + key[len(self.base) :] if key.startswith(self.base) else key
 
     def check_allowed(self, key: str) -> None:
         """A daemon serves a repository only under one of its allowed roots (local) or

@@ -57,6 +57,20 @@ _ENV_PREFIX = {"s3": "AWS", "s3a": "AWS", "gs": "GOOGLE", "az": "AZURE", "azure"
 _NO_SUFFIX = ("az://", "azure://", "abfs://", "abfss://")
 
 
+def _endpoint(options: Mapping[str, str], env: str | None) -> str | None:
+    """The server a store's options or environment name in place of the cloud's own (an
+    S3-compatible server, an emulator), or None."""
+    def names_server(name: str) -> bool:
+        name = name.upper()
+        return ("ENDPOINT" in name or name.endswith("URL")) and "PROXY" not in name
+
+    named = [str(v) for k, v in sorted(options.items()) if names_server(k)]
+    if not named and env is not None:
+        prefixes = (f"{env}_", "AZURITE_") if env == "AZURE" else (f"{env}_",)
+        named = [os.environ[n] for n in sorted(os.environ) if n.startswith(prefixes) and names_server(n)]
+    return " ".join(named) or None
+
+
 def is_remote(key: str) -> bool:
     """Does ``key`` (a uri or a store key) name an object in an object store (or in an
     icechunk repository: read like one)?"""
@@ -114,6 +128,7 @@ class ObjectStore(Store):
                 client[name] = os.environ[f"{env}_{name.upper()}"]
         if base.startswith("http://"):
             client["allow_http"] = "true"  # the uri says plain HTTP
+        self.endpoint = _endpoint(options or {}, env)
         for name, value in (options or {}).items():
             (client if name in CLIENT_OPTIONS else retry if name in RETRY_OPTIONS else config)[name] = value
         try:
@@ -146,6 +161,11 @@ class ObjectStore(Store):
     def check_allowed(self, key: str) -> None:
         if self.allow is not None and not any(_under(key, p) for p in self.allow):
             raise self.outside(key)
+
+    def cache_key(self, key: str) -> str:
+        """The key with the endpoint, where one is named: another server's bucket of the same
+        name holds other objects."""
+        return key if self.endpoint is None else f"{key} at {self.endpoint}"
 
     def join(self, base: str, *parts: str) -> str:
         return join_segments(base, *parts)
