@@ -64,6 +64,11 @@ from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample, normalize_pair
 
 
+def _is_int(value: Any) -> bool:
+    """An integer, Python's or numpy's (a count from an array), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def partition(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world size): as given, else torch.distributed's environment (``RANK``,
     ``WORLD_SIZE``, set by torchrun), else (0, 1)."""
@@ -71,11 +76,11 @@ def partition(rank: int | None = None, world_size: int | None = None) -> tuple[i
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    if not isinstance(world_size, int) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise InvalidArgument(f"world_size must be a positive integer, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if not _is_int(rank) or not 0 <= rank < world_size:
         raise InvalidArgument(f"rank must be in [0, {world_size}), got {rank!r}")
-    return rank, world_size
+    return int(rank), int(world_size)
 
 
 class _Arrays(Sequence):
@@ -267,7 +272,7 @@ class _Sampler:
         local_world_size: int | None = None,
         chunks_of: ChunksOf | None = None,
     ) -> None:
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
+        if not _is_int(seed) or seed < 0:
             raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
         self.seed = int(seed)
         self.rank, self.world_size = partition(rank, world_size)
@@ -278,16 +283,16 @@ class _Sampler:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             if local < 1 or self.world_size % local:
                 local = self.world_size
-        if not isinstance(local, int) or local < 1 or self.world_size % local:
+        if not _is_int(local) or local < 1 or self.world_size % local:
             raise InvalidArgument(f"local_world_size must divide world_size ({self.world_size}), got {local!r}")
-        self.local_world_size = local  # ranks per node (see RandomBoxes' locality, share_windows)
+        self.local_world_size = int(local)  # ranks per node (see RandomBoxes' locality, share_windows)
         self.window = check_window(window)
         self.share_windows = bool(share_windows)
         self._cells = CellIndex(chunks_of)  # reads the arrays' chunk shapes on first use
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration draws (its order and boxes come from (seed, epoch))."""
-        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        if not _is_int(epoch) or epoch < 0:
             raise InvalidArgument(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:
             self.consumed = []  # an elastic resume applies to its own epoch only
@@ -652,9 +657,9 @@ class RandomBoxes(_Sampler):
         if self.offsets is not None and (foreground is not None or labels is not None):
             raise InvalidArgument("foreground masks and label maps are per whole array: give arrays, not regions, with them")
         self.normalize = _check_normalize(normalize, [(self.arrays.where(a), None) for a in range(len(self.arrays))])
-        if not isinstance(samples_per_epoch, int) or samples_per_epoch < self.world_size:
+        if not _is_int(samples_per_epoch) or samples_per_epoch < self.world_size:
             raise InvalidArgument(f"samples_per_epoch must be an integer of at least world_size ({self.world_size}), got {samples_per_epoch!r}")
-        self.samples_per_epoch = samples_per_epoch
+        self.samples_per_epoch = int(samples_per_epoch)
         if weights is None and self.offsets is not None:  # regions: boxes uniform over their elements
             sizes = np.array([math.prod(shape) for _, shape in self.arrays], dtype=np.float64)
             self.p = sizes / sizes.sum()
@@ -690,11 +695,11 @@ class RandomBoxes(_Sampler):
             raise InvalidArgument(f"foreground_fraction must be a probability (0 to 1), got {foreground_fraction!r}")
         if not isinstance(min_foreground, (int, float)) or not 0.0 <= min_foreground <= 1.0:
             raise InvalidArgument(f"min_foreground must be a share (0 to 1), got {min_foreground!r}")
-        if not isinstance(max_tries, int) or max_tries < 1:
+        if not _is_int(max_tries) or max_tries < 1:
             raise InvalidArgument(f"max_tries must be a positive integer, got {max_tries!r}")
         self.foreground_fraction = float(foreground_fraction)
         self.min_foreground = float(min_foreground)
-        self.max_tries = max_tries
+        self.max_tries = int(max_tries)
         # the maps (foreground masks or label maps) and the classes boxes are centred on
         self.maps: labels_.LabelMaps | None = None
         self.centre: tuple[list[Any], np.ndarray] | None = None
@@ -896,6 +901,8 @@ class GridBoxes(_Sampler):
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.sample_shape = tuple(int(n) for n in sample_shape)
         self.arrays = _shapes(arrays, shape_of, level, len(self.sample_shape))
+        if not len(self.arrays):
+            raise InvalidArgument("GridBoxes needs at least one array")
         list(self.arrays)  # a grid counts every array's windows: every shape, read concurrently
         self.offsets = _offsets(arrays, self.align)
         self.normalize = _check_normalize(normalize, self.arrays)

@@ -114,6 +114,19 @@ def test_rank_and_world_size_come_from_torchruns_environment(monkeypatch):
         damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=0, samples_per_epoch=9)
 
 
+def test_counts_may_be_numpy_integers_and_bools_are_refused():
+    counts = np.array([9, 1, 3, 0])
+    s = damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=counts[3], samples_per_epoch=counts[0], rank=counts[1], world_size=counts[2], max_tries=counts[2])
+    assert (s.samples_per_epoch, s.rank, s.world_size, s.max_tries) == (9, 1, 3, 3) and len(s) == 3
+    assert type(s.samples_per_epoch) is int and type(s.world_size) is int
+    with pytest.raises(damacy.InvalidArgument, match="seed"):
+        damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=True, samples_per_epoch=9)
+    with pytest.raises(damacy.InvalidArgument, match="world_size"):
+        damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=0, samples_per_epoch=9, rank=0, world_size=np.bool_(True))
+    with pytest.raises(damacy.InvalidArgument, match="GridBoxes needs at least one array"):
+        damacy.GridBoxes({}, (4, 4, 4))
+
+
 def test_sampler_state_round_trips_and_checks_the_seed():
     s = damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=3, samples_per_epoch=9, rank=0, world_size=1)
     s.set_epoch(5)
