@@ -361,7 +361,9 @@ class _Sampler:
                 "the epoch's order differs, so the saved position would name other samples"
             )
         saved = state.get("window_order", 1)
-        if window is not None and int(state.get("world_size", 1)) > 1 and saved != WINDOW_ORDER:
+        # version 1's order differs where ranks cut it or an elastic resume left positions out
+        moved = int(state.get("world_size", 1)) > 1 or bool(state.get("consumed"))
+        if window is not None and moved and saved != WINDOW_ORDER:
             raise InvalidArgument(
                 f"the state was saved by a windowed order of version {saved}; this damacy's is version "
                 f"{WINDOW_ORDER} (each rank's run packed into windows of its own), so the saved position "
