@@ -32,8 +32,8 @@ from damacy_server.daemon.endpoint import Peer
 from damacy_server.daemon.host import SessionHost
 from damacy_server.daemon.warm import start_warm
 from damacy_server.engine.batches import BatchEngine, Delivery
-from damacy_server.engine.shm import pid_alive
 from damacy_server.engine.slots import OutputSpec, ShmSlots, SlotMemory
+from damacy_server.procs import pid_alive
 
 log = logging.getLogger("damacyd")
 

@@ -15,6 +15,7 @@ import re
 import numpy as np
 
 from damacy_protocol.errors import DamacyError
+from damacy_server.procs import pid_alive
 
 SHM_DIR = "/dev/shm"
 PREFIX = "damacy-"
@@ -102,14 +103,3 @@ def remove_stale(log=None) -> list[str]:
     if removed and log is not None:
         log(f"removed {len(removed)} stale shared-memory segment(s) of dead damacyd processes")
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """Is process ``pid`` running (as far as this pid namespace can tell)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from damacy_protocol.errors import InvalidArgument
+from damacy_server.procs import pid_alive
 
 MAGIC = b"DMCYDSK1"
 _HEADER = struct.Struct("<8sQII")  # magic, payload length, crc32, key length
@@ -42,17 +43,6 @@ MARKER = "damacy-disk-tier"
 _SUB = re.compile(r"[0-9a-f]{2}")
 _ENTRY = re.compile(r"[0-9a-f]{38}")
 _PART = re.compile(r"([0-9a-f]{38})\.(\d+)\.(\d+)" + re.escape(TMP_SUFFIX))
-
-
-def _alive(pid: int) -> bool:
-    """Is process ``pid`` running (on this machine: the tier is local disk)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
 
 
 class DiskTier:
@@ -114,7 +104,7 @@ class DiskTier:
                     part = _PART.fullmatch(entry.name)
                     if part is not None:
                         pid = int(part.group(2))
-                        if pid != os.getpid() and not _alive(pid):  # a write that never finishes
+                        if pid != os.getpid() and not pid_alive(pid):  # a write that never finishes
                             os.unlink(entry.path)
                         continue
                     if not _ENTRY.fullmatch(entry.name):
