@@ -62,7 +62,8 @@ class Pipeline(PipelineAPI):
 
     or composed from parts (``planner``, ``executor``, ``output``, ``queues``). A planner and
     an executor may be shared by several pipelines: each pipeline's engine reserves its own
-    slots in the executor's memory budget and its tasks take turns with the others'.
+    slots in the executor's memory budget and its tasks take turns with the others'. A
+    pipeline closes the executor it made, never one it was given (its owner closes it).
     ``slot_memory`` supplies the slots (by default ordinary host memory).
     """
 
@@ -103,7 +104,7 @@ class Pipeline(PipelineAPI):
         elif not isinstance(config, Config):
             raise InvalidArgument(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
         self.config = config
-        self._owns = executor is None or planner is None
+        self._owns = executor is None  # an executor given may serve other pipelines
         if planner is None:
             planner = ChunkPlanner(
                 ZarrMetadata(

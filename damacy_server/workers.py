@@ -6,6 +6,10 @@ small tasks per second and each task reports its own outcome. Tasks are queued p
 client with a deep queue cannot starve the others. Within a key the task with the lowest
 priority number goes first (the engine numbers batches, so the batch a consumer waits for
 is not held up by the ones behind it), ties in submission order.
+
+Closing drops the tasks still queued, or, with ``drain``, lets the workers run them (tasks
+that see the close return at once, settling what they hold: an executor's reservations); a
+task submitted to a drained pool once its workers are gone runs in the submitting thread.
 """
 
 from __future__ import annotations
@@ -31,27 +35,36 @@ class WorkerPool:
         self._ring: deque[Hashable] = deque()  # keys with queued tasks, in turn order
         self._cond = threading.Condition(threading.Lock())
         self._threads: list[threading.Thread] = []
+        self._running = 0  # workers that have not exited
         self._closed = False
+        self._drain = False
 
     def _start(self) -> None:
         for i in range(self.workers):
             t = threading.Thread(target=self._run, name=f"{self.name}-{i}", daemon=True)
+            self._running += 1
             t.start()
             self._threads.append(t)
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: Hashable = None, priority: int = 0) -> None:
         with self._cond:
-            if self._closed:
-                return
-            if not self._threads:
-                self._start()
-            q = self._queues.get(key)
-            if q is None:
-                q = self._queues[key] = []
-            if not q:
-                self._ring.append(key)
-            heapq.heappush(q, (priority, next(self._order), fn, args))
-            self._cond.notify()
+            if self._closed and not self._running:
+                if not self._drain:
+                    return  # dropped, as the tasks queued at close were
+                inline = True  # a drained pool's workers are gone
+            else:
+                inline = False
+                if not self._threads:
+                    self._start()
+                q = self._queues.get(key)
+                if q is None:
+                    q = self._queues[key] = []
+                if not q:
+                    self._ring.append(key)
+                heapq.heappush(q, (priority, next(self._order), fn, args))
+                self._cond.notify()
+        if inline:  # runs here: it sees the close and settles what it holds
+            self._call(fn, args)
 
     def queued(self) -> int:
         """Tasks waiting for a worker."""
@@ -62,6 +75,7 @@ class WorkerPool:
         with self._cond:
             while not self._ring:
                 if self._closed:
+                    self._running -= 1  # under the lock: a submit after this runs its task itself
                     return None
                 self._cond.wait()
             key = self._ring.popleft()
@@ -80,22 +94,29 @@ class WorkerPool:
             if item is None:
                 return
             fn, args = item
-            try:
-                fn(*args)
-            except BaseException:  # a task must report its own errors; never kill the worker
-                log.exception("damacy: unhandled error in %s task", self.name)
+            self._call(fn, args)
             # an idle worker keeps nothing of its last task alive (a slot's memory, say)
             item = fn = args = None
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop taking tasks; queued tasks are dropped (their owners are cancelled first)."""
+    def _call(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException:  # a task must report its own errors; never kill the worker
+            log.exception("damacy: unhandled error in %s task", self.name)
+
+    def close(self, timeout: float = 5.0, drain: bool = False) -> None:
+        """Stop taking new work: the tasks queued are dropped (their owners are cancelled
+        first), or with ``drain`` run by the workers, which then exit."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            dropped = [item for q in self._queues.values() for item in q]  # noqa: F841 - freed below
-            self._queues.clear()
-            self._ring.clear()
+            self._drain = drain
+            dropped = []
+            if not drain:
+                dropped = [item for q in self._queues.values() for item in q]  # freed below
+                self._queues.clear()
+                self._ring.clear()
             self._cond.notify_all()
             threads = list(self._threads)
         deadline = time.monotonic() + timeout  # for all of them together

@@ -10,6 +10,8 @@ import pytest
 import zarr
 from zarr.codecs import BytesCodec
 
+import damacy
+
 DTYPES = [
     "bool",
     "int8",
@@ -24,6 +26,16 @@ DTYPES = [
     "float32",
     "float64",
 ]
+
+
+class OwningPipeline(damacy.Pipeline):
+    """A pipeline that closes the executor it was given (a pipeline leaves an executor it
+    did not make to its owner): for tests that make one executor per pipeline."""
+
+    def close(self) -> None:
+        super().close()
+        self.executor.close()
+
 
 
 def random_data(shape, dtype, seed=0) -> np.ndarray:
@@ -171,7 +183,7 @@ def make(request):
 
         def cuda_host(cfg):
             executor = CudaExecutor(HostDevice(), FileReader(workers=cfg.io_workers), CudaLimits(max_gpu_memory_bytes=cfg.max_memory_bytes))
-            return damacy.Pipeline(cfg, executor=executor)
+            return OwningPipeline(cfg, executor=executor)
 
         return cuda_host
     endpoint = request.getfixturevalue("daemon").endpoint

@@ -23,6 +23,8 @@ from damacy_server.cuda import twin
 from damacy_server.cuda.device import HostDevice
 from damacy_server.cuda.executor import CudaExecutor
 
+from conftest import OwningPipeline
+
 #: the stand-in device runs the kernels' host twin, built with a C compiler
 needs_twin = pytest.mark.skipif(not twin.available(), reason="the kernels' host twin was not built (no C compiler)")
 
@@ -111,7 +113,7 @@ def volume(tmp_path):
 
 def _pipe(device, dtype="float32", slots=1, **kw):
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype=dtype, prepared_batches=slots, **kw)
-    return damacy.Pipeline(cfg, executor=CudaExecutor(device))
+    return OwningPipeline(cfg, executor=CudaExecutor(device))
 
 
 def _boxes(path, starts):

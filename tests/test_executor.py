@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -117,3 +118,90 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     # its copies are the head of the table: every copy of unit 0, and only those
     assert set(block.rows[:, 0].tolist()) == {0} and len(block.rows) == int((block.table.rows[:, 0] == 0).sum())
     assert [u.unit for g in planned.groups for u in g.units] == [u.unit for u in units[1:]]
+
+
+def test_a_pipeline_leaves_a_shared_executor_open_and_each_returns_its_slots(volume):
+    uri, oracle = volume
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=256 << 20, decode_workers=2))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 32, 32), dtype="u16", pop_timeout_s=60)
+    samples = [damacy.Sample(uri, np.s_[z : z + 8, 0:32, 0:32]) for z in (0, 8, 16, 24)]
+    try:
+        first, second = damacy.Pipeline(cfg, executor=executor), damacy.Pipeline(cfg, executor=executor)
+        first.push(samples)
+        held = None
+        for batch in first.batches():
+            with batch:
+                held = batch.numpy()  # a view of first's slot, kept past its close
+        one_slot = first.slot_bytes // 2  # 2 slots of 2 samples
+        first.close()
+        assert executor.budget.slots == second.slot_bytes + one_slot  # the slot still held counts
+        second.push(samples)  # the executor still serves the other pipeline
+        got = [b.copy() for b in second.batches()]
+        np.testing.assert_array_equal(np.concatenate(got), np.stack([oracle[s.selection] for s in samples]))
+        np.testing.assert_array_equal(held, oracle[16:32, 0:32, 0:32].reshape(2, 8, 32, 32))
+        del held, batch
+        gc.collect()
+        assert executor.budget.slots == second.slot_bytes  # first's back once its memory is gone
+        second.close()
+        assert executor.budget.slots == executor.budget.used == 0
+    finally:
+        executor.close()
+
+
+def test_a_slot_that_cannot_be_allocated_leaves_the_budget_as_it_was(volume, monkeypatch):
+    import damacy_server.engine.slots as slots
+
+    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=256 << 20))
+    made = []
+    real = np.zeros
+
+    def second_fails(n, dtype=float):
+        if len(made) == 1:
+            raise MemoryError("no room for a second slot")
+        made.append(n)
+        return real(n, dtype=dtype)
+
+    monkeypatch.setattr(slots.np, "zeros", second_fails)
+    try:
+        with pytest.raises(MemoryError):
+            damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(8, 32, 32), prepared_batches=2), executor=executor)
+        gc.collect()
+        assert (executor.budget.slots, executor.budget.used) == (0, 0)
+    finally:
+        executor.close()
+
+
+def test_closing_mid_stream_returns_every_reservation(tmp_path):
+    # closed with reads and decodes queued: each still runs, sees the close and gives back
+    # what it reserved and the units it registered
+    write_array(tmp_path / "p", random_data((32, 256, 256), "uint16", 4), chunks=(16, 64, 64), compressors=[ZstdCodec(level=1)])
+    samples = [damacy.Sample(str(tmp_path / "p"), np.s_[z, 0:256, 0:256]) for z in range(32)] * 2
+    for _ in range(3):
+        p = damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(256, 256), prepared_batches=3, decode_workers=1, io_workers=1))
+        p.push(samples)
+        deadline = time.monotonic() + 60
+        while sum(p.executor.queue_depths().values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until tasks wait in the queues
+        p.close()
+        assert p.executor.budget.used == p.executor.budget.slots == 0
+        assert len(p.executor.inflight) == 0
+
+
+def test_an_executor_given_inline_goes_with_its_pipeline(volume):
+    # the composed form: the pipeline does not close an executor it was given, and nothing
+    # else refers to it: once the pipeline is gone, its workers exit
+    uri, _ = volume
+    pipe = damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(8, 32, 32)), executor=damacy.CpuExecutor())
+    pipe.push([damacy.Sample(uri, np.s_[0:8, 0:32, 0:32])] * 2)
+    for batch in pipe.batches():
+        batch.release()
+    workers = [*pipe.executor._io._threads, *pipe.executor._decode._threads]
+    assert workers and all(t.is_alive() for t in workers)
+    pipe.close()
+    assert all(t.is_alive() for t in workers)  # not closed by the pipeline
+    del pipe, batch
+    gc.collect()
+    deadline = time.monotonic() + 60
+    while any(t.is_alive() for t in workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in workers)

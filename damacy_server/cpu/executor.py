@@ -26,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,13 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+def _stop_pools(*pools: WorkerPool) -> None:
+    """An executor no longer referenced: its idle workers exit (nothing is queued: a task
+    refers to its executor)."""
+    for pool in pools:
+        pool.close(timeout=0)
+
+
 class CpuExecutor(BudgetedExecutor):
     """Executes batch plans into host memory."""
 
@@ -155,6 +163,9 @@ class CpuExecutor(BudgetedExecutor):
         self._fetcher: Fetcher | None = None
         self._fetcher_lock = threading.Lock()
         self.disk_tier = DiskTier(self.limits.chunk_cache_dir, self.limits.chunk_cache_dir_bytes) if self.limits.chunk_cache_dir else None
+        # closed by its owner, or once nothing refers to it (a pipeline closes only the
+        # executor it made; one given inline goes with the pipeline that held it)
+        weakref.finalize(self, _stop_pools, self._io, self._decode)
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread: reads and decodes."""
@@ -654,8 +665,11 @@ class CpuExecutor(BudgetedExecutor):
                 run.group_done()
 
     def close(self) -> None:
+        """Stop: every task queued still runs, sees the close and settles what it holds
+        (its reservation, the units it registered as in flight), so the budget is whole
+        again and no waiter is left behind."""
         self._closed = True
-        self._io.close()
-        self._decode.close()
-        if self._fetcher is not None:
+        if self._fetcher is not None:  # first: what it cancels lands in the pools, drained below
             self._fetcher.close()
+        self._io.close(drain=True)
+        self._decode.close(drain=True)

@@ -9,9 +9,12 @@ them for every batch it assembles.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,41 +52,63 @@ class SlotMemory(ABC):
     def close(self, release: Callable[[int], None]) -> None: ...
 
 
-class HostSlots(SlotMemory):
+class _Tracked(SlotMemory):
+    """Slots whose bytes go back to the budget when their memory is really gone: when the
+    last view of a slot (a batch handed out and still held, an export) is dropped, after
+    ``close``; a slot whose allocation failed was never counted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._release: Callable[[int], None] | None = None
+        self._gone = 0  # bytes of slots gone before close (released at close)
+
+    def _track(self, memory: Any, nbytes: int) -> None:
+        try:
+            weakref.finalize(memory, self._freed, nbytes)
+        except TypeError:  # memory that cannot be watched: its bytes go back at close
+            self._gone += nbytes
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            release = self._release
+            if release is None:
+                self._gone += nbytes
+                return
+        release(nbytes)
+
+    def close(self, release: Callable[[int], None]) -> None:
+        with self._lock:
+            self._release = release
+            gone, self._gone = self._gone, 0
+        if gone:
+            release(gone)
+
+
+class HostSlots(_Tracked):
     """Ordinary process memory (numpy asks for transparent huge pages, so first touches are
     cheap and happen in the workers, in parallel), page-locked where a GPU is present (see
     :mod:`damacy_runtime.pinning`)."""
 
-    def __init__(self) -> None:
-        self._nbytes = 0
-
     def allocate(self, index: int, nbytes: int) -> np.ndarray:
-        self._nbytes += nbytes
         array = np.zeros(nbytes, dtype=np.uint8)
         pinning.pin(array)
+        self._track(array, nbytes)  # views keep their base array: gone with the last
         return array
 
-    def close(self, release: Callable[[int], None]) -> None:
-        release(self._nbytes)
-        self._nbytes = 0
 
-
-class DeviceSlots(SlotMemory):
+class DeviceSlots(_Tracked):
     """Memory of the executor's device (``damacy_server.cuda.device.Device``): each slot a
     :class:`~damacy_runtime.device.DeviceArray` whose uses are ordered by events (see
     :mod:`damacy_runtime.device`). Batches handed out keep their slot's memory alive."""
 
     def __init__(self, device) -> None:
+        super().__init__()
         self.device = device
-        self._nbytes = 0
 
     def allocate(self, index: int, nbytes: int):
-        self._nbytes += nbytes
-        return self.device.array(nbytes)
-
-    def close(self, release: Callable[[int], None]) -> None:
-        release(self._nbytes)
-        self._nbytes = 0
+        array = self.device.array(nbytes)
+        self._track(array.owner, nbytes)  # every view of the slot holds its owner
+        return array
 
 
 @dataclass(frozen=True)
