@@ -109,8 +109,10 @@ def test_refusals_say_what_was_found(tmp_path):
     meta = json.loads((tmp_path / "img.zarr" / "zarr.json").read_text())
     meta["attributes"]["ome"]["multiscales"][0]["datasets"][1]["path"] = "gone"
     (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
+    fresh = damacy.ZarrMetadata()  # a fresh cache: the metadata changed
+    assert "level 1 ('gone') has no array" in str(damacy.open_image(uri, metadata=fresh).levels[1].error)
     with pytest.raises(damacy.NotFound, match="level 1 \\('gone'\\) has no array"):
-        damacy.open_image(uri, metadata=damacy.ZarrMetadata())  # a fresh cache: the metadata changed
+        damacy.read(uri, level=1, metadata=fresh)
     zarr.open_group(str(tmp_path / "img.zarr" / "sub"), mode="w")
     meta["attributes"]["ome"]["multiscales"][0]["datasets"][0]["path"] = "sub"
     (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
@@ -159,3 +161,32 @@ def test_a_level_is_part_of_a_samples_identity(tmp_path):
     assert pickle.loads(pickle.dumps(q)) == q
     with pytest.raises(damacy.InvalidArgument, match="level must be a non-negative integer"):
         damacy.Sample("img.zarr", np.s_[0:4], level=-1)
+
+
+def test_a_level_that_cannot_be_read_fails_only_its_samples(tmp_path, make):
+    import shutil
+
+    path, data = pyramid(tmp_path / "img.zarr", 3)
+    shutil.rmtree(tmp_path / "img.zarr" / "s1")  # level 1 is gone
+    image = damacy.open_image(path, metadata=damacy.ZarrMetadata())
+    assert [lv.error is None for lv in image.levels] == [True, False, True]
+    assert isinstance(image.levels[1].error, damacy.NotFound) and "level 1 ('s1') has no array" in str(image.levels[1].error)
+    np.testing.assert_array_equal(damacy.read(path, level=0), data[0])
+    np.testing.assert_array_equal(damacy.read(path, level=2), data[2])
+    with pytest.raises(damacy.NotFound, match="level 1 .'s1'. has no array"):
+        damacy.read(path, level=1)
+    assert image.level_for([2.0, 1.2, 1.2]) == 2  # the closest level that reads (1 would be closer)
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 2, 4, 4), dtype="u16", on_error="fill")
+    with make(cfg) as pipe:
+        pipe.push([damacy.Sample(path, np.s_[0:1, 0:2, 0:4, 0:4], level=k) for k in (0, 1, 2, 0)])
+        got = [(b.copy(), b.info.errors) for b in pipe]
+    np.testing.assert_array_equal(got[0][0][0], data[0][0:1, 0:2, 0:4, 0:4])
+    assert [(i, type(e)) for i, e in got[0][1]] == [(1, damacy.NotFound)]
+    np.testing.assert_array_equal(got[1][0][0], data[2][0:1, 0:2, 0:4, 0:4])
+    assert not got[1][1]
+
+
+def test_a_scale_may_be_a_numpy_number(tmp_path):
+    path, data = pyramid(tmp_path / "img.zarr", 3)
+    np.testing.assert_array_equal(damacy.read(path, scale=np.float32(2.0)), data[2])
+    np.testing.assert_array_equal(damacy.read(path, scale=[np.float64(2.0), 1, np.int64(1)]), data[1])

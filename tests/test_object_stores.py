@@ -514,6 +514,22 @@ def test_consolidated_metadata_is_what_a_level_is_read_by(tmp_path, zarr_format,
         damacy.read(str(tmp_path / "img.zarr" / "1"), metadata=damacy.ZarrMetadata())  # no group loaded first
 
 
+@pytest.mark.filterwarnings("ignore:Consolidated metadata")
+def test_an_array_named_directly_reads_its_own_metadata_not_a_groups_copy(tmp_path):
+    # the group's consolidated copy is older than the array (rewritten since): a level read
+    # through the group takes the copy, the array named directly its own zarr.json
+    g = zarr.open_group(str(tmp_path / "g.zarr"), mode="w")
+    g.create_array("arr", shape=(4, 4), chunks=(2, 2), dtype="i4", fill_value=1)[...] = 0
+    zarr.consolidate_metadata(str(tmp_path / "g.zarr"))
+    zarr.create_array(str(tmp_path / "g.zarr" / "arr"), shape=(6, 6), chunks=(2, 2), dtype="i4", fill_value=9, overwrite=True)
+    md = damacy.ZarrMetadata()
+    with pytest.raises(damacy.InvalidArgument, match="group"):
+        damacy.read(str(tmp_path / "g.zarr"), metadata=md)  # loads the group and its consolidated copy
+    got = damacy.read(str(tmp_path / "g.zarr" / "arr"), metadata=md)
+    np.testing.assert_array_equal(got, zarr.open_array(str(tmp_path / "g.zarr" / "arr"), mode="r")[...])
+    assert got.shape == (6, 6) and (got == 9).all()
+
+
 def test_a_malformed_zmetadata_is_a_metadata_error(tmp_path):
     g = zarr.open_group(str(tmp_path / "g.zarr"), mode="w", zarr_format=2)
     g.attrs["multiscales"] = [{"version": "0.4", "datasets": [{"path": "0"}]}]

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+import zarr
 from zarr.codecs import (
     BloscCodec,
     BytesCodec,
@@ -221,3 +222,16 @@ def damacy_protocol_dtype(name):
     from damacy_protocol.dtypes import numpy_dtype
 
     return numpy_dtype(name)
+
+
+def test_a_gzip_chunk_padded_with_zero_bytes_reads_as_zarr_reads_it(tmp_path):
+    # gzip readers (gzip(1), Python's, zarr-python's) take zero bytes after the last member
+    # as padding; a byte that is not zero is still a corrupt chunk
+    oracle = write_array(tmp_path / "a", np.arange(16, dtype="u1").reshape(4, 4), chunks=(4, 4), compressors=[GzipCodec()])
+    chunk = tmp_path / "a" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes() + b"\0" * 8)
+    np.testing.assert_array_equal(damacy.read(tmp_path / "a"), zarr.open_array(str(tmp_path / "a"), mode="r")[...])
+    np.testing.assert_array_equal(damacy.read(tmp_path / "a"), oracle[...])
+    chunk.write_bytes(chunk.read_bytes() + b"\1")
+    with pytest.raises(damacy.DecodeError, match="gzip"):
+        damacy.read(tmp_path / "a", metadata=damacy.ZarrMetadata())

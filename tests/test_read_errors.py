@@ -98,6 +98,47 @@ def test_bad_metadata_fields(tmp_path, field, value, cls, words):
         damacy.read(tmp_path / "a")
 
 
+def _v3(path, **over):
+    doc = {
+        "zarr_format": 3, "node_type": "array", "shape": [4, 4], "data_type": "float32",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
+        "chunk_key_encoding": {"name": "default"}, "fill_value": 0,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+    }
+    doc.update(over)
+    path.mkdir()
+    (path / "zarr.json").write_text(json.dumps(doc).replace('"HUGE"', "1" + "0" * 400))  # a 401-digit integer
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, over, words",
+    [
+        ("fill", {"fill_value": "HUGE"}, ["fill_value", "out of range"]),
+        ("astype", {"codecs": [
+            {"name": "numcodecs.astype", "configuration": {"encode_dtype": "<f4", "decode_dtype": "zz"}},
+            {"name": "bytes", "configuration": {"endian": "little"}},
+        ]}, ["malformed metadata", "zz"]),
+        ("dims", {"shape": [1] * 65, "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1] * 65}}}, ["65 axes", "up to 64"]),
+    ],
+)
+def test_metadata_no_check_names_is_still_a_metadata_error_of_its_sample(tmp_path, name, over, words):
+    # values of a wrong type or out of range that parsing meets before any check: an error
+    # of the sample naming the array, and in a pipeline only that sample fails
+    bad = _v3(tmp_path / name, **over)
+    cls = damacy.UnsupportedError if name == "dims" else damacy.MetadataError
+    with raises(cls, bad, *words):
+        damacy.read(bad)
+    good = write_array(tmp_path / "good", np.full((4, 4), 7, "float32"), chunks=(4, 4))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), on_error="fill", pop_timeout_s=60)
+    with damacy.Pipeline(cfg) as pipe:
+        pipe.push([damacy.Sample(str(tmp_path / "good"), np.s_[0:4, 0:4]), damacy.Sample(str(bad), np.s_[0:4, 0:4])] * 2)
+        for batch in pipe:
+            with batch:
+                np.testing.assert_array_equal(batch.numpy()[0], good[...])
+                assert [(i, type(e)) for i, e in batch.info.errors] == [(1, cls)]
+
+
 def test_ignorable_extension_field_is_ignored(tmp_path):
     write_array(tmp_path / "a", np.ones((4, 4), "u2"), chunks=(2, 2))
     edit_metadata(tmp_path / "a", some_extension={"must_understand": False, "x": 1})

@@ -11,10 +11,11 @@ the shard indexes those caches keep.)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,9 +23,10 @@ from typing import TypeVar
 import numpy as np
 
 from damacy_protocol.checks import Size, checked
-from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError
+from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError, StorageError
 from damacy_server.cache import LRUCache
 from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
+from damacy_server.store.failures import first_line
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import (
@@ -100,6 +102,26 @@ class UnitLocations:
 DEFAULT_CONCURRENCY = 64
 
 
+def _copy(e: Exception) -> Exception:
+    """A fresh instance of a kept error, so each raise carries its own traceback and context."""
+    if isinstance(e, SampleError):
+        return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
+    return e
+
+
+@contextlib.contextmanager
+def _malformed(uri: str) -> Iterator[None]:
+    """Metadata that parsing could not take (a value of a wrong type or out of range where no
+    check named it) raised as :class:`MetadataError` naming the array, never as a bare
+    Python error."""
+    try:
+        yield
+    except SampleError:
+        raise
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        raise MetadataError(f"malformed metadata ({type(e).__name__}: {first_line(e)})", uri=str(uri)) from e
+
+
 class ZarrMetadata:
     """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``.
 
@@ -150,6 +172,8 @@ class ZarrMetadata:
             return self.array(*request)
         except SampleError as e:
             return e
+        except Exception as e:  # never the whole batch's: the sample's, naming what failed
+            return MetadataError(f"loading its metadata failed: {type(e).__name__}: {first_line(e)}", uri=str(request[0]))
 
     def _cached(self, uri: str, level: int | None) -> bool:
         """Is the metadata :meth:`array` would load for ``(uri, level)`` cached (a glance: no
@@ -182,20 +206,24 @@ class ZarrMetadata:
             image = self.image(uri)
             if level >= len(image.levels):
                 raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level} asked", uri=str(uri))
+            failed = image.levels[level].error
+            if failed is not None:  # that level only: the image's others read
+                raise _copy(failed)
             return self.array(image.levels[level].uri)
         store, root = self.store_of(uri)
         cache_key = root
         meta = self.cache.arrays.get(cache_key)
         if meta is None:
-            meta = self._load(store, root, str(uri))
+            with _malformed(uri):
+                meta = self._load(store, root, str(uri))
             self.cache.arrays.put(cache_key, meta)
         return meta
 
-    def _node(self, store: Store, root: str, uri: str) -> dict:
+    def _node(self, store: Store, root: str, uri: str, own: bool = False) -> dict:
         """The metadata document at ``root``: from the consolidated metadata of a group this
-        cache loaded above it (no request), else read; a group's consolidated metadata is
-        remembered for its nodes."""
-        entry = self._consolidated(root)
+        cache loaded above it (no request), unless ``own`` (a node named directly reads its
+        own document), else read; a group's consolidated metadata is remembered for its nodes."""
+        entry = None if own else self._consolidated(root)
         if entry is not None:
             return consolidated_node(entry, uri)
         doc = load_node(store, root, uri)
@@ -219,7 +247,7 @@ class ZarrMetadata:
                     return entry
 
     def _load(self, store: Store, root: str, uri: str) -> ArrayMetadata:
-        doc = self._node(store, root, uri)
+        doc = self._node(store, root, uri, own=True)
         if check_node(doc, uri) == "group":
             path = multiscale_path(doc, uri)
             if path is None:
@@ -245,7 +273,8 @@ class ZarrMetadata:
         store, root = self.store_of(uri)
         cached = self.cache.arrays.get((root, "ngff-image"))
         if cached is None:
-            cached = self._image(store, root, uri)
+            with _malformed(uri):
+                cached = self._image(store, root, uri)
             self.cache.arrays.put((root, "ngff-image"), cached)
         return cached
 
@@ -274,7 +303,7 @@ class ZarrMetadata:
         return Plate(str(uri), version, name, rows, columns, tuple(Well(p, r, c, f) for (p, r, c), f in zip(wells, found)))
 
     def _image(self, store: Store, root: str, uri: str) -> Image:
-        doc = self._node(store, root, str(uri))
+        doc = self._node(store, root, str(uri), own=True)
         if check_node(doc, str(uri)) != "group" or (found := image_multiscale(doc, str(uri))) is None:
             raise InvalidArgument("is not an NGFF image (no multiscales in its group's attributes)", uri=str(uri))
         version, multiscale = found
@@ -288,7 +317,14 @@ class ZarrMetadata:
             level_uri = f"{str(uri).rstrip('/')}/{path}"
             meta = self.cache.arrays.get(store.join(root, *path.split("/")))
             if meta is None:
-                meta = self._level(store, root, path, index, str(uri), level_uri)
+                try:
+                    with _malformed(level_uri):
+                        meta = self._level(store, root, path, index, str(uri), level_uri)
+                except StorageError:
+                    raise  # perhaps passing: the image is not kept with it
+                except SampleError as e:  # this level's samples fail, not the others'
+                    levels.append(Level(index, path, level_uri, (), None, (), (), error=e))
+                    continue
                 self.cache.arrays.put(store.join(root, *path.split("/")), meta)
             if axes is None:
                 axes = parse_axes(multiscale, meta.ndim, str(uri))
@@ -298,6 +334,8 @@ class ZarrMetadata:
                 index, path, level_uri, meta.shape, meta.dtype,
                 tuple(a * b for a, b in zip(scale, outer)), tuple(a * b + c for a, b, c in zip(translation, outer, shift)),
             ))
+        if axes is None:  # no level could be read: the first one's error
+            raise _copy(levels[0].error)
         name = multiscale.get("name") if isinstance(multiscale.get("name"), str) else None
         return Image(str(uri), version if isinstance(version, str) else None, name, axes or (), tuple(levels))
 

@@ -87,8 +87,11 @@ def parse_fill_value(value: Any, dtype: np.dtype, uri: str) -> np.generic:
     if isinstance(value, bool):
         raise bad("expected a number")
     if isinstance(value, (int, float)):
-        with np.errstate(over="ignore"):
-            out = dtype.type(value)
+        try:
+            with np.errstate(over="ignore"):
+                out = dtype.type(value)
+        except OverflowError:  # an integer beyond any float
+            raise bad("out of range") from None
         if math.isinf(float(out)) and math.isfinite(float(value)):
             raise bad("out of range")
         return out

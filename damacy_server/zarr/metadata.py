@@ -173,6 +173,8 @@ def parse_array_metadata(doc: dict[str, Any], *, uri: str, store: Store, root: s
             raise MetadataError(f"zarr.json has no {key!r}", uri=uri)
 
     shape = _int_tuple(doc["shape"], "shape", uri, minimum=0)
+    if len(shape) > MAX_NDIM:
+        raise UnsupportedError(f"the array has {len(shape)} axes; damacy reads arrays of up to {MAX_NDIM} (numpy's limit)", uri=uri)
     dtype = parse_data_type(doc["data_type"], uri)
     chunk_shape = _parse_chunk_grid(doc["chunk_grid"], len(shape), uri)
     fill_value = parse_fill_value(doc["fill_value"], dtype, uri)
@@ -227,6 +229,10 @@ def _parse_chunk_grid(grid: Any, ndim: int, uri: str) -> tuple[int, ...]:
 
 #: no extent of an array or a chunk reaches this (offsets and products stay within int64)
 _MAX_EXTENT = 1 << 62
+
+
+#: the most axes an array may have (numpy's)
+MAX_NDIM = 64
 
 
 def _int_tuple(value: Any, what: str, uri: str, minimum: int) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ of one of its levels."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +44,18 @@ class Axis:
 @dataclass(frozen=True)
 class Level:
     """One resolution level: its array's uri and ``path`` in the image, shape and dtype, and
-    the voxel size (``scale``) and offset (``translation``) per axis, in the axes' units."""
+    the voxel size (``scale``) and offset (``translation``) per axis, in the axes' units. A
+    level that cannot be read (missing, malformed) has its ``error`` instead (shape ``()``,
+    dtype None, no scale): it fails the samples that read it, never the image's other levels."""
 
     index: int
     path: str
     uri: str
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: np.dtype | None
     scale: tuple[float, ...]
     translation: tuple[float, ...]
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,19 @@ class Image:
         else:
             if not spatial:
                 raise InvalidArgument("the image has no spatial axes to match a scale to; give scale as {axis: size}", uri=self.uri)
-            values = [scale] * len(spatial) if isinstance(scale, (int, float)) else list(scale)
+            values = [scale] * len(spatial) if isinstance(scale, numbers.Real) else list(scale)
             if len(values) != len(spatial):
                 names = [self.axes[k].name for k in spatial]
                 raise InvalidArgument(f"scale has {len(values)} values for the {len(spatial)} spatial axes {names}", uri=self.uri)
             targets = dict(zip(spatial, values))
-        if not targets or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in targets.values()):
+        if not targets or not all(isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and v > 0 for v in targets.values()):
             raise InvalidArgument(f"scale sizes must be positive numbers, got {scale!r}", uri=self.uri)
 
         def distance(level: Level) -> float:
             return max(abs(math.log(level.scale[k] / t)) if level.scale[k] > 0 else math.inf for k, t in targets.items())
 
-        return min(range(len(self.levels)), key=lambda i: (distance(self.levels[i]), i))
+        readable = [i for i, level in enumerate(self.levels) if level.error is None]
+        return min(readable, key=lambda i: (distance(self.levels[i]), i))
 
 
 def image_multiscale(group: dict[str, Any], uri: str) -> tuple[str | None, dict[str, Any]] | None:

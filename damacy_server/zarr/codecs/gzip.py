@@ -31,7 +31,7 @@ class GzipCodec(BytesBytesCodec):
                 if not d.eof:
                     raise CorruptData("gzip: truncated stream")
                 rest = d.unused_data
-                if not rest:
+                if not rest.strip(b"\0"):  # the end, or zero bytes padding it (gzip allows them)
                     break
         except zlib.error as e:
             raise CorruptData(f"gzip: {e}") from e
