@@ -172,6 +172,50 @@ def test_killed_clients_are_reclaimed(tmp_path, data):
     assert shm_segments(proc.pid) == []
 
 
+def test_a_killed_client_not_yet_reaped_is_reclaimed(tmp_path, data):
+    # its parent has not waited for it (a zombie): it maps nothing any more, so its session
+    # goes at once, by its pid, not after the heartbeat timeout (long here)
+    proc = DaemonProcess(tmp_path, [data], ["--heartbeat-timeout", "600"])
+    try:
+        client = subprocess.Popen([sys.executable, "-c", HOLDER, proc.endpoint, str(data / "vol.zarr")], stdout=subprocess.PIPE, text=True)
+        try:
+            assert client.stdout.readline().strip() == "holding"
+            client.kill()  # not waited for: a zombie until the finally
+            wait_for(
+                lambda: not [x for x in stats(proc.endpoint)["sessions"] if not x.get("control")],
+                timeout=60,
+                what="the unreaped client's session to be reclaimed",
+            )
+        finally:
+            client.kill()
+            client.wait()
+    finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
+
+
+def test_sigterm_while_a_session_starts_leaves_no_segment(tmp_path, data):
+    # the session's slots are being made (off the loop thread) when the daemon is told to
+    # stop: it stops, and not one of their segments stays in /dev/shm
+    proc = DaemonProcess(tmp_path, [data], ["--memory", "2G"])
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(proc.endpoint)
+    try:
+        cfg = damacy.Config(samples_per_batch=16, sample_shape=(64, 256, 256), dtype="u16", prepared_batches=8)  # 8 x 32 MiB
+        sock.send(m.encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=cfg)))
+        wait_for(lambda: shm_segments(proc.pid), timeout=60, what="the session's first segment")
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(60) == 0
+    finally:
+        sock.close(0)
+        left = shm_segments(proc.pid)
+        for name in left:
+            os.unlink(f"/dev/shm/{name}")
+        proc.stop()
+    assert left == []
+
+
 def test_killed_daemon_is_reported_and_replaced(tmp_path, data):
     uri = str(data / "vol.zarr")
     proc = DaemonProcess(tmp_path, [data])
@@ -270,7 +314,10 @@ def test_malformed_messages_get_an_error_and_the_daemon_goes_on(daemon):
             assert sock.poll(60_000), "no reply"
             reply = m.decode_daemon(sock.recv())
             assert isinstance(reply, m.Failed) and reply.error.kind == kind and words in reply.error.reason, reply
-        sock.send_multipart([b"", b"three", b"frames"])  # not even our framing
+        sock.send_multipart([m.encode(m.Ping(id=9)), b"frames"])  # not even our framing: told so
+        assert sock.poll(60_000), "no reply to a request of two frames"
+        reply = m.decode_daemon(sock.recv())
+        assert isinstance(reply, m.Failed) and reply.reply_to == 9 and "one frame, this one came in 2" in reply.error.reason
     finally:
         sock.close(0)
     assert "protocol version" in daemon.log_path.read_text()

@@ -682,3 +682,19 @@ def test_a_message_over_the_size_limit_is_dropped_with_its_connection(tmp_path, 
     finally:
         raw.close()
         assert proc.stop() == 0, proc.log_path.read_text()
+
+
+def test_over_tcp_a_session_is_watched_by_its_heartbeats_not_a_pid_it_names():
+    # a pid a client names over TCP may be another machine's: it must not tie the session to
+    # whatever local process has that number (reclaimed when that one exits)
+    from types import SimpleNamespace
+
+    from damacy_protocol import messages as m
+    from damacy_protocol.connection import ServerConnection
+    from damacy_server.daemon.session import Session
+
+    hello = m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=None)  # a live local pid
+    remote = Session(SimpleNamespace(endpoint="tcp://127.0.0.1:47000", sharing=None), b"r", ServerConnection(), hello)
+    assert remote.watch_pid == 0 and not remote.pid_visible
+    local = Session(SimpleNamespace(endpoint="ipc:///tmp/d.sock", sharing=None), b"l", ServerConnection(), hello)
+    assert local.watch_pid == os.getpid() and local.pid_visible

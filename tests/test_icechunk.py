@@ -168,6 +168,12 @@ def test_a_daemons_roots_and_prefixes_bound_the_repositories_it_opens(repo, tmp_
     elsewhere = RemoteStores(allow=["s3://bucket/data"], roots=[str(tmp_path_factory.mktemp("other"))])
     with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed roots and prefixes"):
         resolve_uri(f"icechunk+file://{root}?branch=main#/plain", elsewhere)
+    # refused before it is opened: a client learns nothing of what lies outside (no repository
+    # here, no such branch) and nothing is kept for it
+    for uri in (f"icechunk+file://{root}?branch=nope#/plain", f"icechunk+file://{root.parent}/none?branch=main#/x"):
+        with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed roots and prefixes"):
+            resolve_uri(uri, elsewhere)
+    assert not elsewhere.icechunk._stores
 
 
 def _virtual_repo(tmp_path):

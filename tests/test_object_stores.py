@@ -167,6 +167,22 @@ def test_an_unreachable_server_is_named_with_the_cause(scheme, monkeypatch):
         damacy.read(uri, np.s_[0:1])
 
 
+def test_a_daemon_refuses_a_bucket_outside_its_prefixes_before_making_a_store_for_it():
+    # a refusal costs no client configuration and keeps nothing: a client naming many buckets
+    # does not grow the daemon or hold up its loop
+    from damacy_server.store.remote import RemoteStores
+
+    remote = RemoteStores(allow=["s3://data/train"])
+    for k in range(50):
+        with pytest.raises(damacy.InvalidArgument, match="outside the daemon's allowed prefixes"):
+            remote.resolve(f"s3://bucket-{k}/a.zarr")
+    with pytest.raises(damacy.InvalidArgument, match="serves no object stores"):
+        RemoteStores(allow=[]).resolve("s3://data/train/a.zarr")
+    assert not remote._stores
+    store, key = remote.resolve("s3://data/train/a.zarr")
+    assert key == "s3://data/train/a.zarr" and len(remote._stores) == 1
+
+
 def test_the_disk_tier_keys_name_the_endpoint(monkeypatch):
     # one bucket name on two servers holds two sets of objects: a tier shared by both never
     # serves one's bytes for the other's

@@ -113,6 +113,7 @@ class Daemon:
         self._waiting: list[tuple[Any, Any]] = []  # (may it go now?, what frees it): GPU slots still mapped
         self._raise_descriptor_limit()
         self._starting: set[bytes] = set()  # identities whose session is being set up
+        self._stopping = False  # shutdown began: a session that finishes starting closes
         self._news: set[Session] = set()  # sessions whose engine changed, to pump
         self._news_lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -205,7 +206,11 @@ class Daemon:
             self.received += 1
             if len(frames) != 2:
                 self.malformed += 1
-                log.warning("dropped a message of %d frames", len(frames))
+                log.warning("refused a message of %d frames", len(frames))
+                if len(frames) > 2:  # identity, then parts where one was expected: told, not left to time out
+                    data = frames[1].bytes
+                    error = ProtocolError(f"a request is one frame, this one came in {len(frames) - 1}")
+                    self.post(frames[0].bytes, m.encode(m.Failed(reply_to=m.request_id(data) or 0, error=error_to_wire(error))))
                 continue
             try:
                 self._handle(frames[0].bytes, frames[1].bytes, frames[1])
@@ -282,7 +287,12 @@ class Daemon:
                 self.post(identity, conn.refuse(msg.id, err))
                 return
             with self._sessions_lock:
-                self.sessions[identity] = session
+                stopping = self._stopping
+                if not stopping:
+                    self.sessions[identity] = session
+            if stopping:  # the daemon stops: this one never served
+                session.close()
+                return
             log.info("session %s: pid %s rank %s, %s", session.sid, msg.pid, msg.rank, peer or "peer credentials unknown",
                      extra={"event": "session_start", "session": session.sid, "client_pid": msg.pid, "rank": msg.rank})
             self.post(identity, conn.welcome(session.welcome(msg.id)))
@@ -395,10 +405,17 @@ class Daemon:
             server.server_close()
             thread.join(5)
         with self._sessions_lock:
+            self._stopping = True
             sessions = list(self.sessions.values())
             self.sessions.clear()
         for session in sessions:
             session.close()
+        deadline = time.monotonic() + 10.0  # sessions still starting: closed as they finish
+        while time.monotonic() < deadline:
+            with self._sessions_lock:
+                if not self._starting:
+                    break
+            time.sleep(0.01)
         self._retry_retiring(time.monotonic() + 3.0)
         self.plan_pool.close()
         self.executor.close()
@@ -408,6 +425,8 @@ class Daemon:
             executor.close()
         self.socket.close(0)
         self.ctx.term()
+        # a session still starting made segments no session list holds: none outlives us
+        remove_stale(own=True)
         cleanup_endpoint(self.options)
         self._waker.close()
         log.info("damacyd stopped", extra={"event": "stop"})

@@ -51,9 +51,11 @@ class Session:
         self.sid = uuid.uuid4().hex[:12]
         self.last_seen = time.monotonic()
         # the process watched for liveness: as the kernel names it when it can (right across
-        # pid namespaces), else as the client says
-        self.watch_pid = peer.pid if peer is not None else hello.pid
-        self.pid_visible = pid_alive(self.watch_pid)
+        # pid namespaces), else as the client says over an ipc socket (this machine); over
+        # TCP the pid may name another machine's process: the heartbeats alone watch it
+        local = str(getattr(host, "endpoint", "")).startswith("ipc://")
+        self.watch_pid = peer.pid if peer is not None else hello.pid if local else 0
+        self.pid_visible = self.watch_pid > 0 and pid_alive(self.watch_pid)
         prefix = f"damacy-{os.getpid()}-{self.sid}"  # a slot's segment: {prefix}-{index}
         self.slots: SlotMemory = ShmSlots(prefix, host.sharing)
         self.unmapped = False  # a GPU session's client said it closed its mappings of the slots

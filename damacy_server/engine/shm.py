@@ -81,8 +81,9 @@ class Segment:
         return not self._map.closed
 
 
-def remove_stale(log=None) -> list[str]:
-    """Unlink segments whose daemon process is gone; returns their names."""
+def remove_stale(log=None, own: bool = False) -> list[str]:
+    """Unlink segments whose daemon process is gone (``own``: this process's, as it stops:
+    those of sessions still starting included); returns their names."""
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
@@ -93,7 +94,7 @@ def remove_stale(log=None) -> list[str]:
         if not match:
             continue
         pid = int(match.group(1))
-        if pid == os.getpid() or pid_alive(pid):
+        if (pid != os.getpid()) if own else (pid == os.getpid() or pid_alive(pid)):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, name))

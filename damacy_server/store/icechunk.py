@@ -87,6 +87,17 @@ class _Loop:
 _LOOP = _Loop()
 
 
+def _check_location(location: str, allow: Sequence[str] | None, key: str) -> None:
+    """Refuse a repository outside the allowed roots (local) and prefixes (object stores)."""
+    if allow is None:
+        return
+    where = location
+    if where.startswith("file://"):
+        where = os.path.realpath(unquote(where[len("file://") :]))
+    if not any(where == a or where.startswith(a.rstrip("/") + "/") for a in allow):
+        raise InvalidArgument(f"{location} is outside the daemon's allowed roots and prefixes ({', '.join(allow)})", path=key)
+
+
 class IcechunkStore(Store):
     """One version of one repository (its snapshot pinned when opened)."""
 
@@ -136,13 +147,7 @@ class IcechunkStore(Store):
     def check_allowed(self, key: str) -> None:
         """A daemon serves a repository only under one of its allowed roots (local) or
         prefixes (object stores)."""
-        if self.allow is None:
-            return
-        location = self.location
-        if location.startswith("file://"):
-            location = os.path.realpath(unquote(location[len("file://") :]))
-        if not any(location == a or location.startswith(a.rstrip("/") + "/") for a in self.allow):
-            raise InvalidArgument(f"{self.location} is outside the daemon's allowed roots and prefixes ({', '.join(self.allow)})", path=key)
+        _check_location(self.location, self.allow, key)
 
     def _allowed(self, container: str) -> bool:
         """May this process read the virtual chunks of ``container`` (a url prefix)?"""
@@ -274,6 +279,7 @@ class IcechunkStores:
 
     def resolve(self, uri: str) -> tuple[IcechunkStore, str]:
         location, kind, ref, path = split(uri)
+        _check_location(location, self.allow, uri)  # before the repository is opened: nothing of it read
         key = (location, kind, ref)
         with self._lock:
             store = self._stores.get(key)

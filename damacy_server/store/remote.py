@@ -98,6 +98,13 @@ def normalized(uri: str) -> str:
     return f"{scheme}://{parts.netloc}{path}"
 
 
+def _outside(key: str, allow: Sequence[str]) -> InvalidArgument:
+    """The refusal of ``key``, outside every allowed prefix."""
+    if not allow:
+        return InvalidArgument("this damacyd serves no object stores (start it with --allow-prefix URI)", path=key)
+    return InvalidArgument(f"{key} is outside the daemon's allowed prefixes ({', '.join(allow)})", path=key)
+
+
 def _under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(prefix + "/")
 
@@ -154,9 +161,7 @@ class ObjectStore(Store):
         return key[len(self.base) + 1 :]
 
     def outside(self, key: str) -> InvalidArgument:
-        if not self.allow:
-            return InvalidArgument("this damacyd serves no object stores (start it with --allow-prefix URI)", path=key)
-        return InvalidArgument(f"{key} is outside the daemon's allowed prefixes ({', '.join(self.allow)})", path=key)
+        return _outside(key, self.allow or ())
 
     def check_allowed(self, key: str) -> None:
         if self.allow is not None and not any(_under(key, p) for p in self.allow):
@@ -378,6 +383,8 @@ class RemoteStores:
     def resolve(self, uri: str) -> tuple[ObjectStore, str]:
         """The store that holds ``uri`` and the key of its root."""
         key = normalized(uri)
+        if self.allow is not None and not any(_under(key, p) for p in self.allow):
+            raise _outside(key, self.allow)  # before a store is made: a refusal costs nothing
         parts = urlsplit(key)
         base = f"{parts.scheme}://{parts.netloc}"
         matched = max((p for p in self.options if _under(key, p)), key=len, default=None)
