@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from zarr.codecs import ZstdCodec
 
 from damacy_client.transport import daemon_stats
@@ -68,3 +69,26 @@ def test_sessions_at_equal_demand_get_equal_shares(tmp_path):
     assert after["loop_cpu_s"] > before["loop_cpu_s"] and after["replies"] > before["replies"]
     print(json.dumps({"shares": shares, "requests_per_batch": {k: n / batches for k, n in kinds.items()},
                       "loop_ms_per_batch": 1e3 * (after["loop_cpu_s"] - before["loop_cpu_s"]) / batches}))
+
+
+def test_a_session_holds_at_most_the_daemons_lookahead(tmp_path):
+    # queued samples are the daemon's memory, outside --memory: a client asking for a huge
+    # lookahead gets the daemon's most, and its samples still all arrive, in order
+    import numpy as np
+
+    import damacy
+
+    data = random_data((64, 8, 8), "uint16", seed=4)
+    write_array(tmp_path / "v.zarr", data, chunks=(16, 8, 8))
+    daemon = DaemonProcess(tmp_path, [tmp_path], ["--max-lookahead-samples", "8"])
+    try:
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 8, 8), dtype="u16", lookahead_samples=100_000)
+        with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:
+            assert pipe._conn.welcome.credits == 8
+            pipe.push(damacy.Sample(str(tmp_path / "v.zarr"), np.s_[z : z + 1, 0:8, 0:8]) for z in range(64))
+            got = np.concatenate([b.copy() for b in pipe])
+        np.testing.assert_array_equal(got.reshape(64, 8, 8), data)
+        with pytest.raises(damacy.InvalidArgument, match="at most 8 samples ahead for a session"):
+            damacy.Pipeline(damacy.Config(samples_per_batch=16, sample_shape=(1, 8, 8)), endpoint=daemon.endpoint)
+    finally:
+        assert daemon.stop() == 0, daemon.log_path.read_text()

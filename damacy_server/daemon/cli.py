@@ -73,6 +73,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--allow-uid", "allow_uids", multiple=True, help="Accept sessions only from this user (name or uid; repeatable; with --allow-gid, either suffices). The daemon's own user is always accepted. ipc endpoints only.")
 @click.option("--allow-gid", "allow_gids", multiple=True, help="Accept sessions only from members of this group (name or gid; repeatable).")
 @click.option("--max-slots-per-session", type=click.IntRange(1), default=64, show_default=True, help="Most batch slots (Config.prepared_batches) one session may have; each is a shared-memory mapping and a file descriptor.")
+@click.option("--max-lookahead-samples", type=click.IntRange(1), default=65536, show_default=True, help="Most samples one session may have pushed ahead of its batches (Config.lookahead_samples is held to it): queued samples are the daemon's memory, outside --memory.")
 @click.option("--max-message-size", type=Size(), default="64M", show_default=True, help="Largest request accepted; a larger one drops its connection.")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
@@ -80,7 +81,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True, help="json: one object a line (time, level, event, session, pid, rank, uri, error).")
 @click.option("--slow-batch-s", type=click.FloatRange(0), default=10.0, show_default=True, help="Log a batch that takes longer than this from its start to ready (event slow_batch); 0: never.")
 @click.option("--metrics", "metrics", default=None, metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default).")
-def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, chunk_cache_dir, chunk_cache_dir_bytes, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
+def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, chunk_cache_dir, chunk_cache_dir_bytes, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_lookahead_samples, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
     """Serve Zarr batches to every training process on this node."""
     from damacy_server.daemon.logs import setup
 
@@ -122,6 +123,7 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         heartbeat_timeout_s=heartbeat_timeout,
         slow_batch_s=slow_batch_s,
         max_slots_per_session=max_slots_per_session,
+        max_lookahead_samples=max_lookahead_samples,
         max_message_bytes=max_message_size,
         allow_uids=_ids(allow_uids, lambda n: pwd.getpwnam(n).pw_uid, "uid"),
         allow_gids=_ids(allow_gids, lambda n: grp.getgrnam(n).gr_gid, "gid"),

@@ -26,6 +26,7 @@ class DaemonOptions:
     curve_secret_key: bytes | None = None
     heartbeat_timeout_s: float = 5.0
     max_slots_per_session: int = 64
+    max_lookahead_samples: int = 65536  # per session: samples queued in the daemon's memory
     max_message_bytes: int = 64 << 20
     allow_uids: list[int] = field(default_factory=list)
     allow_gids: list[int] = field(default_factory=list)

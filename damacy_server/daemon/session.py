@@ -92,6 +92,13 @@ class Session:
                     f"Config.prepared_batches={cfg.prepared_batches}: this damacyd gives a session at most "
                     f"{limit} slots (--max-slots-per-session)"
                 )
+            most = host.options.max_lookahead_samples
+            if cfg.samples_per_batch > most:
+                raise InvalidArgument(
+                    f"Config.samples_per_batch={cfg.samples_per_batch}: this damacyd holds at most {most} samples "
+                    "ahead for a session (--max-lookahead-samples), fewer than one batch"
+                )
+            self.lookahead = min(cfg.lookahead_samples, most)  # the credits the client gets
             host.check_descriptors(cfg.prepared_batches)
             dtype = numpy_dtype(cfg.dtype, "float32") if cfg.dtype != "native" else None
             spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
@@ -106,7 +113,7 @@ class Session:
                 plan_pool=host.plan_pool,
                 what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
             )
-            self.core = FrontCore(self.engine, cfg.samples_per_batch, cfg.lookahead_samples, cfg.drop_last)
+            self.core = FrontCore(self.engine, cfg.samples_per_batch, self.lookahead, cfg.drop_last)
             host.totals.session_started()
 
     def _unmapped(self) -> bool:
@@ -123,7 +130,7 @@ class Session:
             version=m.PROTOCOL_VERSION,
             session=self.sid,
             slots=self._slot_infos(),
-            credits=self.config.lookahead_samples,
+            credits=self.lookahead,
         )
 
     def _slot_infos(self) -> list[m.SlotInfo]:
