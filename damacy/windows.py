@@ -46,7 +46,7 @@ def metadata_chunks(uri: str, level: int | None) -> tuple[tuple[int, ...], tuple
     if level is not None:
         uri = open_image(uri).levels[level].uri
     meta = open_array(uri)
-    return tuple(meta.shape), tuple(meta.chunks), int(meta.dtype.itemsize)
+    return tuple(meta.shape), tuple(meta.read_unit), int(meta.dtype.itemsize)
 
 
 def check_window(window: Any) -> int | None:

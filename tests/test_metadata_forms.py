@@ -88,7 +88,11 @@ def test_open_array_names_chunks_and_shards_as_zarr_python(tmp_path):
 
     write_array(tmp_path / "s", random_data((16, 12), "uint16", 1), chunks=(8, 12), serializer=ShardingCodec(chunk_shape=(4, 6), codecs=[BytesCodec()]))
     write_array(tmp_path / "p", random_data((16, 12), "float32", 1), chunks=(8, 6))
-    for name in ("s", "p"):
+    nested = ShardingCodec(chunk_shape=(4, 6), codecs=[ShardingCodec(chunk_shape=(2, 3), codecs=[BytesCodec()])])
+    write_array(tmp_path / "n", random_data((16, 12), "uint16", 1), chunks=(8, 12), serializer=nested)
+    for name in ("s", "p", "n"):
         meta, ref = damacy.open_array(tmp_path / name), zarr.open_array(tmp_path / name, mode="r")
         assert meta.chunks == ref.chunks and meta.shards == ref.shards, name
+    # shards in shards: zarr-python names the outer shard's chunk; damacy reads the innermost
+    assert damacy.open_array(tmp_path / "n").read_unit == (2, 3) and damacy.open_array(tmp_path / "s").read_unit == (4, 6)
     assert repr(damacy.open_array(tmp_path / "s")) == f"<damacy array {tmp_path / 's'} shape=(16, 12) uint16 chunks=(4, 6) shards=(8, 12)>"

@@ -55,7 +55,13 @@ class ArrayMetadata:
     @property
     def chunks(self) -> tuple[int, ...]:
         """The shape of a chunk as zarr-python names it: the inner chunk of a sharded array
-        (the unit damacy reads and decodes)."""
+        (of its outer shards, where shards nest)."""
+        levels = self.layout.levels
+        return tuple(levels[0].inner_shape) if levels else self.layout.unit_shape
+
+    @property
+    def read_unit(self) -> tuple[int, ...]:
+        """The shape of what damacy reads and decodes at once: the innermost chunk."""
         return self.layout.unit_shape
 
     @property
