@@ -73,7 +73,9 @@ _capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(("PyCapsule_
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
 
 _live: dict[int, tuple] = {}  # address of a managed tensor -> what it keeps alive, its release
-_lock = threading.Lock()
+# re-entrant: a garbage collection may run a capsule's deleter (here, on this thread) while
+# an export holds the lock
+_lock = threading.RLock()
 
 
 def _delete(address: int | None) -> None:
@@ -151,8 +153,9 @@ def export(
         managed.flags = 1 if read_only else 0  # DLPACK_FLAG_BITMASK_READ_ONLY
     address = ctypes.addressof(managed)
     managed.manager_ctx = address
+    entry = (managed, c_shape, c_strides, release)  # made before the lock (an allocation may collect)
     with _lock:
-        _live[address] = (managed, c_shape, c_strides, release)
+        _live[address] = entry
     try:
         return _capsule_new(address, _NAMES[versioned], _destructor_address)
     except BaseException:

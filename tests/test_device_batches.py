@@ -357,3 +357,16 @@ def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
     monkeypatch.setattr("damacy_server.cuda.device.CupyDevice", no_cupy)
     with pytest.raises(damacy.InvalidArgument, match=r"needs CuPy and nvCOMP: pip install 'damacy\[cuda13\]'"):
         pipeline_module._cuda_executor(cfg)
+
+
+def test_a_deleter_run_while_an_export_holds_the_registry_does_not_deadlock():
+    # a garbage collection can run a consumer's deleter on the exporting thread, inside the
+    # export's critical section: it must go through, not wait for itself
+    def reentrant() -> None:
+        with dlpack._lock:
+            dlpack._delete(0)  # what the collection would run
+
+    worker = threading.Thread(target=reentrant, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the deleter waited for the lock its own thread holds"
