@@ -19,7 +19,7 @@ from typing import Any
 
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
-from damacy_protocol.errors import InvalidArgument, PipelineDrained, SampleError
+from damacy_protocol.errors import InvalidArgument, PipelineDrained
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime.batch import Batch
 
@@ -65,9 +65,10 @@ class MultiSample:
         the resolution: they must land on whole numbers), read at ``levels[name]`` and
         normalised by ``normalize[name]`` = (offset, scale); ``flip``/``transpose`` apply to
         every part."""
-        unknown = set(normalize or ()) - set(uris)
-        if unknown:
-            raise InvalidArgument(f"normalize names {sorted(unknown)}, the sample's arrays are {sorted(uris)}")
+        for what, given in (("normalize", normalize), ("scales", scales), ("levels", levels)):
+            unknown = set(given or ()) - set(uris)
+            if unknown:  # a misspelt name would read that array unscaled, at level 0
+                raise InvalidArgument(f"{what} names {sorted(unknown)}, the sample's arrays are {sorted(uris)}")
         parts = {}
         for name, uri in uris.items():
             s = Sample(uri, box, level=(levels or {}).get(name), normalize=(normalize or {}).get(name), **transform)
@@ -78,9 +79,9 @@ class MultiSample:
                     if not isinstance(e, slice) or e.start is None or e.stop is None:
                         raise InvalidArgument(f"{name}: only a box of closed ranges can be scaled, got {s!r}", uri=uri)
                     a, b = e.start * factor, e.stop * factor
-                    if a != int(a) or b != int(b):
+                    if abs(a - round(a)) > 1e-9 * max(1.0, abs(a)) or abs(b - round(b)) > 1e-9 * max(1.0, abs(b)):
                         raise InvalidArgument(f"{name}: the box scaled by {factor} is not on whole numbers ({a}, {b})", uri=uri)
-                    scaled.append((int(a), int(b)))
+                    scaled.append((round(a), round(b)))  # 49 * (1/49) is 0.999...: whole within rounding
                 s = Sample(uri, tuple(scaled), level=s.level, flip=s.flip, transpose=s.transpose, normalize=s.normalize)
             parts[name] = s
         return cls(parts)
@@ -160,13 +161,15 @@ class MultiPipeline:
                 continue
             try:
                 self._pending[name] = self.pipes[name].pop(timeout)
-            except SampleError as e:
-                self._pending[name] = e
             except PipelineDrained:
                 self._let_go()
                 raise
+            except TimeoutError:  # nothing delivered (SlotsHeld too): the next pop asks again
+                raise
+            except Exception as e:  # batch k of this name is spent (a sample's error, a failed
+                self._pending[name] = e  # batch, the iterable's): every name's k goes with it
         got, self._pending = self._pending, {}
-        errors = [v for v in got.values() if isinstance(v, SampleError)]
+        errors = [v for v in got.values() if isinstance(v, Exception)]
         if errors:
             for v in got.values():
                 if isinstance(v, Batch):
@@ -191,8 +194,13 @@ class MultiPipeline:
         return self.batches()
 
     def state_dict(self) -> dict[str, Any]:
-        """Each name's pipeline state (see ``Pipeline.state_dict``)."""
-        return {name: pipe.state_dict() for name, pipe in self.pipes.items()}
+        """Each name's pipeline state (see ``Pipeline.state_dict``), all at the same place:
+        the least any name has seen (a name may be a batch ahead: its batch k released, or
+        its error counted, while another's is held or still coming), so a resume reads every
+        name from one position and keeps them in step."""
+        states = {name: pipe.state_dict() for name, pipe in self.pipes.items()}
+        least = min(states.values(), key=lambda st: (st["push"], st["offset"]))
+        return {name: dict(least) for name in states}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, pipe in self.pipes.items():

@@ -50,6 +50,7 @@ rank partition, the per-array normalisation and the state they save.)
 
 from __future__ import annotations
 
+import fractions
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -238,17 +239,17 @@ def _check_normalize(normalize: Any, arrays: list[tuple[Any, tuple[int, ...]]]) 
 
 
 def _alignment(scales: Mapping[str, float] | None, sample_shape: tuple[int, ...]) -> int:
-    """The step box origins keep so that every scaled part lands on whole coordinates: 1/s
-    for each scale s < 1 (which must be 1/integer), the least common multiple of them."""
+    """The step box origins keep so that every scaled part lands on whole coordinates: for
+    each scale p/q (a ratio of whole numbers up to 1000: 0.5, 1/3, 1.5, 4), q; the least common
+    multiple of them."""
     align = 1
     for name, factor in (scales or {}).items():
-        if factor <= 0:
-            raise InvalidArgument(f"scales[{name!r}] must be positive, got {factor}")
-        if factor < 1:
-            inverse = round(1 / factor)
-            if abs(inverse * factor - 1) > 1e-9:
-                raise InvalidArgument(f"scales[{name!r}] = {factor}: a scale below 1 must be 1/n for a whole n")
-            align = math.lcm(align, inverse)
+        if not isinstance(factor, (int, float, np.integer, np.floating)) or isinstance(factor, bool) or factor <= 0:
+            raise InvalidArgument(f"scales[{name!r}] must be a positive number, got {factor!r}")
+        ratio = fractions.Fraction(float(factor)).limit_denominator(1000)
+        if abs(float(ratio) - float(factor)) > 1e-9 * float(factor):
+            raise InvalidArgument(f"scales[{name!r}] = {factor}: a scale must be a ratio of whole numbers (p/q, q up to 1000)")
+        align = math.lcm(align, ratio.denominator)
     if any(k % align for k in sample_shape):
         raise InvalidArgument(f"sample_shape {sample_shape} must be a multiple of {align} for scales {dict(scales or {})}")
     return align

@@ -149,3 +149,73 @@ def test_a_timed_out_name_keeps_the_others_in_step_and_state_carries_the_sampler
             np.testing.assert_array_equal(second["label"].copy()[0], data["label"][_half(box)])
         state = pipe.state_dict()
     assert state["image"]["source_state"]["seed"] == 5 and state["label"]["offset"] == 6
+
+
+def test_an_iterable_that_fails_fails_batch_k_of_every_name_once(arrays):
+    # the stream's error spends batch k of each name: raised once, and the next push's
+    # batches come out in step (they came one name behind the other, for ever)
+    uris, _ = arrays
+    uris = {name: uris[name] for name in ("image", "label")}
+    boxes = _boxes(4, seed=3)
+
+    def broken():
+        yield damacy.MultiSample.at(uris, boxes[0], scales={"label": 0.5})
+        raise ValueError("the iterable broke")
+
+    cfgs = {
+        "image": damacy.Config(samples_per_batch=1, sample_shape=(8, 16, 16), dtype="f32"),
+        "label": damacy.Config(samples_per_batch=1, sample_shape=(4, 8, 8), dtype="u8"),
+    }
+    with damacy.MultiPipeline(cfgs) as pipe:
+        pipe.push(broken())
+        pipe.push([damacy.MultiSample.at(uris, b, scales={"label": 0.5}) for b in boxes[1:]])
+        got = []
+        for _ in range(5):
+            try:
+                with pipe.pop(timeout=60) as multi:
+                    got.append([multi[n].info.samples[0].selection[0].start for n in ("image", "label")])
+            except ValueError as e:
+                got.append(str(e))
+            except damacy.PipelineDrained:
+                break
+    assert got == [[boxes[0][0].start, boxes[0][0].start // 2], "the iterable broke"] + [[b[0].start, b[0].start // 2] for b in boxes[1:]]
+
+
+def test_a_state_taken_while_one_name_is_a_batch_ahead_resumes_every_name_in_step(arrays):
+    # batch 1 of the image failed (counted as seen at once) while the label's pop timed out
+    # (its only slot held by batch 0): the names' own offsets differ; the state is one place
+    uris, data = arrays
+    boxes = _boxes(6, seed=4)
+    samples = [damacy.MultiSample.at(uris, b, scales={"label": 0.5}) for b in boxes]
+    samples[4] = damacy.MultiSample(dict(samples[4].parts, image=damacy.Sample(uris["image"] + ".gone", boxes[4])))  # batch 1
+    cfgs = _configs()
+    cfgs["label"] = damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", prepared_batches=1)
+    with damacy.MultiPipeline(cfgs) as pipe:
+        pipe.push(samples)
+        first = pipe.pop()
+        with pytest.raises(TimeoutError):
+            pipe.pop(timeout=1)
+        first.release()
+        state = pipe.state_dict()
+    assert {n: st["offset"] for n, st in state.items()} == dict.fromkeys(cfgs, 3)
+    with damacy.MultiPipeline(_configs(on_error="fill")) as pipe:
+        pipe.load_state_dict(state)
+        pipe.push(samples)
+        with pipe.pop() as multi:
+            for name in ("image", "label"):
+                assert list(multi[name].info.samples) == [s[name] for s in samples[3:6]]
+
+
+def test_a_group_refuses_names_it_does_not_have_and_scales_land_within_rounding(arrays):
+    uris, _ = arrays
+    for kw in ({"levels": {"lable": 1}}, {"scales": {"lable": 0.5}}):
+        with pytest.raises(damacy.InvalidArgument, match="'lable'"):
+            damacy.MultiSample.at(uris, _boxes(1)[0], **kw)
+    part = damacy.MultiSample.at({"a": uris["image"]}, np.s_[49:98, 0:49, 0:98], scales={"a": 1 / 49})["a"]
+    assert [(s.start, s.stop) for s in part.selection] == [(1, 2), (0, 1), (0, 2)]  # 49 * (1/49) is not 1.0 in floats
+    # a scale above 1 that is not whole: origins kept on multiples of its denominator
+    sampler = damacy.RandomBoxes([{"image": uris["image"], "up": uris["image"]}], (4, 8, 8), seed=1, samples_per_epoch=50, scales={"up": 1.5}, shape_of=lambda u: (64, 64, 64))
+    for s in sampler:
+        assert all(sl.start % 2 == 0 for sl in s["image"].selection)
+    with pytest.raises(damacy.InvalidArgument, match="ratio of whole numbers"):
+        damacy.RandomBoxes([{"image": uris["image"], "up": uris["image"]}], (4, 8, 8), seed=1, samples_per_epoch=5, scales={"up": 2 ** 0.5})
