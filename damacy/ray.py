@@ -292,9 +292,10 @@ class _Reader:
         info = head.info
         keep = [k for k, s in enumerate(info.samples) if not isinstance(s, Padding)]
         filled = np.zeros(len(info.samples), dtype=bool)
-        for k, err in info.errors:
-            filled[k] = True
-            log.warning("damacy.ray: filled %r: %s", info.samples[k], err)
+        for part in [batch[n] for n in names] if names is not None else [head]:  # a group: any part's fill
+            for k, err in part.info.errors:
+                filled[k] = True
+                log.warning("damacy.ray: filled %r: %s", part.info.samples[k], err)
         for s, err in info.skipped:
             log.warning("damacy.ray: skipped %r: %s", s, err)
         index = np.empty(len(keep), dtype=np.int64)

@@ -16,11 +16,15 @@ before a fork is fine). A tensor keeps its slot until it is deleted; the batch c
 seen (for ``state_dict``) once its tensor is handed out. It is a
 ``torch.utils.data.IterableDataset``: ``DataLoader(loader, batch_size=None, num_workers=0)``
 works (the pipeline has threads of its own; more DataLoader workers would each read the
-whole epoch, so they are refused).
+whole epoch, so they are refused). With ``num_workers=1`` the pipeline, and so the position in
+the epoch, lives in the worker: the training process's ``loader.state_dict()`` does not see it
+(take the state in the worker, as torchdata's ``StatefulDataLoader`` does, or use
+``num_workers=0``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -62,6 +66,7 @@ class Loader(IterableDataset):
         self.with_info = with_info
         self.epoch = getattr(sampler, "epoch", 0)
         self._pipe = None
+        self._pipe_pid = 0  # the process that made _pipe
         self._restore: dict[str, Any] | None = None
         self._yielded = False  # the pipeline has been pushed to
         self._finished = True  # the last iteration read its whole epoch
@@ -75,15 +80,21 @@ class Loader(IterableDataset):
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        """Batches in an epoch (the last may be short)."""
+        """Batches in an epoch (the last may be short, or dropped with ``drop_last``)."""
         n = self.config.samples_per_batch
-        return (len(self.sampler) + n - 1) // n
+        return len(self.sampler) // n if self.config.drop_last else (len(self.sampler) + n - 1) // n
 
     def _pipeline(self):
+        if self._pipe is not None and self._pipe_pid != os.getpid():
+            # made before a fork (the loader iterated here, then handed to a DataLoader
+            # worker): the parent's; this process makes its own
+            self._pipe = None
+            self._finished = True
         if self._pipe is None:
             from damacy.pipeline import Pipeline
 
             self._pipe = Pipeline(self.config, endpoint=self.endpoint) if self.endpoint else Pipeline(self.config)
+            self._pipe_pid = os.getpid()
         return self._pipe
 
     def __iter__(self):
@@ -94,6 +105,8 @@ class Loader(IterableDataset):
             )
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
+        if self._pipe is not None and self._pipe_pid != os.getpid():
+            self._pipe, self._finished = None, True  # the parent's (see _pipeline)
         if self._pipe is not None and (self._restore is not None or not self._finished):
             # an epoch left half read still has samples queued: start over
             self._pipe.close()
@@ -139,7 +152,7 @@ class Loader(IterableDataset):
 
     def close(self) -> None:
         if self._pipe is not None:
-            self._pipe.close()
+            self._pipe.close()  # a forked copy's close leaves the parent's pipeline alone
             self._pipe = None
 
     def __del__(self) -> None:

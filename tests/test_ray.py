@@ -169,6 +169,13 @@ def test_a_bad_sample_is_filled_or_named(cluster, arrays, tmp_path):
     assert sorted(rows["index"].tolist()) == [0, 1, 2, 4, 5]  # the rest, each where it belongs
     for i, x in zip(rows["index"], rows["data"]):
         np.testing.assert_array_equal(x, arrays[vol][samples[i].selection])
+    # a group whose second part is missing: the row is marked filled (its first part read)
+    group = [damacy.MultiSample.at({"image": vol, "labels": vol}, np.s_[z : z + 4, 0:8, 0:8]) for z in range(0, 16, 4)]
+    group[1] = damacy.MultiSample(dict(group[1].parts, labels=damacy.Sample(missing, np.s_[0:4, 0:8, 0:8])))
+    configs = {name: fill for name in ("image", "labels")}
+    rows = _rows(damacy_ray.read(group, configs, rows_per_task=4, embedded=True))
+    assert sorted(rows["index"].tolist()) == [0, 1, 2, 3]
+    assert [bool(f) for _, f in sorted(zip(rows["index"].tolist(), rows["filled"]))] == [False, True, False, False]
     strict = damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", io_workers=1, decode_workers=1)
     with pytest.raises(Exception, match="missing.zarr"):  # Ray's error carries damacy's: the sample and its cause
         damacy_ray.read(samples, strict, embedded=True, max_retries=0).take_all()

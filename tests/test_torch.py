@@ -64,6 +64,23 @@ def test_a_dataloader_with_no_workers_and_one_forked_worker(volume):
     two, _ = _loader(uri)
     with pytest.raises(Exception, match="num_workers=0"):
         list(torch.utils.data.DataLoader(two, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    # a loader read here first, then by a forked worker: the worker makes its own pipeline
+    # (the parent's, inherited, belongs to this process)
+    again, _ = _loader(uri)
+    assert all(torch.equal(a, b) for a, b in zip([x.clone() for x in again], plain))
+    got = [x.clone() for x in torch.utils.data.DataLoader(again, batch_size=None, num_workers=1, multiprocessing_context="fork")]
+    assert len(got) == len(plain) and all(torch.equal(a, b) for a, b in zip(got, plain))
+    assert sum(1 for _ in again) == len(plain)  # and this process's still reads
+    again.close()
+
+
+def test_the_length_of_an_epoch_drops_the_short_batch_with_drop_last(volume):
+    uri, _ = volume
+    for drop in (False, True):
+        cfg = damacy.Config(samples_per_batch=4, sample_shape=(4, 6, 5), drop_last=drop)
+        loader = damacy.torch.Loader(cfg, damacy.RandomBoxes([uri], (4, 6, 5), seed=0, samples_per_epoch=10))
+        assert len(loader) == sum(1 for _ in loader) == (2 if drop else 3)
+        loader.close()
 
 
 def test_a_checkpoint_mid_epoch_goes_on_batch_for_batch(volume):
