@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -124,3 +125,15 @@ class WorkerPool:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
         del dropped
+
+
+def close_with(owner: Any, *pools: WorkerPool) -> None:
+    """Close ``pools`` once ``owner`` is collected: an executor nothing refers to any more (a
+    pipeline closes only the executor it made) lets its idle workers exit. Nothing is queued
+    then: a task refers to its executor."""
+    weakref.finalize(owner, _close_all, pools)
+
+
+def _close_all(pools: tuple[WorkerPool, ...]) -> None:
+    for pool in pools:
+        pool.close(timeout=0)

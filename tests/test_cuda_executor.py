@@ -261,3 +261,28 @@ def test_units_decoded_on_the_host_are_counted_in_the_pipelines_stats(arrays):
                 assert np.array_equal(batch.numpy()[0], data[:6, :9, :11])
             stats = pipe.stats()["device"]
         assert stats["name"] == "host" and (stats["host_decoded"] > 0) == host, name
+
+
+def test_closing_the_cuda_executor_mid_stream_returns_its_device_memory(arrays):
+    # batches queued for the host stage and the device thread when it closes: each still
+    # runs, sees the close and gives back the device memory it reserved
+    import gc
+    import time
+
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor
+
+    uri = arrays["zstd-u16"][0]
+    for _ in range(3):
+        executor = CudaExecutor(HostDevice())
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=(2, 16, 20), dtype="f32", prepared_batches=4)
+        pipe = damacy.Pipeline(cfg, executor=executor)
+        pipe.push([damacy.Sample(uri, np.s_[z : z + 2, 0:16, 0:20]) for z in range(0, 10)] * 20)
+        deadline = time.monotonic() + 60
+        while executor._readers.queued() + executor._pool.queued() < 1 and time.monotonic() < deadline:
+            time.sleep(0.0005)  # until a batch waits in a queue
+        pipe.close()
+        executor.close()
+        del pipe
+        gc.collect()
+        assert executor.budget.used == executor.budget.slots == 0

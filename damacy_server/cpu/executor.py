@@ -26,7 +26,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,7 @@ from damacy_server.store import is_remote
 from damacy_server.store.disk import DiskTier
 from damacy_server.store.fetch import Fetcher
 from damacy_server.store.file import FileReader
-from damacy_server.workers import WorkerPool
+from damacy_server.workers import WorkerPool, close_with
 
 log = logging.getLogger("damacy")
 
@@ -127,13 +126,6 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def _stop_pools(*pools: WorkerPool) -> None:
-    """An executor no longer referenced: its idle workers exit (nothing is queued: a task
-    refers to its executor)."""
-    for pool in pools:
-        pool.close(timeout=0)
-
-
 class CpuExecutor(BudgetedExecutor):
     """Executes batch plans into host memory."""
 
@@ -165,7 +157,7 @@ class CpuExecutor(BudgetedExecutor):
         self.disk_tier = DiskTier(self.limits.chunk_cache_dir, self.limits.chunk_cache_dir_bytes) if self.limits.chunk_cache_dir else None
         # closed by its owner, or once nothing refers to it (a pipeline closes only the
         # executor it made; one given inline goes with the pipeline that held it)
-        weakref.finalize(self, _stop_pools, self._io, self._decode)
+        close_with(self, self._io, self._decode)
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread: reads and decodes."""

@@ -47,7 +47,7 @@ from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservat
 from damacy_server.engine.slots import DeviceSlots
 from damacy_server.plan.planner import BatchPlan, sample_view
 from damacy_server.store.file import FileReader
-from damacy_server.workers import WorkerPool
+from damacy_server.workers import WorkerPool, close_with
 
 CODECS = ("zstd", "lz4")  # what nvCOMP decodes here, one batched call each per batch
 ALIGN = 256  # bytes: every unit's place in the arena (nvCOMP asks 8 at most; coalesced loads)
@@ -85,6 +85,7 @@ class CudaExecutor(BudgetedExecutor):
         self._pool = WorkerPool(1, "damacy-cuda")  # one stream
         self._slot_writes = threading.Lock()  # the engine's own writes (fill, move), one at a time
         self._closed = False
+        close_with(self, self._readers, self._pool)  # closed by its owner, or once unreferenced
 
     # -- the engine's interface (with BudgetedExecutor's) ----------------------------------
     def execute(
@@ -102,9 +103,11 @@ class CudaExecutor(BudgetedExecutor):
         self._readers.submit(self._host_stage, plan, list(targets), on_done, cancelled, key=key)
 
     def close(self) -> None:
+        """Stop: the tasks queued still run, see the close and settle (the device memory
+        they reserved, their batches' outcome, work queued after the device's)."""
         self._closed = True
-        self._readers.close()
-        self._pool.close()
+        self._readers.close(drain=True)  # first: they hand batches to the device thread
+        self._pool.close(drain=True)
 
     def device_stats(self) -> dict[str, Any]:
         return {"name": self.device.name, "host_decoded": self.host_decoded}
