@@ -16,7 +16,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import damacy
-from damacy_server.store.disk import TMP_SUFFIX, DiskTier
+from damacy_server.store.disk import MARKER, TMP_SUFFIX, DiskTier
 
 from conftest import random_data, write_array
 from daemon_helpers import wait_for
@@ -57,6 +57,10 @@ def test_the_folder_is_the_tiers_own(tmp_path):
     with pytest.raises(damacy.InvalidArgument, match="not a damacy disk tier.*checkpoints"):
         DiskTier(other, max_bytes=1 << 20)
     assert (other / "checkpoints" / "model.pt").read_bytes() == b"weights"
+    mount = tmp_path / "nvme"
+    (mount / "lost+found").mkdir(parents=True)  # the root of a filesystem: a tier may live there
+    DiskTier(mount, max_bytes=1 << 20).put("k", b"v")
+    assert (mount / "lost+found").is_dir() and (mount / MARKER).is_file()
     # in a tier, only names of its own forms are read or removed; links are not followed
     tier_dir = tmp_path / "tier"
     tier = DiskTier(tier_dir, max_bytes=1 << 20)

@@ -70,8 +70,12 @@ class DiskTier:
         marker = self.folder / MARKER
         if marker.is_file():
             return
-        # a tier made before the marker was: its subfolders only
-        foreign = sorted(p.name for p in self.folder.iterdir() if not (_SUB.fullmatch(p.name) and p.is_dir() and not p.is_symlink()))
+        # a tier made before the marker was: its subfolders only (a filesystem's own
+        # lost+found aside: a tier at the root of an NVMe mount)
+        foreign = sorted(
+            p.name for p in self.folder.iterdir()
+            if p.name != "lost+found" and not (_SUB.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+        )
         if foreign:
             raise InvalidArgument(
                 f"the disk tier's folder {self.folder} holds files that are not a damacy disk tier "
