@@ -5,6 +5,7 @@ they travel to the daemon as they are."""
 from __future__ import annotations
 
 import math
+import operator
 from types import EllipsisType
 from typing import Any
 
@@ -48,7 +49,7 @@ def normalize_pair(normalize: Any, uri: str | None = None) -> tuple[float, float
     try:
         offset, scale = normalize
         pair = (float(offset), float(scale))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InvalidArgument(f"normalize must be a pair (offset, scale) of numbers, got {normalize!r}", uri=uri) from None
     if isinstance(offset, bool) or isinstance(scale, bool) or not all(math.isfinite(v) for v in pair):
         raise InvalidArgument(f"normalize must be a pair of finite numbers (offset, scale), got {normalize!r}", uri=uri)
@@ -59,21 +60,29 @@ def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tu
     """A sample's transform, checked as far as it can be without the array: ``flip``, the
     axes reversed (of the selection's result, dropped axes left out); ``transpose``, the
     result's axes in a new order (``np.transpose``'s ``axes``), applied after the flips."""
+    given = () if flip is None else (flip,) if _is_axis(flip) else flip  # one axis, or a sequence (an array too)
     try:
-        axes = tuple(sorted({int(a) for a in (flip or ())}))
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"flip must be a sequence of axes, got {flip!r}", uri=uri) from None
-    if any(a < 0 for a in axes) or any(isinstance(a, bool) for a in (flip or ())):
+        listed = list(given)
+    except TypeError:
+        raise InvalidArgument(f"flip must be an axis or a sequence of axes, got {flip!r}", uri=uri) from None
+    if not all(_is_axis(a) and a >= 0 for a in listed):
         raise InvalidArgument(f"flip axes must be non-negative integers, got {flip!r}", uri=uri)
+    axes = tuple(sorted({operator.index(a) for a in listed}))
     if transpose is None:
         return axes, None
     try:
-        order = tuple(int(a) for a in transpose)
-    except (TypeError, ValueError):
+        order = tuple(transpose)
+    except TypeError:
         raise InvalidArgument(f"transpose must be a sequence of axes, got {transpose!r}", uri=uri) from None
-    if sorted(order) != list(range(len(order))):
+    if not all(_is_axis(a) for a in order) or sorted(operator.index(a) for a in order) != list(range(len(order))):
         raise InvalidArgument(f"transpose must be a permutation of 0..n-1, got {transpose!r}", uri=uri)
+    order = tuple(operator.index(a) for a in order)
     return axes, (None if order == tuple(range(len(order))) else order)
+
+
+def _is_axis(a: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool nor a float."""
+    return hasattr(a, "__index__") and not isinstance(a, bool) and type(a).__name__ != "bool_" and not hasattr(a, "__len__")
 
 
 def _describe_transform(flip: tuple[int, ...], transpose: tuple[int, ...] | None, normalize: tuple[float, float] | None = None) -> str:
@@ -190,8 +199,10 @@ class Sample:
 
     @property
     def shape(self) -> tuple[int, ...] | None:
-        """The box's shape (dropped axes left out), or ``None`` while it depends on the
-        array (an open bound or ``...``)."""
+        """The box's shape over the axes it names (dropped axes left out), or ``None`` while
+        it depends on the array (an open bound or ``...``). A selection naming fewer axes
+        than its array has takes the rest whole: those are not in this shape (the sample
+        does not know the array's)."""
         out = []
         for e in self.selection:
             if e is Ellipsis or (isinstance(e, slice) and (e.start is None or e.stop is None)):
@@ -268,8 +279,9 @@ class IndexQuery:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The selection's shape (dropped axes left out); an error when it depends on the
-        array's shape (then use :meth:`shape_for`)."""
+        """The selection's shape over the axes it names (dropped axes left out; axes it does
+        not name are whole, and not in it); an error when it depends on the array's shape
+        (then use :meth:`shape_for`)."""
         out = []
         for axis, e in enumerate(self.selection):
             if isinstance(e, int):

@@ -329,3 +329,16 @@ def test_casts_the_native_loop_offers_only_normalised_take_it_when_every_sample_
             box = padded_selection(data, s.selection)
             want = contract.convert(box, _dtype(out)) if s.normalize is None else contract.normalize(box, _dtype(out), *s.normalize)
             _assert_same(got[k], want, f"sample {k}")
+
+
+def test_a_native_batch_normalises_as_the_dtype_its_first_array_fixed(tmp_path, make):
+    # dtype="native": the first array (float32) fixes the batch's dtype; a later uint8 sample
+    # (it casts safely) normalises into float32, not refused as if the batch were uint8
+    write_array(tmp_path / "f", np.arange(4, dtype="float32"), chunks=(4,))
+    write_array(tmp_path / "u", np.arange(4, dtype="uint8") + 10, chunks=(4,))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4,), dtype="native", on_error="fill")
+    with make(cfg) as pipe:
+        pipe.push([damacy.Sample(str(tmp_path / "f"), np.s_[0:4]), damacy.Sample(str(tmp_path / "u"), np.s_[0:4], normalize=(10.0, 0.5))])
+        with pipe.pop() as batch:
+            assert batch.info.dtype == "float32" and not batch.info.errors
+            np.testing.assert_array_equal(batch.copy()[1], np.array([0.0, 0.5, 1.0, 1.5], dtype="float32"))

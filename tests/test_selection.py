@@ -257,3 +257,49 @@ def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):
         with p.pop() as batch:
             for got, w in zip(batch.numpy(), want):
                 assert np.array_equal(got, w)
+
+
+def test_flip_and_transpose_take_any_integers_and_refuse_the_rest(array):
+    path, data = array
+    box = np.s_[0:4, 0:5, 0:6]
+    want = np.flip(padded_selection(data, box), 0)
+    for flip in (np.array([0]), 0, [np.int64(0)], (0, 0)):  # an array or a lone 0 was dropped (falsy)
+        s = damacy.Sample(path, box, flip=flip)
+        assert s.flip == (0,)
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 5, 6), dtype=data.dtype.name)
+        with damacy.Pipeline(cfg) as pipe:
+            pipe.push([s])
+            np.testing.assert_array_equal(next(iter(pipe)).copy()[0], want)
+    for bad in ((1.7,), (float("inf"),), (True,), "ab"):
+        with pytest.raises(damacy.InvalidArgument, match="flip"):
+            damacy.Sample(path, box, flip=bad)
+    with pytest.raises(damacy.InvalidArgument, match="transpose"):
+        damacy.Sample(path, box, transpose=(1.9, 0.2, 2))  # truncated to (1, 0, 2) before
+    assert damacy.Sample(path, box, transpose=np.array([2, 0, 1])).transpose == (2, 0, 1)
+    with pytest.raises(damacy.InvalidArgument, match="normalize"):
+        damacy.Sample(path, box, normalize=(0, 10**400))
+
+
+def test_a_relative_path_with_a_colon_is_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_array(tmp_path / "run-10:00.zarr", np.arange(4, dtype="u1"), chunks=(4,))
+    np.testing.assert_array_equal(damacy.read("run-10:00.zarr"), np.arange(4, dtype="u1"))
+    with pytest.raises(damacy.UnsupportedError, match="'foo'://"):
+        damacy.read("foo://bucket/a.zarr")
+
+
+def test_refused_files_leave_no_descriptor_open_without_the_native_module(tmp_path, monkeypatch):
+    import os
+
+    import damacy_server.store.file as file
+
+    monkeypatch.setattr(file, "_open_checked", None)  # the numpy path's own open
+    (tmp_path / "a-folder").mkdir()
+    os.mkfifo(tmp_path / "a-fifo")
+    store = file.FileStore()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        for name in ("a-folder", "a-fifo"):
+            with pytest.raises(damacy.StorageError):
+                store.read(str(tmp_path / name))
+    assert len(os.listdir("/proc/self/fd")) <= before + 2

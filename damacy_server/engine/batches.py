@@ -69,7 +69,7 @@ class Planner(Protocol):
 
     def plan(
         self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad", *,
-        capacity: int | None = None, cache: LRUCache | None = None, accept: Callable[[Any], None] | None = None,
+        capacity: int | None = None, cache: LRUCache | None = None, accept: Callable[[Any], Any] | None = None,
         dtype: np.dtype | None = None,
     ) -> BatchPlan: ...
 
@@ -302,9 +302,10 @@ class BatchEngine:
             if self._native is not None:
                 self._unplanned.clear()
 
-    def _accept_native(self, meta: Any) -> None:
+    def _accept_native(self, meta: Any) -> np.dtype:
         """dtype="native": the first array read fixes the dtype of every batch; an array that
-        cannot be cast to it safely is refused (its sample's error), never wrapped."""
+        cannot be cast to it safely is refused (its sample's error), never wrapped. Returns
+        that dtype (what a normalised sample is written as)."""
         dtype = meta.dtype.newbyteorder("=")
         with self.cond:
             if self._native is None:
@@ -315,6 +316,7 @@ class BatchEngine:
                 f"the array holds {dtype.name}, which does not cast safely to {native.name}, the pipeline's dtype "
                 "(dtype='native' takes the first array's); give the Config an explicit dtype to cast"
             )
+        return native
 
     def _batch_dtype(self, pending: _Pending, plan: Any) -> np.dtype:
         if pending.dtype is None:

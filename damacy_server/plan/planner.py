@@ -252,14 +252,15 @@ class ChunkPlanner:
         *,
         capacity: int | None = None,
         cache: LRUCache | None = None,
-        accept: Callable[[ArrayMetadata], None] | None = None,
+        accept: Callable[[ArrayMetadata], np.dtype | None] | None = None,
         dtype: np.dtype | None = None,
     ) -> BatchPlan:
         """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
         flight) merged reads that would not fit are split again; with its chunk ``cache``,
         units found there leave their reads and come with their arrays (``plan.cached``, a
         :class:`CachedUnits` per plan table).
-        ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's).
+        ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's), and
+        returns the batch's dtype where it fixes one (``dtype="native"``: the first array's).
         ``dtype``: the batch's (None: the array's own), which a normalised sample needs to
         be a float type."""
         t0 = time.perf_counter()
@@ -281,8 +282,7 @@ class ChunkPlanner:
                 if isinstance(meta, SampleError):
                     raise _copy_error(meta) from meta.__cause__
                 metas[i] = meta
-                if accept is not None:
-                    accept(meta)
+                fixed = accept(meta) if accept is not None else None
                 if isinstance(sample, (Sample, IndexQuery)):
                     axes, drop = resolve(sample.selection, meta.shape, out_of_bounds)
                 else:
@@ -295,8 +295,8 @@ class ChunkPlanner:
                     what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
                 norm = getattr(sample, "normalize", None)
-                if norm is not None:
-                    _check_normalized(dtype if dtype is not None else meta.dtype, norm)
+                if norm is not None:  # written as the batch's dtype (native: the one the first array fixed)
+                    _check_normalized(dtype if dtype is not None else fixed if fixed is not None else meta.dtype, norm)
                 shapes[i] = shape
                 transforms[i] = transform
                 norms[i] = norm

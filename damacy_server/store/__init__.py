@@ -39,7 +39,9 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
         store.check_allowed(root)
         return store, root
     parsed = urlparse(text)
-    scheme = parsed.scheme.lower()
+    # a uri says scheme://, or file: (file:/path); anything else is a path, a colon in its
+    # first part too (run-10:00.zarr), as the daemon's clients read it
+    scheme = parsed.scheme.lower() if "://" in text or parsed.scheme.lower() == "file" else ""
     if scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise InvalidArgument(f"file uri with a remote host {parsed.netloc!r}", uri=text)

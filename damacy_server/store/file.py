@@ -129,7 +129,11 @@ class FileStore(Store):
         if self.roots is None:
             fd = _open_fd(key, _FLAGS)
             if fd is not None:
-                _check_regular(fd, key)
+                try:
+                    _check_regular(fd, key)  # a folder, a FIFO: refused, its descriptor closed
+                except BaseException:
+                    os.close(fd)
+                    raise
             return fd
         if not _O_PATH:
             return self._open_rooted_portable(key)
