@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from damacy_protocol import messages as m
-from damacy_protocol.errors import DaemonUnavailable, DamacyError
+from damacy_protocol.errors import DamacyError
 from damacy_protocol.stats import as_dict
-from damacy_protocol.wire import error_from_wire
+from damacy_protocol.wire import absolute_uri, error_from_wire
 
 ENDPOINT = click.option("--endpoint", default=None, help="The daemon's endpoint (default: $DAMACY_ENDPOINT, else the default ipc socket).")
 
@@ -26,7 +26,7 @@ def _connect(endpoint):
         conn = Connection(endpoint, connect_timeout_s=5.0)
         conn.call(lambda i: m.Attached(id=i), 5.0, "attach")
         return conn
-    except DaemonUnavailable as e:
+    except DamacyError as e:  # none answers, or it refuses this user, or the endpoint is unsafe
         click.echo(f"damacy: {e}", err=True)
         sys.exit(1)
 
@@ -39,7 +39,7 @@ def main():
 
 @main.command()
 @ENDPOINT
-@click.option("--timeout", type=float, default=2.0, show_default=True)
+@click.option("--timeout", type=click.FloatRange(0.0, 3600.0, min_open=True), default=2.0, show_default=True)
 def ping(endpoint, timeout):
     """Check that damacyd answers."""
     from damacy_runtime.endpoint import default_endpoint
@@ -51,7 +51,8 @@ def ping(endpoint, timeout):
         click.echo(f"no damacyd at {endpoint}: the socket file does not exist ({hint})", err=True)
         sys.exit(1)
     t0 = time.perf_counter()
-    if not probe(endpoint, timeout):
+    key = os.environ.get("DAMACY_CURVE_SERVER_KEY")  # as the client uses it
+    if not probe(endpoint, timeout, key.encode() if key else None):
         click.echo(f"no damacyd answers at {endpoint} ({hint})", err=True)
         sys.exit(1)
     click.echo(f"damacyd at {endpoint} answered in {(time.perf_counter() - t0) * 1e3:.1f} ms")
@@ -80,10 +81,15 @@ def warm(endpoint, uris, shard_indexes, chunks):
 
     cache = None
     try:
-        call = conn.request(lambda i: m.Warm(id=i, uris=list(uris), shard_indexes=shard_indexes, chunks=chunks), on_progress=progress)
+        # paths as this process names them: the daemon's working folder is its own
+        wanted = [absolute_uri(u) for u in uris]
+        call = conn.request(lambda i: m.Warm(id=i, uris=wanted, shard_indexes=shard_indexes, chunks=chunks), on_progress=progress)
         reply = call.wait(None, "warm")
         if chunks and not isinstance(reply, m.Failed):
             cache = conn.call(lambda i: m.Stats(id=i), 10.0, "stats").stats
+    except DamacyError as e:  # the daemon stopped meanwhile
+        click.echo(f"\ndamacy: {e}", err=True)
+        sys.exit(1)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
@@ -167,7 +173,7 @@ def render(stats, before=None, seconds: float | None = None) -> str:
 @ENDPOINT
 @click.option("--json", "as_json", is_flag=True, help="Print the raw figures as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
-@click.option("--interval", type=float, default=2.0, show_default=True)
+@click.option("--interval", type=click.FloatRange(0.1, 86400.0), default=2.0, show_default=True)
 def stats(endpoint, as_json, watch, interval):
     """Per-stage timings, cache hit rates, sessions and memory of the daemon."""
     conn = _connect(endpoint)
@@ -211,6 +217,9 @@ def demo(uri, endpoint, batches, batch_size, size, data_dir):
         if uri is None:
             uri = str(d.demo_volume(size, data_dir, log=lambda s: click.echo(s, err=True)))
         d.run(uri, batches, batch_size, endpoint)
+    except OSError as e:  # the data folder cannot be made or written
+        click.echo(f"damacy: cannot write the demo volume: {e}", err=True)
+        sys.exit(1)
     except DamacyError as e:
         click.echo(f"damacy: {e}", err=True)
         sys.exit(1)

@@ -13,11 +13,13 @@ read it with zarr-python).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,15 +60,16 @@ def _field(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 def write_volume(path: Path, data: np.ndarray, shards: tuple[int, ...], chunks: tuple[int, ...], level: int = 3) -> None:
     """Write ``data`` as a sharded, zstd-compressed Zarr v3 array at ``path``. The array's
-    zarr.json is written last (and atomically), so a volume cut short is written again."""
+    zarr.json is written last (and atomically), so a volume cut short is written again. Each
+    writer writes a folder of its own and moves it into place under a lock: of two writing at
+    once (two demos started together) one's volume is kept whole, the other's dropped."""
     import crc32c
     import zstandard
 
     if any(s % c for s, c in zip(shards, chunks)):
         raise ValueError(f"inner chunks {chunks} must tile the shards {shards}")
-    tmp = path.with_name(path.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".part-", dir=path.parent))
     compressor = zstandard.ZstdCompressor(level=level)
     grid = [-(-n // s) for n, s in zip(data.shape, shards)]
     per_shard = [s // c for s, c in zip(shards, chunks)]
@@ -110,8 +113,13 @@ def write_volume(path: Path, data: np.ndarray, shards: tuple[int, ...], chunks: 
         "attributes": {"written_by": "damacy demo"},
     }
     (tmp / "zarr.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "zarr.json").exists():  # another writer finished first: its volume stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(path, ignore_errors=True)  # one cut short
+        os.replace(tmp, path)
 
 
 STAGES = ("plan", "read", "decode", "assemble")  # "native" and "direct" are parts of these
@@ -149,7 +157,8 @@ def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.s
     first = None
     done = 0
     nbytes = 0
-    with Pipeline(cfg, endpoint=endpoint) as pipe:
+    # as it says: embedded unless an endpoint is given (a node's damacyd may not serve ~/.cache)
+    with (Pipeline(cfg, endpoint=endpoint) if endpoint else Pipeline(cfg, embedded=True)) as pipe:
         pipe.push(samples)
         for batch in pipe.batches():
             with batch:

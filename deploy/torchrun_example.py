@@ -81,7 +81,7 @@ def main(argv=None) -> None:
                 save(ckpt, loader, model, epoch, rank, world)
                 finish(args, log, rank, loader)
                 return
-        if rank == 0:
+        if rank == 0 and steps:  # a resume from an epoch's last step has none left
             print(f"epoch {epoch}: {steps} steps per rank, loss {loss.item():.4f}", flush=True)
     if ckpt is not None:
         save(ckpt, loader, model, args.epochs, rank, world)

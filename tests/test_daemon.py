@@ -385,6 +385,9 @@ def test_cli_ping_warm_stats(cached_daemon, data):
     assert out.returncode == 0 and "cache chunks" in out.stdout and "decode" in out.stdout
     out = subprocess.run(["damacy", "warm", "/etc/passwd"], capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 1 and "outside" in out.stderr
+    # a relative path is this process's: the daemon's working folder is another
+    out = subprocess.run(["damacy", "warm", "vol.zarr"], capture_output=True, text=True, env=env, timeout=60, cwd=data)
+    assert out.returncode == 0 and "warmed 1 array(s)" in out.stdout, out.stderr
     out = subprocess.run(["damacy", "ping", "--endpoint", "ipc:///nonexistent.sock", "--timeout", "30"], capture_output=True, text=True, timeout=60)
     # no socket file: said at once (not after the 30 s timeout), with how to start one
     assert out.returncode == 1 and "the socket file does not exist" in out.stderr and "damacyd --allow-root" in out.stderr
@@ -588,3 +591,34 @@ def test_a_busy_node_daemon_is_still_found_and_a_dead_socket_passed_over_at_once
         finally:
             t.join(30)
             router.close(0)
+
+
+def test_flag_values_that_would_leave_the_daemon_open_or_useless_are_usage_errors(tmp_path):
+    import socket
+
+    base = [*damacyd_command(), "--endpoint", f"ipc://{tmp_path}/x.sock", "--allow-root", str(tmp_path)]
+    for extra, words in [
+        (["--socket-mode", "-1"], "from 000 to 777"),  # became 07777: anyone, setuid, sticky
+        (["--socket-mode", "7777"], "from 000 to 777"),
+        (["--heartbeat-timeout", "0"], "heartbeat-timeout"),  # every session reclaimed at once
+        (["--max-message-size", "0"], "max-message-size"),  # every request dropped
+    ]:
+        run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr, (extra, run.stderr)
+    with socket.socket() as taken:  # a port in use: said so, a usage error, no traceback
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [*damacyd_command(), "--endpoint", f"tcp://127.0.0.1:{port}", "--allow-root", str(tmp_path)], capture_output=True, text=True, timeout=60
+        )
+    assert run.returncode == 2 and "cannot start on" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_cli_refuses_timeouts_that_would_hang_and_names_what_refused_it(tmp_path):
+    from test_demo import damacy_command
+
+    run = subprocess.run([*damacy_command(), "ping", "--endpoint", "tcp://127.0.0.1:1", "--timeout", "-1"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--timeout" in run.stderr  # poll(-1000) waited for ever
+    run = subprocess.run([*damacy_command(), "stats", "--watch", "--interval", "-1"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--interval" in run.stderr

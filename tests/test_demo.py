@@ -29,7 +29,31 @@ def test_the_demo_writer_writes_what_zarr_python_reads(tmp_path):
     demo.write_volume(tmp_path / "w.zarr", data, shards=(32, 64, 32), chunks=(16, 32, 16))
     assert np.array_equal(zarr.open_array(tmp_path / "w.zarr", mode="r")[...], data)
     assert np.array_equal(damacy.read(tmp_path / "w.zarr"), data)
-    assert not (tmp_path / "w.zarr.part").exists()
+    assert not list(tmp_path.glob("w.zarr.part*"))
+
+
+def test_two_demos_writing_at_once_leave_one_whole_volume(tmp_path):
+    # each writes a folder of its own; the first to finish is kept, the other's dropped (they
+    # shared one folder, and one's cleanup deleted the other's shards: zeros, for ever)
+    import threading
+
+    data = random_data((64, 64, 64), "uint16", 3)
+    errors = []
+
+    def write() -> None:
+        try:
+            demo.write_volume(tmp_path / "v.zarr", data, shards=(16, 16, 16), chunks=(8, 8, 8))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    writers = [threading.Thread(target=write) for _ in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert not errors
+    assert np.array_equal(zarr.open_array(tmp_path / "v.zarr", mode="r")[...], data)
+    assert not list(tmp_path.glob("v.zarr.part*"))
 
 
 def test_demo_writes_its_volume_once_and_streams_it(tmp_path):
@@ -61,6 +85,26 @@ def test_demo_streams_a_given_array_through_a_damacyd(tmp_path, daemon):
 def test_demo_names_a_bad_uri(tmp_path):
     out = subprocess.run([*damacy_command(), "demo", str(tmp_path / "nothing.zarr")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "nothing.zarr" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "a-file").write_text("")
+    out = subprocess.run([*damacy_command(), "demo", "--size", "small", "--data-dir", str(tmp_path / "a-file" / "x")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot write the demo volume" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_without_an_endpoint_is_embedded_even_where_a_damacyd_answers(daemon):
+    # the node's daemon may not serve the user's cache folder: the demo says embedded and is
+    import tempfile
+
+    env = {**os.environ, "DAMACY_ENDPOINT": daemon.endpoint}
+    outside = tempfile.mkdtemp(prefix="damacy-demo-")  # not under the daemon's roots
+    try:
+        out = subprocess.run(
+            [*damacy_command(), "demo", "--size", "small", "--batches", "2", "--data-dir", outside],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    assert out.returncode == 0, out.stderr
+    assert "(embedded)" in out.stdout and "done: 16 samples" in out.stdout
 
 
 def test_both_commands_say_their_version():

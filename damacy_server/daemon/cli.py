@@ -11,6 +11,7 @@ import signal
 import sys
 
 import click
+import zmq
 
 from damacy_protocol.checks import default_decode_workers
 from damacy_protocol.errors import DamacyError
@@ -76,7 +77,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--max-lookahead-samples", type=click.IntRange(1), default=65536, show_default=True, help="Most samples one session may have pushed ahead of its batches (Config.lookahead_samples is held to it): queued samples are the daemon's memory, outside --memory.")
 @click.option("--max-message-size", type=Size(), default="64M", show_default=True, help="Largest request accepted; a larger one drops its connection.")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
-@click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(2.0, 86400.0), default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed (at least 2: clients send a heartbeat every second).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True, help="json: one object a line (time, level, event, session, pid, rank, uri, error).")
 @click.option("--slow-batch-s", type=click.FloatRange(0), default=10.0, show_default=True, help="Log a batch that takes longer than this from its start to ready (event slow_batch); 0: never.")
@@ -95,6 +96,10 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         mode = int(socket_mode, 8)
     except ValueError:
         raise click.BadParameter(f"{socket_mode!r} is not an octal mode", param_hint="--socket-mode") from None
+    if not 0 <= mode <= 0o777:  # -1 became 07777 (anyone, setuid and sticky bits)
+        raise click.BadParameter(f"{socket_mode!r} is not a mode from 000 to 777", param_hint="--socket-mode")
+    if max_message_size < 64 << 10:  # smaller, every request (a push of a batch's samples) is dropped
+        raise click.BadParameter(f"{max_message_size} bytes: a request may need more; give at least 64K", param_hint="--max-message-size")
     secret = None
     if curve_secret_key:
         with open(curve_secret_key, "rb") as f:
@@ -139,6 +144,9 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         daemon = Daemon(options)
     except DamacyError as e:
         click.echo(f"damacyd: {e}", err=True)
+        sys.exit(2)
+    except (zmq.ZMQError, OSError) as e:  # the endpoint (a port in use, a path too long), a folder, a key
+        click.echo(f"damacyd: cannot start on {endpoint}: {e}", err=True)
         sys.exit(2)
     if metrics is not None:
         from damacy_server.daemon.metrics import serve
