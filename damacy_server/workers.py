@@ -49,9 +49,9 @@ class WorkerPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: Hashable = None, priority: int = 0) -> None:
         with self._cond:
+            if self._closed and not self._drain:
+                return  # dropped, as the tasks queued at close were
             if self._closed and not self._running:
-                if not self._drain:
-                    return  # dropped, as the tasks queued at close were
                 inline = True  # a drained pool's workers are gone
             else:
                 inline = False

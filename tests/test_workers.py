@@ -32,3 +32,22 @@ def test_a_failing_task_does_not_kill_the_worker():
     pool.submit(done.set)
     assert done.wait(60)
     pool.close()
+
+
+def test_a_closed_pool_drops_or_drains_what_is_queued_and_what_comes_after():
+    ran: list[str] = []
+    for drain in (False, True):
+        pool = WorkerPool(1, "test")
+        gate, started = threading.Event(), threading.Event()
+        pool.submit(lambda: (started.set(), gate.wait()))  # holds the only worker
+        assert started.wait(60)
+        pool.submit(ran.append, f"queued-{drain}")
+        closer = threading.Thread(target=pool.close, kwargs={"drain": drain})
+        closer.start()
+        while not pool._closed:  # the close has begun: the worker is still busy
+            threading.Event().wait(0.001)
+        pool.submit(ran.append, f"after-close-{drain}")  # a task's follow-up, its worker alive
+        gate.set()
+        closer.join(60)
+        pool.submit(ran.append, f"after-exit-{drain}")  # every worker gone
+    assert ran == ["queued-True", "after-close-True", "after-exit-True"]
