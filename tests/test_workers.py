@@ -39,7 +39,7 @@ def test_a_closed_pool_drops_or_drains_what_is_queued_and_what_comes_after():
     for drain in (False, True):
         pool = WorkerPool(1, "test")
         gate, started = threading.Event(), threading.Event()
-        pool.submit(lambda: (started.set(), gate.wait()))  # holds the only worker
+        pool.submit(lambda started=started, gate=gate: (started.set(), gate.wait()))  # holds the only worker
         assert started.wait(60)
         pool.submit(ran.append, f"queued-{drain}")
         closer = threading.Thread(target=pool.close, kwargs={"drain": drain})
