@@ -622,3 +622,29 @@ def test_the_cli_refuses_timeouts_that_would_hang_and_names_what_refused_it(tmp_
     assert run.returncode == 2 and "--timeout" in run.stderr  # poll(-1000) waited for ever
     run = subprocess.run([*damacy_command(), "stats", "--watch", "--interval", "-1"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--interval" in run.stderr
+
+
+def test_a_warm_stops_at_its_next_step_once_its_session_ends(monkeypatch):
+    # a client interrupted mid-warm (Ctrl-C) ends its session: the daemon's warm thread kept
+    # filling the cache for it; it now stops, and answers nobody
+    import threading
+    from types import SimpleNamespace
+
+    from damacy_server.daemon import warm as warming
+
+    steps: list[int] = []
+    replies: list = []
+    session = SimpleNamespace(closed=False, sid="s1", reply=replies.append)
+
+    def long_warm(daemon, uris, shard_indexes, chunks, progress):
+        for k in range(10_000):
+            steps.append(k)
+            progress(k, 10_000, "chunks")
+            if k == 3:
+                session.closed = True  # the client said bye
+        return {"arrays": 1, "shard_indexes": 0, "chunks": 10_000, "errors": []}
+
+    monkeypatch.setattr(warming, "warm", long_warm)
+    warming.start_warm(None, session, m.Warm(id=1, uris=["/x"], chunks=True))
+    wait_for(lambda: not any(t.name == "damacyd-warm-s1" for t in threading.enumerate()), what="the warm thread to end")
+    assert steps == [0, 1, 2, 3, 4] and not any(isinstance(r, m.WarmDone) for r in replies)

@@ -22,6 +22,11 @@ STEP = 256
 log = logging.getLogger("damacyd")
 
 
+class Cancelled(BaseException):
+    """The session that asked for the warm has ended (its client interrupted or gone): the
+    warm stops at its next step (not an Exception: nothing on the way catches it)."""
+
+
 def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
     """Answer a Warm request from a thread of its own: WarmProgress now and then (at most 20
     a second), then WarmDone, whatever happens."""
@@ -30,6 +35,8 @@ def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
         last = [0.0]
 
         def progress(done: int, total: int, item: str) -> None:
+            if session.closed:
+                raise Cancelled
             now = time.monotonic()
             if now - last[0] >= 0.05 or done >= total:
                 last[0] = now
@@ -37,6 +44,9 @@ def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
 
         try:
             result = warm(daemon, msg.uris, msg.shard_indexes, msg.chunks, progress)
+        except Cancelled:
+            log.info("warming stopped: session %s ended", session.sid)
+            return
         except Exception as e:  # noqa: BLE001 - the client waits for WarmDone whatever happens
             log.exception("warming failed")
             result = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": [DamacyError(f"warming failed: {type(e).__name__}: {e}")]}
