@@ -648,3 +648,11 @@ def test_a_warm_stops_at_its_next_step_once_its_session_ends(monkeypatch):
     warming.start_warm(None, session, m.Warm(id=1, uris=["/x"], chunks=True))
     wait_for(lambda: not any(t.name == "damacyd-warm-s1" for t in threading.enumerate()), what="the warm thread to end")
     assert steps == [0, 1, 2, 3, 4] and not any(isinstance(r, m.WarmDone) for r in replies)
+
+
+def test_a_bad_storage_option_is_refused_at_start(tmp_path):
+    # it was taken, and every request under its prefix failed later
+    base = [*damacyd_command(), "--endpoint", f"ipc://{tmp_path}/x.sock", "--allow-root", str(tmp_path)]
+    for option, words in [("no_such_option=1", "no_such_option"), ("max_retries=abc", "'abc'")]:
+        run = subprocess.run([*base, "--storage-option", "s3://bkt", option], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
