@@ -68,6 +68,11 @@ class SampleError(DamacyError):
         self.args = (self._message(),)
         return self
 
+    def copy(self) -> SampleError:
+        """A fresh instance (its own traceback and sample): for an error kept and raised again,
+        one per sample."""
+        return type(self)(self.reason, uri=self.uri, path=self.path, chunk=self.chunk)
+
     def __reduce__(self):
         return (_rebuild, (type(self), to_wire(self)))
 

@@ -280,7 +280,7 @@ class ChunkPlanner:
                     raise sample.error
                 meta = found[(sample.uri, getattr(sample, "level", None))]
                 if isinstance(meta, SampleError):
-                    raise _copy_error(meta) from meta.__cause__
+                    raise meta.copy() from meta.__cause__
                 metas[i] = meta
                 fixed = accept(meta) if accept is not None else None
                 if isinstance(sample, (Sample, IndexQuery)):
@@ -325,7 +325,7 @@ class ChunkPlanner:
                 first = np.unique(rows[at, 0], return_index=True)
                 for s, r in zip(first[0].tolist(), at[first[1]].tolist()):
                     if s not in errors:
-                        errors[s] = _copy_error(locs.errors[int(inverse[r])]).with_context(sample=samples[s])
+                        errors[s] = locs.errors[int(inverse[r])].copy().with_context(sample=samples[s])
             located.append((acc, rows, units, inverse, locs, hits, hit))
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
@@ -409,11 +409,6 @@ def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) 
 
 def _part_len(p) -> int:
     return p.stop - p.start if isinstance(p, slice) else len(p)
-
-
-def _copy_error(e: SampleError) -> SampleError:
-    """A fresh instance, so each sample's error names its own sample."""
-    return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
 
 
 def _check_normalized(dtype: np.dtype, norm: tuple[float, float]) -> None:

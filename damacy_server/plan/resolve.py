@@ -102,13 +102,6 @@ class UnitLocations:
 DEFAULT_CONCURRENCY = 64
 
 
-def _copy(e: Exception) -> Exception:
-    """A fresh instance of a kept error, so each raise carries its own traceback and context."""
-    if isinstance(e, SampleError):
-        return type(e)(e.reason, uri=e.uri, path=e.path, chunk=e.chunk)
-    return e
-
-
 @contextlib.contextmanager
 def _malformed(uri: str) -> Iterator[None]:
     """Metadata that parsing could not take (a value of a wrong type or out of range where no
@@ -208,7 +201,7 @@ class ZarrMetadata:
                 raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level} asked", uri=str(uri))
             failed = image.levels[level].error
             if failed is not None:  # that level only: the image's others read
-                raise _copy(failed)
+                raise failed.copy()
             return self.array(image.levels[level].uri)
         store, root = self.store_of(uri)
         cache_key = root
@@ -335,7 +328,7 @@ class ZarrMetadata:
                 tuple(a * b for a, b in zip(scale, outer)), tuple(a * b + c for a, b, c in zip(translation, outer, shift)),
             ))
         if axes is None:  # no level could be read: the first one's error
-            raise _copy(levels[0].error)
+            raise levels[0].error.copy()
         name = multiscale.get("name") if isinstance(multiscale.get("name"), str) else None
         return Image(str(uri), version if isinstance(version, str) else None, name, axes or (), tuple(levels))
 

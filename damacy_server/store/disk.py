@@ -139,8 +139,8 @@ class DiskTier:
         except OSError:
             with self._lock:
                 self.misses += 1
-                if name in self._index and not path.exists():  # evicted by another process
-                    self._bytes -= self._index.pop(name)
+                if not path.exists():  # evicted by another process
+                    self._unindex(name)
             return None
         payload = self._check(data, key)
         with self._lock:
@@ -150,9 +150,7 @@ class DiskTier:
                 # removed with its index entry, under the lock: a put of the key meanwhile is
                 # removed too, never left on disk outside the index
                 path.unlink(missing_ok=True)
-                size = self._index.pop(name, None)
-                if size is not None:
-                    self._bytes -= size
+                self._unindex(name)
                 return None
             self.hits += 1
             if name in self._index:
@@ -200,9 +198,7 @@ class DiskTier:
             except OSError:
                 tmp.unlink(missing_ok=True)
                 return False
-            old = self._index.pop(name, None)
-            if old is not None:
-                self._bytes -= old
+            self._unindex(name)
             self._index[name] = size
             self._bytes += size
             self.writes += 1
@@ -218,6 +214,12 @@ class DiskTier:
         else:
             self._evict()
         return True
+
+    def _unindex(self, name: str) -> None:
+        """Forget ``name`` (its file gone or replaced); the caller holds the lock."""
+        size = self._index.pop(name, None)
+        if size is not None:
+            self._bytes -= size
 
     def _evict(self) -> None:
         with self._lock:

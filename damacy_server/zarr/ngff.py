@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, MetadataError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, MetadataError, SampleError, UnsupportedError
 
 
 def multiscale_path(group: dict[str, Any], uri: str, level: int = 0) -> str | None:
@@ -55,7 +55,7 @@ class Level:
     dtype: np.dtype | None
     scale: tuple[float, ...]
     translation: tuple[float, ...]
-    error: Exception | None = None
+    error: SampleError | None = None
 
 
 @dataclass(frozen=True)
