@@ -690,6 +690,36 @@ def test_dlpack_capsules_versioned_and_legacy_and_bf16(store, make):
             assert np.array_equal(y[0].astype("f4"), arr[0:6, 0:7, 0:8].astype("f4").astype(ml_dtypes.bfloat16).astype("f4"))
 
 
+def test_ml_dtypes_is_imported_only_for_bf16(store):
+    """Importing ml_dtypes costs over a second of CPU: a process reading f32 never pays it,
+    one asking for bf16 gets it then (its numpy view, and the values, as ml_dtypes rounds)."""
+    import subprocess
+    import sys
+
+    uri, arr = store[1]["u16"]
+    code = f"""
+import sys, numpy as np, damacy
+for dtype in ("f32", "u16", "native", "bf16"):
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(6, 7, 8), dtype=dtype)
+    with damacy.Pipeline(cfg, embedded=True) as p:
+        p.push([damacy.Sample({uri!r}, np.s_[0:6, 0:7, 0:8])])
+        with p.pop() as b:
+            y = b.numpy()
+            print(dtype, y.dtype.name, "ml_dtypes" in sys.modules, float(y.astype("f4").sum()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    total = float(arr[0:6, 0:7, 0:8].astype("f4").sum())
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert [line[:3] for line in lines] == [
+        ["f32", "float32", "False"],
+        ["u16", "uint16", "False"],
+        ["native", "uint16", "False"],
+        ["bf16", "bfloat16", "True"],
+    ]
+    assert float(lines[0][3]) == total
+
+
 def test_torch_from_dlpack(store, make):
     torch = pytest.importorskip("torch")
     uri, arr = store[1]["u16"]

@@ -13,15 +13,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from damacy_server.decode.contract import BF16
+from damacy_server.decode import contract
 
 #: dtype codes of the kernels (convert.cuh: DT_BOOL ... DT_BF16), by numpy dtype
 CODES: dict[np.dtype, int] = {
     np.dtype(t): k
     for k, t in enumerate(["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"])
 }
-if BF16 is not None:
-    CODES[BF16] = 12
+CODES[contract.BF16] = 12  # the CUDA path converts to bf16: ml_dtypes is imported with it
 
 SHUFFLE_MODES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 BLOCK = 128  # threads per block the twin runs (any count gives the same result)

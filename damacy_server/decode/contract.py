@@ -24,12 +24,21 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    from ml_dtypes import bfloat16 as _BF16
 
-    BF16: np.dtype | None = np.dtype(_BF16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BF16 = None
+def __getattr__(name: str) -> np.dtype:
+    """``BF16``, ml_dtypes' bfloat16 as a numpy dtype, imported on first use: ml_dtypes takes
+    over a second of CPU to import (it registers its types' ufunc loops), which every process
+    that reads data would pay, and a bf16 array can only exist once it is imported (the
+    checks below go by the dtype's name)."""
+    if name == "BF16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_bf16(dtype: np.dtype) -> bool:
+    return dtype.name == "bfloat16"
 
 
 def differs(src: np.dtype, dst: np.dtype) -> bool:
@@ -37,7 +46,7 @@ def differs(src: np.dtype, dst: np.dtype) -> bool:
     src, dst = np.dtype(src).newbyteorder("="), np.dtype(dst).newbyteorder("=")
     if src.kind == "f" and dst.kind in "iu":
         return True
-    return dst == BF16 and (src == np.float64 or (src.kind in "iu" and src.itemsize >= 4))
+    return _is_bf16(dst) and (src == np.float64 or (src.kind in "iu" and src.itemsize >= 4))
 
 
 def convert(arr, dtype) -> np.ndarray:
@@ -60,7 +69,7 @@ def convert(arr, dtype) -> np.ndarray:
 def is_float(dtype) -> bool:
     """Whether ``dtype`` is a float type (bf16 included): what normalisation may write."""
     dtype = np.dtype(dtype)
-    return dtype.kind == "f" or dtype == BF16
+    return dtype.kind == "f" or _is_bf16(dtype)
 
 
 def compute_dtype(dtype) -> np.dtype:
