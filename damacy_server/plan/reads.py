@@ -35,20 +35,25 @@ class PlanLimits:
         )
 
 
-@dataclass(eq=False)
 class ReadGroup:
-    """One read: a byte range (or the whole) of one object, holding one or more units (the
-    executor's reader reads it)."""
+    """One read: a byte range (``length`` -1: the whole) of one object, holding one or more
+    units (the executor's reader reads it). Its units are given at construction or by
+    :meth:`add` (what it decodes to is kept, not summed anew: executors ask for it a few
+    times per read, and a merged read of small units holds hundreds)."""
 
-    key: str
-    offset: int
-    length: int  # -1: the whole object
-    units: list[UnitJob]
+    __slots__ = ("key", "offset", "length", "units", "decoded_nbytes")
 
-    @property
-    def decoded_nbytes(self) -> int:
-        """The bytes its units decode to."""
-        return sum(u.decoded_nbytes for u in self.units)
+    def __init__(self, key: str, offset: int, length: int, units: list[UnitJob]) -> None:
+        self.key = key
+        self.offset = offset
+        self.length = length
+        self.units = units
+        #: the bytes its units decode to
+        self.decoded_nbytes = sum(u.decoded_nbytes for u in units)
+
+    def add(self, unit: UnitJob) -> None:
+        self.units.append(unit)
+        self.decoded_nbytes += unit.decoded_nbytes
 
     @property
     def reserve_nbytes(self) -> int:
@@ -56,6 +61,9 @@ class ReadGroup:
         decoded = self.decoded_nbytes
         encoded = self.length if self.length >= 0 else decoded + decoded // 64 + 4096
         return encoded + decoded
+
+    def __repr__(self) -> str:
+        return f"ReadGroup({self.key!r}, offset={self.offset}, length={self.length}, units={len(self.units)})"
 
 
 def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:
@@ -67,18 +75,21 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
     remote = (limits.remote_max_gap_bytes, limits.remote_max_read_bytes)
     current: ReadGroup | None = None
     end = 0
+    key, gap, most = None, 0, 0
     for job in jobs:
         if job.nbytes < 0:
             groups.append(ReadGroup(job.key, 0, -1, [job]))
             current = None
             continue
-        gap, most = remote if is_remote(job.key) else local
+        if job.key != key:  # jobs come by object: its limits once per object
+            key = job.key
+            gap, most = remote if is_remote(key) else local
         stop = job.offset + job.nbytes
-        if current is not None and job.key == current.key and job.offset - end <= gap and stop - current.offset <= most:
+        if current is not None and key == current.key and job.offset - end <= gap and stop - current.offset <= most:
             if stop > end:
                 end = stop
                 current.length = end - current.offset
-            current.units.append(job)
+            current.add(job)
             merged += 1
             continue
         current = ReadGroup(job.key, job.offset, job.nbytes, [job])
