@@ -171,6 +171,37 @@ def test_a_cancelled_owner_leaves_its_waiters_to_read_alone(volume):
         executor.close()
 
 
+def test_an_abandoned_unit_the_budget_cannot_hold_fails_its_waiters(volume, monkeypatch):
+    """A waiter reading an abandoned unit alone keeps to the memory budget: a unit more than
+    it can ever hold fails, as it failed its owner, rather than being read outside it."""
+    monkeypatch.setattr("damacy_server.engine.budget.MIN_INFLIGHT_BYTES", 0)  # the test's units are KiB
+    uri, data = volume
+    executor = damacy.CpuExecutor(FileReader(), damacy.CpuLimits(decode_workers=2, max_memory_bytes=1 << 20))
+    try:
+        box = np.s_[0:4, 0:16, 0:16]  # one unit
+        plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, box)], (4, 16, 16))
+        (unit,) = [u for g in plan.groups for u in g.units]
+        owner = executor.inflight.claim_or_join((unit.meta.root, unit.unit), None)  # another batch's
+        out, done, errors = np.full((4, 16, 16), -1, dtype="f4"), threading.Event(), {}
+        executor.execute(plan, [out], lambda errs: (errors.update(errs), done.set()))
+        assert executor.inflight.stats()["joined"] == 1
+        executor.reserve_slots(executor.inflight_capacity - 1024, "slots")  # the budget shrinks
+        executor.inflight.settle(owner)  # abandoned: the waiter reads it alone
+        assert done.wait(60)
+        assert set(errors) == {0} and "raise max_memory_bytes" in str(errors[0]) and (out == -1).all()
+        executor.release_slots(executor.budget.slots)
+        # with room, the abandoned unit is read alone and copied
+        owner = executor.inflight.claim_or_join((unit.meta.root, unit.unit), None)
+        done.clear()
+        errors.clear()
+        executor.execute(plan, [out], lambda errs: (errors.update(errs), done.set()))
+        executor.inflight.settle(owner)
+        assert done.wait(60) and not errors and np.array_equal(out, data[box].astype("f4"))
+        assert wait_for(lambda: executor.budget.used == 0, what="the budget to be returned")
+    finally:
+        executor.close()
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_waiters_get_the_owners_error_and_fill(volume, tmp_path, native):
     uri, data = volume

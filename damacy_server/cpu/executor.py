@@ -231,14 +231,7 @@ class CpuExecutor(BudgetedExecutor):
                 continue
             self._abandon(group.units)  # a batch waiting for one of them reads it itself
             if status is Reservation.TOO_BIG:
-                run.fail(
-                    samples_of(group.units),
-                    SampleError(
-                        f"reading {group.key} needs {need} bytes in flight, the memory budget leaves "
-                        f"{self.budget.capacity} beside the batch slots; raise max_memory_bytes",
-                        path=group.key,
-                    ),
-                )
+                run.fail(samples_of(group.units), self._too_big(group.key, need))
             run.group_done()
         if bundle:
             send()
@@ -338,12 +331,27 @@ class CpuExecutor(BudgetedExecutor):
             if u.shared is not None:
                 self.inflight.settle(u.shared)
 
+    def _too_big(self, key: str, need: int) -> SampleError:
+        return SampleError(
+            f"reading {key} needs {need} bytes in flight, the memory budget leaves "
+            f"{self.budget.capacity} beside the batch slots; raise max_memory_bytes",
+            path=key,
+        )
+
     def _read_alone(self, run: Run, u: UnitJob) -> None:
-        """Read, decode and copy one unit another batch abandoned (numpy path). Rare (the
-        owner's batch was cancelled first), so it reads outside the memory budget: one unit."""
+        """Read, decode and copy one unit another batch abandoned (numpy path). A unit more
+        than the budget can ever hold fails as it failed its owner; otherwise it is rare (the
+        owner's batch was cancelled first) and a decode thread must not wait for memory, so
+        without room now it reads outside the memory budget: one unit."""
+        need = ReadGroup(u.key, u.offset, u.nbytes, [u]).reserve_nbytes  # as its owner counted it
+        held = 0
         try:
             if run.cancelled() or self._closed:
                 return
+            if need > self.budget.capacity:
+                run.fail(samples_of((u,)), self._too_big(u.key, need).with_context(uri=u.meta.uri))
+                return
+            held = need if self.budget.try_reserve(need) else 0
             store = u.meta.store if is_remote(u.key) else self.reader
             if u.nbytes < 0:
                 data = store.read(u.key)
@@ -360,6 +368,7 @@ class CpuExecutor(BudgetedExecutor):
         except Exception as e:
             run.crash([u], e)
         finally:
+            self.budget.release(held)
             run.group_done()
 
     def _apply(self, run: Run, u: UnitJob, arr: np.ndarray) -> int:
