@@ -237,6 +237,17 @@ class LRUCache(Generic[V]):
             self._data.clear()
             self._bytes = 0
 
+    def discard_where(self, drop: Callable[[Hashable], bool]) -> int:
+        """Forget every entry whose key ``drop`` says to (a pass over all keys: for what
+        changed in storage, rare); returns how many went."""
+        with self._lock:
+            gone = [k for k in self._data if drop(k)]
+            for k in gone:
+                self._bytes -= self._data.pop(k)[1]
+            for k in [k for k in self._shadow if drop(k)]:
+                self._shadow_bytes -= self._shadow.pop(k)
+            return len(gone)
+
     def __len__(self) -> int:
         return len(self._data)
 

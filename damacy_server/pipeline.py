@@ -111,6 +111,9 @@ class Pipeline(PipelineAPI):
                     FileMetadataReader(),
                     MetadataCache(config.array_cache_entries, config.shard_index_cache_entries, config.shard_index_cache_bytes),
                     RemoteStores(config.storage_options) if config.storage_options else None,
+                    # the pipeline's own, never older than the run; a disk tier outlives it
+                    # and names its entries by the metadata's version
+                    recheckable=config.chunk_cache_dir is not None,
                 ),
                 PlanLimits(),
             )

@@ -7,6 +7,7 @@ planner and executor as the pipeline (a one-sample plan).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,8 @@ def read(
     (its rules, roots included).
     """
     md = metadata if metadata is not None else default_metadata()
+    # a read sees what was written before it (an image read by scale: the image and its levels)
+    md.recheck([(str(uri), 0 if level is None and scale is not None else level)], time.monotonic())
     if level is not None and scale is not None:
         raise InvalidArgument("give level or scale, not both", uri=str(uri))
     if scale is not None:

@@ -634,9 +634,9 @@ def test_a_warm_stops_at_its_next_step_once_its_session_ends(monkeypatch):
 
     steps: list[int] = []
     replies: list = []
-    session = SimpleNamespace(closed=False, sid="s1", reply=replies.append)
+    session = SimpleNamespace(closed=False, sid="s1", reply=replies.append, opened=0.0)
 
-    def long_warm(daemon, uris, shard_indexes, chunks, progress):
+    def long_warm(daemon, uris, shard_indexes, chunks, progress, since=None):
         for k in range(10_000):
             steps.append(k)
             progress(k, 10_000, "chunks")

@@ -119,6 +119,25 @@ def test_boxes_of_a_sharded_array_in_a_bucket_match_zarr(objects, sharded):
         np.testing.assert_array_equal(sample, expected[box])
 
 
+def test_an_array_written_again_in_a_bucket_is_read_anew(objects, tmp_path):
+    """damacy.read's metadata cache outlives a read: the array's document is asked for its
+    version (a HEAD) before each read, and an array uploaded again is read anew."""
+    if objects.scheme == "gs":
+        pytest.skip("gcp-storage-emulator answers HEAD with 501: it gives no versions (GCS itself does)")
+    bucket = _bucket(objects)
+    uri = f"{objects.scheme}://{bucket}/data/a.zarr"
+    # the two compress to other sizes: the first's shard index places the second's chunks wrong.
+    # (An object's version is its ETag, a digest of its bytes, and its time, in seconds: the
+    # second's zarr.json differs by an attribute, as a dataset's writer that stamps its runs
+    # does; one the same to the byte is seen as new a second or more later.)
+    for run, data in enumerate([(np.arange(1200, dtype="uint16") % 7).reshape(40, 30), random_data((40, 30), "uint16")]):
+        folder = tmp_path / str(run)
+        arr = write_array(folder / "a.zarr", data, chunks=(10, 10), shards=(20, 30), compressors=[ZstdCodec(level=3)])
+        arr.attrs["run"] = run
+        objects.upload(folder, bucket, "data")
+        np.testing.assert_array_equal(damacy.read(uri, np.s_[3:17, 4:25]), data[3:17, 4:25])  # by the shard index
+
+
 def test_a_missing_array_in_a_bucket_is_named(objects):
     bucket = _bucket(objects)
     with pytest.raises(damacy.NotFound, match=rf"{objects.scheme}://{bucket}/nothing\.zarr: no Zarr array"):
@@ -197,6 +216,29 @@ def test_the_disk_tier_keys_name_the_endpoint(monkeypatch):
     local = RemoteStores().resolve(key)[0]
     names = [cloud.cache_key(key), minio.cache_key(key), local.cache_key(key)]
     assert names[0] == key and len(set(names)) == 3 and "127.0.0.1:9000" in names[1]
+
+
+def test_an_array_written_again_is_not_read_from_the_disk_tiers_old_entries(s3, tmp_path):
+    """The disk tier outlives runs: its entries are named by the version of their array's
+    metadata, so a run after the array was uploaded again (its chunks at the same ranges:
+    noise compresses to the same sizes) fetches the new bytes instead of the old entries."""
+    bucket = _bucket(s3)
+    uri = f"s3://{bucket}/data/a.zarr"
+    tier = tmp_path / "tier"
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(10, 30), dtype="u16", chunk_cache_dir=str(tier))
+    samples = [damacy.Sample(uri, np.s_[z : z + 10, :]) for z in range(0, 40, 10)]
+    for run in range(2):
+        data = random_data((40, 30), "uint16", seed=run)
+        arr = write_array(tmp_path / str(run) / "a.zarr", data, chunks=(10, 10), shards=(20, 30), compressors=[ZstdCodec(level=3)])
+        arr.attrs["run"] = run  # the writer stamps its runs: another zarr.json, another ETag
+        s3.upload(tmp_path / str(run), bucket, "data")
+        with damacy.Pipeline(cfg) as p:
+            p.push(samples)
+            with p.pop() as b:
+                np.testing.assert_array_equal(b.numpy(), data.reshape(4, 10, 30))
+            wait_for(lambda p=p: p.stats()["disk_cache"]["writes"] >= 2, what="the fetched shards on disk")
+            disk = p.stats()["stages"].get("disk", {}).get("count", 0)
+        assert disk == 0  # each run's bytes were fetched, none taken from the tier
 
 
 def test_storage_options_name_the_endpoint_without_the_environment(s3_server, sharded, monkeypatch):
@@ -358,7 +400,7 @@ def test_remote_reads_merge_across_larger_gaps():
     from damacy_server.plan.reads import PlanLimits, merge_reads
 
     def job(key, offset):
-        return SimpleNamespace(key=key, offset=offset, nbytes=1000)
+        return SimpleNamespace(key=key, offset=offset, nbytes=1000, decoded_nbytes=4000)
 
     gap = 200 << 10  # more than a local disk's gap, less than a remote one's
     local = [job("/data/s", 0), job("/data/s", gap)]

@@ -514,8 +514,12 @@ class CpuExecutor(BudgetedExecutor):
     @staticmethod
     def _disk_key(group: ReadGroup) -> str:
         """A read's name in the disk tier: its object as the store names it for caches that
-        outlive the process (a branch's snapshot, a bucket's endpoint), and its range."""
-        return f"{group.units[0].meta.store.cache_key(group.key)}#{group.offset}+{group.length}"
+        outlive the process (a branch's snapshot, a bucket's endpoint), its range, and the
+        version of its array's metadata where it was asked (an array written again under the
+        same name is not read from the old one's entries)."""
+        meta = group.units[0].meta
+        key = f"{meta.store.cache_key(group.key)}#{group.offset}+{group.length}"
+        return key if meta.version is None else f"{key}@{meta.version!r}"
 
     def _from_disk(self, run: Run, group: ReadGroup, reserved: int) -> None:
         if run.cancelled() or self._closed:

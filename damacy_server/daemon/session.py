@@ -33,6 +33,7 @@ from damacy_server.daemon.host import SessionHost
 from damacy_server.daemon.warm import start_warm
 from damacy_server.engine.batches import BatchEngine, Delivery
 from damacy_server.engine.slots import OutputSpec, ShmSlots, SlotMemory
+from damacy_server.plan.planner import ChunkPlanner
 from damacy_server.procs import pid_alive
 
 log = logging.getLogger("damacyd")
@@ -49,7 +50,7 @@ class Session:
         self.pid = hello.pid
         self.rank = hello.rank
         self.sid = uuid.uuid4().hex[:12]
-        self.last_seen = time.monotonic()
+        self.opened = self.last_seen = time.monotonic()
         # the process watched for liveness: as the kernel names it when it can (right across
         # pid namespaces), else as the client says over an ipc socket (this machine); over
         # TCP the pid may name another machine's process: the heartbeats alone watch it
@@ -104,7 +105,10 @@ class Session:
             spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
             self.engine = BatchEngine(
                 spec,
-                host.planner,
+                # the daemon's caches outlive sessions: what a session reads was cached after
+                # it opened, or is found unchanged in storage first (an array re-created
+                # between two runs is read anew)
+                ChunkPlanner(host.metadata, host.planner.limits, fresh_after=self.opened),
                 executor,
                 cfg.prepared_batches,
                 self.slots,

@@ -43,7 +43,7 @@ def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
                 session.reply(m.WarmProgress(reply_to=msg.id, done=done, total=total, item=item))
 
         try:
-            result = warm(daemon, msg.uris, msg.shard_indexes, msg.chunks, progress)
+            result = warm(daemon, msg.uris, msg.shard_indexes, msg.chunks, progress, since=session.opened)
         except Cancelled:
             log.info("warming stopped: session %s ended", session.sid)
             return
@@ -63,8 +63,13 @@ def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
     threading.Thread(target=run, name=f"damacyd-warm-{session.sid}", daemon=True).start()
 
 
-def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progress: Callable[[int, int, str], None]) -> dict[str, Any]:
-    """Load ``uris``' metadata (and shard indexes, and decoded chunks into the chunk cache).
+def warm(
+    daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progress: Callable[[int, int, str], None],
+    since: float | None = None,
+) -> dict[str, Any]:
+    """Load ``uris``' metadata (and shard indexes, and decoded chunks into the chunk cache);
+    what was cached before ``since`` is checked against storage first (see
+    :meth:`ZarrMetadata.recheck`).
 
     ``progress(done, total, item)`` is called as arrays and chunk batches complete. Errors
     are collected per array, not raised."""
@@ -73,6 +78,8 @@ def warm(daemon: Any, uris: list[str], shard_indexes: bool, chunks: bool, progre
     for uri in uris:
         try:
             daemon.metadata.check_allowed(uri)
+            if since is not None:
+                daemon.metadata.recheck([(uri, None)], since)
             metas.append(daemon.metadata.array(uri))
             out["arrays"] += 1
         except SampleError as e:

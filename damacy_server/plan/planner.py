@@ -216,9 +216,15 @@ def _box_rows_numpy(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple
 class ChunkPlanner:
     """Turns the samples of a batch into a :class:`BatchPlan`."""
 
-    def __init__(self, metadata: ZarrMetadata | None = None, limits: PlanLimits | None = None) -> None:
+    def __init__(
+        self, metadata: ZarrMetadata | None = None, limits: PlanLimits | None = None, *, fresh_after: float | None = None
+    ) -> None:
+        """``fresh_after`` (a ``time.monotonic()``): metadata cached before it is checked
+        against storage once before use (see :meth:`ZarrMetadata.recheck`; a daemon session's
+        planner, whose caches outlive sessions); None: cached metadata is used as it is."""
         self.metadata = metadata if metadata is not None else ZarrMetadata()
         self.limits = limits if limits is not None else PlanLimits()
+        self.fresh_after = fresh_after
 
     def _locate(self, meta: ArrayMetadata, units: np.ndarray, hit: np.ndarray | None) -> UnitLocations:
         """Where ``units`` are; those found in the chunk cache (``hit``) are not looked up
@@ -273,7 +279,10 @@ class ChunkPlanner:
         fills: list[tuple[int, Any]] = []
         by_array: dict[str, _ArrayRows] = {}
         # every array the batch names, those not cached read together (ZarrMetadata.arrays)
-        found = self.metadata.arrays((s.uri, getattr(s, "level", None)) for s in samples if not isinstance(s, BadSample))
+        requests = [(s.uri, getattr(s, "level", None)) for s in samples if not isinstance(s, BadSample)]
+        if self.fresh_after is not None:
+            self.metadata.recheck(requests, self.fresh_after)
+        found = self.metadata.arrays(requests)
         for i, sample in enumerate(samples):
             try:
                 if isinstance(sample, BadSample):

@@ -12,10 +12,12 @@ the shard indexes those caches keep.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -25,7 +27,7 @@ import numpy as np
 from damacy_protocol.checks import Size, checked
 from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError, StorageError
 from damacy_server.cache import LRUCache
-from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
+from damacy_server.store import MISSING, RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.store.failures import first_line
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
@@ -102,6 +104,43 @@ class UnitLocations:
 DEFAULT_CONCURRENCY = 64
 
 
+@dataclass
+class _Seen:
+    """The version of a cached node's metadata document when it was read (None: its store
+    cannot tell), and when it was last found unchanged (``time.monotonic()``)."""
+
+    store: Store
+    root: str
+    version: Hashable | None
+    checked: float
+
+
+def _node_version(store: Store, root: str) -> Hashable | None:
+    """The version of the node's metadata document (``zarr.json``, else v2's ``.zarray`` or
+    ``.zgroup``), MISSING when it has none, None when the store cannot tell or asking failed
+    (a server without HEAD): then the node is taken to be unchanged, as before."""
+    try:
+        for name in ("zarr.json", ".zarray", ".zgroup"):
+            found = store.version(store.join(root, name))
+            if found != MISSING:
+                return None if found is None else (name, found)
+        return MISSING
+    except Exception:
+        return None
+
+
+def keys_under(root: str) -> Callable[[Hashable], bool]:
+    """Whether a cache key (a root or object key, or a tuple that starts with one) names
+    ``root`` or something below it."""
+    below = root.rstrip("/") + "/"
+
+    def test(key: Hashable) -> bool:
+        k = key[0] if isinstance(key, tuple) else key
+        return isinstance(k, str) and (k == root or k.startswith(below))
+
+    return test
+
+
 @contextlib.contextmanager
 def _malformed(uri: str) -> Iterator[None]:
     """Metadata that parsing could not take (a value of a wrong type or out of range where no
@@ -123,14 +162,32 @@ class ZarrMetadata:
     (``FileMetadataReader(concurrency=64)``) at a time: local files on that many threads,
     object stores as that many requests in flight."""
 
-    def __init__(self, reader: Store | None = None, cache: MetadataCache | None = None, remote: RemoteStores | None = None) -> None:
+    def __init__(
+        self,
+        reader: Store | None = None,
+        cache: MetadataCache | None = None,
+        remote: RemoteStores | None = None,
+        *,
+        recheckable: bool = True,
+    ) -> None:
+        """``recheckable``: ask each node's version as it is loaded (a stat, or a HEAD in an
+        object store), so that :meth:`recheck` can tell a change; off where the caches live
+        no longer than one run (an embedded pipeline's)."""
         self.reader = reader
+        self.recheckable = recheckable
         self.cache = cache if cache is not None else MetadataCache()
         self.remote = remote
         self.concurrency: int = getattr(reader, "concurrency", DEFAULT_CONCURRENCY)
         # the consolidated metadata of groups loaded (root -> {path below: node}); apart from
         # the array cache, whose counters say how often arrays were parsed
         self.consolidated: LRUCache[dict] = LRUCache(64)
+        # what :meth:`recheck` compares: the version of each cached node's document, by its
+        # key in the array cache (an array's root, an image's (root, "ngff-image"))
+        self._seen: LRUCache[_Seen] = LRUCache(2 * (self.cache.arrays.max_entries or 256) + 64)
+        self._fresh: dict[tuple[str, int | None], float] = {}  # request -> when last rechecked
+        self._forget_hooks: list[Callable[[str], None]] = []
+        self.rechecked = 0  # documents whose version was asked again
+        self.changed = 0  # nodes found changed, and forgotten
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
@@ -177,6 +234,76 @@ class ZarrMetadata:
             return True  # refused by name: nothing to read
         return self.cache.arrays.peek(root if level is None else (root, "ngff-image")) is not None
 
+    def recheck(self, requests: Iterable[tuple[str, int | None]], since: float) -> None:
+        """Make sure what is cached for ``requests`` (``(uri, level)``) was read, or found
+        unchanged in storage, at or after ``since`` (``time.monotonic()``): a node whose
+        document changed since it was read (the array re-created or its metadata rewritten)
+        is forgotten with what was cached from it and below it (see :meth:`forget`), to be
+        read anew. A document is asked again at most once per ``since`` (a daemon session
+        asks once per array, however many batches name it), those of a batch together (as
+        many at once as :attr:`concurrency`). Chunks rewritten in place under an unchanged
+        document are not seen."""
+        todo: dict[Hashable, _Seen] = {}
+        fresh = self._fresh
+        asked = []
+        for request in dict.fromkeys(requests):
+            if fresh.get(request, -math.inf) >= since:
+                continue
+            asked.append(request)
+            try:
+                _, root = self.store_of(request[0])
+            except SampleError:
+                continue
+            keys: list[Hashable] = [root]
+            if request[1] is not None:
+                keys = [(root, "ngff-image")]
+                image = self.cache.arrays.peek(keys[0])
+                if isinstance(image, Image) and 0 <= request[1] < len(image.levels):
+                    with contextlib.suppress(SampleError):
+                        keys.append(self.store_of(image.levels[request[1]].uri)[1])
+            for key in keys:
+                seen = self._seen.peek(key)
+                if self.cache.arrays.peek(key) is None or (seen is not None and seen.checked >= since):
+                    continue
+                if seen is None:  # cached, its version no longer kept: read it anew
+                    self.forget(key[0] if isinstance(key, tuple) else key)
+                elif seen.version is not None:
+                    todo[key] = seen
+        if todo:
+            now = time.monotonic()
+            seens = list(todo.values())
+            versions = self._map(lambda seen: _node_version(seen.store, seen.root), seens)
+            self.rechecked += len(seens)
+            for seen, version in zip(seens, versions):
+                if version == seen.version:
+                    seen.checked = now
+                elif version is not None:  # changed (or gone): read anew
+                    self.forget(seen.root)
+        if len(fresh) > 1 << 16:
+            fresh.clear()
+        now = time.monotonic()
+        for request in asked:
+            fresh[request] = now
+
+    def forget(self, root: str) -> None:
+        """Forget what is cached from the node at ``root`` and below it: array and image
+        metadata, shard indexes, consolidated metadata (of groups at or above it: they
+        describe it), and what the hooks given to :meth:`on_forget` hold (a chunk cache)."""
+        under = keys_under(root)
+        self.cache.arrays.discard_where(under)
+        self._seen.discard_where(under)
+        self.cache.shard_indexes.discard_where(under)
+        self.consolidated.discard_where(lambda k: under(k) or root.startswith(str(k).rstrip("/") + "/"))
+        self._fresh.clear()  # (what was checked stays so: asking again costs no request)
+        self.changed += 1
+        for hook in list(self._forget_hooks):
+            hook(root)
+
+    def on_forget(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(root)`` when :meth:`forget` forgets the node at ``root`` (a chunk cache
+        keyed by array roots forgets the arrays below it too)."""
+        self._forget_hooks.append(hook)
+
     def store_of(self, uri: str) -> tuple[Store, str]:
         """The store that reads ``uri`` (local paths: ``reader`` when set; object-store uris:
         ``remote``'s store for the bucket) and the key of its root."""
@@ -204,13 +331,27 @@ class ZarrMetadata:
                 raise failed.copy()
             return self.array(image.levels[level].uri)
         store, root = self.store_of(uri)
-        cache_key = root
-        meta = self.cache.arrays.get(cache_key)
+        meta = self.cache.arrays.get(root)
         if meta is None:
+            seen = self._seeing(store, root)
             with _malformed(uri):
                 meta = self._load(store, root, str(uri))
-            self.cache.arrays.put(cache_key, meta)
+            meta = self._keep(root, meta, seen)
         return meta
+
+    def _seeing(self, store: Store, root: str) -> _Seen:
+        """The version of the node's document, asked before the document is read (a change
+        in between is seen by the next :meth:`recheck`, never missed)."""
+        now = time.monotonic()
+        return _Seen(store, root, _node_version(store, root) if self.recheckable else None, now)
+
+    def _keep(self, key: Hashable, value: T, seen: _Seen) -> T:
+        """Cache ``value`` (an array's metadata stamped with ``seen``'s version)."""
+        if isinstance(value, ArrayMetadata) and seen.version is not None:
+            value = dataclasses.replace(value, version=seen.version)
+        self.cache.arrays.put(key, value)
+        self._seen.put(key, seen)
+        return value
 
     def _node(self, store: Store, root: str, uri: str, own: bool = False) -> dict:
         """The metadata document at ``root``: from the consolidated metadata of a group this
@@ -266,9 +407,10 @@ class ZarrMetadata:
         store, root = self.store_of(uri)
         cached = self.cache.arrays.get((root, "ngff-image"))
         if cached is None:
+            seen = self._seeing(store, root)
             with _malformed(uri):
-                cached = self._image(store, root, uri)
-            self.cache.arrays.put((root, "ngff-image"), cached)
+                cached = self._image(store, root, uri, seen)
+            self._keep((root, "ngff-image"), cached, seen)
         return cached
 
     def plate(self, uri: str) -> Plate:
@@ -295,7 +437,7 @@ class ZarrMetadata:
                 raise f
         return Plate(str(uri), version, name, rows, columns, tuple(Well(p, r, c, f) for (p, r, c), f in zip(wells, found)))
 
-    def _image(self, store: Store, root: str, uri: str) -> Image:
+    def _image(self, store: Store, root: str, uri: str, seen: _Seen) -> Image:
         doc = self._node(store, root, str(uri), own=True)
         if check_node(doc, str(uri)) != "group" or (found := image_multiscale(doc, str(uri))) is None:
             raise InvalidArgument("is not an NGFF image (no multiscales in its group's attributes)", uri=str(uri))
@@ -308,8 +450,14 @@ class ZarrMetadata:
         for index in range(len(datasets)):
             path = multiscale_path(doc, str(uri), index)
             level_uri = f"{str(uri).rstrip('/')}/{path}"
-            meta = self.cache.arrays.get(store.join(root, *path.split("/")))
+            level_root = store.join(root, *path.split("/"))
+            meta = self.cache.arrays.get(level_root)
             if meta is None:
+                # a level the group's consolidated metadata describes goes by the group's
+                # version (its own document is not asked for: that request is what it spares;
+                # the group's recheck forgets it)
+                described = self._consolidated(level_root) is not None
+                level_seen = _Seen(store, level_root, None, seen.checked) if described else self._seeing(store, level_root)
                 try:
                     with _malformed(level_uri):
                         meta = self._level(store, root, path, index, str(uri), level_uri)
@@ -318,7 +466,9 @@ class ZarrMetadata:
                 except SampleError as e:  # this level's samples fail, not the others'
                     levels.append(Level(index, path, level_uri, (), None, (), (), error=e))
                     continue
-                self.cache.arrays.put(store.join(root, *path.split("/")), meta)
+                if described and seen.version is not None:
+                    meta = dataclasses.replace(meta, version=seen.version)
+                meta = self._keep(level_root, meta, level_seen)
             if axes is None:
                 axes = parse_axes(multiscale, meta.ndim, str(uri))
             scale, translation = transforms(datasets[index].get("coordinateTransformations"), meta.ndim, str(uri))

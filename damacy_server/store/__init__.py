@@ -9,11 +9,11 @@ import os
 from urllib.parse import unquote, urlparse
 
 from damacy_protocol.errors import InvalidArgument, UnsupportedError
-from damacy_server.store.base import ByteRange, Store
+from damacy_server.store.base import MISSING, ByteRange, Store
 from damacy_server.store.file import FileStore
 from damacy_server.store.remote import SCHEMES, ObjectStore, RemoteStores, is_remote
 
-__all__ = ["ByteRange", "FileStore", "ObjectStore", "RemoteStores", "Store", "is_remote", "resolve_uri"]
+__all__ = ["MISSING", "ByteRange", "FileStore", "ObjectStore", "RemoteStores", "Store", "is_remote", "resolve_uri"]
 
 _FILE_STORE = FileStore()
 _REMOTE = RemoteStores()

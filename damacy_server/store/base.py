@@ -8,10 +8,13 @@ Everything else that goes wrong raises :class:`damacy_protocol.StorageError` nam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 #: (offset, length) of a byte range; a negative offset selects the last ``-offset`` bytes.
 ByteRange = tuple[int, int]
+
+#: :meth:`Store.version` of an object that does not exist
+MISSING = "missing"
 
 
 class Store(ABC):
@@ -44,6 +47,13 @@ class Store(ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def version(self, key: str) -> Hashable | None:
+        """What names the object's current contents (it changes when the object is written
+        again: a file's inode, size and times, an object's ETag), :data:`MISSING` when there
+        is no object, ``None`` when this store cannot tell (its objects are taken never to
+        change: an icechunk snapshot's)."""
+        return None
 
     @abstractmethod
     def join(self, base: str, *parts: str) -> str:

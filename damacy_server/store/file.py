@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from damacy_protocol.checks import Count, checked
 from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server import native
-from damacy_server.store.base import ByteRange, Store
+from damacy_server.store.base import MISSING, ByteRange, Store
 
 _open_checked = native.open_checked  # the rule in C; None: built without a C compiler
 
@@ -226,6 +226,18 @@ class FileStore(Store):
             return self.size(key) is not None
         except StorageError:
             return False  # something that is not a regular file (a folder, a FIFO)
+
+    def version(self, key: str) -> tuple[int, ...] | str:
+        """The file's inode, size, and modification and change times (in ns): a file
+        rewritten in place, or replaced, changes them."""
+        opened = self.open(key)
+        if opened is None:
+            return MISSING
+        try:
+            st = os.fstat(opened[0])
+        finally:
+            os.close(opened[0])
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)

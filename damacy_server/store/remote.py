@@ -17,6 +17,9 @@ A daemon lists the prefixes it serves (``--allow-prefix``); every key is checked
 them when it is read, not only the uri a client named (an NGFF level's path comes from
 metadata). Dot segments and empty segments are refused in every remote uri: a server may
 normalise ``a/../b`` to ``b`` where a prefix check would not.
+
+(Over 400 lines: one job, objects behind uris: keys and their checks, options, whole, ranged
+and sized reads, versions, and the event loop their requests in flight share.)
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import concurrent.futures
 import datetime
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
 from damacy_protocol.errors import InvalidArgument, SampleError, UnsupportedError
-from damacy_server.store.base import ByteRange, Store, join_segments
+from damacy_server.store.base import MISSING, ByteRange, Store, join_segments
 from damacy_server.store.failures import first_line, storage_error
 
 #: uri schemes read through obstore
@@ -48,6 +52,9 @@ CLIENT_OPTIONS = frozenset({
 RETRY_OPTIONS = frozenset({"max_retries", "retry_timeout"})
 #: a request's defaults: long enough for a large range over a slow link, short enough that a
 #: stalled server is reported within a minute or two rather than obstore's three
+#: how long a store whose server refused a HEAD is not asked for versions again
+NO_HEAD_S = 600.0
+
 DEFAULT_CLIENT = {"timeout": "30s", "connect_timeout": "5s"}
 DEFAULT_RETRY = {"max_retries": 3, "retry_timeout": 60.0}
 
@@ -123,6 +130,7 @@ class ObjectStore(Store):
             ) from e
         self.base = base
         self.allow = None if allow is None else tuple(allow)
+        self._no_head_until = 0.0  # see version()
         # Azure's blob API has no suffix ranges ("the last n bytes", how shard indexes at the
         # end are read): there the object's size is asked first and the range counted from it
         self.suffix_ranges = not base.startswith(_NO_SUFFIX)
@@ -308,6 +316,24 @@ class ObjectStore(Store):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def version(self, key: str) -> tuple | str | None:
+        """The object's ETag, modification time, version and size (one HEAD); None when the
+        server does not say (a HEAD that fails: it is not asked again for 10 minutes, its
+        retries would slow every load)."""
+        import obstore
+
+        if time.monotonic() < self._no_head_until:
+            return None
+        path = self.path(key)
+        try:
+            head = obstore.head(self._store, path)
+        except FileNotFoundError:
+            return MISSING
+        except Exception:
+            self._no_head_until = time.monotonic() + NO_HEAD_S
+            return None
+        return (head.get("e_tag"), str(head.get("last_modified")), head.get("version"), head.get("size"))
 
     async def fetch(self, key: str, offset: int, length: int):
         """The bytes [offset, offset + length) of ``key`` (length -1: the whole object), or

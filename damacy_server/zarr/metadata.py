@@ -47,6 +47,9 @@ class ArrayMetadata:
     dimension_names: tuple[str | None, ...] | None
     attributes: dict[str, Any] = field(repr=False)
     layout: ChunkLayout = field(repr=False)
+    #: the version of the metadata document it was read from, where its reader asked (see
+    #: ``Store.version``): caches that outlive the process name its data by it
+    version: Any = field(default=None, repr=False)
 
     @property
     def ndim(self) -> int:
