@@ -98,11 +98,11 @@ def warm(endpoint, uris, shard_indexes, chunks):
         click.echo(f"damacy: {error_from_wire(reply.error)}", err=True)
         sys.exit(1)
     click.echo(f"warmed {reply.arrays} array(s), {reply.shard_indexes} shard index(es) newly read, {reply.chunks} chunk(s)")
-    total = state.get("total", 0)
-    if cache is not None and cache.chunk_cache is not None and (cache.chunk_cache.entries < reply.chunks or reply.chunks < total):
+    if cache is not None and cache.chunk_cache is not None and (cache.chunk_cache.entries < reply.chunks or reply.left):
+        # (chunks never written are not counted: they read as the fill value, nothing to keep)
         click.echo(
             f"warning: the chunk cache holds {cache.chunk_cache.entries} chunk(s) now ({_fmt_bytes(cache.memory.chunk_cache_bytes)}); "
-            f"{reply.chunks} of the arrays' {total} chunks were cached, the rest did not fit "
+            f"{reply.chunks} of the arrays' {reply.chunks + reply.left} written chunks were cached, the rest did not fit "
             "(start damacyd with a larger --chunk-cache to keep them all)",
             err=True,
         )

@@ -213,11 +213,15 @@ class WarmProgress(_Msg, tag="warm_progress"):
 
 
 class WarmDone(_Msg, tag="warm_done"):
+    """``chunks``: chunks in the chunk cache; ``left``: chunks that exist and did not fit
+    (chunks never written are neither)."""
+
     reply_to: RequestId
     arrays: int
     shard_indexes: int
     chunks: int
     errors: list[WireError]
+    left: int = 0
 
 
 class Pong(_Msg, tag="pong"):

@@ -487,9 +487,21 @@ def test_warm_says_when_the_chunk_cache_kept_less_than_it_warmed(tmp_path_factor
         assert out.returncode == 0, out.stderr
         held = stats(small.endpoint)["chunk_cache"]["entries"]
         assert 0 < held < 128 and f"the chunk cache holds {held} chunk(s) now" in out.stderr
-        assert f"{held} of the arrays' 128 chunks were cached" in out.stderr and "larger --chunk-cache" in out.stderr
+        assert f"{held} of the arrays' 128 written chunks were cached" in out.stderr and "larger --chunk-cache" in out.stderr
     finally:
         assert small.stop() == 0, small.log_path.read_text()
+
+
+def test_warm_of_a_sparse_array_that_fits_says_nothing_of_room(cached_daemon, data):
+    """Chunks never written read as the fill value: there is nothing of them to keep, and a
+    cache that took every written chunk has not run out of room."""
+    values = random_data((16, 24, 20), "uint16", 12)
+    arr = write_array(data / "sparse.zarr", values, chunks=(8, 12, 10), compressors=[ZstdCodec(level=1)], write=False)
+    arr[0:8, 0:12, 0:10] = values[0:8, 0:12, 0:10]  # one chunk of 8 written
+    env = {**os.environ, "DAMACY_ENDPOINT": cached_daemon.endpoint}
+    out = subprocess.run(["damacy", "warm", str(data / "sparse.zarr"), "--chunks"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "1 chunk(s)" in out.stdout and "did not fit" not in out.stderr
 
 
 def test_json_logs_name_events_and_say_a_refused_path_once(tmp_path_factory, data):

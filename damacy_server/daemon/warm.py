@@ -49,7 +49,7 @@ def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
             return
         except Exception as e:  # noqa: BLE001 - the client waits for WarmDone whatever happens
             log.exception("warming failed")
-            result = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": [DamacyError(f"warming failed: {type(e).__name__}: {e}")]}
+            result = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "left": 0, "errors": [DamacyError(f"warming failed: {type(e).__name__}: {e}")]}
         session.reply(
             m.WarmDone(
                 reply_to=msg.id,
@@ -57,6 +57,7 @@ def start_warm(daemon: Any, session: Any, msg: m.Warm) -> None:
                 shard_indexes=result["shard_indexes"],
                 chunks=result["chunks"],
                 errors=[error_to_wire(e) for e in result["errors"]],
+                left=result["left"],
             )
         )
 
@@ -73,7 +74,7 @@ def warm(
 
     ``progress(done, total, item)`` is called as arrays and chunk batches complete. Errors
     are collected per array, not raised."""
-    out: dict[str, Any] = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "errors": []}
+    out: dict[str, Any] = {"arrays": 0, "shard_indexes": 0, "chunks": 0, "left": 0, "errors": []}
     metas = []
     for uri in uris:
         try:
@@ -106,7 +107,9 @@ def warm(
             try:
                 locs = daemon.metadata.locate(meta, arr)
                 if chunks:
-                    out["chunks"] += _load_chunks(meta, units, locs, cache, daemon.executor.stats)
+                    cached, left = _load_chunks(meta, units, locs, cache, daemon.executor.stats)
+                    out["chunks"] += cached
+                    out["left"] += left
                 out["errors"].extend(locs.errors.values())
             except SampleError as e:
                 out["errors"].append(e)
@@ -116,20 +119,23 @@ def warm(
     return out
 
 
-def _load_chunks(meta, units, locs, cache, stats) -> int:
+def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
     """Read and decode ``units`` into the chunk cache; the work counts in the stage figures
-    as a stream's does ("read", "decode"), and under "warm" (chunks cached, their bytes)."""
+    as a stream's does ("read", "decode"), and under "warm" (chunks cached, their bytes).
+    Returns the chunks the cache holds and those that exist and did not fit (units never
+    written are neither: they read as the fill value)."""
     n = 0
-    for k, unit in enumerate(units):
-        if locs.missing[k] or k in locs.errors:
-            continue
+    present = [k for k in range(len(units)) if not locs.missing[k] and k not in locs.errors]
+    for done, k in enumerate(present):
+        unit = units[k]
         key = locs.keys[k]
         size = meta.layout.leaf.spec.nbytes
         if cache.peek((meta.root, unit)) is not None:
             n += 1
             continue
         if not cache.has_room(size):
-            break  # a full cache keeps what it holds: warming more would only evict what was warmed
+            # a full cache keeps what it holds: warming more would only evict what was warmed
+            return n, len(present) - done
         offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
         t0 = time.perf_counter()
         data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
@@ -146,4 +152,4 @@ def _load_chunks(meta, units, locs, cache, stats) -> int:
         if cached:
             stats.add("warm", 0.0, bytes_out=arr.nbytes)
         n += cached
-    return n
+    return n, 0
