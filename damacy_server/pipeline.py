@@ -280,10 +280,12 @@ class Pipeline(PipelineAPI):
 
     def _all_slots_held(self) -> bool:
         """Every slot is held by batches handed out (or arrays exported from them), and no
-        batch is being assembled or pulled (call with the lock held)."""
+        batch is being assembled or pulled, nor a failed one's slot held by the executor
+        (call with the lock held)."""
         engine = self.engine
         return (
             not engine.free_slots()
+            and not engine.abandoned_slots
             and engine.delivered_ids >= engine.started_ids
             and not self._pulling
             and self._core.settled()

@@ -15,6 +15,7 @@ from damacy_server.engine.budget import MIN_INFLIGHT_BYTES, MemoryBudget, Reserv
 from damacy_server.plan.selection import SliceCopy
 
 from conftest import random_data, write_array
+from daemon_helpers import wait_for
 
 
 @pytest.fixture
@@ -67,6 +68,44 @@ def test_an_unexpected_error_fails_its_samples_only(volume, monkeypatch):
         with p.pop() as b:  # the stream goes on
             assert b.info.errors == () and np.array_equal(b.numpy()[0], oracle[16:24].astype("f4"))
         assert p.executor.budget.used == p.executor.budget.slots
+
+
+def test_a_batch_whose_execution_raised_keeps_its_slot_until_its_work_is_reported(volume, monkeypatch):
+    """An executor that raises after queuing work (a bug) fails that batch (its pop raises
+    BatchFailed) and the stream goes on; the work it queued may still write into the batch's
+    slot, so the slot goes back only when that work is reported, and the batch is never
+    delivered a second time."""
+    uri, oracle = volume
+    real = damacy.CpuExecutor.execute
+    gate, reporting = threading.Event(), threading.Event()
+    calls = []
+
+    def execute(self, plan, targets, on_done, cancelled=lambda: False, key=None):
+        calls.append(1)
+        if len(calls) > 1:
+            return real(self, plan, targets, on_done, cancelled, key)
+
+        def late(errors):  # the queued work, written and reporting after the raise
+            reporting.set()
+            assert gate.wait(30)
+            on_done(errors)
+
+        real(self, plan, targets, late, cancelled, key)
+        raise RuntimeError("a bug after queuing")
+
+    monkeypatch.setattr(damacy.CpuExecutor, "execute", execute)
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(8, 64, 64), prepared_batches=1, pop_timeout_s=30)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, np.s_[0:8, :, :]), damacy.Sample(uri, np.s_[8:16, :, :])])
+        with pytest.raises(damacy.BatchFailed, match="a bug after queuing"):
+            p.pop()
+        assert wait_for(reporting.is_set, what="the first batch's work to report")
+        assert p.engine.free_slots() == 0 and len(calls) == 1  # the slot is still the first batch's
+        gate.set()
+        with p.pop() as b:  # the next batch, in the slot once it was given back
+            assert np.array_equal(b.numpy()[0], oracle[8:16].astype("f4"))
+        assert wait_for(lambda: p.engine.free_slots() == 1, what="the slot back")
+        assert not p.engine._ready  # the failed batch was not delivered again
 
 
 def test_slots_wait_for_chunk_data_in_flight():

@@ -111,6 +111,9 @@ class _Pending:
         self.skipped: list[tuple[Any, SampleError]] = []
         self.dtype: np.dtype | None = None
         self.started = time.monotonic()
+        # the executor raised after taking the batch: it was delivered as failed, its slot
+        # kept until the executor reports the round (tasks it queued may still write there)
+        self.abandoned = False
 
 
 _SKIPPED = object()  # the delivery of a batch whose samples were all skipped: passed over
@@ -146,6 +149,7 @@ class BatchEngine:
         self._slots: list[Slot] = []
         self._free: deque[Slot] = deque()
         self._ready: dict[int, Delivery] = {}
+        self.abandoned_slots = 0  # slots of failed batches the executor still holds
         self._patches: deque[_Pending] = deque()
         self._next_id = 0  # the next batch id to start
         self._next_out = 0  # the next batch id to deliver
@@ -253,7 +257,8 @@ class BatchEngine:
             log.exception("damacy: batch %d failed", pending.batch_id)
             failed = BatchFailed(f"batch {pending.batch_id} failed: {type(e).__name__}: {e}", tuple(pending.samples))
             failed.__cause__ = e
-            pending.slot.release()
+            if not pending.abandoned:  # (else the executor's report of the round frees it)
+                pending.slot.release()
             self._deliver(Delivery(pending.batch_id, None, pending.samples, [], error=failed))
 
     def _plan_and_execute(self, pending: _Pending, positions: list[int]) -> None:
@@ -291,7 +296,15 @@ class BatchEngine:
         def done(errors: dict[int, SampleError]) -> None:
             self._executed(pending, positions, plan, {**plan.errors, **errors}, targets)
 
-        self.executor.execute(plan, targets, done, lambda: self.closed, key=id(self))
+        try:
+            self.executor.execute(plan, targets, done, lambda: self.closed, key=id(self))
+        except Exception:
+            # what it queued before raising may still write into the slot: another batch must
+            # not have it before the round is reported (a slot that never is stays taken)
+            with self.cond:
+                pending.abandoned = True
+                self.abandoned_slots += 1
+            raise
 
     def _native_turn(self, batch_id: int) -> None:
         """dtype="native" before an array fixed it: wait until the batches started before this
@@ -329,6 +342,11 @@ class BatchEngine:
 
     def _executed(self, pending: _Pending, positions: list[int], plan: Any, errors: dict[int, SampleError], targets: list) -> None:
         """Called once per round when the executor is done with it."""
+        if pending.abandoned:  # delivered as failed already: only its slot goes back
+            with self.cond:
+                self.abandoned_slots -= 1
+            pending.slot.release()
+            return
         if self.closed:
             pending.slot.release()
             return
