@@ -552,6 +552,21 @@ def test_skip_when_every_sample_fails(damaged, make):
         assert got == good
 
 
+def test_native_skip_takes_the_dtype_of_the_samples_that_fill_the_holes(damaged, make):
+    """dtype="native": a first batch whose first samples all fail before any array is read
+    takes its dtype from the samples that replace them, as every later batch does."""
+    oracle, good, _, missing = damaged
+    with make(config(n=2, shape=(6, 7, 8), dtype="native", on_error="skip", lookahead_samples=2)) as p:
+        p.push([missing, missing, good[0], good[1], good[2]])
+        got = []
+        for b in p.batches():
+            with b:
+                got.append((b.numpy().copy(), b.info.samples, [s for s, _ in b.info.skipped]))
+    assert [x.dtype for x, _, _ in got] == [np.dtype("uint16")] * 2
+    assert got[0][2] == [missing, missing] and got[0][1] == tuple(good[:2])
+    assert np.array_equal(got[0][0], np.stack([oracle[0:6], oracle[6:12]]))
+
+
 # -- construction -------------------------------------------------------------------
 
 

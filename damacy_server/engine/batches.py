@@ -337,7 +337,12 @@ class BatchEngine:
                 pending.dtype = self.spec.dtype
             else:  # "native": fixed by the first array read (float32 until one is)
                 with self.cond:
-                    pending.dtype = self._native if self._native is not None else np.dtype("float32")
+                    native = self._native
+                if native is None and self.spec.on_error == "skip":
+                    # every sample of this round failed before an array was read: nothing of
+                    # it is written, and the samples that fill its holes say the dtype
+                    return np.dtype("float32")
+                pending.dtype = native if native is not None else np.dtype("float32")
         return pending.dtype
 
     def _executed(self, pending: _Pending, positions: list[int], plan: Any, errors: dict[int, SampleError], targets: list) -> None:
