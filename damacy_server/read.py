@@ -81,14 +81,15 @@ def read(
     (its rules, roots included).
     """
     md = metadata if metadata is not None else default_metadata()
-    # a read sees what was written before it (an image read by scale: the image and its levels)
-    md.recheck([(str(uri), 0 if level is None and scale is not None else level)], time.monotonic())
     if level is not None and scale is not None:
         raise InvalidArgument("give level or scale, not both", uri=str(uri))
-    if scale is not None:
-        level = md.image(uri).level_for(scale)
     if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level < 0):
         raise InvalidArgument(f"level must be a non-negative integer (an NGFF image's level), got {level!r}", uri=str(uri))
+    now = time.monotonic()  # a read sees what was written before it began
+    if scale is not None:
+        md.recheck([(str(uri), 0)], now)  # the image, then the level its scales pick
+        level = md.image(uri).level_for(scale)
+    md.recheck([(str(uri), level)], now)
     meta = md.array(uri, level=level)
     if level is not None:
         uri = meta.uri  # the level's own array, read as any array

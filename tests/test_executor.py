@@ -134,6 +134,7 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     from zarr.codecs import BytesCodec, ShardingCodec
 
     from damacy_server.cache import LRUCache
+    from damacy_server.plan.units import unit_key
 
     data = random_data((8, 64, 64), "uint16", 5)
     write_array(tmp_path / "s", data, chunks=(8, 64, 64), serializer=ShardingCodec(chunk_shape=(8, 32, 32), codecs=[BytesCodec(), ZstdCodec(level=1)]))
@@ -150,7 +151,7 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     # units in the cache leave their reads and come with their arrays
     cache = LRUCache(8)
     arr = np.zeros((8, 32, 32), dtype="u2")
-    cache.put((units[0].meta.root, units[0].unit), arr)
+    cache.put(unit_key(units[0]), arr)
     planned = planner.plan([box], (8, 64, 64), cache=cache)
     (block,) = planned.cached
     assert [(block.unit(p), a is arr) for p, a in enumerate(block.arrays)] == [(units[0].unit, True)]

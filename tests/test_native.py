@@ -100,7 +100,7 @@ def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monk
         got, _ = run(str(tmp_path / "a"), out, False, aabbs, executor=plain)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)) and plain.chunk_cache.stats()["hits"] > 0
         meta = damacy.open_array(tmp_path / "a")
-        for (root, unit), (arr, _) in list(cache._data.items()):
+        for (root, _, unit), (arr, _) in list(cache._data.items()):
             assert root == meta.root and not arr.flags.writeable
             box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(unit, (4, 4, 5), SHAPE))
             inside = arr[tuple(slice(0, b.stop - b.start) for b in box)]
@@ -123,7 +123,7 @@ def test_a_corrupt_chunk_is_never_cached(tmp_path):
                 (i, err), = b.info.errors  # the second time too: nothing of the bad chunk was kept
                 assert i == 1 and isinstance(err, damacy.DecodeError) and "chunk [1, 0, 0]" in str(err)
                 assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
-        assert [unit for _, unit in p.executor.chunk_cache._data] == [(0, 0, 0)]
+        assert [unit for _, _, unit in p.executor.chunk_cache._data] == [(0, 0, 0)]
 
 
 def test_native_reports_corrupt_and_truncated_chunks(tmp_path):

@@ -51,7 +51,7 @@ from damacy_server.engine.shm import Segment, remove_stale
 from damacy_server.engine.slots import SlotSharing
 from damacy_server.plan.planner import BadSample, ChunkPlanner
 from damacy_server.plan.reads import PlanLimits
-from damacy_server.plan.resolve import MetadataCache, ZarrMetadata, keys_under
+from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
 from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool
@@ -100,9 +100,6 @@ class Daemon:
                 chunk_cache_dir_bytes=options.chunk_cache_dir_bytes,
             ),
         )
-        chunk_cache = self.executor.chunk_cache
-        if chunk_cache is not None:  # an array found changed in storage leaves the chunk cache too
-            self.metadata.on_forget(lambda root: chunk_cache.discard_where(keys_under(root)))
         registry()  # the codecs load now, not in the first session's first batch
         self._gpus: dict[str, Any] = {}  # GPU UUID -> its executor (one context per GPU), made on first use
         self._gpus_lock = threading.Lock()

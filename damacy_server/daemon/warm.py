@@ -130,7 +130,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
         unit = units[k]
         key = locs.keys[k]
         size = meta.layout.leaf.spec.nbytes
-        if cache.peek((meta.root, unit)) is not None:
+        if cache.peek((meta.root, meta.generation, unit)) is not None:
             n += 1
             continue
         if not cache.has_room(size):
@@ -148,7 +148,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
         arr = np.array(arr)
         arr.flags.writeable = False
         stats.add("decode", time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
-        cached = cache.put((meta.root, unit), arr)
+        cached = cache.put((meta.root, meta.generation, unit), arr)
         if cached:
             stats.add("warm", 0.0, bytes_out=arr.nbytes)
         n += cached

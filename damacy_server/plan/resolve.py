@@ -27,7 +27,8 @@ import numpy as np
 from damacy_protocol.checks import Size, checked
 from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError, StorageError
 from damacy_server.cache import LRUCache
-from damacy_server.store import MISSING, RemoteStores, Store, is_remote, resolve_uri
+from damacy_server.plan.versions import Generations, Seen, differs, node_version
+from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.store.failures import first_line
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
@@ -104,41 +105,33 @@ class UnitLocations:
 DEFAULT_CONCURRENCY = 64
 
 
-@dataclass
-class _Seen:
-    """The version of a cached node's metadata document when it was read (None: its store
-    cannot tell), and when it was last found unchanged (``time.monotonic()``)."""
-
-    store: Store
-    root: str
-    version: Hashable | None
-    checked: float
-
-
-def _node_version(store: Store, root: str) -> Hashable | None:
-    """The version of the node's metadata document (``zarr.json``, else v2's ``.zarray`` or
-    ``.zgroup``), MISSING when it has none, None when the store cannot tell or asking failed
-    (a server without HEAD): then the node is taken to be unchanged, as before."""
-    try:
-        for name in ("zarr.json", ".zarray", ".zgroup"):
-            found = store.version(store.join(root, name))
-            if found != MISSING:
-                return None if found is None else (name, found)
-        return MISSING
-    except Exception:
-        return None
-
-
-def keys_under(root: str) -> Callable[[Hashable], bool]:
-    """Whether a cache key (a root or object key, or a tuple that starts with one) names
-    ``root`` or something below it."""
-    below = root.rstrip("/") + "/"
+def keys_under(roots: Iterable[str]) -> Callable[[Hashable], bool]:
+    """Whether a cache key (a root or object key, or a tuple that starts with one) names one
+    of ``roots`` or something below one (its own path walked up: a pass over a cache costs
+    the keys' depth, not the roots' number)."""
+    wanted = {r.rstrip("/") or r for r in roots}
 
     def test(key: Hashable) -> bool:
         k = key[0] if isinstance(key, tuple) else key
-        return isinstance(k, str) and (k == root or k.startswith(below))
+        if not isinstance(k, str):
+            return False
+        while True:
+            if k in wanted:
+                return True
+            k, sep, _ = k.rpartition("/")
+            if not sep or not k:
+                return False
 
     return test
+
+
+def _above(root: str) -> Iterator[str]:
+    """``root`` and the folders above it."""
+    while True:
+        yield root
+        root, sep, _ = root.rpartition("/")
+        if not sep or not root:
+            return
 
 
 @contextlib.contextmanager
@@ -152,6 +145,17 @@ def _malformed(uri: str) -> Iterator[None]:
         raise
     except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RecursionError) as e:
         raise MetadataError(f"malformed metadata ({type(e).__name__}: {first_line(e)})", uri=str(uri)) from e
+
+
+class _Entry:
+    """What the array cache holds: an array's metadata or an image, and what it was read
+    from (see :mod:`damacy_server.plan.versions`)."""
+
+    __slots__ = ("value", "seen")
+
+    def __init__(self, value: object, seen: Seen) -> None:
+        self.value = value
+        self.seen = seen
 
 
 class ZarrMetadata:
@@ -181,11 +185,11 @@ class ZarrMetadata:
         # the consolidated metadata of groups loaded (root -> {path below: node}); apart from
         # the array cache, whose counters say how often arrays were parsed
         self.consolidated: LRUCache[dict] = LRUCache(64)
-        # what :meth:`recheck` compares: the version of each cached node's document, by its
-        # key in the array cache (an array's root, an image's (root, "ngff-image"))
-        self._seen: LRUCache[_Seen] = LRUCache(2 * (self.cache.arrays.max_entries or 256) + 64)
+        # the array cache holds _Entry(value, Seen): what recheck() compares (see versions.py)
         self._fresh: dict[tuple[str, int | None], float] = {}  # request -> when last rechecked
-        self._forget_hooks: list[Callable[[str], None]] = []
+        self._generations = Generations()
+        self._keep_lock = threading.Lock()
+        self._forgotten: dict[str, float] = {}  # root -> when last forgotten
         self.rechecked = 0  # documents whose version was asked again
         self.changed = 0  # nodes found changed, and forgotten
         self._pool: ThreadPoolExecutor | None = None
@@ -232,77 +236,78 @@ class ZarrMetadata:
             _, root = self.store_of(uri)
         except SampleError:
             return True  # refused by name: nothing to read
-        return self.cache.arrays.peek(root if level is None else (root, "ngff-image")) is not None
+        return self._peek(root if level is None else (root, "ngff-image")) is not None
 
     def recheck(self, requests: Iterable[tuple[str, int | None]], since: float) -> None:
         """Make sure what is cached for ``requests`` (``(uri, level)``) was read, or found
-        unchanged in storage, at or after ``since`` (``time.monotonic()``): a node whose
-        document changed since it was read (the array re-created or its metadata rewritten)
-        is forgotten with what was cached from it and below it (see :meth:`forget`), to be
-        read anew. A document is asked again at most once per ``since`` (a daemon session
-        asks once per array, however many batches name it), those of a batch together (as
-        many at once as :attr:`concurrency`). Chunks rewritten in place under an unchanged
-        document are not seen."""
-        todo: dict[Hashable, _Seen] = {}
+        unchanged in storage, at or after ``since`` (``time.monotonic()``): an entry cached
+        before it is checked the first time a request names it after it, by the versions of
+        the documents it was read from (see :mod:`damacy_server.plan.versions`), those of a
+        batch together (as many at once as :attr:`concurrency`); what changed (an array re-
+        created, its metadata rewritten) is forgotten, to be read anew. Chunks rewritten in
+        place under unchanged documents are not seen."""
         fresh = self._fresh
         asked = []
+        todo: dict[Hashable, Seen] = {}
         for request in dict.fromkeys(requests):
             if fresh.get(request, -math.inf) >= since:
                 continue
             asked.append(request)
             try:
                 _, root = self.store_of(request[0])
-            except SampleError:
+            except Exception:  # refused by name: the planner says why
                 continue
             keys: list[Hashable] = [root]
             if request[1] is not None:
                 keys = [(root, "ngff-image")]
-                image = self.cache.arrays.peek(keys[0])
-                if isinstance(image, Image) and 0 <= request[1] < len(image.levels):
-                    with contextlib.suppress(SampleError):
+                image = self._peek(keys[0])
+                if isinstance(image, Image) and isinstance(request[1], int) and 0 <= request[1] < len(image.levels):
+                    with contextlib.suppress(Exception):
                         keys.append(self.store_of(image.levels[request[1]].uri)[1])
             for key in keys:
-                seen = self._seen.peek(key)
-                if self.cache.arrays.peek(key) is None or (seen is not None and seen.checked >= since):
-                    continue
-                if seen is None:  # cached, its version no longer kept: read it anew
-                    self.forget(key[0] if isinstance(key, tuple) else key)
-                elif seen.version is not None:
-                    todo[key] = seen
+                entry = self.cache.arrays.peek(key)
+                if entry is not None and entry.seen.checked < since and any(v is not None for _, v in entry.seen.docs):
+                    todo[key] = entry.seen
         if todo:
             now = time.monotonic()
-            seens = list(todo.values())
-            versions = self._map(lambda seen: _node_version(seen.store, seen.root), seens)
-            self.rechecked += len(seens)
-            for seen, version in zip(seens, versions):
-                if version == seen.version:
+            docs = list({(id(seen.store), root): (seen.store, root) for seen in todo.values() for root, _ in seen.docs}.items())
+            versions = self._map(lambda doc: node_version(*doc[1]), docs)
+            current = {key: v for (key, _), v in zip(docs, versions)}
+            self.rechecked += len(docs)
+            gone = []
+            for key, seen in todo.items():
+                changed = [root for root, then in seen.docs if differs(then, current[(id(seen.store), root)])]
+                if changed:
+                    gone.extend([key[0] if isinstance(key, tuple) else key, *changed])
+                else:
                     seen.checked = now
-                elif version is not None:  # changed (or gone): read anew
-                    self.forget(seen.root)
+            if gone:
+                self.forget(*dict.fromkeys(gone))
         if len(fresh) > 1 << 16:
             fresh.clear()
         now = time.monotonic()
         for request in asked:
             fresh[request] = now
 
-    def forget(self, root: str) -> None:
-        """Forget what is cached from the node at ``root`` and below it: array and image
-        metadata, shard indexes, consolidated metadata (of groups at or above it: they
-        describe it), and what the hooks given to :meth:`on_forget` hold (a chunk cache)."""
-        under = keys_under(root)
-        self.cache.arrays.discard_where(under)
-        self._seen.discard_where(under)
-        self.cache.shard_indexes.discard_where(under)
-        self.consolidated.discard_where(lambda k: under(k) or root.startswith(str(k).rstrip("/") + "/"))
+    def forget(self, *roots: str) -> None:
+        """Forget the metadata cached from the nodes at ``roots`` and below them (arrays,
+        images, consolidated metadata of groups at or above them: it describes them). What
+        caches hold of their data is named by their versions: a node read anew is not taken
+        for the one forgotten, whose entries leave by the caches' own order."""
+        under = keys_under(roots)
+        above = {a for r in roots for a in _above(r)}
+        now = time.monotonic()
+        with self._keep_lock:  # (a read that began before this is not kept after it: _keep)
+            for root in roots:
+                self._forgotten[root] = now
+            self.cache.arrays.discard_where(under)
+            self.consolidated.discard_where(lambda k: under(k) or k in above)
         self._fresh.clear()  # (what was checked stays so: asking again costs no request)
-        self.changed += 1
-        for hook in list(self._forget_hooks):
-            hook(root)
+        self.changed += len(roots)
 
-    def on_forget(self, hook: Callable[[str], None]) -> None:
-        """Call ``hook(root)`` when :meth:`forget` forgets the node at ``root`` (a chunk cache
-        keyed by array roots forgets the arrays below it too)."""
-        self._forget_hooks.append(hook)
+    def _peek(self, key: Hashable) -> object | None:
+        entry = self.cache.arrays.peek(key)
+        return None if entry is None else entry.value
 
     def store_of(self, uri: str) -> tuple[Store, str]:
         """The store that reads ``uri`` (local paths: ``reader`` when set; object-store uris:
@@ -331,42 +336,52 @@ class ZarrMetadata:
                 raise failed.copy()
             return self.array(image.levels[level].uri)
         store, root = self.store_of(uri)
-        meta = self.cache.arrays.get(root)
-        if meta is None:
-            seen = self._seeing(store, root)
-            with _malformed(uri):
-                meta = self._load(store, root, str(uri))
-            meta = self._keep(root, meta, seen)
-        return meta
+        entry = self.cache.arrays.get(root)
+        if entry is not None:
+            return entry.value
+        began, docs = time.monotonic(), []
+        with _malformed(uri):
+            meta = self._load(store, root, str(uri), docs)
+        return self._keep(root, meta, Seen(store, tuple(docs), began))
 
-    def _seeing(self, store: Store, root: str) -> _Seen:
-        """The version of the node's document, asked before the document is read (a change
-        in between is seen by the next :meth:`recheck`, never missed)."""
-        now = time.monotonic()
-        return _Seen(store, root, _node_version(store, root) if self.recheckable else None, now)
-
-    def _keep(self, key: Hashable, value: T, seen: _Seen) -> T:
-        """Cache ``value`` (an array's metadata stamped with ``seen``'s version)."""
-        if isinstance(value, ArrayMetadata) and seen.version is not None:
-            value = dataclasses.replace(value, version=seen.version)
-        self.cache.arrays.put(key, value)
-        self._seen.put(key, seen)
+    def _keep(self, key: Hashable, value: T, seen: Seen) -> T:
+        """Cache ``value`` read from ``seen``'s documents (an array's metadata stamped with
+        their versions), unless an entry read later is there (a read that began before a
+        re-creation must not replace what a check after it read); returns what is cached."""
+        if isinstance(value, ArrayMetadata):
+            version = seen.version
+            value = dataclasses.replace(value, version=version, generation=self._generations.of(value.root, version))
+        root = key[0] if isinstance(key, tuple) else key
+        with self._keep_lock:
+            if any(self._forgotten.get(a, -math.inf) > seen.checked for a in _above(root)):
+                return value  # read before it (or a node above it) was found changed: not kept
+            there = self.cache.arrays.peek(key)
+            if there is not None and there.seen.checked > seen.checked:
+                return there.value
+            self.cache.arrays.put(key, _Entry(value, seen))
         return value
 
-    def _node(self, store: Store, root: str, uri: str, own: bool = False) -> dict:
+    def _node(self, store: Store, root: str, uri: str, docs: list, own: bool = False) -> dict:
         """The metadata document at ``root``: from the consolidated metadata of a group this
         cache loaded above it (no request), unless ``own`` (a node named directly reads its
-        own document), else read; a group's consolidated metadata is remembered for its nodes."""
-        entry = None if own else self._consolidated(root)
-        if entry is not None:
+        own document), else read; a group's consolidated metadata is remembered for its nodes.
+        The document it came from, with its version, goes to ``docs``."""
+        found = None if own else self._consolidated(root)
+        if found is not None:
+            entry, group, version = found
+            docs.append((group, version))
             return consolidated_node(entry, uri)
+        version = node_version(store, root) if self.recheckable else None
         doc = load_node(store, root, uri)
+        docs.append((root, version))
         nodes = consolidated_entries(doc)
         if nodes:
-            self.consolidated.put(root, nodes)
+            self.consolidated.put(root, (nodes, version))
         return doc
 
-    def _consolidated(self, root: str) -> dict | None:
+    def _consolidated(self, root: str) -> tuple[dict, str, Hashable | None] | None:
+        """The entry of the node at ``root`` in the consolidated metadata of a group above it,
+        that group's root, and its document's version."""
         if not len(self.consolidated):
             return None
         parent = root
@@ -374,27 +389,29 @@ class ZarrMetadata:
             parent, sep, _ = parent.rpartition("/")
             if not sep or not parent or parent.endswith(":/"):
                 return None
-            nodes = self.consolidated.get(parent)
-            if nodes is not None:
-                entry = nodes.get(root[len(parent) + 1 :])
+            found = self.consolidated.get(parent)
+            if found is not None:
+                entry = found[0].get(root[len(parent) + 1 :])
                 if entry is not None:
-                    return entry
+                    return entry, parent, found[1]
 
-    def _load(self, store: Store, root: str, uri: str) -> ArrayMetadata:
-        doc = self._node(store, root, uri, own=True)
+    def _load(self, store: Store, root: str, uri: str, docs: list) -> ArrayMetadata:
+        doc = self._node(store, root, uri, docs, own=True)
         if check_node(doc, uri) == "group":
             path = multiscale_path(doc, uri)
             if path is None:
                 raise InvalidArgument("names a Zarr group, not an array (nor an NGFF image)", uri=uri)
-            return self._level(store, root, path, 0, uri)
+            return self._level(store, root, path, 0, uri, docs)
         return parse_array_metadata(doc, uri=uri, store=store, root=root)
 
-    def _level(self, store: Store, root: str, path: str, index: int, uri: str, level_uri: str | None = None) -> ArrayMetadata:
+    def _level(
+        self, store: Store, root: str, path: str, index: int, uri: str, docs: list, level_uri: str | None = None
+    ) -> ArrayMetadata:
         """The array of an NGFF image's level ``index`` at ``path`` (named ``level_uri``, by
         default the image's); errors name the image and say what is there."""
         level_root = store.join(root, *path.split("/"))
         try:
-            doc = self._node(store, level_root, uri)
+            doc = self._node(store, level_root, uri, docs)
         except NotFound:
             raise NotFound(f"NGFF image level {index} ({path!r}) has no array: nothing at {path}", uri=uri) from None
         if check_node(doc, uri) == "group":
@@ -405,19 +422,19 @@ class ZarrMetadata:
         """The NGFF image at ``uri``: its axes and every level's array, scale and translation
         (kept in the array cache beside its levels)."""
         store, root = self.store_of(uri)
-        cached = self.cache.arrays.get((root, "ngff-image"))
-        if cached is None:
-            seen = self._seeing(store, root)
-            with _malformed(uri):
-                cached = self._image(store, root, uri, seen)
-            self._keep((root, "ngff-image"), cached, seen)
-        return cached
+        entry = self.cache.arrays.get((root, "ngff-image"))
+        if entry is not None:
+            return entry.value
+        began, docs = time.monotonic(), []
+        with _malformed(uri):
+            image = self._image(store, root, uri, docs, began)
+        return self._keep((root, "ngff-image"), image, Seen(store, tuple(docs), began))
 
     def plate(self, uri: str) -> Plate:
         """The NGFF plate at ``uri``: its wells and the uris of their fields, from the plate's
         and the wells' metadata (read ``concurrency`` at a time); no image is opened."""
         store, root = self.store_of(uri)
-        doc = self._node(store, root, str(uri))
+        doc = self._node(store, root, str(uri), [])
         if check_node(doc, str(uri)) != "group":
             raise InvalidArgument("is an array, not an NGFF plate", uri=str(uri))
         version, name, rows, columns, wells = plate_wells(doc, str(uri))
@@ -426,7 +443,7 @@ class ZarrMetadata:
         def fields(well: tuple[str, str, str]) -> tuple[str, ...] | SampleError:
             path = well[0]
             try:
-                wdoc = self._node(store, store.join(root, *path.split("/")), f"{base}/{path}")
+                wdoc = self._node(store, store.join(root, *path.split("/")), f"{base}/{path}", [])
                 return tuple(f"{base}/{path}/{f}" for f in well_fields(wdoc, f"{base}/{path}"))
             except SampleError as e:
                 return e
@@ -437,8 +454,10 @@ class ZarrMetadata:
                 raise f
         return Plate(str(uri), version, name, rows, columns, tuple(Well(p, r, c, f) for (p, r, c), f in zip(wells, found)))
 
-    def _image(self, store: Store, root: str, uri: str, seen: _Seen) -> Image:
-        doc = self._node(store, root, str(uri), own=True)
+    def _image(self, store: Store, root: str, uri: str, docs: list, began: float) -> Image:
+        """The image at ``root``, its levels read anew (a level cached alone may be older than
+        the image) and kept; ``docs`` takes the group's document and every level's."""
+        doc = self._node(store, root, str(uri), docs, own=True)
         if check_node(doc, str(uri)) != "group" or (found := image_multiscale(doc, str(uri))) is None:
             raise InvalidArgument("is not an NGFF image (no multiscales in its group's attributes)", uri=str(uri))
         version, multiscale = found
@@ -450,25 +469,18 @@ class ZarrMetadata:
         for index in range(len(datasets)):
             path = multiscale_path(doc, str(uri), index)
             level_uri = f"{str(uri).rstrip('/')}/{path}"
-            level_root = store.join(root, *path.split("/"))
-            meta = self.cache.arrays.get(level_root)
-            if meta is None:
-                # a level the group's consolidated metadata describes goes by the group's
-                # version (its own document is not asked for: that request is what it spares;
-                # the group's recheck forgets it)
-                described = self._consolidated(level_root) is not None
-                level_seen = _Seen(store, level_root, None, seen.checked) if described else self._seeing(store, level_root)
-                try:
-                    with _malformed(level_uri):
-                        meta = self._level(store, root, path, index, str(uri), level_uri)
-                except StorageError:
-                    raise  # perhaps passing: the image is not kept with it
-                except SampleError as e:  # this level's samples fail, not the others'
-                    levels.append(Level(index, path, level_uri, (), None, (), (), error=e))
-                    continue
-                if described and seen.version is not None:
-                    meta = dataclasses.replace(meta, version=seen.version)
-                meta = self._keep(level_root, meta, level_seen)
+            level_docs: list = []
+            try:
+                with _malformed(level_uri):
+                    meta = self._level(store, root, path, index, str(uri), level_docs, level_uri)
+            except StorageError:
+                raise  # perhaps passing: the image is not kept with it
+            except SampleError as e:  # this level's samples fail, not the others'
+                levels.append(Level(index, path, level_uri, (), None, (), (), error=e))
+                continue
+            finally:
+                docs.extend(level_docs)
+            meta = self._keep(store.join(root, *path.split("/")), meta, Seen(store, tuple(level_docs), began))
             if axes is None:
                 axes = parse_axes(multiscale, meta.ndim, str(uri))
             scale, translation = transforms(datasets[index].get("coordinateTransformations"), meta.ndim, str(uri))
@@ -562,7 +574,7 @@ class ZarrMetadata:
         round trip's time rather than one each); ``None`` (missing) or the exception per key."""
         if not meta.layout.levels or len(keys) < 2:
             return None
-        want = [k for k in keys if self.cache.shard_indexes.peek((k, 0, 0)) is None]
+        want = [k for k in keys if self.cache.shard_indexes.peek((k, 0, 0, meta.generation)) is None]
         if len(want) < 2:
             return None
         start, length = meta.layout.levels[0].index_range()
@@ -586,7 +598,7 @@ class ZarrMetadata:
         """The index table of the shard at ``key`` bytes [base, base+size) (size -1: the whole
         object) and the shard's size in bytes, or ``None`` when the shard object does not
         exist (``prefetched``: outer shards' reads already made, see :meth:`_prefetch_indexes`)."""
-        cache_key = (key, base, depth)
+        cache_key = (key, base, depth, meta.generation)  # the array's version: a re-created one's are other entries
         found = self.cache.shard_indexes.get(cache_key)
         if found is not None:
             return found

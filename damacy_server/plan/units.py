@@ -79,6 +79,12 @@ class UnitJob:
         return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
 
 
+def unit_key(u: UnitJob) -> tuple:
+    """A unit's name in the chunk cache and among the units in flight: its array, the
+    version its metadata was read at (a re-created array's units are others), its place."""
+    return (u.meta.root, u.meta.generation, u.unit)
+
+
 class CachedUnits:
     """The units of one copy table found in the chunk cache, with their decoded arrays: the
     table's first ``len(arrays)`` units (positions 0, 1, ...), so their copies are its first

@@ -52,7 +52,7 @@ class Store(ABC):
         """What names the object's current contents (it changes when the object is written
         again: a file's inode, size and times, an object's ETag), :data:`MISSING` when there
         is no object, ``None`` when this store cannot tell (its objects are taken never to
-        change: an icechunk snapshot's)."""
+        change: an icechunk snapshot's); raises StorageError when asking failed."""
         return None
 
     @abstractmethod

@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, SampleError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
 from damacy_server.store.base import MISSING, ByteRange, Store, join_segments
 from damacy_server.store.failures import first_line, storage_error
 
@@ -53,7 +53,7 @@ RETRY_OPTIONS = frozenset({"max_retries", "retry_timeout"})
 #: a request's defaults: long enough for a large range over a slow link, short enough that a
 #: stalled server is reported within a minute or two rather than obstore's three
 #: how long a store whose server refused a HEAD is not asked for versions again
-NO_HEAD_S = 600.0
+NO_HEAD_S = 300.0
 
 DEFAULT_CLIENT = {"timeout": "30s", "connect_timeout": "5s"}
 DEFAULT_RETRY = {"max_retries": 3, "retry_timeout": 60.0}
@@ -317,22 +317,22 @@ class ObjectStore(Store):
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
-    def version(self, key: str) -> tuple | str | None:
-        """The object's ETag, modification time, version and size (one HEAD); None when the
-        server does not say (a HEAD that fails: it is not asked again for 10 minutes, its
-        retries would slow every load)."""
+    def version(self, key: str) -> tuple | str:
+        """The object's ETag, modification time, version and size (one HEAD). A HEAD that
+        fails raises StorageError, and so does every call for the next ``NO_HEAD_S`` without
+        a request (a server without HEAD would make each one wait out its retries)."""
         import obstore
 
         if time.monotonic() < self._no_head_until:
-            return None
+            raise StorageError("this server refused a HEAD request lately: no versions asked", path=key)
         path = self.path(key)
         try:
             head = obstore.head(self._store, path)
         except FileNotFoundError:
             return MISSING
-        except Exception:
+        except Exception as e:
             self._no_head_until = time.monotonic() + NO_HEAD_S
-            return None
+            raise storage_error(e, key) from None
         return (head.get("e_tag"), str(head.get("last_modified")), head.get("version"), head.get("size"))
 
     async def fetch(self, key: str, offset: int, length: int):

@@ -47,9 +47,11 @@ class ArrayMetadata:
     dimension_names: tuple[str | None, ...] | None
     attributes: dict[str, Any] = field(repr=False)
     layout: ChunkLayout = field(repr=False)
-    #: the version of the metadata document it was read from, where its reader asked (see
-    #: ``Store.version``): caches that outlive the process name its data by it
+    #: the versions of the metadata documents it was read from, where its reader asked (see
+    #: ``damacy_server.plan.versions``): caches that outlive the process name its data by
+    #: them; in-memory caches by ``generation``, a number per version (0: none asked)
     version: Any = field(default=None, repr=False)
+    generation: int = field(default=0, repr=False)
 
     @property
     def ndim(self) -> int:
