@@ -830,3 +830,26 @@ def test_a_run_sends_the_reads_it_holds_before_it_waits_for_memory(tmp_path):
         assert executor.budget.used == 0
     finally:
         executor.close()
+
+
+def test_a_prefix_of_a_chunk_with_a_window_past_zstds_default_limit_reads(tmp_path):
+    """A box at the start of a chunk is decoded only as far as it needs, by streaming, which
+    takes the frame's window: a valid frame declaring more than zstd's default limit (128
+    MiB: a chunk that large compressed in one piece) reads as when decoded whole."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    zstandard = pytest.importorskip("zstandard")
+    n = 136 << 20
+    uri = str(tmp_path / "w")
+    zarr.create_array(uri, shape=(n,), chunks=(n,), dtype="u1", compressors=[ZstdCodec(level=1)], fill_value=0)
+    data = np.zeros(n, dtype=np.uint8)
+    data[:4096] = np.arange(4096) % 251
+    (tmp_path / "w" / "c").mkdir()
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=28)  # one segment: its window, 136 MiB
+    (tmp_path / "w" / "c" / "0").write_bytes(zstandard.ZstdCompressor(compression_params=params).compress(data.tobytes()))
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(16,), dtype="u8", max_memory_bytes=1 << 30, chunk_cache_bytes=0, pop_timeout_s=60)
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, ((1000, 1016),))])
+        with p.pop() as b:
+            assert b.info.errors == () and np.array_equal(b.numpy()[0], data[1000:1016])

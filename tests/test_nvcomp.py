@@ -195,7 +195,34 @@ def test_lz4_streams_blosc_writes_pass_the_walk(cname):
         nvcomp.walk_lz4_block(block, size)
         py, _ = _verdicts(block, size + 1)
         assert py == "the block decodes to fewer bytes than the chunk holds"
-        assert _verdicts(block, size - 1)[0] == "the block decodes to more bytes than the chunk holds"
+        # one byte short: its last match would reach into the last 5 bytes, or past the end
+        short = _verdicts(block, size - 1)
+        assert short[0] == short[1] and short[0] in (
+            "the block decodes to more bytes than the chunk holds",
+            "a match ends in the last 5 bytes of the chunk (LZ4 ends a block with 5 literals)",
+        )
+
+
+def test_lz4_end_of_block_rules_are_the_reference_decoders():
+    """A match in the last 12 bytes, or reaching into the last 5, is refused by LZ4's
+    reference decoder (C-Blosc's, the CPU path): the walk before nvCOMP refuses it too."""
+    import struct
+
+    from numcodecs import lz4
+
+    for block, size, accepted in [
+        (bytes([0x42]) + b"abcd" + bytes([1, 0]) + bytes([0x00]), 10, False),  # a match ending the block
+        (bytes([0x90]) + b"abcdefghi" + bytes([1, 0]) + bytes([0x70]) + b"jklmnop", 20, False),  # starting 11 from the end
+        (bytes([0x80]) + b"abcdefgh" + bytes([1, 0]) + bytes([0x80]) + b"jklmnopq", 20, True),  # 12 from the end
+        (bytes([0x40]) + b"abcd" + bytes([4, 0]) + bytes([0xC0]) + b"efghijklmnop", 20, True),
+    ]:
+        py, c = _verdicts(block, size)
+        assert py == c and (py is None) == accepted, py
+        try:
+            decoded = len(lz4.decompress(struct.pack("<I", size) + block)) == size
+        except Exception:
+            decoded = False
+        assert decoded == accepted
 
 
 @settings(max_examples=300, deadline=None)

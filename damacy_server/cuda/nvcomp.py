@@ -349,6 +349,10 @@ def _walk_lz4(block: memoryview, size: int) -> str | None:
         match += 4
         if match > size - out:
             return "the block decodes to more bytes than the chunk holds"
+        if size < 12 or out > size - 12:  # LZ4's end of block (see lz4.c)
+            return "a match starts in the last 12 bytes of the chunk (LZ4 leaves them to literals)"
+        if match > size - 5 - out:
+            return "a match ends in the last 5 bytes of the chunk (LZ4 ends a block with 5 literals)"
         out += match
         if i >= n:
             return "the block ends with a match, not literals"

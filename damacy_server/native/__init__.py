@@ -5,7 +5,10 @@ Read units whose chain is ``bytes`` (either byte order) optionally followed by `
 and copied by ``_assemble.run`` (C), so decode threads do not queue for the GIL between
 units. Only what the boxes read is decoded: zstd up to the block holding the last element
 used (frames with a checksum whole), blosc only the blocks holding used elements. Everything
-else goes through the Python path; results are identical (the tests compare both).
+else goes through the Python path; the values are identical (the tests compare both). What is
+not decoded is not checked: a chunk corrupt only past what its boxes read is read where the
+Python path (or a unit decoded whole for the chunk cache) reports it corrupt; a checksum,
+where the frame has one, is always verified.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 /* check_lz4(block, size) -> None, or why the LZ4 block (raw, as Blosc stores a stream) is not
  * one that decodes to exactly `size` bytes: every literal run and match inside the input and
- * the output, every match offset inside what is already decoded, the input ending with a
- * literal run. nvCOMP's behaviour on corrupt input is undefined, so its LZ4 streams are
+ * the output, every match offset inside what is already decoded, no match in the last 12
+ * bytes or reaching into the last 5, the input ending with a literal run. nvCOMP's behaviour on corrupt input is undefined, so its LZ4 streams are
  * checked here first. The Python twin is damacy_server.cuda.nvcomp.walk_lz4_block. */
 static const char *lz4_walk(const uint8_t *in, size_t n, size_t size) {
     size_t i = 0, out = 0;
@@ -48,6 +48,13 @@ static const char *lz4_walk(const uint8_t *in, size_t n, size_t size) {
         match += 4;
         if (match > size - out)
             return "the block decodes to more bytes than the chunk holds";
+        /* LZ4's end of block: the last 12 bytes start no match, the last 5 are literals (the
+         * reference decoder, C-Blosc's, refuses a block that breaks them; decoders may copy
+         * past a match's end within that margin) */
+        if (size < 12 || out > size - 12)
+            return "a match starts in the last 12 bytes of the chunk (LZ4 leaves them to literals)";
+        if (match > size - 5 - out)
+            return "a match ends in the last 5 bytes of the chunk (LZ4 ends a block with 5 literals)";
         out += match;
         if (i >= n)
             return "the block ends with a match, not literals";

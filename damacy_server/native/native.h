@@ -45,12 +45,15 @@ typedef size_t (*zstd_stream_t)(void *, zstd_out *, zstd_in *);
 typedef size_t (*zstd_reset_t)(void *, int);
 typedef unsigned long long (*zstd_content_size_t)(const void *, size_t);
 typedef size_t (*zstd_frame_size_t)(const void *, size_t);
+typedef size_t (*zstd_set_parameter_t)(void *, int, int);
+typedef size_t (*zstd_sizeof_t)(const void *);
 extern int dm_zstd_ok; /* -1: not tried yet; 1: libzstd loaded; 0: not found */
 extern zstd_decompress_t dm_zstd_decompress;
 extern zstd_iserror_t dm_zstd_iserror;
 extern zstd_errname_t dm_zstd_errname;
 int dm_zstd_load(void);
 void *dm_zstd_dctx(void);
+void dm_zstd_trim(void);
 size_t dm_zstd_prefix(void *dctx, char *dst, size_t full, size_t need, const void *src, size_t len, size_t *got, int *whole);
 
 /* ---- Blosc (blosc.c) ------------------------------------------------------------------- */

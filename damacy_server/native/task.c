@@ -340,6 +340,7 @@ void dm_task_assemble(task_t *t) {
         if (status[u] == OK) encoded += views[u].src_len;
     }
     free(scratch);
+    if (dctx) dm_zstd_trim();
     t->encoded = encoded;
     t->elements = elements;
 }

@@ -13,6 +13,8 @@ static zstd_stream_t zstd_stream;
 static zstd_reset_t zstd_reset;
 static zstd_create_t zstd_create;
 static zstd_free_t zstd_free;
+static zstd_set_parameter_t zstd_set_parameter; /* optional: the window limit stays zstd's default without it */
+static zstd_sizeof_t zstd_sizeof;               /* optional: a grown context is then kept */
 zstd_decompress_t dm_zstd_decompress;
 zstd_iserror_t dm_zstd_iserror;
 zstd_errname_t dm_zstd_errname;
@@ -29,9 +31,26 @@ void *dm_zstd_dctx(void) {
     void *dctx = pthread_getspecific(dctx_key);
     if (!dctx) {
         dctx = zstd_create();
+        /* streaming a prefix takes a window of the frame's: allow any a frame may declare
+         * (ZSTD_d_windowLogMax, 100, up to 31 on 64-bit), as one-shot decoding does */
+        if (dctx && zstd_set_parameter) zstd_set_parameter(dctx, 100, sizeof(size_t) == 8 ? 31 : 30);
         if (dctx) pthread_setspecific(dctx_key, dctx);
     }
     return dctx;
+}
+
+/* A context that streamed a large frame holds a window as large (zstd keeps it for the next
+ * frame): past a few MiB it is freed at the end of the task that grew it, not held by the
+ * thread outside the memory budget; the next task makes a new one. */
+#define DCTX_KEEP_MAX (8u << 20)
+void dm_zstd_trim(void) {
+    if (!zstd_sizeof) return;
+    pthread_once(&dctx_once, make_dctx_key);
+    void *dctx = pthread_getspecific(dctx_key);
+    if (dctx && zstd_sizeof(dctx) > DCTX_KEEP_MAX) {
+        pthread_setspecific(dctx_key, NULL);
+        zstd_free(dctx);
+    }
 }
 
 int dm_zstd_load(void) {
@@ -47,6 +66,8 @@ int dm_zstd_load(void) {
     zstd_reset = (zstd_reset_t)dlsym(lib, "ZSTD_DCtx_reset");
     zstd_content_size = (zstd_content_size_t)dlsym(lib, "ZSTD_getFrameContentSize");
     zstd_frame_size = (zstd_frame_size_t)dlsym(lib, "ZSTD_findFrameCompressedSize");
+    zstd_set_parameter = (zstd_set_parameter_t)dlsym(lib, "ZSTD_DCtx_setParameter");
+    zstd_sizeof = (zstd_sizeof_t)dlsym(lib, "ZSTD_sizeof_DCtx");
     return zstd_create && zstd_free && dm_zstd_decompress && dm_zstd_iserror && dm_zstd_errname && zstd_stream && zstd_reset &&
            zstd_content_size && zstd_frame_size;
 }
