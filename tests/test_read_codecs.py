@@ -235,3 +235,14 @@ def test_a_gzip_chunk_padded_with_zero_bytes_reads_as_zarr_reads_it(tmp_path):
     chunk.write_bytes(chunk.read_bytes() + b"\1")
     with pytest.raises(damacy.DecodeError, match="gzip"):
         damacy.read(tmp_path / "a", metadata=damacy.ZarrMetadata())
+
+
+@pytest.mark.parametrize("compressors", [[], ["gzip"]])
+def test_a_0d_array_converts_as_every_array_does(tmp_path, compressors):
+    """A 0-d array's element is cast as an array's are (numpy's wrap for integers), on the
+    native path and through the Python decoders alike."""
+    from zarr.codecs import GzipCodec
+
+    arr = zarr.create_array(str(tmp_path / "z"), shape=(), dtype="u2", compressors=[GzipCodec()] if compressors else [], fill_value=0)
+    arr[...] = 300
+    assert int(damacy.read(str(tmp_path / "z"), dtype="i8")) == 44 == np.array(300, "u2").astype("i1")

@@ -78,6 +78,13 @@ def test_every_compressor_and_dtype_reads_as_zarr_python_does(tmp_path, name, dt
         ([numcodecs.FixedScaleOffset(offset=10, scale=100, dtype="<f8", astype="<i4")], "<f8"),
         ([numcodecs.AsType(encode_dtype="<f4", decode_dtype="<f8")], "<f8"),
         ([numcodecs.Delta(dtype=">i4")], ">i4"),
+        # what a filter stores in another byte order than the array's (a bare type: the
+        # machine's, little), or wider than one-byte items
+        ([numcodecs.FixedScaleOffset(offset=0, scale=10, dtype=">f8", astype="u2")], ">f8"),
+        ([numcodecs.AsType(encode_dtype=">f4", decode_dtype="<f8")], "<f8"),
+        ([numcodecs.Delta(dtype=">i4", astype="i4")], ">i4"),
+        ([numcodecs.FixedScaleOffset(offset=0, scale=1, dtype="|u1", astype="<u2")], "|u1"),
+        ([numcodecs.Delta(dtype="|i1", astype=">i2")], "|i1"),
     ],
 )
 @pytest.mark.parametrize("order", ["C", "F"])

@@ -159,7 +159,7 @@ class SliceCopy:
     def apply(self, target: np.ndarray, arr: np.ndarray, convert=None) -> int:
         """Copy (with the cast to the target's dtype, or ``convert(piece)``); returns the
         elements copied."""
-        piece = arr[self.src]
+        piece = arr[self.src] if self.src else arr[...]  # (a 0-d array, not a scalar: cast as arrays are)
         target[self.dst] = piece if convert is None else convert(piece)
         return piece.size
 

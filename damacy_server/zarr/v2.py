@@ -14,6 +14,7 @@ fixedscaleoffset, astype. Anything else is refused naming it.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,8 @@ def as_v3(zarray: dict[str, Any], attributes: dict[str, Any], uri: str) -> dict[
         raise MetadataError(f".zarray: filters must be a list or null, got {filters!r}", uri=uri)
     for f in filters or []:
         codecs.append(_filter(f, uri))
+    if filters:  # what is stored is the last filter's output, in its type's byte order
+        endian = _stored_endian(filters[-1], endian, uri)
     codecs.append({"name": "bytes", "configuration": {"endian": endian}} if endian else {"name": "bytes"})
     if zarray["compressor"] is not None:
         codecs.append(_compressor(zarray["compressor"], dtype, uri))
@@ -86,6 +89,30 @@ def _dtype(value: Any, uri: str) -> tuple[str, str | None]:
         raise UnsupportedError(f".zarray dtype {value!r} ({name}) is not supported (supported: {', '.join(SUPPORTED_DTYPES)})", uri=uri)
     endian = None if dtype.itemsize == 1 else ("big" if value[0] == ">" else "little")
     return name, endian
+
+
+#: the field of a v2 filter naming the type it stores (numcodecs': the type it decodes from)
+_STORED_TYPE = {"delta": "astype", "fixedscaleoffset": "astype", "astype": "encode_dtype"}
+
+
+def _stored_endian(config: dict[str, Any], endian: str | None, uri: str) -> str | None:
+    """The byte order of what a v2 filter stores (its ``astype``, which numcodecs reads in
+    the order it names, a bare one in the machine's: little on every platform damacy runs),
+    ``endian`` when it keeps the array's type; None for one-byte items."""
+    field = _STORED_TYPE.get(config["id"])
+    value = config.get(field) if field else None
+    if value is None:
+        value = config.get("dtype") if field else None
+    if value is None:
+        return endian
+    try:
+        stored = np.dtype(value)
+    except TypeError as e:
+        raise MetadataError(f"v2 filter {config['id']!r}: {field} {value!r} is not a numpy type: {e}", uri=uri) from e
+    if stored.itemsize == 1:
+        return None
+    big = stored.byteorder == ">" or (stored.byteorder in "=|" and sys.byteorder == "big")
+    return "big" if big else "little"
 
 
 def _compressor(config: Any, dtype: str, uri: str) -> dict[str, Any]:
