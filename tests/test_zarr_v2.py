@@ -190,3 +190,19 @@ def test_numcodecs_codecs_in_zarr_v3_arrays(tmp_path):
     )
     arr[:8] = np.arange(88).reshape(8, 11)
     assert np.array_equal(damacy.read(path, np.s_[0:9, 0:11]), zarr.open_array(path, mode="r")[:])
+
+
+def test_a_numcodecs_filter_before_a_big_endian_bytes_codec_reads_what_was_written(tmp_path):
+    """zarr-python 3.1 writes this chunk right (the delta-encoded values, big-endian) and
+    reads it wrong; damacy reads the values written, as the stored bytes say."""
+    nz = pytest.importorskip("zarr.codecs.numcodecs")
+    from zarr.codecs import BytesCodec
+
+    path = str(tmp_path / "big.zarr")
+    arr = zarr.create_array(path, shape=(6,), chunks=(6,), dtype="uint16", filters=[nz.Delta(dtype="uint16")],
+                            serializer=BytesCodec(endian="big"), compressors=[])
+    written = np.array([1, 2, 3, 10, 20, 30], dtype="u2")
+    arr[...] = written
+    stored = np.frombuffer((tmp_path / "big.zarr" / "c" / "0").read_bytes(), ">u2")
+    assert stored.tolist() == [1, 1, 1, 7, 10, 10]  # the deltas, big-endian: written right
+    assert damacy.read(path).tolist() == written.tolist()
