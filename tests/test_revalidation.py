@@ -246,3 +246,50 @@ def test_a_daemon_session_reads_an_array_recreated_since_the_last(tmp_path):
         assert np.array_equal(session(), second.reshape(2, 8, 24, 20))
     finally:
         assert proc.stop() == 0, proc.log_path.read_text()
+
+
+def test_versions_not_all_asked_never_share_a_number_and_the_numbers_are_bounded():
+    from damacy_server.plan.versions import UNKNOWN, Generations
+
+    g = Generations(most=2)
+    known = ("zarr.json", (1, 2, 3))
+    assert g.of("/a", None) == 0 and g.of("/a", (known,)) == g.of("/a", (known,))
+    assert g.of("/a", (UNKNOWN,)) != g.of("/a", (UNKNOWN,))  # two reads that could not be asked
+    first = g.of("/a", (known,))
+    g.of("/b", (known,))
+    g.of("/c", (known,))  # past the bound: the oldest number goes
+    assert g.of("/a", (known,)) != first and len(g._numbers) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Consolidated metadata")
+def test_a_plate_written_again_is_not_read_from_its_old_consolidated_metadata(tmp_path):
+    """An image under a plate is read from the plate's consolidated metadata: a read after
+    the plate was written again checks that too."""
+    def plate(seed: int, size: int) -> tuple[str, list[np.ndarray]]:
+        group = zarr.open_group(str(tmp_path / "p.zarr"), mode="w")
+        group.attrs["ome"] = {"version": "0.5", "plate": {
+            "rows": [{"name": "A"}], "columns": [{"name": "1"}], "wells": [{"path": "A/1", "rowIndex": 0, "columnIndex": 0}]}}
+        group.require_group("A").require_group("1").attrs["ome"] = {"version": "0.5", "well": {"images": [{"path": "0"}]}}
+        levels = ngff(tmp_path / "p.zarr" / "A" / "1" / "0", seed, size=size)
+        zarr.consolidate_metadata(str(tmp_path / "p.zarr"))
+        return str(tmp_path / "p.zarr" / "A" / "1" / "0"), levels
+
+    md = ZarrMetadata()
+    field, _ = plate(1, 32)
+    damacy.open_plate(str(tmp_path / "p.zarr"), metadata=md)  # its consolidated metadata cached
+    field, second = plate(2, 16)
+    assert np.array_equal(damacy.read(field, level=0, metadata=md), second[0])
+
+
+def test_a_level_written_after_its_image_was_read_is_read_then(tmp_path):
+    import shutil
+
+    path = tmp_path / "img.zarr"
+    levels = ngff(path, 1)
+    shutil.move(str(path / "s1"), str(tmp_path / "s1"))  # a writer not done yet
+    md = ZarrMetadata()
+    assert np.array_equal(damacy.read(str(path), level=0, metadata=md), levels[0])
+    with pytest.raises(damacy.NotFound):
+        damacy.read(str(path), level=1, metadata=md)
+    shutil.move(str(tmp_path / "s1"), str(path / "s1"))  # done
+    assert np.array_equal(damacy.read(str(path), level=1, metadata=md), levels[1])

@@ -45,6 +45,7 @@ from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservat
 from damacy_server.plan.planner import BatchPlan, sample_view
 from damacy_server.plan.reads import ReadGroup, shrink
 from damacy_server.plan.units import CachedUnits, UnitJob, unit_key
+from damacy_server.plan.versions import known
 from damacy_server.store import is_remote
 from damacy_server.store.disk import DiskTier
 from damacy_server.store.fetch import Fetcher
@@ -506,7 +507,7 @@ class CpuExecutor(BudgetedExecutor):
         """Read a group from an object store: from the disk tier when it holds the bytes (an
         I/O thread reads them), else the request waits its turn in the fetcher (many in
         flight, by batch order) and lands like a read of a file (and goes to the tier)."""
-        if self.disk_tier is not None:
+        if self._tiered(group):
             self._io.submit(self._from_disk, run, group, reserved, key=run.key, priority=run.order)
             return
         self._fetch_remote(run, group, reserved)
@@ -520,6 +521,12 @@ class CpuExecutor(BudgetedExecutor):
         meta = group.units[0].meta
         key = f"{meta.store.cache_key(group.key)}#{group.offset}+{group.length}"
         return key if meta.version is None else f"{key}@{meta.version!r}"
+
+    def _tiered(self, group: ReadGroup) -> bool:
+        """Does the disk tier take this read? Not one of an array whose metadata's versions
+        could not all be asked (its entries could be taken for another content's)."""
+        version = group.units[0].meta.version
+        return self.disk_tier is not None and (version is None or known(version))
 
     def _from_disk(self, run: Run, group: ReadGroup, reserved: int) -> None:
         if run.cancelled() or self._closed:
@@ -562,7 +569,7 @@ class CpuExecutor(BudgetedExecutor):
         def done(data, error) -> None:
             if error is None:
                 self.stats.add("read", time.perf_counter() - t0[0], bytes_out=len(data) if data else 0)
-                if data is not None and self.disk_tier is not None:  # written off the fetcher's loop
+                if data is not None and self._tiered(group):  # written off the fetcher's loop
                     self._io.submit(self._to_disk, self._disk_key(group), data, key=run.key, priority=run.order)
             self._landed(run, group, reserved, data, error)
 

@@ -248,7 +248,7 @@ class ZarrMetadata:
         place under unchanged documents are not seen."""
         fresh = self._fresh
         asked = []
-        todo: dict[Hashable, Seen] = {}
+        todo: dict[Hashable, tuple[str, Seen]] = {}
         for request in dict.fromkeys(requests):
             if fresh.get(request, -math.inf) >= since:
                 continue
@@ -267,18 +267,24 @@ class ZarrMetadata:
             for key in keys:
                 entry = self.cache.arrays.peek(key)
                 if entry is not None and entry.seen.checked < since and any(v is not None for _, v in entry.seen.docs):
-                    todo[key] = entry.seen
+                    todo[key] = (key[0] if isinstance(key, tuple) else key, entry.seen)
+            # the consolidated metadata of groups above it (a plate's, an image's): what a
+            # node not cached yet would be read from
+            for group in _above(root):
+                found = self.consolidated.peek(group)
+                if found is not None and found[1].checked < since and found[1].version is not None:
+                    todo[("consolidated", group)] = (group, found[1])
         if todo:
             now = time.monotonic()
-            docs = list({(id(seen.store), root): (seen.store, root) for seen in todo.values() for root, _ in seen.docs}.items())
+            docs = list({(id(seen.store), r): (seen.store, r) for _, seen in todo.values() for r, _ in seen.docs}.items())
             versions = self._map(lambda doc: node_version(*doc[1]), docs)
             current = {key: v for (key, _), v in zip(docs, versions)}
             self.rechecked += len(docs)
             gone = []
-            for key, seen in todo.items():
-                changed = [root for root, then in seen.docs if differs(then, current[(id(seen.store), root)])]
+            for root, seen in todo.values():
+                changed = [r for r, then in seen.docs if differs(then, current[(id(seen.store), r)])]
                 if changed:
-                    gone.extend([key[0] if isinstance(key, tuple) else key, *changed])
+                    gone.extend([root, *changed])
                 else:
                     seen.checked = now
             if gone:
@@ -298,6 +304,8 @@ class ZarrMetadata:
         above = {a for r in roots for a in _above(r)}
         now = time.monotonic()
         with self._keep_lock:  # (a read that began before this is not kept after it: _keep)
+            if len(self._forgotten) > 1 << 16:  # a read lasts seconds, not an hour
+                self._forgotten = {r: t for r, t in self._forgotten.items() if t > now - 3600}
             for root in roots:
                 self._forgotten[root] = now
             self.cache.arrays.discard_where(under)
@@ -371,12 +379,13 @@ class ZarrMetadata:
             entry, group, version = found
             docs.append((group, version))
             return consolidated_node(entry, uri)
+        began = time.monotonic()
         version = node_version(store, root) if self.recheckable else None
+        docs.append((root, version))  # (before it is read: a node missing now is seen when it comes)
         doc = load_node(store, root, uri)
-        docs.append((root, version))
         nodes = consolidated_entries(doc)
         if nodes:
-            self.consolidated.put(root, (nodes, version))
+            self.consolidated.put(root, (nodes, Seen(store, ((root, version),), began)))
         return doc
 
     def _consolidated(self, root: str) -> tuple[dict, str, Hashable | None] | None:
@@ -393,7 +402,7 @@ class ZarrMetadata:
             if found is not None:
                 entry = found[0].get(root[len(parent) + 1 :])
                 if entry is not None:
-                    return entry, parent, found[1]
+                    return entry, parent, found[1].docs[0][1]
 
     def _load(self, store: Store, root: str, uri: str, docs: list) -> ArrayMetadata:
         doc = self._node(store, root, uri, docs, own=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -71,22 +72,38 @@ class Seen:
         return None if all(v is None for v in versions) else versions
 
 
+def known(version: Hashable | None) -> bool:
+    """Whether every document's version in ``version`` (a :attr:`Seen.version`) was asked:
+    one that could not be says nothing of what was read, so nothing may be named by it."""
+    return version is not None and UNKNOWN not in version
+
+
 class Generations:
     """A small number per (root, version): what in-memory caches of an array's data key its
-    entries by (a version is a nested tuple, slower to hash on the hot path). The same
-    version gives the same number, so an array read again, unchanged, keeps its entries."""
+    entries by (a version is a nested tuple, slower to hash on the hot path). The same known
+    version gives the same number, so an array read again, unchanged, keeps its entries; a
+    version not all asked gets a number of its own each time (two reads whose versions could
+    not be asked may be of other contents). The numbers of the last ``most`` versions are
+    kept: one older than that gets a new number (its entries are then missed once)."""
 
-    def __init__(self) -> None:
-        self._numbers: dict[tuple[str, Hashable], int] = {}
+    def __init__(self, most: int = 1 << 16) -> None:
+        self._numbers: OrderedDict[tuple[str, Hashable], int] = OrderedDict()
         self._next = itertools.count(1)
         self._lock = threading.Lock()
+        self._most = most
 
     def of(self, root: str, version: Hashable | None) -> int:
         if version is None:
             return 0
-        key = (root, version)
         with self._lock:
+            if not known(version):
+                return next(self._next)
+            key = (root, version)
             number = self._numbers.get(key)
             if number is None:
                 number = self._numbers[key] = next(self._next)
+                if len(self._numbers) > self._most:
+                    self._numbers.popitem(last=False)
+            else:
+                self._numbers.move_to_end(key)
             return number
