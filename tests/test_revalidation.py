@@ -293,3 +293,35 @@ def test_a_level_written_after_its_image_was_read_is_read_then(tmp_path):
         damacy.read(str(path), level=1, metadata=md)
     shutil.move(str(tmp_path / "s1"), str(path / "s1"))  # done
     assert np.array_equal(damacy.read(str(path), level=1, metadata=md), levels[1])
+
+
+def test_a_session_opened_while_another_checks_checks_again(tmp_path, monkeypatch):
+    """Session A's check asked an array's version (the old one); the array is re-created and
+    session B opens before A's check ends: B checks it again, not taking A's for its own."""
+    import threading
+
+    uri = str(tmp_path / "a.zarr")
+    create(uri, 1)
+    md = ZarrMetadata()
+    md.array(uri)  # cached by an earlier session
+    asked, go = threading.Event(), threading.Event()
+    real = FileStore.version
+
+    def version(self, key):
+        found = real(self, key)
+        if threading.current_thread().name == "A":
+            asked.set()
+            assert go.wait(30)  # the rest of A's batch still being asked
+        return found
+
+    monkeypatch.setattr(FileStore, "version", version)
+    sample = damacy.Sample(uri, np.s_[0:4, 0:12, 0:10])
+    a = ChunkPlanner(md, fresh_after=time.monotonic())
+    thread = threading.Thread(name="A", target=lambda: a.plan([sample], (4, 12, 10)))
+    thread.start()
+    assert asked.wait(30)
+    create(uri, 2, shape=(8, 24, 20))
+    b = ChunkPlanner(md, fresh_after=time.monotonic())
+    go.set()
+    thread.join(30)
+    assert b.plan([sample], (4, 12, 10)).metas[0].shape == (8, 24, 20)

@@ -246,6 +246,7 @@ class ZarrMetadata:
         batch together (as many at once as :attr:`concurrency`); what changed (an array re-
         created, its metadata rewritten) is forgotten, to be read anew. Chunks rewritten in
         place under unchanged documents are not seen."""
+        began = time.monotonic()  # what is marked checked is as of before storage was asked
         fresh = self._fresh
         asked = []
         todo: dict[Hashable, tuple[str, Seen]] = {}
@@ -291,9 +292,8 @@ class ZarrMetadata:
                 self.forget(*dict.fromkeys(gone))
         if len(fresh) > 1 << 16:
             fresh.clear()
-        now = time.monotonic()
-        for request in asked:
-            fresh[request] = now
+        for request in asked:  # (a session opened while this ran checks them again)
+            fresh[request] = began
 
     def forget(self, *roots: str) -> None:
         """Forget the metadata cached from the nodes at ``roots`` and below them (arrays,
