@@ -325,3 +325,19 @@ def test_a_session_opened_while_another_checks_checks_again(tmp_path, monkeypatc
     go.set()
     thread.join(30)
     assert b.plan([sample], (4, 12, 10)).metas[0].shape == (8, 24, 20)
+
+
+def test_a_load_that_lands_after_a_sessions_check_is_checked_before_use(tmp_path):
+    """A read that began before the array was re-created lands after a session opened later
+    checked (and found nothing cached): the session checks the entry before using it."""
+    uri = str(tmp_path / "a.zarr")
+    create(uri, 1)
+    md = ZarrMetadata()
+    store, root = md.store_of(uri)
+    began = time.monotonic()
+    stale = md._load(store, root, uri, docs := [])  # another session's read, in flight
+    create(uri, 2, shape=(8, 24, 20))
+    since = time.monotonic()  # this session opens
+    md.recheck([(uri, None)], since)  # nothing cached yet
+    md._keep(root, stale, Seen(store, tuple(docs), began))  # the other read lands
+    assert md.arrays([(uri, None)], since)[(uri, None)].shape == (8, 24, 20)

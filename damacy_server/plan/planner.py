@@ -282,7 +282,7 @@ class ChunkPlanner:
         requests = [(s.uri, getattr(s, "level", None)) for s in samples if not isinstance(s, BadSample)]
         if self.fresh_after is not None:
             self.metadata.recheck(requests, self.fresh_after)
-        found = self.metadata.arrays(requests)
+        found = self.metadata.arrays(requests, self.fresh_after)
         for i, sample in enumerate(samples):
             try:
                 if isinstance(sample, BadSample):

@@ -208,22 +208,25 @@ class ZarrMetadata:
             pool = self._pool
         return list(pool.map(fn, items))
 
-    def arrays(self, requests: Iterable[tuple[str, int | None]]) -> dict[tuple[str, int | None], ArrayMetadata | SampleError]:
+    def arrays(
+        self, requests: Iterable[tuple[str, int | None]], since: float | None = None
+    ) -> dict[tuple[str, int | None], ArrayMetadata | SampleError]:
         """:meth:`array` of each distinct ``(uri, level)``: the metadata, or the error loading
-        it raised. Those not cached yet are loaded concurrently (see the class)."""
+        it raised. Those not cached yet are loaded concurrently (see the class). ``since``:
+        see :meth:`array`."""
         wanted = list(dict.fromkeys(requests))
         cold = [r for r in wanted if not self._cached(*r)]
         out: dict[tuple[str, int | None], ArrayMetadata | SampleError] = {}
         if len(cold) > 1:
-            out.update(zip(cold, self._map(self._array_or_error, cold)))
+            out.update(zip(cold, self._map(lambda r: self._array_or_error(r, since), cold)))
         for r in wanted:
             if r not in out:
-                out[r] = self._array_or_error(r)
+                out[r] = self._array_or_error(r, since)
         return out
 
-    def _array_or_error(self, request: tuple[str, int | None]) -> ArrayMetadata | SampleError:
+    def _array_or_error(self, request: tuple[str, int | None], since: float | None = None) -> ArrayMetadata | SampleError:
         try:
-            return self.array(*request)
+            return self.array(*request, since=since)
         except SampleError as e:
             return e
         except Exception as e:  # never the whole batch's: the sample's, naming what failed
@@ -332,19 +335,21 @@ class ZarrMetadata:
         if check is not None:
             check(root)
 
-    def array(self, uri: str, level: int | None = None) -> ArrayMetadata:
+    def array(self, uri: str, level: int | None = None, since: float | None = None) -> ArrayMetadata:
         """The metadata of the array at ``uri`` (an NGFF image resolves to its level 0, or to
-        level ``level``)."""
+        level ``level``). ``since``: what :meth:`recheck` made sure of for it; an entry cached
+        older than that all the same (a read that began before and finished after the check)
+        is checked again first."""
         if level is not None:
-            image = self.image(uri)
+            image = self.image(uri, since)
             if level >= len(image.levels):
                 raise InvalidArgument(f"the NGFF image has {len(image.levels)} levels (0 to {len(image.levels) - 1}), level {level} asked", uri=str(uri))
             failed = image.levels[level].error
             if failed is not None:  # that level only: the image's others read
                 raise failed.copy()
-            return self.array(image.levels[level].uri)
+            return self.array(image.levels[level].uri, since=since)
         store, root = self.store_of(uri)
-        entry = self.cache.arrays.get(root)
+        entry = self._current(root, (str(uri), None), since)
         if entry is not None:
             return entry.value
         began, docs = time.monotonic(), []
@@ -427,11 +432,20 @@ class ZarrMetadata:
             raise InvalidArgument(f"NGFF image level {index} ({path!r}) is a Zarr group; a level must be an array", uri=uri)
         return parse_array_metadata(doc, uri=level_uri or uri, store=store, root=level_root)
 
-    def image(self, uri: str) -> Image:
+    def _current(self, key: Hashable, request: tuple[str, int | None], since: float | None) -> _Entry | None:
+        """The entry under ``key``, checked again first when it is older than ``since``."""
+        entry = self.cache.arrays.get(key)
+        if entry is not None and since is not None and entry.seen.checked < since and entry.seen.version is not None:
+            self._fresh.pop(request, None)
+            self.recheck([request], since)
+            entry = self.cache.arrays.get(key)
+        return entry
+
+    def image(self, uri: str, since: float | None = None) -> Image:
         """The NGFF image at ``uri``: its axes and every level's array, scale and translation
-        (kept in the array cache beside its levels)."""
+        (kept in the array cache beside its levels). ``since``: as for :meth:`array`."""
         store, root = self.store_of(uri)
-        entry = self.cache.arrays.get((root, "ngff-image"))
+        entry = self._current((root, "ngff-image"), (str(uri), 0), since)
         if entry is not None:
             return entry.value
         began, docs = time.monotonic(), []
