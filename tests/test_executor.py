@@ -151,7 +151,7 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     # units in the cache leave their reads and come with their arrays
     cache = LRUCache(8)
     arr = np.zeros((8, 32, 32), dtype="u2")
-    cache.put(unit_key(units[0]), arr)
+    cache.put(unit_key(units[0].meta, units[0].unit), arr)
     planned = planner.plan([box], (8, 64, 64), cache=cache)
     (block,) = planned.cached
     assert [(block.unit(p), a is arr) for p, a in enumerate(block.arrays)] == [(units[0].unit, True)]

@@ -182,7 +182,7 @@ def test_an_abandoned_unit_the_budget_cannot_hold_fails_its_waiters(volume, monk
         box = np.s_[0:4, 0:16, 0:16]  # one unit
         plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, box)], (4, 16, 16))
         (unit,) = [u for g in plan.groups for u in g.units]
-        owner = executor.inflight.claim_or_join(unit_key(unit), None)  # another batch's
+        owner = executor.inflight.claim_or_join(unit_key(unit.meta, unit.unit), None)  # another batch's
         out, done, errors = np.full((4, 16, 16), -1, dtype="f4"), threading.Event(), {}
         executor.execute(plan, [out], lambda errs: (errors.update(errs), done.set()))
         assert executor.inflight.stats()["joined"] == 1
@@ -192,7 +192,7 @@ def test_an_abandoned_unit_the_budget_cannot_hold_fails_its_waiters(volume, monk
         assert set(errors) == {0} and "raise max_memory_bytes" in str(errors[0]) and (out == -1).all()
         executor.release_slots(executor.budget.slots)
         # with room, the abandoned unit is read alone and copied
-        owner = executor.inflight.claim_or_join(unit_key(unit), None)
+        owner = executor.inflight.claim_or_join(unit_key(unit.meta, unit.unit), None)
         done.clear()
         errors.clear()
         executor.execute(plan, [out], lambda errs: (errors.update(errs), done.set()))

@@ -250,7 +250,7 @@ class CpuExecutor(BudgetedExecutor):
         for g in groups:
             mine = []
             for u in g.units:
-                if cache is not None and (arr := cache.peek(unit_key(u))) is not None:
+                if cache is not None and (arr := cache.peek(unit_key(u.meta, u.unit))) is not None:
                     late.append((u, arr))
                     continue
                 if u.decoded_nbytes < SHARE_MIN_BYTES:
@@ -258,7 +258,7 @@ class CpuExecutor(BudgetedExecutor):
                     continue
                 with run.lock:
                     run.pending += 1  # the waiter's, if it becomes one
-                shared = self.inflight.claim_or_join(unit_key(u), self._waiter(run, u))
+                shared = self.inflight.claim_or_join(unit_key(u.meta, u.unit), self._waiter(run, u))
                 if shared is not None:
                     with run.lock:
                         run.pending -= 1
@@ -308,7 +308,7 @@ class CpuExecutor(BudgetedExecutor):
         """Is ``array`` the chunk cache's entry for ``u`` (memory the cache accounts for)? A
         unit's array that is not stays within the memory budget only while its owner's task
         holds it, so it is copied then, not queued."""
-        return self.chunk_cache is not None and self.chunk_cache.peek(unit_key(u)) is array
+        return self.chunk_cache is not None and self.chunk_cache.peek(unit_key(u.meta, u.unit)) is array
 
     def _copy_arrived(self, run: Run) -> None:
         """Copy the units other batches decoded for ``run`` into the chunk cache since the last
@@ -656,7 +656,7 @@ class CpuExecutor(BudgetedExecutor):
                     if self.chunk_cache is not None or u.shared is not None:
                         arr = _frozen(arr)
                     if self.chunk_cache is not None:
-                        self.chunk_cache.put(unit_key(u), arr)
+                        self.chunk_cache.put(unit_key(u.meta, u.unit), arr)
                     if u.shared is not None:
                         self.inflight.settle(u.shared, array=arr)
                     assembled += self._apply(run, u, arr)

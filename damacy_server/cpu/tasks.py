@@ -142,7 +142,7 @@ class NativeTasks:
         the copies need)."""
         cache = self.chunk_cache
         wanted = [
-            cache is not None and cache.would_admit(unit_key(u), kernel.decoded_nbytes) for u in units
+            cache is not None and cache.would_admit(unit_key(u.meta, u.unit), kernel.decoded_nbytes) for u in units
         ]
         if self.inflight is not None:
             wanted = [
@@ -165,7 +165,7 @@ class NativeTasks:
             if arr is not None and k not in bad:
                 arr.flags.writeable = False
                 if self.chunk_cache is not None:
-                    self.chunk_cache.put(unit_key(u), arr)
+                    self.chunk_cache.put(unit_key(u.meta, u.unit), arr)
                 if u.shared is not None:
                     self.inflight.settle(u.shared, array=arr)
 

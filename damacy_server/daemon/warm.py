@@ -15,6 +15,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.errors import DamacyError, SampleError
 from damacy_protocol.wire import error_to_wire
 from damacy_server.decode.chunks import check_length, decode_unit
+from damacy_server.plan.units import unit_key
 
 #: units located (and read) per step, so progress moves and memory stays small
 STEP = 256
@@ -130,7 +131,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
         unit = units[k]
         key = locs.keys[k]
         size = meta.layout.leaf.spec.nbytes
-        if cache.peek((meta.root, meta.generation, unit)) is not None:
+        if cache.peek(unit_key(meta, unit)) is not None:
             n += 1
             continue
         if not cache.has_room(size):
@@ -148,7 +149,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
         arr = np.array(arr)
         arr.flags.writeable = False
         stats.add("decode", time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
-        cached = cache.put((meta.root, meta.generation, unit), arr)
+        cached = cache.put(unit_key(meta, unit), arr)
         if cached:
             stats.add("warm", 0.0, bytes_out=arr.nbytes)
         n += cached

@@ -410,7 +410,7 @@ def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) 
     cache needs no shard index."""
     if cache is None or not len(units):
         return None, None
-    root, generation = meta.root, meta.generation  # (as unit_key names a unit's entry)
+    root, generation = meta.root, meta.generation  # (as unit_key names a unit's entry; inlined: hundreds a batch)
     found = cache.get_many([(root, generation, tuple(c)) for c in units.tolist()])
     hit = np.fromiter((a is not None for a in found), dtype=bool, count=len(found))
     return (found, hit) if hit.any() else (None, None)

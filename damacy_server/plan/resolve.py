@@ -270,7 +270,7 @@ class ZarrMetadata:
                         keys.append(self.store_of(image.levels[request[1]].uri)[1])
             for key in keys:
                 entry = self.cache.arrays.peek(key)
-                if entry is not None and entry.seen.checked < since and any(v is not None for _, v in entry.seen.docs):
+                if entry is not None and entry.seen.checked < since and entry.seen.version is not None:
                     todo[key] = (key[0] if isinstance(key, tuple) else key, entry.seen)
             # the consolidated metadata of groups above it (a plate's, an image's): what a
             # node not cached yet would be read from

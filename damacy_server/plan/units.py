@@ -79,10 +79,10 @@ class UnitJob:
         return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
 
 
-def unit_key(u: UnitJob) -> tuple:
+def unit_key(meta: ArrayMetadata, unit: tuple[int, ...]) -> tuple:
     """A unit's name in the chunk cache and among the units in flight: its array, the
     version its metadata was read at (a re-created array's units are others), its place."""
-    return (u.meta.root, u.meta.generation, u.unit)
+    return (meta.root, meta.generation, unit)
 
 
 class CachedUnits:

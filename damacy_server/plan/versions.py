@@ -14,6 +14,7 @@ by the caches' own order.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import OrderedDict
@@ -65,7 +66,7 @@ class Seen:
     docs: tuple[tuple[str, Hashable | None], ...]
     checked: float
 
-    @property
+    @functools.cached_property
     def version(self) -> tuple | None:
         """The documents' versions (None when no store could tell one)."""
         versions = tuple(v for _, v in self.docs)
