@@ -22,12 +22,19 @@ Repeats are interleaved (every reader once, then again); the report gives the me
 samples/s, CPU ms per sample, decoded bytes per delivered sample (damacy and the peer count
 them) and the ratios to the peer. The first batches of every reader are checked against
 zarr-python first.
+
+Beside them, ``zstd alone``: what decoding alone allows on this machine. Every chunk of the
+data, its compressed bytes already in memory, is decompressed with zstandard on as many
+threads as the readers use, times the decodes per epoch the peer made (its decoded bytes over
+the data's). No reader that decodes that much can pass this rate; its CPU per sample is the
+least any of them spends.
 """
 
 from __future__ import annotations
 
 import resource
 import statistics
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -168,6 +175,45 @@ def run_damacy_warm(scn: Scn, samples: list, memory: int, consume=None) -> dict:
 RUN = {"damacy": run_damacy, "once": run_once, "tensorstore": run_tensorstore, "damacy-uniform": run_damacy, "damacy-warm": run_damacy_warm}
 
 
+def zstd_frames(uris: list[str]) -> list[bytes]:
+    """The compressed bytes of every chunk of the arrays at ``uris`` (each a zstd frame: the
+    bench data's inner chunks are ``bytes`` then ``zstd``), located as damacy locates them."""
+    from damacy_server.read import default_metadata, open_array
+
+    frames = []
+    for uri in uris:
+        meta = open_array(uri)
+        grid = tuple(-(-s // u) for s, u in zip(meta.shape, meta.read_unit))
+        units = np.indices(grid).reshape(len(grid), -1).T.astype(np.int64)
+        locs = default_metadata().locate(meta, units)
+        for key, offset, nbytes, missing in zip(locs.keys, locs.offsets.tolist(), locs.nbytes.tolist(), locs.missing.tolist()):
+            if not missing:
+                frames.append(meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes))
+    return frames
+
+
+def zstd_alone(frames: list[bytes], threads: int) -> tuple[float, float]:
+    """Decompress every frame once on ``threads`` threads: (wall seconds, CPU seconds)."""
+    import zstandard
+
+    cpu: list[float] = []
+
+    def work(part: list[bytes]) -> None:
+        d = zstandard.ZstdDecompressor()
+        t = time.thread_time()
+        for f in part:
+            d.decompress(f)
+        cpu.append(time.thread_time() - t)
+
+    workers = [threading.Thread(target=work, args=(frames[i::threads],)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - t0, sum(cpu)
+
+
 def verify(scn: Scn, samples: list, memory: int, readers: list[str]) -> None:
     """The first two batches of every reader equal zarr-python's reads, converted to f32."""
     import zarr
@@ -186,6 +232,7 @@ def main(kinds: list[str], data: str, memories: list[int], repeats: int, readers
     uris = ensure(DEFAULT, Path(data))
     data_bytes = DEFAULT.volumes * int(np.prod(DEFAULT.shape)) * 2
     results: dict = {"epochs": EPOCHS, "batch": BATCH, "data_decoded_bytes": data_bytes, "runs": {}}
+    frames = zstd_frames(uris)
     for kind in kinds:
         scn = Scn(KINDS[kind][0])
         for memory in memories:
@@ -194,7 +241,11 @@ def main(kinds: list[str], data: str, memories: list[int], repeats: int, readers
             print(f"\n== {kind}, {memory >> 20} MiB for decoded data: {n} samples ({EPOCHS} epochs) of {scn.sample_shape} f32, batches of {BATCH}")
             verify(scn, windowed, memory, readers)
             runs: dict[str, dict[str, list[float]]] = {r: {"s": [], "cpu": [], "decoded": []} for r in readers}
+            alone: dict[str, list[float]] = {"s": [], "cpu": []}  # one pass over the data's chunks
             for rep in range(repeats):
+                wall, cpu = zstd_alone(frames, runners.CPUS)
+                alone["s"].append(wall)
+                alone["cpu"].append(cpu)
                 for r in readers if rep % 2 == 0 else readers[::-1]:
                     c0 = _cpu()
                     out = RUN[r](scn, uniform if r == "damacy-uniform" else windowed, memory)
@@ -212,6 +263,15 @@ def main(kinds: list[str], data: str, memories: list[int], repeats: int, readers
                     "runs_s": v["s"],
                 }
             peer = rows.get("once", {}).get("samples_per_s")
+            # the passes over the data an epoch needs: the peer's decodes (else once per epoch)
+            passes = EPOCHS * (rows.get("once", {}).get("decoded_per_epoch_x_data") or 1.0)
+            rows["zstd alone"] = {
+                "samples_per_s": n / (passes * statistics.median(alone["s"])),
+                "cpu_ms_per_sample": 1e3 * passes * statistics.median(alone["cpu"]) / n,
+                "decoded_MiB_per_sample": None,
+                "decoded_per_epoch_x_data": passes / EPOCHS,
+                "runs_s": alone["s"],
+            }
             print(f"{'reader':16} {'samples/s':>10} {'x once':>8} {'cpu ms/sample':>14} {'MiB decoded/sample':>19} {'decoded/epoch x data':>21}")
             for r, row in rows.items():
                 vs = f"{row['samples_per_s'] / peer:.2f}x" if peer else "-"
