@@ -25,7 +25,7 @@ from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import DamacyError, ErrorKind, InvalidArgument, PipelineDrained, ProtocolError
+from damacy_protocol.errors import DamacyError, ErrorKind, InvalidArgument, PipelineDrained, ProtocolError, SampleError
 from damacy_protocol.stats import as_dict
 from damacy_protocol.wire import error_from_wire, sample_to_wire
 from damacy_runtime import front, pinning
@@ -207,8 +207,9 @@ class RemotePipeline(PipelineAPI):
         if isinstance(reply, m.Failed):
             err = error_from_wire(reply.error)
             with self._cond:
-                consumed = [self._samples.pop(seq, None) for seq in reply.consumed]
+                by_seq = {seq: self._samples.pop(seq, None) for seq in reply.consumed}
                 self._cond.notify_all()
+            consumed = list(by_seq.values())
             if isinstance(err, PipelineDrained):
                 with self._cond:
                     error = self._due_source_error(drained=True)
@@ -216,8 +217,13 @@ class RemotePipeline(PipelineAPI):
                     raise error
             else:
                 self._next_call = self._request_pop()
-            if reply.error.seq is not None and hasattr(err, "sample"):
-                err.batch_samples = tuple(s for s in consumed if s is not None)  # type: ignore[attr-defined]
+            if consumed and hasattr(err, "batch_samples"):  # as embedded: the batch's samples and failures
+                err.batch_samples = tuple(s for s in consumed if s is not None)
+                if isinstance(err, SampleError):
+                    err.batch_errors = tuple(
+                        (by_seq.get(w.seq) if w.seq is not None else None, err if w.seq == reply.error.seq else error_from_wire(w))
+                        for w in reply.errors
+                    )
             if not isinstance(err, PipelineDrained):
                 self._handed(None, len(consumed))
             raise err

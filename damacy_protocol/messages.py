@@ -16,7 +16,7 @@ from damacy_protocol.errors import ErrorKind
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 7  # 6: samples carry flip and transpose; 7: and normalize
+PROTOCOL_VERSION = 8  # 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -198,6 +198,7 @@ class Failed(_Msg, tag="failed"):
     reply_to: RequestId
     error: WireError
     consumed: list[int] = []  # samples used up by the failed batch (on_error="raise")
+    errors: list[WireError] = []  # every failure of that batch, each naming its sample's seq
 
 
 class StatsReply(_Msg, tag="stats_reply"):

@@ -501,6 +501,28 @@ def test_on_error_raise(damaged, make):
             p.pop()
 
 
+def test_a_raised_batch_names_all_its_failures_and_samples(damaged, make):
+    """on_error="raise": the error a pop raises lists every (sample, error) of its batch and
+    every sample it consumed, the same in every mode (damacyd sends them all); the samples it
+    consumed are done with, so the end of the stream says drained even while the last batch
+    is held."""
+    oracle, good, corrupt, missing = damaged
+    short = damacy.Sample(corrupt.uri, np.s_[0:3, 0:7, 0:8])  # the wrong shape for the batch
+    with make(config(n=3, shape=(6, 7, 8), prepared_batches=1)) as p:
+        p.push([missing, good[0], short, good[1]])
+        with pytest.raises(damacy.NotFound) as e:
+            p.pop()
+        err = e.value
+        assert err.batch_samples == (missing, good[0], short)
+        assert [(s, type(x)) for s, x in err.batch_errors] == [(missing, damacy.NotFound), (short, damacy.InvalidArgument)]
+        assert err.batch_errors[0][1] is err and "3, 7, 8" in str(err.batch_errors[1][1])
+        with p.pop() as b:  # held while the stream ends: nothing else is outstanding
+            assert b.info.samples == (good[1],)
+            assert np.array_equal(b.numpy()[0], oracle[6:12].astype("f4"))
+            with pytest.raises(damacy.PipelineDrained):
+                p.pop()
+
+
 def test_on_error_fill(damaged, make):
     oracle, good, corrupt, missing = damaged
     with make(config(n=2, shape=(6, 7, 8), on_error="fill")) as p:

@@ -224,12 +224,16 @@ class Session:
         """The reply to ``pop`` for delivery ``d``: a batch, or why its batch failed."""
         if d.error is not None:
             err = d.error
-            first = err.batch_errors[0][0] if isinstance(err, SampleError) and err.batch_errors else None
-            seq = self._seq(first) if first is not None else None
-            consumed = [self._seq(s) for s in err.batch_samples] if isinstance(err, (SampleError, BatchFailed)) else []
+            # each sample's seq is taken once (it leaves self.seqs): the samples the batch
+            # consumed, then its errors' samples among them
+            used = err.batch_samples if isinstance(err, (SampleError, BatchFailed)) else ()
+            seqs = {id(s): self._seq(s) for s in used}
+            pairs = err.batch_errors if isinstance(err, SampleError) else ()
+            errors = [error_to_wire(e, seq=seqs[id(s)] if id(s) in seqs else self._seq(s)) for s, e in pairs]
             if not isinstance(err, SampleError):  # a batch that failed as a whole (its sample errors are counted as they happen)
-                self.host.totals.failed([err] * max(1, len(consumed)))
-            return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=consumed)
+                self.host.totals.failed([err] * max(1, len(seqs)))
+            seq = errors[0].seq if errors else None  # the first failure's sample: ``err`` is its error
+            return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=list(seqs.values()), errors=errors)
         self.lent[d.batch_id] = d.slot  # the engine's hold passes to the client until it releases
         self.delivered_batches += 1
         self.delivered_samples += len(d.samples)
