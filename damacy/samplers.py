@@ -50,6 +50,7 @@ rank partition, the per-array normalisation and the state they save.)
 
 from __future__ import annotations
 
+import copy
 import fractions
 import math
 import os
@@ -495,7 +496,13 @@ class _Sampler:
 
     def iter_from(self, offset: int) -> Iterator:
         """This rank's samples of the epoch from its ``offset``-th on, each computed when
-        reached (a pipeline restoring a position starts here instead of skipping)."""
+        reached (a pipeline restoring a position starts here instead of skipping). The
+        iteration is of the epoch and position the sampler has at this call: a ``set_epoch``
+        or ``load_state_dict`` after it (the next epoch queued while a pipeline still pulls
+        this one) leaves it as it is."""
+        return copy.copy(self)._samples_from(int(offset))
+
+    def _samples_from(self, offset: int) -> Iterator:
         pool = self._pool(self.consumed, self.world_size, self.local_world_size)
         per_rank = order.equal_share(len(pool), self.world_size, self._fill)
         runs = self._runs(self.local_world_size)

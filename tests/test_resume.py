@@ -130,6 +130,38 @@ def test_a_restore_leaves_out_what_was_seen_and_checks_the_state(tmp_path, make)
             pipe.load_state_dict({"offset": 3})
 
 
+@pytest.mark.parametrize("kind", ["shuffled", "random"])
+def test_the_next_epoch_queued_while_one_is_pulled_leaves_it_as_pushed(tmp_path, kind):
+    """set_epoch(e + 1) and a second push while the pipeline still pulls epoch e: epoch e is
+    read in its own order (an iteration keeps the epoch of its start), then e + 1, and the
+    state saved in epoch e names epoch e."""
+    data = np.arange(300, dtype=np.int32).reshape(300, 1)
+    write_array(tmp_path / "a.zarr", data, chunks=(100, 1))
+    uri = str(tmp_path / "a.zarr")
+    sampler = {
+        "shuffled": lambda: damacy.Shuffled([damacy.Sample(uri, np.s_[i : i + 1, 0:1]) for i in range(300)], seed=3),
+        "random": lambda: damacy.RandomBoxes({uri: (300, 1)}, (1, 1), seed=3, samples_per_epoch=300),
+    }[kind]()
+    want = {}
+    for e in (0, 1):
+        sampler.set_epoch(e)
+        want[e] = [s.selection[0].start for s in sampler.epoch_samples()]
+    assert want[0] != want[1]
+    cfg = damacy.Config(samples_per_batch=50, sample_shape=(1, 1), dtype="i32", lookahead_samples=50)
+    with damacy.Pipeline(cfg) as pipe:
+        sampler.set_epoch(0)
+        pipe.push(sampler)
+        sampler.set_epoch(1)
+        pipe.push(sampler)
+        got = []
+        for k, b in enumerate(pipe):
+            with b:
+                got.extend(b.numpy()[:, 0, 0].tolist())
+            if k == 2:
+                assert pipe.state_dict()["source_state"]["epoch"] == 0
+    assert got[:300] == want[0] and got[300:] == want[1]
+
+
 def test_progress_counts_a_prefix_of_released_batches():
     p = Progress()
     a, b, c = p.handed(4), p.handed(4), p.handed(3)
