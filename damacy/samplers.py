@@ -553,15 +553,14 @@ def _read_ranges(n: int, offsets: list[int], fill: str, runs: int | None) -> lis
             out.append((base, base + common * stride))
         for t, off in enumerate(group):
             out.extend((k, k + 1) for k in range(base + t + common * stride, base + t + off * stride, stride))
-    if fill == "repeat":  # indices past the pool wrapped to its start
+    if fill == "repeat":  # indices past the pool wrapped to its start (as often as they go round)
         wrapped = []
         for a, b in out:
-            if b <= n:
-                wrapped.append((a, b))
-            elif a >= n:
-                wrapped.append((a - n, b - n))
-            else:
-                wrapped.extend([(a, n), (0, b - n)])
+            if b - a >= n:
+                wrapped.append((0, n))
+                continue
+            a, b = a % n, a % n + b - a
+            wrapped.extend([(a, b)] if b <= n else [(a, n), (0, b - n)])
         out = wrapped
     return order.merge_ranges(out)
 

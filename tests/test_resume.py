@@ -279,6 +279,22 @@ def test_a_short_pool_after_a_resume_still_gives_every_rank_the_same_steps():
     assert [len(p) for p in parts] == [1, 1, 1, 1] and {_key(p[0]) for p in parts} == {_key(old.epoch_samples()[11])}
 
 
+def test_a_second_resume_after_shares_that_wrapped_round_the_pool_ends_the_epoch():
+    """Three ranks share the one sample two ranks left (each repeats it: its share wraps
+    round the pool twice); one rank resuming from their states finds the epoch read."""
+    items = [damacy.Sample("/e/a.zarr", ((i, i + 1), (0, 8))) for i in range(31)]
+    first = [{"offset": 15, "source_state": damacy.Shuffled(items, seed=0, rank=r, world_size=2).state_dict()} for r in range(2)]
+    second = []
+    for r in range(3):
+        s = damacy.Shuffled(items, seed=0, rank=r, world_size=3)
+        s.resume(first)
+        assert len(s) == 1
+        second.append({"offset": 1, "source_state": s.state_dict()})
+    last = damacy.Shuffled(items, seed=0, rank=0, world_size=1)
+    last.resume(second)
+    assert last.consumed == [(0, 31)] and len(last) == 0 and list(last) == []
+
+
 def test_state_before_the_first_push_and_refused_with_skip(tmp_path, make):
     write_array(tmp_path / "a.zarr", random_data((10, 10), "uint8", seed=1), chunks=(5, 5))
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 10), dtype="u8")
