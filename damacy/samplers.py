@@ -182,6 +182,11 @@ def _shapes(
     return _Arrays(out, shape_of, level, ndim)
 
 
+def _listed(arrays: Any) -> Any:
+    """A sampler's ``arrays`` as given, an iterator made a list (they are read more than once)."""
+    return arrays if isinstance(arrays, (Mapping, Sequence, str, os.PathLike)) else list(arrays)
+
+
 def _is_region(entry: Any) -> bool:
     """Whether an entry of ``arrays`` is a region (uri, ((start, stop), ...)) of an array."""
     return isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], (str, os.PathLike)) and isinstance(entry[1], (tuple, list))
@@ -651,6 +656,7 @@ class RandomBoxes(_Sampler):
         super().__init__(
             seed, rank, world_size, window=window, share_windows=share_windows, local_world_size=local_world_size, chunks_of=chunks_of
         )
+        arrays = _listed(arrays)
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.locality = bool(locality)
@@ -906,6 +912,7 @@ class GridBoxes(_Sampler):
         chunks_of: ChunksOf | None = None,
     ) -> None:
         super().__init__(0, rank, world_size, window=window, chunks_of=chunks_of)
+        arrays = _listed(arrays)
         self.scales = scales
         self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
         self.sample_shape = tuple(int(n) for n in sample_shape)
@@ -927,11 +934,19 @@ class GridBoxes(_Sampler):
         self.edge = edge
         self._grid_cache: tuple[list[list[np.ndarray]], np.ndarray] | None = None
         self.level = level
-        for uri, shape in self.arrays:  # (their axes were checked as the shapes were read)
-            if self.offsets is not None and (edge == "pad" or any(n < k for n, k in zip(shape, self.sample_shape))):
+        for uri, shape in self.arrays if self.offsets is not None else ():  # (their axes were checked as the shapes were read)
+            if edge == "pad" or any(n < k for n, k in zip(shape, self.sample_shape)):
                 raise InvalidArgument(
                     f"windows of {self.sample_shape} over a region of {shape} with edge={edge!r} would read past the region "
                     "(another region's data): regions take edge='shift' and windows that fit", uri=str(uri)
+                )
+            over = [a for a, (n, k, st) in enumerate(zip(shape, self.sample_shape, self.step)) if self._starts(n, k, st)[-1] + k > n]
+            if over:  # the last window cannot shift to the region's end on the scales' grid
+                raise InvalidArgument(
+                    f"the last window of {self.sample_shape} over a region of {shape} (step {self.step}) would start on a "
+                    f"multiple of {self.align} (scales {dict(scales or {})}) only past the region's end on axis {over[0]}, "
+                    "reading another region's data: give a step that tiles the region, or scales that keep the shifted "
+                    "window on their grid", uri=str(uri)
                 )
 
     def _starts(self, n: int, k: int, step: int) -> list[int]:

@@ -390,6 +390,14 @@ def test_splits_refuse_what_would_cross_them():
         damacy.RandomBoxes(split.regions("val"), (20, 64, 64), seed=0, samples_per_epoch=4)
     with pytest.raises(damacy.InvalidArgument, match="would read past the region"):
         damacy.GridBoxes(split.regions("val"), (8, 64, 64), edge="pad")
+    # a region of 5 planes, windows of 4 kept on a grid of 2 by the scales: the last window
+    # would start at 4 and reach into the next region
+    narrow = damacy.split_chunks(["/n.zarr"], {"train": 0.5, "val": 0.5}, seed=1, chunks_of=lambda u, level: ((20,), (5,), 1))
+    with pytest.raises(damacy.InvalidArgument, match="only past the region's end on axis 0"):
+        damacy.GridBoxes(narrow.regions("val"), (4,), scales={"half": 0.5})
+    # regions given as an iterator (read more than once) keep their places
+    for make in (lambda r: damacy.RandomBoxes(r, (4, 64, 64), seed=0, samples_per_epoch=50), lambda r: damacy.GridBoxes(r, (4, 64, 64))):
+        assert {split.owner(s) for s in make(iter(split.regions("val")))} == {"val"}
     with pytest.raises(damacy.InvalidArgument, match="summing to 1"):
         damacy.split_chunks(list(VOLS), {"train": 0.5, "val": 0.2}, seed=1, chunks_of=chunks_of)
     with pytest.raises(damacy.InvalidArgument, match="no split named 'test'"):
