@@ -71,6 +71,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _box_shape(sample_shape: Any) -> tuple[int, ...]:
+    """A sampler's ``sample_shape``: a positive integer per axis."""
+    shape = tuple(sample_shape) if isinstance(sample_shape, (Sequence, np.ndarray)) and not isinstance(sample_shape, str) else None
+    if not shape or any(not _is_int(n) or n < 1 for n in shape):
+        raise InvalidArgument(f"sample_shape must be a positive integer per axis, got {sample_shape!r}")
+    return tuple(int(n) for n in shape)
+
+
+def _axes(values: Any, what: str) -> list[int]:
+    """A sequence of axis numbers (``flips``, one of ``transposes``), checked to be integers."""
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
+        raise InvalidArgument(f"{what} must be a sequence of axis numbers, got {values!r}")
+    values = list(values)
+    if any(not _is_int(a) for a in values):
+        raise InvalidArgument(f"{what} must be a sequence of axis numbers, got {values!r}")
+    return [int(a) for a in values]
+
+
 def partition(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world size): as given, else torch.distributed's environment (``RANK``,
     ``WORLD_SIZE``, set by torchrun), else (0, 1)."""
@@ -407,9 +425,16 @@ class _Sampler:
             raise InvalidArgument(f"the states come from ranks of different partitions ((local_world_size, share_windows): {sorted(shares)})")
         (old_local, old_shared), = shares
         pool = self._pool(before, old_world, old_local, old_shared)
+        share = order.equal_share(len(pool), old_world, self._fill)
         offsets = [0] * old_world
         for st, x in zip(states, sources):
-            offsets[int(x["rank"])] = int(st["offset"])
+            offset = st.get("offset")
+            if not _is_int(offset) or not 0 <= offset <= share:
+                raise InvalidArgument(
+                    f"rank {x['rank']}'s state has offset {offset!r}; a pipeline state's offset counts the samples "
+                    f"of that rank's share ({share}) it read, from 0 to {share}"
+                )
+            offsets[int(x["rank"])] = int(offset)
         read = _read_ranges(len(pool), offsets, self._fill, self._runs(old_local, old_shared))
         if pool.order is not None:  # a materialised order (windows, locality): its positions
             parts = [pool.order[a:b] for a, b in read] + [np.arange(a, b) for a, b in before]
@@ -657,8 +682,9 @@ class RandomBoxes(_Sampler):
             seed, rank, world_size, window=window, share_windows=share_windows, local_world_size=local_world_size, chunks_of=chunks_of
         )
         arrays = _listed(arrays)
+        sample_shape = _box_shape(sample_shape)
         self.scales = scales
-        self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
+        self.align = _alignment(scales, sample_shape)
         self.locality = bool(locality)
         if self.locality and self.window is not None:
             raise InvalidArgument("locality and window order the epoch two ways: take window with share_windows=True for a node's ranks")
@@ -681,18 +707,23 @@ class RandomBoxes(_Sampler):
         elif weights is None:
             self.p = None
         else:
-            w = np.asarray(weights, dtype=np.float64)
+            try:
+                w = np.asarray(weights, dtype=np.float64)
+            except (TypeError, ValueError):
+                w = np.full(0, np.nan)  # refused below
             if w.shape != (len(self.arrays),) or not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
                 raise InvalidArgument(f"weights must be {len(self.arrays)} non-negative numbers, not all 0")
             self.p = w / w.sum()
         self.level = level
         ndim = len(self.sample_shape)
-        self.flips = tuple(sorted({int(a) for a in flips}))
+        self.flips = tuple(sorted(set(_axes(flips, "flips"))))
         if any(not 0 <= a < ndim for a in self.flips):
             raise InvalidArgument(f"flips {tuple(flips)} must be axes of the {ndim}-d samples")
-        self.transposes = [tuple(int(a) for a in t) for t in transposes]
+        if isinstance(transposes, (str, bytes, Mapping)) or not hasattr(transposes, "__iter__"):
+            raise InvalidArgument(f"transposes must be a sequence of axis orders, got {transposes!r}")
+        self.transposes = [tuple(_axes(t, "each of transposes")) for t in transposes]
         if any(sorted(t) != list(range(ndim)) for t in self.transposes):
-            raise InvalidArgument(f"transposes must be orders of the {ndim} axes, got {list(transposes)}")
+            raise InvalidArgument(f"transposes must be orders of the {ndim} axes, got {self.transposes}")
         if self.offsets is not None:  # a box must fit in every region, in every axis order drawn
             extents = [tuple(self.sample_shape[i] for i in np.argsort(t)) for t in self.transposes] or [self.sample_shape]
             for uri, shape in self.arrays:
@@ -913,9 +944,10 @@ class GridBoxes(_Sampler):
     ) -> None:
         super().__init__(0, rank, world_size, window=window, chunks_of=chunks_of)
         arrays = _listed(arrays)
+        sample_shape = _box_shape(sample_shape)
         self.scales = scales
-        self.align = _alignment(scales, tuple(int(n) for n in sample_shape))
-        self.sample_shape = tuple(int(n) for n in sample_shape)
+        self.align = _alignment(scales, sample_shape)
+        self.sample_shape = sample_shape
         self.arrays = _shapes(arrays, shape_of, level, len(self.sample_shape))
         if not len(self.arrays):
             raise InvalidArgument("GridBoxes needs at least one array")

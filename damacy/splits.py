@@ -42,11 +42,20 @@ class Split:
             raise InvalidArgument(f"no split named {name!r}; the splits are {sorted(self.parts)}")
         return [(uri, box) for uri, boxes in self.parts[name].items() for box in boxes]
 
-    def owner(self, sample: Sample | IndexQuery) -> str | None:
+    def owner(self, sample: Any) -> str | None:
         """The split whose regions hold every element ``sample`` reads (None: it reads from
         more than one split, or outside them all). Axes the selection leaves open (``a:``,
         ``...``, axes not named) reach the array's edges, known from the shapes
-        :func:`split_chunks` records."""
+        :func:`split_chunks` records. A MultiSample (arrays read at one box) belongs where
+        its parts of the split's arrays do (its label maps and masks, arrays the split does
+        not name, follow them); None where they differ or none is the split's."""
+        parts = getattr(sample, "parts", None)
+        if isinstance(parts, Mapping):
+            known = [p for p in parts.values() if any(p.uri in arrays for arrays in self.parts.values())]
+            owners = {self.owner(p) for p in known}
+            return owners.pop() if len(owners) == 1 else None
+        if not isinstance(sample, (Sample, IndexQuery)):
+            raise InvalidArgument(f"a split places samples (Sample, IndexQuery, MultiSample), got {type(sample).__name__}")
         spans = None
         for name, arrays in self.parts.items():
             for box in arrays.get(sample.uri, ()):
@@ -126,6 +135,10 @@ def split_chunks(
         raise InvalidArgument(f"fractions must be non-negative shares summing to 1, got {dict(fractions)}")
     if not isinstance(block, int) or block < 1:
         raise InvalidArgument(f"block must be a positive number of chunks, got {block!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
+        raise InvalidArgument(f"axis must be an axis number or None (whole arrays), got {axis!r}")
     chunks_of = chunks_of or metadata_chunks
     uris = [str(u) for u in arrays]
     if len(set(uris)) != len(uris) or not uris:

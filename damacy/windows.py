@@ -335,6 +335,8 @@ def chunk_windows(
     window = check_window(window)
     if not isinstance(buffer, int) or buffer < 1:
         raise InvalidArgument(f"buffer must be a positive number of samples, got {buffer!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
     index = CellIndex(chunks_of)
     it = iter(samples)
     round_ = 0

@@ -127,6 +127,33 @@ def test_counts_may_be_numpy_integers_and_bools_are_refused():
         damacy.GridBoxes({}, (4, 4, 4))
 
 
+def test_bad_arguments_are_refused_naming_them():
+    cases = [
+        (lambda: damacy.RandomBoxes(SHAPES, (0, 3, 3), seed=0, samples_per_epoch=2), "sample_shape must be a positive integer per axis"),
+        (lambda: damacy.RandomBoxes(SHAPES, (-2, 3, 3), seed=0, samples_per_epoch=2), "sample_shape must be a positive integer per axis"),
+        (lambda: damacy.GridBoxes(SHAPES, (0, 3, 3)), "sample_shape must be a positive integer per axis"),
+        (lambda: damacy.RandomBoxes(SHAPES, (3, 3, 3), seed=0, samples_per_epoch=3, flips="x"), "flips must be a sequence of axis numbers"),
+        (lambda: damacy.RandomBoxes(SHAPES, (3, 3, 3), seed=0, samples_per_epoch=3, transposes=[(0, "a", 2)]), "each of transposes must be"),
+        (lambda: damacy.RandomBoxes(SHAPES, (3, 3, 3), seed=0, samples_per_epoch=3, weights=["a", 1, 1]), "weights must be 3 non-negative numbers"),
+        (lambda: damacy.chunk_windows([], window=10, seed=-1), "seed must be a non-negative integer"),
+        (lambda: damacy.split_chunks(["/a"], {"t": 1.0}, seed=-1, chunks_of=lambda u, level: ((8,), (4,), 1)), "seed must be"),
+        (lambda: damacy.split_chunks(["/a"], {"t": 1.0}, seed=0, axis=0.0, chunks_of=lambda u, level: ((8,), (4,), 1)), "axis must be an axis number"),
+    ]
+    for make, message in cases:
+        with pytest.raises(damacy.InvalidArgument, match=message):
+            result = make()
+            list(result) if hasattr(result, "__next__") else None
+    # flips and transposes as any iterables of integers
+    s = damacy.RandomBoxes(SHAPES, (3, 3, 3), seed=0, samples_per_epoch=3, flips={2, 0}, transposes=iter([(2, 1, 0)]))
+    assert s.flips == (0, 2) and s.transposes == [(2, 1, 0)]
+    # an elastic resume checks each state's offset against its rank's share
+    items = [damacy.Sample("/a", ((i, i + 1),)) for i in range(10)]
+    state = damacy.Shuffled(items, seed=0).state_dict()
+    for bad in ({"source_state": state}, {"source_state": state, "offset": -1}, {"source_state": state, "offset": 11}):
+        with pytest.raises(damacy.InvalidArgument, match=r"offset .* from 0 to 10"):
+            damacy.Shuffled(items, seed=0).resume([bad])
+
+
 def test_sampler_state_round_trips_and_checks_the_seed():
     s = damacy.RandomBoxes(SHAPES, (4, 4, 4), seed=3, samples_per_epoch=9, rank=0, world_size=1)
     s.set_epoch(5)

@@ -376,6 +376,12 @@ def test_a_split_deals_chunk_blocks_and_its_boxes_stay_inside():
     assert [split.owner(s) for s in crossing] == [("val" if (u, z0 + 16) in blocks["val"] else None) for u, z0 in inside]
     whole = [damacy.Sample(u, np.s_[z0 : z0 + 16, :8, :8]) for u, z0 in blocks["train"] + blocks["val"]]
     assert split.filter(whole, "val") == whole[len(blocks["train"]) :]
+    # a MultiSample goes where its parts of the split's arrays go (a label map the split does
+    # not name follows them)
+    u, z0 = blocks["val"][0]
+    pair = damacy.MultiSample({"image": damacy.Sample(u, np.s_[z0 : z0 + 4, 0:8, 0:8]), "labels": damacy.Sample("/w/labels.zarr", np.s_[z0 : z0 + 4, 0:8, 0:8])})
+    assert split.owner(pair) == "val" and split.filter([pair], "val") == [pair]
+    assert split.owner(damacy.MultiSample({"labels": damacy.Sample("/w/labels.zarr", np.s_[0:4, 0:8, 0:8])})) is None
     # deterministic, and kept with a checkpoint as plain data
     again = damacy.split_chunks(list(VOLS), {"train": 0.75, "val": 0.25}, seed=4, chunks_of=chunks_of)
     assert again.parts == split.parts
