@@ -76,6 +76,7 @@ class RemotePipeline(PipelineAPI):
         self._progress = front.Progress()
         self._samples: dict[int, Any] = {}  # seq -> sample, for samples not yet delivered
         self._skipped: dict[int, Any] = {}  # seq -> sample dropped by the daemon, until reported
+        self._unlisted: list[tuple[Any, BaseException]] = []  # skipped ones a drain answered and a pop did not raise
         self._seq = itertools.count()
         self._pushed = False
         self._final_sent = True
@@ -202,6 +203,8 @@ class RemotePipeline(PipelineAPI):
                 raise call.error
             reply = call.reply
             if isinstance(reply, m.Failed) and reply.error.kind is ErrorKind.PIPELINE_DRAINED and self._stale_drain(call):
+                with self._cond:  # skipped samples it reports go with the next batch (or drain)
+                    self._unlisted.extend(self._skipped_of(reply.errors))
                 continue
             break
         if isinstance(reply, m.Failed):
@@ -213,6 +216,8 @@ class RemotePipeline(PipelineAPI):
             if isinstance(err, PipelineDrained):
                 with self._cond:
                     error = self._due_source_error(drained=True)
+                    err.skipped = (*self._unlisted, *self._skipped_of(reply.errors))
+                    self._unlisted = []
                 if error is not None:
                     raise error
             else:
@@ -282,7 +287,8 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             self._next_batch = r.batch_id + 1
             samples = tuple(self._samples.pop(seq, None) for seq in r.seqs)
-            skipped = tuple((self._skipped.pop(w.seq, None), error_from_wire(w)) for w in r.skipped)
+            skipped = (*self._unlisted, *self._skipped_of(r.skipped))
+            self._unlisted = []
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
         device = f"cuda:{self.config.device}" if self._link is not None else "cpu"
@@ -292,6 +298,10 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             self._lent[r.batch_id] = slot
         return batch
+
+    def _skipped_of(self, errors: list[m.WireError]) -> list[tuple[Any, BaseException]]:
+        """The (sample, error) of skipped samples the daemon reports (the lock held)."""
+        return [(self._skipped.pop(w.seq, None), error_from_wire(w)) for w in errors]
 
     def _held(self) -> int:
         """Batches handed out that are still held (by the Batch or arrays exported from it)."""

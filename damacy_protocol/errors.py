@@ -121,7 +121,13 @@ class BatchFailed(DamacyError):
 
 
 class PipelineDrained(DamacyError):
-    """``pop()`` was called with nothing pushed, or after every pushed sample was delivered."""
+    """``pop()`` was called with nothing pushed, or after every pushed sample was delivered.
+
+    ``skipped`` (``on_error="skip"``): samples skipped that no batch lists, with their errors:
+    those of batches that ended with every sample skipped once the input ran out, after the
+    last batch was handed out."""
+
+    skipped: tuple[tuple[Any, SampleError], ...] = ()
 
 
 class SlotsHeld(DamacyError, TimeoutError):

@@ -250,7 +250,9 @@ class Pipeline(PipelineAPI):
                 if not self._pushed:
                     raise PipelineDrained("nothing was pushed")
                 if self._drained():
-                    raise PipelineDrained(f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted")
+                    drained = PipelineDrained(f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted")
+                    drained.skipped = tuple(self.engine.take_skipped())
+                    raise drained
                 if self._all_slots_held():  # nothing can come until the caller lets a batch go
                     raise front.slots_held(self.engine.slot_count)
                 left = front.time_left(deadline)

@@ -560,6 +560,33 @@ def test_on_error_skip(damaged, make):
         assert sizes == [2, 1]
 
 
+def test_every_skipped_sample_is_listed_once(damaged, make):
+    """Skipped samples are listed with their errors by the batches (or, where every batch was
+    handed out already, by the drained pop's error), each once: also those of batches left
+    with no sample when the input ran out (two batches in flight here, both refilled from a
+    tail of bad samples)."""
+    oracle, good, corrupt, missing = damaged
+    kind = {id(missing): damacy.NotFound, id(corrupt): damacy.DecodeError}
+    with make(config(n=3, shape=(6, 7, 8), on_error="skip", lookahead_samples=6)) as p:
+        for stream in ([good[0], *[missing, corrupt] * 6], [good[1], missing, good[2], corrupt, missing]):
+            p.push(stream)
+            listed, got = [], []
+            while True:
+                try:
+                    b = p.pop()
+                except damacy.PipelineDrained as e:
+                    listed.extend(e.skipped)
+                    break
+                with b:
+                    got.extend(b.info.samples)
+                    listed.extend(b.info.skipped)
+                    for j, s in enumerate(b.info.samples):
+                        assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+            assert got == [s for s in stream if s in good]
+            assert sorted(map(repr, (s for s, _ in listed))) == sorted(repr(s) for s in stream if s not in good)
+            assert all(isinstance(e, kind[id(s)]) for s, e in listed)
+
+
 def test_skip_when_every_sample_fails(damaged, make):
     _, good, corrupt, missing = damaged
     with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:

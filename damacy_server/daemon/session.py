@@ -208,7 +208,8 @@ class Session:
                 consumed, self.discarded = self.discarded, []
                 n = engine.delivered_ids
                 err = PipelineDrained(f"all {n} batches were delivered and the input is exhausted")
-                self.reply(m.Failed(reply_to=pop.id, error=error_to_wire(err), consumed=consumed))
+                skipped = [error_to_wire(e, seq=self._seq(s)) for s, e in engine.take_skipped()]  # seqs reported before
+                self.reply(m.Failed(reply_to=pop.id, error=error_to_wire(err), consumed=consumed, errors=skipped))
             else:
                 return
 

@@ -153,6 +153,11 @@ class BatchEngine:
         self._patches: deque[_Pending] = deque()
         self._next_id = 0  # the next batch id to start
         self._next_out = 0  # the next batch id to deliver
+        # on_error="skip": the input had no sample left to replace a skipped one (until a
+        # batch starts again), and samples of batches that ended all skipped, passed over,
+        # waiting for a batch to list them
+        self._dry = False
+        self._carried: list[tuple[Any, SampleError]] = []
         self._native: np.dtype | None = None  # dtype="native": the first array's, for every batch
         # dtype="native" until an array fixes it: batches started and not yet planned. On a
         # plan pool batches plan side by side; the first array must be the first batch's, so
@@ -224,6 +229,7 @@ class BatchEngine:
             slot = self._free.popleft()
             batch_id = self._next_id
             self._next_id += 1
+            self._dry = False
             if self.spec.dtype is None and self._native is None:
                 self._unplanned.append(batch_id)
         slot.acquire()  # held while the batch is assembled and waits to be delivered
@@ -411,6 +417,9 @@ class BatchEngine:
         """Put ``samples`` (at most ``patch.needed``) where the dropped ones were; with none,
         the batch is delivered short."""
         pending = patch.pending
+        if not samples:
+            with self.cond:
+                self._dry = True
         positions = list(range(len(pending.samples), len(pending.samples) + len(samples)))
         pending.samples.extend(samples)
         pending.metas.extend([None] * len(samples))
@@ -430,7 +439,7 @@ class BatchEngine:
             delivery = Delivery(pending.batch_id, None, pending.samples, errors, error=first)
             pending.slot.release()
         elif not pending.samples:  # every sample was skipped and the input ran out
-            delivery = Delivery(pending.batch_id, None, [], [], error=_SKIPPED)  # type: ignore[arg-type]
+            delivery = Delivery(pending.batch_id, None, [], [], error=_SKIPPED, skipped=pending.skipped)  # type: ignore[arg-type]
             pending.slot.release()
         else:
             delivery = Delivery(
@@ -450,34 +459,63 @@ class BatchEngine:
         self._changed()
 
     def next_delivery(self) -> Delivery | None:
-        """The next delivery in batch order if it is ready (batches whose samples were all
-        skipped are passed over), else None. The delivery's slot stays held by the engine
-        until the caller releases it (see :meth:`hand_over`)."""
+        """The next delivery in batch order if it is ready, else None. The delivery's slot
+        stays held by the engine until the caller releases it (see :meth:`hand_over`).
+
+        Batches whose samples were all skipped (``on_error="skip"``, where the input ran
+        out) are passed over; the next batch handed out lists their samples with its own
+        skipped ones. Once the input has run out, a batch waits for the batches started
+        after it, so that the last one handed out lists those that end all skipped."""
         with self.cond:
-            while True:
-                delivery = self._ready.pop(self._next_out, None)
-                if delivery is None:
-                    return None
-                self._next_out += 1
-                self.cond.notify_all()
-                if delivery.error is not _SKIPPED:
-                    return delivery
+            self._pass_skipped()
+            if not self._head_ready():
+                return None
+            delivery = self._ready.pop(self._next_out)
+            self._next_out += 1
+            self._pass_skipped()  # (those right after it: only at the end of the input)
+            if self._carried and delivery.slot is not None:
+                delivery.skipped = [*delivery.skipped, *self._carried]
+                self._carried = []
+            self.cond.notify_all()
+            return delivery
+
+    def _pass_skipped(self) -> None:
+        """Pass over the batches next in order that ended all skipped, keeping their samples
+        for the next batch handed out (the lock held)."""
+        while (delivery := self._ready.get(self._next_out)) is not None and delivery.error is _SKIPPED:
+            del self._ready[self._next_out]
+            self._next_out += 1
+            self._carried.extend(delivery.skipped)
+            self.cond.notify_all()
+
+    def _head_ready(self) -> bool:
+        """Is a delivery due (the lock held)? See :meth:`next_delivery`."""
+        batch_id = self._next_out
+        while (delivery := self._ready.get(batch_id)) is not None and delivery.error is _SKIPPED:
+            batch_id += 1
+        if delivery is None:
+            return False
+        if self._dry and delivery.slot is not None:
+            return all(later in self._ready for later in range(batch_id + 1, self._next_id))
+        return True
+
+    def take_skipped(self) -> list[tuple[Any, SampleError]]:
+        """Samples of batches that ended all skipped that no batch handed out lists (every
+        batch before them was handed out already, and the input ended with them)."""
+        with self.cond:
+            self._pass_skipped()
+            carried, self._carried = self._carried, []
+            return carried
 
     def ready(self) -> bool:
         """Would :meth:`next_delivery` return one now?"""
         with self.cond:
-            batch_id = self._next_out
-            while True:
-                delivery = self._ready.get(batch_id)
-                if delivery is None:
-                    return False
-                if delivery.error is not _SKIPPED:
-                    return True
-                batch_id += 1
+            return self._head_ready()
 
     def idle(self) -> bool:
         """Everything started has been delivered and nothing waits for a refill."""
         with self.cond:
+            self._pass_skipped()
             return not self._patches and self._next_out >= self._next_id
 
     @property
