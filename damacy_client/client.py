@@ -27,7 +27,7 @@ from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, ErrorKind, InvalidArgument, PipelineDrained, ProtocolError, SampleError
 from damacy_protocol.stats import as_dict
-from damacy_protocol.wire import error_from_wire, sample_to_wire
+from damacy_protocol.wire import error_from_wire, fit_pushes, sample_to_wire
 from damacy_runtime import front, pinning
 from damacy_runtime.api import PipelineAPI
 from damacy_runtime.batch import Batch, Slot
@@ -57,6 +57,7 @@ class RemotePipeline(PipelineAPI):
         self._conn = Connection(endpoint, rank=rank, config=config, connect_timeout_s=connect_timeout_s, device=uuid)
         self.endpoint = self._conn.endpoint
         welcome = self._conn.welcome
+        self._max_message = welcome.max_message_bytes  # pushes are cut to fit it
         self._link: Link | None = None  # the GPU of a device session's slots
         try:
             if config.device is not None:
@@ -129,14 +130,17 @@ class RemotePipeline(PipelineAPI):
             with self._cond:  # counted, flagged and queued together, so a pop never misses it
                 final = not self._sources
                 if batch or final:
-                    try:
-                        call = self._conn.request(lambda i, b=batch, f=final: m.Push(id=i, samples=b, final=f))
-                    except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
-                        self._source_errors.append((self._last_seq, e))
-                        return
-                    self._push_calls.append(call)
-                    if batch:
-                        self._last_seq = batch[-1].seq
+                    parts = fit_pushes(batch, self._max_message)
+                    for k, part in enumerate(parts):
+                        last = final and k == len(parts) - 1
+                        try:
+                            call = self._conn.request(lambda i, b=part, f=last: m.Push(id=i, samples=b, final=f))
+                        except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
+                            self._source_errors.append((self._last_seq, e))
+                            return
+                        self._push_calls.append(call)
+                        if part:
+                            self._last_seq = part[-1].seq
                     if final:
                         self._final_sent = True
                 self._cond.notify_all()

@@ -16,7 +16,7 @@ from damacy_protocol.errors import ErrorKind
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 8  # 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors
+PROTOCOL_VERSION = 8  # 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -69,6 +69,7 @@ class WireSample(msgspec.Struct, array_like=True):
     flip: list[int] = []  # axes of the result reversed
     transpose: list[int] | None = None  # the result's axes in this order
     normalize: tuple[float, float] | None = None  # (offset, scale): (x - offset) * scale
+    refused: str | None = None  # why the client could not send it (too large a message): fails as a bad sample
 
 
 class WireError(msgspec.Struct):
@@ -169,6 +170,7 @@ class Welcome(_Msg, tag="welcome"):
     session: str
     slots: list[SlotInfo]
     credits: int  # samples the client may have in the session at once (see connection.py)
+    max_message_bytes: int = 0  # the largest message the daemon takes (0: not said); pushes are cut to fit
 
 
 class Ack(_Msg, tag="ack"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
+
 from damacy_protocol import messages as m
 from damacy_protocol.errors import ERRORS, InvalidArgument, SampleError, from_wire, kind_of
 from damacy_protocol.samples import IndexQuery, Sample
@@ -33,6 +35,39 @@ def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
         flip=list(sample.flip), transpose=None if sample.transpose is None else list(sample.transpose),
         normalize=sample.normalize,
     )
+
+
+#: room a push message takes beside its samples (its type, id, flag and framing), with margin
+PUSH_ROOM = 4096
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def fit_pushes(samples: list[m.WireSample], max_message_bytes: int) -> list[list[m.WireSample]]:
+    """``samples`` cut into pushes that each fit a message of ``max_message_bytes`` (0: one
+    push). A sample that alone does not fit goes as a refused stand-in (its seq, the start
+    of its uri), which the daemon fails as a bad sample saying why. At least one push (an
+    empty one says the input ended)."""
+    if not max_message_bytes:
+        return [samples]
+    room = max(max_message_bytes - PUSH_ROOM, 1)
+    out: list[list[m.WireSample]] = [[]]
+    used = 0
+    for w in samples:
+        size = len(_encoder.encode(w))
+        if size > room:
+            w = m.WireSample(
+                seq=w.seq, uri=w.uri[:1024], box=w.box, axes=[],
+                refused=f"the sample takes {size} bytes on the wire, more than a message to damacyd may hold "
+                f"({max_message_bytes} bytes: damacyd --max-message-size)",
+            )
+            size = len(_encoder.encode(w))
+        if out[-1] and used + size > room:
+            out.append([])
+            used = 0
+        out[-1].append(w)
+        used += size
+    return out
 
 
 def _entry_to_wire(e: Any) -> m.WireEntry:
@@ -62,9 +97,28 @@ def sample_from_wire(w: m.WireSample) -> Sample | IndexQuery:
     return kind(w.uri, entries, level=w.level, flip=w.flip, transpose=w.transpose, normalize=w.normalize)
 
 
+class _Listed:
+    """An index list of a wire sample as an error message shows it (a few of its indices)."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+
+    def __repr__(self) -> str:
+        if len(self.indices) > 8:
+            return "[" + ", ".join(map(str, self.indices[:4])) + f", ... ({len(self.indices)} indices)]"
+        return repr(self.indices)
+
+
+def longest_list(w: m.WireSample) -> int:
+    """The most indices an index list of ``w`` holds (0: none)."""
+    return max((len(a.indices) for a in w.axes if isinstance(a, m.WireList)), default=0)
+
+
 def describe_wire(w: m.WireSample) -> str:
     """How a wire sample reads in an error message (it may not make a valid Sample)."""
-    entries = tuple(_entry_from_wire(a) for a in w.axes)
+    entries = tuple(_Listed(a.indices) if isinstance(a, m.WireList) else _entry_from_wire(a) for a in w.axes)
     level = "" if w.level is None else f", level={w.level}"
     transform = (
         (f", flip={tuple(w.flip)}" if w.flip else "") + (f", transpose={tuple(w.transpose)}" if w.transpose else "")

@@ -326,6 +326,39 @@ def test_malformed_messages_get_an_error_and_the_daemon_goes_on(daemon):
         assert pipe.stats()["daemon"]["malformed_messages"] >= 3
 
 
+def test_pushes_fit_the_daemons_largest_message_and_long_lists_are_refused_unread(tmp_path):
+    """With --max-message-size 64K: 64 index queries of 2,000 indices (about 190 KB in all)
+    go as several pushes and are all delivered; a query whose list alone exceeds a message
+    fails as a bad sample saying so, and one whose list is longer than any axis of the
+    batch's samples is refused before it is read; the samples around them are delivered."""
+    data = random_data((64, 6000), "uint16", seed=4)
+    oracle = write_array(tmp_path / "w.zarr", data, chunks=(64, 512))
+    uri = str(tmp_path / "w.zarr")
+    proc = DaemonProcess(tmp_path, [tmp_path], ["--max-message-size", "64K"])
+    try:
+        idx = list(range(0, 4000, 2))
+        cfg = damacy.Config(samples_per_batch=4, sample_shape=(2000,), dtype="u16", lookahead_samples=256, on_error="fill")
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push([damacy.IndexQuery(uri, (i, idx)) for i in range(64)])
+            rows = []
+            for b in pipe:
+                with b:
+                    assert b.info.errors == ()
+                    rows.append(b.numpy().copy())
+            np.testing.assert_array_equal(np.concatenate(rows), oracle[:, idx])
+            huge = damacy.IndexQuery(uri, (0, list(range(30000)) * 2))  # about 180 KB on the wire
+            long = damacy.IndexQuery(uri, (1, list(range(2001))))
+            pipe.push([damacy.IndexQuery(uri, (2, idx)), huge, long, damacy.IndexQuery(uri, (3, idx))])
+            with pipe.pop() as b:
+                (i, e1), (j, e2) = b.info.errors
+                assert (i, j) == (1, 2) and isinstance(e1, damacy.InvalidArgument) and isinstance(e2, damacy.InvalidArgument)
+                assert "more than a message to damacyd may hold" in str(e1) and "--max-message-size" in str(e1)
+                assert "an index list of 2001 indices" in str(e2)
+                np.testing.assert_array_equal(b.numpy()[[0, 3]], oracle[[2, 3]][:, idx])
+    finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
+
+
 def test_session_config_is_checked(daemon):
     with pytest.raises(damacy.BudgetExceeded, match="max_memory_bytes"):
         damacy.Pipeline(damacy.Config(samples_per_batch=64, sample_shape=(512, 512, 512)), endpoint=daemon.endpoint)

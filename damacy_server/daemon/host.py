@@ -82,8 +82,9 @@ class SessionHost(Protocol):
     def check_descriptors(self, slots: int) -> None:
         """Refuse (BudgetExceeded) a session whose slots would leave too few descriptors."""
 
-    def to_sample(self, w: m.WireSample) -> Any:
-        """A wire sample as a sample, or a bad one when the daemon may not serve it."""
+    def to_sample(self, w: m.WireSample, longest: int | None = None) -> Any:
+        """A wire sample as a sample, or a bad one when the daemon may not serve it (or an
+        index list holds more than ``longest`` indices)."""
 
     def stats(self, session: Any = None) -> st.DaemonStats:
         """The daemon's figures (with ``session``'s own)."""

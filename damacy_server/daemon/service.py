@@ -39,7 +39,7 @@ from damacy_protocol.errors import (
     ProtocolError,
     SampleError,
 )
-from damacy_protocol.wire import describe_wire, error_to_wire, sample_from_wire
+from damacy_protocol.wire import describe_wire, error_to_wire, longest_list, sample_from_wire
 from damacy_runtime.waker import Waker
 from damacy_server.cpu.executor import CpuExecutor, CpuLimits
 from damacy_server.cuda.ipc import gpu_executor
@@ -436,10 +436,16 @@ class Daemon:
         with self._sessions_lock:
             return list(self.sessions.values())
 
-    def to_sample(self, w: m.WireSample) -> Any:
+    def to_sample(self, w: m.WireSample, longest: int | None = None) -> Any:
         """A wire sample as a Sample/IndexQuery; one that may not be served becomes a
-        :class:`BadSample` whose error its pop reports."""
+        :class:`BadSample` whose error its pop reports. ``longest``: the most indices an
+        index list may hold (the longest axis of the session's samples: a longer list is
+        refused before it is read, on this thread that serves every session)."""
         try:
+            if w.refused is not None:
+                raise InvalidArgument(w.refused)
+            if longest is not None and (n := longest_list(w)) > longest:
+                raise InvalidArgument(f"an index list of {n} indices selects more than the batch's samples hold (no axis is longer than {longest})")
             self.metadata.check_allowed(w.uri)
             return sample_from_wire(w)
         except (SampleError, ValueError, TypeError, OverflowError) as e:

@@ -135,6 +135,7 @@ class Session:
             session=self.sid,
             slots=self._slot_infos(),
             credits=self.lookahead,
+            max_message_bytes=self.host.options.max_message_bytes,
         )
 
     def _slot_infos(self) -> list[m.SlotInfo]:
@@ -174,8 +175,9 @@ class Session:
 
     def _push(self, msg: m.Push) -> None:
         samples = []
+        longest = max(self.config.sample_shape, default=1)
         for w in msg.samples:
-            sample = self.host.to_sample(w)
+            sample = self.host.to_sample(w, longest)
             self.seqs[id(sample)] = w.seq
             samples.append(sample)
         self.core.add(samples, final=self.stream.final)  # the stream counted the push already
