@@ -197,9 +197,16 @@ class RemotePipeline(PipelineAPI):
                 call = self._request_pop()
             if not call.event.is_set() and self._held() >= self.config.prepared_batches and not self._all_delivered():
                 # every slot is held here: no batch can come until one is released, so say so
-                # now (a stream with nothing left to deliver is answered, drained, at once)
+                # now (a stream with nothing left to deliver is answered, drained, at once),
+                # unless the feeder may yet find the input's end or its error (no slot needed)
                 self._next_call = call
-                raise front.slots_held(self.config.prepared_batches)
+                if not self._may_pull():
+                    raise front.slots_held(self.config.prepared_batches)
+                left = front.time_left(deadline)
+                if left is not None and left <= 0:
+                    raise self._waiting_for(timeout)
+                call.event.wait(0.05 if left is None else min(left, 0.05))
+                continue
             if not call.event.wait(front.time_left(deadline)):
                 self._next_call = call  # its answer will serve the next pop
                 raise self._waiting_for(timeout)
@@ -248,6 +255,11 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             later_input = not self._input_final()
         return later_input or (pop is not None and self._conn.stream(lambda s: s.pushed_since(pop)))
+
+    def _may_pull(self) -> bool:
+        """Can the feeder still pull from the pushed iterables (credits left)?"""
+        with self._cond:
+            return bool(self._sources) and self._conn.credits > 0
 
     def _all_delivered(self) -> bool:
         """Every sample pushed so far was delivered (or dropped) and no pushed iterable is left."""

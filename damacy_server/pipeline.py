@@ -282,15 +282,19 @@ class Pipeline(PipelineAPI):
 
     def _all_slots_held(self) -> bool:
         """Every slot is held by batches handed out (or arrays exported from them), and no
-        batch is being assembled or pulled, nor a failed one's slot held by the executor
-        (call with the lock held)."""
+        batch is being assembled or pulled, nor a failed one's slot held by the executor,
+        and the feeder has nothing left to do without a slot: pulling (which may find the
+        input exhausted, or raising) and an error to deliver need none (call with the lock
+        held)."""
         engine = self.engine
         return (
             not engine.free_slots()
             and not engine.abandoned_slots
             and engine.delivered_ids >= engine.started_ids
             and not self._pulling
+            and not (self._sources and self._core.room() > 0)
             and self._core.settled()
+            and not self._core.can_pump()
         )
 
     def _waiting_for(self, timeout: float) -> TimeoutError:

@@ -386,6 +386,29 @@ def test_drained_and_empty_pops_raise_at_once(store, make):
             assert b.info.batch_id == 1
 
 
+def test_a_pop_with_every_slot_held_at_the_end_of_the_input_says_drained_or_raises_the_inputs_error(store, make):
+    """Both slots held by the input's two batches: the next pop says the stream is drained
+    (or raises the exception the iterable raised after them), never SlotsHeld, whether or not
+    the feeder has yet found the input's end."""
+    uri, _ = store[1]["u16"]
+
+    def samples(fail):
+        for i in range(6):
+            yield damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8])
+        if fail:
+            raise ValueError("the input broke")
+
+    for trial in range(20):
+        fail = trial % 2 == 1
+        with make(config(n=3, prepared_batches=2)) as p:
+            p.push(samples(fail))
+            held = [p.pop(), p.pop()]
+            with pytest.raises(ValueError if fail else damacy.PipelineDrained):
+                p.pop()
+            for b in held:
+                b.release()
+
+
 def test_pop_timeout_names_what_it_waited_for(store, make):
     uri, _ = store[1]["u16"]
     gate = threading.Event()
