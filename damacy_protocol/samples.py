@@ -310,3 +310,13 @@ class IndexQuery:
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
         return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
+
+
+#: how an error names a pushed item that is no sample (its reason says what it was)
+PUSHED_ITEM = "a pushed item"
+
+
+def describe_item(item: Any) -> str:
+    """A pushed item that is no sample, as an error message names it."""
+    text = repr(item)
+    return f"{type(item).__name__} {text if len(text) <= 60 else text[:57] + '...'}"

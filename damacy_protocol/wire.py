@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 
 from damacy_protocol import messages as m
-from damacy_protocol.errors import ERRORS, InvalidArgument, SampleError, from_wire, kind_of
-from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.errors import ERRORS, SampleError, from_wire, kind_of
+from damacy_protocol.samples import IndexQuery, Sample, describe_item
 from damacy_protocol.selection import describe
 
 
@@ -25,10 +25,10 @@ def absolute_uri(uri: str) -> str:
 
 
 def sample_to_wire(seq: int, sample: Any) -> m.WireSample:
-    """Sample ``seq`` of a client as sent (a relative path made absolute here); InvalidArgument
-    for anything but a Sample or an IndexQuery."""
+    """Sample ``seq`` of a client as sent (a relative path made absolute here); anything but
+    a Sample or an IndexQuery goes as a refused stand-in (a bad sample saying why)."""
     if not isinstance(sample, (Sample, IndexQuery)):
-        raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
+        return m.WireSample(seq=seq, uri="", box=True, axes=[], refused=f"expected a Sample or an IndexQuery, got {describe_item(sample)}")
     axes = [_entry_to_wire(e) for e in sample.selection]
     return m.WireSample(
         seq=seq, uri=absolute_uri(sample.uri), box=isinstance(sample, Sample), axes=axes, level=sample.level,

@@ -546,6 +546,36 @@ def test_a_raised_batch_names_all_its_failures_and_samples(damaged, make):
                 p.pop()
 
 
+@pytest.mark.parametrize("on_error", ["raise", "fill", "skip"])
+def test_a_pushed_item_that_is_no_sample_is_a_bad_sample(damaged, make, on_error):
+    """It fails as a bad sample under the error policy, in every mode; the samples of its
+    batch are delivered (they were lost with the batch) and the stream goes on."""
+    oracle, good, _, _ = damaged
+    with make(config(n=2, shape=(6, 7, 8), on_error=on_error, lookahead_samples=2)) as p:
+        p.push([good[0], "junk", good[1], good[2]])
+        delivered, errors = [], []
+        while True:
+            try:
+                b = p.pop()
+            except damacy.InvalidArgument as e:
+                errors.append(e)
+                delivered.extend(s for s in e.batch_samples if s != "junk")
+                continue
+            except damacy.PipelineDrained:
+                break
+            with b:
+                for j, s in enumerate(b.info.samples):
+                    if s == "junk":
+                        assert (b.numpy()[j] == 0).all()  # no array, no fill value: zeros
+                        continue
+                    delivered.append(s)
+                    assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+                errors.extend(e for _, e in b.info.errors)
+                errors.extend(e for _, e in b.info.skipped)
+    assert delivered == good
+    assert len(errors) == 1 and "expected a Sample or an IndexQuery, got str 'junk'" in str(errors[0])
+
+
 def test_on_error_fill(damaged, make):
     oracle, good, corrupt, missing = damaged
     with make(config(n=2, shape=(6, 7, 8), on_error="fill")) as p:

@@ -39,6 +39,7 @@ from damacy_protocol.errors import (
     ProtocolError,
     SampleError,
 )
+from damacy_protocol.samples import PUSHED_ITEM
 from damacy_protocol.wire import describe_wire, error_to_wire, longest_list, sample_from_wire
 from damacy_runtime.waker import Waker
 from damacy_server.cpu.executor import CpuExecutor, CpuLimits
@@ -441,6 +442,8 @@ class Daemon:
         :class:`BadSample` whose error its pop reports. ``longest``: the most indices an
         index list may hold (the longest axis of the session's samples: a longer list is
         refused before it is read, on this thread that serves every session)."""
+        if w.refused is not None and not w.uri:  # a pushed item that is no sample
+            return BadSample(None, InvalidArgument(w.refused), PUSHED_ITEM)
         try:
             if w.refused is not None:
                 raise InvalidArgument(w.refused)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, SampleError
-from damacy_protocol.samples import IndexQuery, Sample
+from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
@@ -279,7 +279,7 @@ class ChunkPlanner:
         fills: list[tuple[int, Any]] = []
         by_array: dict[str, _ArrayRows] = {}
         # every array the batch names, those not cached read together (ZarrMetadata.arrays)
-        requests = [(s.uri, getattr(s, "level", None)) for s in samples if not isinstance(s, BadSample)]
+        requests = [(s.uri, getattr(s, "level", None)) for s in samples if isinstance(s, (Sample, IndexQuery, Selected))]
         if self.fresh_after is not None:
             self.metadata.recheck(requests, self.fresh_after)
         found = self.metadata.arrays(requests, self.fresh_after)
@@ -287,6 +287,8 @@ class ChunkPlanner:
             try:
                 if isinstance(sample, BadSample):
                     raise sample.error
+                if not isinstance(sample, (Sample, IndexQuery, Selected)):  # a pushed item that is no sample
+                    raise InvalidArgument(f"expected a Sample or an IndexQuery, got {describe_item(sample)}")
                 meta = found[(sample.uri, getattr(sample, "level", None))]
                 if isinstance(meta, SampleError):
                     raise meta.copy() from meta.__cause__
@@ -315,7 +317,8 @@ class ChunkPlanner:
                 if not acc.add(i, axes):
                     fills.append((i, meta.fill_value))  # pads outside the array
             except SampleError as e:
-                errors[i] = e.with_context(uri=sample.uri, sample=sample)
+                known = isinstance(sample, (Sample, IndexQuery, Selected, BadSample))
+                errors[i] = e.with_context(uri=sample.uri, sample=sample) if known else e.with_context(sample=PUSHED_ITEM)
 
         # where the units are; units that cannot be located fail their samples
         located = []
@@ -482,7 +485,7 @@ class BadSample:
 
     __slots__ = ("uri", "error", "description")
 
-    def __init__(self, uri: str, error: SampleError, description: str | None = None) -> None:
+    def __init__(self, uri: str | None, error: SampleError, description: str | None = None) -> None:
         self.uri = uri
         self.error = error
         self.description = description or f"sample of {uri!r}"
