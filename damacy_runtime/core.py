@@ -39,6 +39,7 @@ class Engine(Protocol):
     def start_error(self, error: BaseException) -> int: ...
     def take_patch(self) -> Any: ...
     def refill(self, patch: Any, samples: list[Any]) -> None: ...
+    def discard(self, patch: Any, samples: list[Any]) -> list[Any]: ...
     def patches_waiting(self) -> bool: ...
     def idle(self) -> bool: ...
 
@@ -111,6 +112,11 @@ class FrontCore:
             try:
                 if kind == "refill":
                     engine.refill(*what)
+                elif kind == "discard":  # too few replacements under drop_last: left out
+                    gone = engine.discard(*what)
+                    with self._lock:
+                        self.outstanding -= len(gone)
+                        self._discarded.extend(gone)
                 elif kind == "start":
                     engine.start(what)
                 else:
@@ -125,10 +131,14 @@ class FrontCore:
         queue = self._queue
         if self._patch is not None:
             need = self._patch.needed
-            if self._samples_before_error() < need and not self.final and not (queue and isinstance(queue[-1], _Raised)):
+            cut = bool(queue and isinstance(queue[-1], _Raised))  # an error follows: the batch ends before it
+            short = self._samples_before_error() < need
+            if short and not self.final and not cut:
                 return None  # wait for more input
             patch, self._patch = self._patch, None
             self._busy += 1
+            if short and self.drop_last and not cut:  # it would be delivered short
+                return "discard", (patch, self._take(need))
             return "refill", (patch, self._take(need))
         if queue and isinstance(queue[0], _Raised):
             self._busy += 1

@@ -640,6 +640,31 @@ def test_every_skipped_sample_is_listed_once(damaged, make):
             assert all(isinstance(e, kind[id(s)]) for s, e in listed)
 
 
+def test_skip_with_drop_last_hands_out_full_batches_only(damaged, make):
+    """on_error="skip", drop_last=True: a batch whose skipped samples find too few
+    replacements is left out like a short last batch (it was handed out short); every
+    skipped sample is still listed once."""
+    oracle, good, corrupt, missing = damaged
+    stream = [s for g in [*good, *good, *good, good[0]] for s in (g, missing)]  # 10 good, 10 bad
+    with make(config(n=3, shape=(6, 7, 8), on_error="skip", drop_last=True)) as p:
+        p.push(stream)
+        sizes, got, listed = [], [], []
+        while True:
+            try:
+                b = p.pop()
+            except damacy.PipelineDrained as e:
+                listed.extend(e.skipped)
+                break
+            with b:
+                sizes.append(len(b))
+                got.extend(b.info.samples)
+                listed.extend(b.info.skipped)
+                for j, s in enumerate(b.info.samples):
+                    assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+        assert sizes == [3, 3, 3] and all(s in good for s in got)
+        assert len(listed) == 10 and all(s is missing for s, _ in listed)
+
+
 def test_skip_when_every_sample_fails(damaged, make):
     _, good, corrupt, missing = damaged
     with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:

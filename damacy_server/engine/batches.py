@@ -417,7 +417,7 @@ class BatchEngine:
         """Put ``samples`` (at most ``patch.needed``) where the dropped ones were; with none,
         the batch is delivered short."""
         pending = patch.pending
-        if not samples:
+        if len(samples) < patch.needed:  # the input ran out
             with self.cond:
                 self._dry = True
         positions = list(range(len(pending.samples), len(pending.samples) + len(samples)))
@@ -427,6 +427,20 @@ class BatchEngine:
             self._run(pending, positions)
         else:
             self._finish(pending)
+
+    def discard(self, patch: Patch, samples: list[Any]) -> list[Any]:
+        """Leave out a batch that too few replacements would leave short (``drop_last``):
+        its slot goes back, it is passed over as a batch all skipped is (the next batch
+        handed out lists its skipped samples); returns its good samples and ``samples``
+        (the rest of the input), which are not delivered."""
+        pending = patch.pending
+        gone = [*pending.samples, *samples]
+        pending.samples = []
+        with self.cond:
+            self._dry = True
+        pending.slot.release()
+        self._deliver(Delivery(pending.batch_id, None, [], [], error=_SKIPPED, skipped=pending.skipped))  # type: ignore[arg-type]
+        return gone
 
     # -- delivering ---------------------------------------------------------------------
     def _finish(self, pending: _Pending) -> None:
