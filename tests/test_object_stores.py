@@ -376,7 +376,7 @@ def test_remote_uris_a_prefix_check_could_be_fooled_by_are_refused(uri, message)
 
 
 def test_unsupported_schemes_name_the_supported_ones():
-    with pytest.raises(damacy.UnsupportedError, match=r"'ftp'://.*s3://.*https://"):
+    with pytest.raises(damacy.UnsupportedError, match=r"'ftp'://.*s3://.*https://.*icechunk\+file:// and icechunk\+s3://"):
         damacy.read("ftp://host/a.zarr", np.s_[0:1])
 
 

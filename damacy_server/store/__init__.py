@@ -50,7 +50,8 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
         return (remote if remote is not None else _REMOTE).resolve(text)
     elif scheme and len(scheme) > 1:  # one letter: a Windows drive, not a scheme
         raise UnsupportedError(
-            f"storage scheme {scheme!r}:// is not supported (local paths, file://, {', '.join(s + '://' for s in SCHEMES)} are)",
+            f"storage scheme {scheme!r}:// is not supported (local paths, file://, {', '.join(s + '://' for s in SCHEMES)}, "
+            "icechunk+file:// and icechunk+s3:// are)",
             uri=text,
         )
     else:
