@@ -370,3 +370,26 @@ def test_a_deleter_run_while_an_export_holds_the_registry_does_not_deadlock():
     worker.start()
     worker.join(30)
     assert not worker.is_alive(), "the deleter waited for the lock its own thread holds"
+
+
+def test_device_slot_memory_is_counted_gone_only_when_its_last_user_is_and_the_gpu_writes_it_where_it_is():
+    """A device slot's bytes go back to the budget once the slot and every view of it are
+    gone (not at close while a view is held); the GPU device's kernels write a device slot at
+    its own address (the host stand-in shares this path but not CupyDevice's override)."""
+    import gc
+
+    from damacy_server.cuda.device import CupyDevice
+    from damacy_server.engine.slots import DeviceSlots
+
+    slots = DeviceSlots(HostDevice())
+    slot = slots.allocate(0, 1 << 20)
+    assert slots._gone == 0
+    released = []
+    view = slot.reshape((1024, 1024))
+    slots.close(released.append)
+    assert released == []  # still held
+    gpu = object.__new__(CupyDevice)  # no GPU here: a device array's address needs none
+    assert gpu.output_pointer(view) == view.ptr
+    del slot, view
+    gc.collect()
+    assert released == [1 << 20]

@@ -34,7 +34,7 @@ KERNELS = Path(__file__).resolve().parent / "kernels"
 class DeviceBuffer:
     """``nbytes`` of device memory at ``ptr``; ``owner`` keeps it alive."""
 
-    __slots__ = ("ptr", "nbytes", "owner")
+    __slots__ = ("ptr", "nbytes", "owner", "__weakref__")  # (slot memory is counted gone by a finalizer)
 
     def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
         self.ptr = ptr
@@ -390,7 +390,7 @@ class CupyDevice(Device):
         whole allocation, so kernels write the batch straight into it over the bus; on
         64-bit Linux with unified addressing its host address is its device address."""
         if not isinstance(array, np.ndarray):
-            return int(array.data.ptr)
+            return super().output_pointer(array)  # a device slot's, or a CuPy array's
         base = array
         while isinstance(base.base, np.ndarray):
             base = base.base
