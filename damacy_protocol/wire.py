@@ -20,8 +20,12 @@ from damacy_protocol.selection import describe
 
 def absolute_uri(uri: str) -> str:
     """A local path made absolute in this process's working directory (the daemon's is
-    another); a URL (``scheme://...``) as given."""
-    return uri if "://" in uri else os.path.abspath(uri)
+    another); a URL (``scheme://...``, or ``file:/path``) as given."""
+    if "://" in uri:
+        return uri
+    if uri[:5].lower() == "file:":  # file:/abs/path, or a relative file:path made absolute
+        return uri if uri[5:].startswith("/") else "file:" + os.path.abspath(uri[5:])
+    return os.path.abspath(uri)
 
 
 def sample_to_wire(seq: int, sample: Any) -> m.WireSample:

@@ -49,6 +49,27 @@ def _on_disk(folder) -> int:
     return sum(p.stat().st_blocks * 512 for p in folder.glob("??/*") if p.is_file())
 
 
+def test_a_disk_that_refuses_writes_and_removals_turns_entries_away_quietly(tmp_path, monkeypatch):
+    """A read-only filesystem refuses the write and even the removal of what was not
+    written (EROFS): put says False, as for any refusal, and raises nothing."""
+    import errno
+    from pathlib import Path
+
+    from damacy_server.store import disk
+
+    tier = DiskTier(str(tmp_path / "tier"), 1 << 20)
+    assert tier.put("a", b"kept")
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk, "open", refuse, raising=False)
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert tier.put("b", b"x" * 100) is False
+    monkeypatch.undo()
+    assert tier.get("a") == b"kept" and tier.get("b") is None
+
+
 def test_the_folder_is_the_tiers_own(tmp_path):
     # a folder holding anything else is refused, and nothing in it is touched
     other = tmp_path / "scratch"

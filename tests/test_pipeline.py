@@ -961,6 +961,11 @@ def test_relative_uris_name_the_callers_files_in_both_modes(store, make, monkeyp
         with p.pop() as b:
             assert b.info.samples[0].uri == name  # the caller's samples come back as given
             assert np.array_equal(b.numpy(), arr[0:12, 0:7, 0:8].astype("f4").reshape(2, 6, 7, 8))
+        # file: uris, absolute and relative, as embedded reads them
+        p.push([damacy.Sample(f"file:{uri}", np.s_[0:6, 0:7, 0:8]), damacy.Sample(f"file:{name}", np.s_[6:12, 0:7, 0:8])])
+        with p.pop() as b:
+            assert b.info.errors == ()
+            assert np.array_equal(b.numpy(), arr[0:12, 0:7, 0:8].astype("f4").reshape(2, 6, 7, 8))
 
 
 def test_both_kinds_are_a_damacy_pipeline(make):

@@ -23,6 +23,7 @@ store again. Clear the folder when the data is rewritten in place.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -190,13 +191,13 @@ class DiskTier:
                 f.write(key_bytes)
                 f.write(payload)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
             return False
         with self._lock:  # the file and its index entry change together
             try:
                 os.replace(tmp, final)  # whole, or not there at all
             except OSError:
-                tmp.unlink(missing_ok=True)
+                _remove(tmp)
                 return False
             self._unindex(name)
             self._index[name] = size
@@ -242,3 +243,10 @@ class DiskTier:
                 "entries": len(self._index), "bytes": self._bytes, "hits": self.hits, "misses": self.misses,
                 "writes": self.writes, "evictions": self.evictions, "refused": self.refused,
             }
+
+
+def _remove(path: Path) -> None:
+    """Remove a file written in part, if the disk lets us (a read-only one refuses even to
+    look: nothing was written there)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
