@@ -17,6 +17,30 @@ class DamacyError(Exception):
     """Base class of every damacy error."""
 
 
+def redact_uri(uri: str) -> str:
+    """``uri`` as errors and logs show it: credentials in it (``user:secret@``) and a query or
+    fragment (a signature, a token) replaced by ``***``; an icechunk uri's query and fragment
+    (its version and path) and an abfs container (``container@account``) are kept."""
+    if not isinstance(uri, str) or "://" not in uri:
+        return uri
+    scheme, rest = uri.split("://", 1)
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        if not (scheme.lower() in ("abfs", "abfss") and ":" not in user):
+            netloc = f"***@{host}"
+    if not scheme.lower().startswith("icechunk+"):
+        for mark in "?#":
+            if mark in netloc:
+                netloc = netloc.split(mark, 1)[0] + f"{mark}***"
+                slash = path = ""
+                break
+            if mark in path:
+                path = path.split(mark, 1)[0] + f"{mark}***"
+                break
+    return f"{scheme}://{netloc}{slash}{path}"
+
+
 class SampleError(DamacyError):
     """An error that concerns one sample or one array; the pipeline carries on after it.
 
@@ -40,9 +64,9 @@ class SampleError(DamacyError):
         chunk: tuple[int, ...] | None = None,
     ) -> None:
         self.reason = reason
-        self.uri = uri
+        self.uri = None if uri is None else redact_uri(uri)
         self.sample = None if sample is None else str(sample)
-        self.path = path
+        self.path = None if path is None else redact_uri(path)
         self.chunk = None if chunk is None else tuple(int(c) for c in chunk)
         super().__init__(self._message())
 
@@ -62,7 +86,7 @@ class SampleError(DamacyError):
     def with_context(self, *, uri: str | None = None, sample: Any = None) -> SampleError:
         """Fill in the uri and sample where they were unknown; returns ``self``."""
         if self.uri is None and uri is not None:
-            self.uri = uri
+            self.uri = redact_uri(uri)
         if self.sample is None and sample is not None:
             self.sample = str(sample)
         self.args = (self._message(),)

@@ -9,7 +9,7 @@ import operator
 from types import EllipsisType
 from typing import Any
 
-from damacy_protocol.errors import InvalidArgument
+from damacy_protocol.errors import InvalidArgument, redact_uri
 from damacy_protocol.selection import BOX, QUERY, Indices, describe, key
 from damacy_protocol.selection import normalize as normalize_selection
 
@@ -213,7 +213,7 @@ class Sample:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
-        return f"{type(self).__name__}({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
+        return f"{type(self).__name__}({redact_uri(self.uri)!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
 
 
 class Padding(Sample):
@@ -309,7 +309,7 @@ class IndexQuery:
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level}"
-        return f"IndexQuery({self.uri!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
+        return f"IndexQuery({redact_uri(self.uri)!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
 
 
 #: how an error names a pushed item that is no sample (its reason says what it was)

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from damacy_protocol import messages as m
-from damacy_protocol.errors import ERRORS, SampleError, from_wire, kind_of
+from damacy_protocol.errors import ERRORS, SampleError, from_wire, kind_of, redact_uri
 from damacy_protocol.samples import IndexQuery, Sample, describe_item
 from damacy_protocol.selection import describe
 
@@ -128,7 +128,7 @@ def describe_wire(w: m.WireSample) -> str:
         (f", flip={tuple(w.flip)}" if w.flip else "") + (f", transpose={tuple(w.transpose)}" if w.transpose else "")
         + (f", normalize={tuple(w.normalize)}" if w.normalize is not None else "")
     )
-    return f"{'Sample' if w.box else 'IndexQuery'}({w.uri!r}, {describe(entries)}{level}{transform})"
+    return f"{'Sample' if w.box else 'IndexQuery'}({redact_uri(w.uri)!r}, {describe(entries)}{level}{transform})"
 
 
 def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:

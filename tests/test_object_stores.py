@@ -663,3 +663,24 @@ def test_range_options_are_ones_obstore_takes(tmp_path):
     store = LocalStore(str(tmp_path))
     get = lambda offset, length: bytes(obstore.get(store, "x.bin", options={"range": _range_option(offset, length)}).bytes())  # noqa: E731
     assert get(2, 3) == bytes([2, 3, 4]) and get(7, -1) == bytes([7, 8, 9]) and get(-4, 4) == bytes([6, 7, 8, 9])
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["s3://AKIAEXAMPLE:hunter2secret@bkt/a.zarr", "https://host.example/a.zarr?X-Amz-Signature=hunter2secret", "gs://bkt/a.zarr#hunter2secret"],
+)
+def test_a_secret_in_a_uri_appears_in_no_error_and_no_daemon_log(uri, daemon):
+    """A uri with credentials, a signature or a fragment is refused; neither the error (its
+    uri, its sample) nor damacyd's log repeats the secret."""
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(1, 1), on_error="fill")
+    for kw in ({"embedded": True}, {"endpoint": daemon.endpoint}):
+        with damacy.Pipeline(cfg, **kw) as p:
+            p.push([damacy.Sample(uri, np.s_[0:1, 0:1])])
+            with p.pop() as b:
+                ((_, e),) = b.info.errors
+                assert isinstance(e, damacy.InvalidArgument) and "hunter2secret" not in str(e) and "***" in str(e)
+                assert "hunter2secret" not in repr(b.info.samples[0])
+    with pytest.raises(damacy.InvalidArgument) as e:
+        damacy.read(uri)
+    assert "hunter2secret" not in str(e.value) and "hunter2secret" not in str(e.value.uri)
+    assert "hunter2secret" not in daemon.log_path.read_text()

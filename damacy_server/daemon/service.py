@@ -38,6 +38,7 @@ from damacy_protocol.errors import (
     InvalidArgument,
     ProtocolError,
     SampleError,
+    redact_uri,
 )
 from damacy_protocol.samples import PUSHED_ITEM
 from damacy_protocol.wire import describe_wire, error_to_wire, longest_list, sample_from_wire
@@ -458,7 +459,9 @@ class Daemon:
             return BadSample(w.uri, e.with_context(uri=w.uri), describe_wire(w))
 
     def _log_refusal(self, uri: str, e: SampleError) -> None:
-        """A refused sample, logged once per cause (its reason), not once per sample."""
+        """A refused sample, logged once per cause (its reason), not once per sample (its uri
+        without the credentials or signature it may hold)."""
+        uri = redact_uri(uri)
         cause = e.reason
         if cause in self._refusals_logged or len(self._refusals_logged) >= 1024:
             return
