@@ -263,6 +263,20 @@ def test_units_decoded_on_the_host_are_counted_in_the_pipelines_stats(arrays):
         assert stats["name"] == "host" and (stats["host_decoded"] > 0) == host, name
 
 
+def test_zstd_chunks_larger_than_nvcomp_decodes_are_decoded_on_the_host(arrays, monkeypatch):
+    """nvCOMP's zstd takes chunks up to 2 GiB - 1; a larger one is decoded on the host
+    (here the limit is lowered below the test's chunks), not refused with the whole batch."""
+    from damacy_server.cuda import nvcomp
+
+    monkeypatch.setattr(nvcomp, "MAX_CHUNK_BYTES", 900)  # the chunks decode to 960 bytes
+    uri, _ = arrays["zstd-u16"]
+    other, _ = arrays["blosc-lz4-byte-u16"]
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, ((0, 6), (0, 9), (0, 11))), damacy.Sample(other, ((0, 6), (0, 9), (0, 11)))], (6, 9, 11))
+    (cpu_out, cpu_err), (gpu_out, gpu_err), gpu, device = both(plan, np.dtype("float32"))
+    assert not cpu_err and not gpu_err and all(same(a, b) for a, b in zip(gpu_out, cpu_out))
+    assert gpu.host_decoded > 0 and "zstd" not in [c for c, _ in device.decodes]
+
+
 def test_closing_the_cuda_executor_mid_stream_returns_its_device_memory(arrays):
     # batches queued for the host stage and the device thread when it closes: each still
     # runs, sees the close and gives back the device memory it reserved

@@ -108,7 +108,7 @@ def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here
             return unit
         check_length(meta, piece, job.nbytes, job.unit, job.key)
         names = tuple(c.name for c in leaf.b2b)
-        if stored is not None and names == ("zstd",):
+        if stored is not None and names == ("zstd",) and nbytes <= nvcomp.MAX_CHUNK_BYTES:  # (larger: nvCOMP refuses it)
             nvcomp.walk_zstd_frame(piece, nbytes)
             unit = Unit(job, "zstd")
             unit.frames.append((piece, 0, nbytes, "zstd"))
