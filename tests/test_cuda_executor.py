@@ -200,6 +200,33 @@ def test_a_bad_blosc_stream_fails_its_sample_only(arrays, tmp_path):
     assert np.array_equal(gpu_out[1], data[6:12, 8:16, 10:20].astype("f4"))
 
 
+@pytest.mark.parametrize("name, byte, bits", [
+    ("blosc-zstd-byte-f32-big", 0, 0x01),  # another frame format version
+    ("blosc-zstd-byte-f32-big", 1, 0x02),  # another compressor format version
+    ("blosc-zstd-byte-f32-big", 2, 0x04),  # bit and byte shuffle both flagged: the byte shuffle wins
+    ("blosc-lz4-f64", 2, 0x01),  # the same on a bit-shuffled frame
+])
+def test_a_blosc_header_reads_alike_on_both_paths(arrays, tmp_path, name, byte, bits):
+    """A frame whose header the CPU path (C-Blosc 1) refuses, the GPU path refuses too; one
+    it reads, the GPU path reads to the same values."""
+    import shutil
+
+    uri, _ = arrays[name]
+    src = tmp_path / "blosc"
+    shutil.copytree(uri, src)
+    chunk = src / "c" / "0" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[byte] ^= bits
+    chunk.write_bytes(bytes(raw))
+    plan = damacy.ChunkPlanner().plan([damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10])], (6, 8, 10))
+    (cpu_out, cpu_err), (gpu_out, gpu_err), _, _ = both(plan, np.dtype("float32"))
+    assert set(cpu_err) == set(gpu_err)
+    if byte < 2:
+        assert set(gpu_err) == {0} and "format version" in gpu_err[0].reason
+    else:
+        assert not gpu_err and same(gpu_out[0], cpu_out[0])
+
+
 def test_host_decoded_and_missing_units_of_a_big_endian_array_agree(tmp_path):
     """A gzip array (decoded on the host) stored big-endian, with a chunk never written: both
     kinds of unit reach the kernel in the array's one byte order."""

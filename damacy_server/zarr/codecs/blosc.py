@@ -76,6 +76,7 @@ def parse_header(data: Buffer) -> tuple[int, int]:
 FLAG_SHUFFLE, FLAG_MEMCPYED, FLAG_BITSHUFFLE, FLAG_DONT_SPLIT = 0x01, 0x02, 0x04, 0x10
 FORMATS = {0: "blosclz", 1: "lz4", 2: "snappy", 3: "zlib", 4: "zstd"}
 MAX_SPLITS, MIN_BUFFERSIZE = 16, 128
+VERSION_FORMAT, VERSIONLZ_FORMAT = 2, 1  # the frame's and every compressor's format version in C-Blosc 1
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,9 @@ class BloscFrame:
 def parse_frame(data: Buffer) -> BloscFrame:
     """The layout of a Blosc 1 frame: its header and every stream of every block."""
     nbytes, cbytes = parse_header(data)
-    version, _, flags, typesize, _, blocksize, _ = HEADER.unpack_from(data)
+    version, versionlz, flags, typesize, _, blocksize, _ = HEADER.unpack_from(data)
+    if (version, versionlz) != (VERSION_FORMAT, VERSIONLZ_FORMAT):  # what C-Blosc 1 writes, and all it reads
+        raise CorruptData(f"blosc: format version {version}.{versionlz}; C-Blosc 1 frames are {VERSION_FORMAT}.{VERSIONLZ_FORMAT}")
     if cbytes != len(data):
         raise CorruptData(f"blosc: header says {cbytes} compressed bytes, the chunk has {len(data)}")
     if typesize < 1 or nbytes < 0:
@@ -119,7 +122,14 @@ def parse_frame(data: Buffer) -> BloscFrame:
     fmt = (flags & 0xE0) >> 5
     if fmt not in FORMATS:
         raise CorruptData(f"blosc: unknown compressor format {fmt}")
-    shuffle = "bitshuffle" if flags & FLAG_BITSHUFFLE else "shuffle" if (flags & FLAG_SHUFFLE and typesize > 1) else "noshuffle"
+    # C-Blosc 1's order: a byte shuffle where both flags are set, a bit shuffle of blocks
+    # at least an item long
+    if flags & FLAG_SHUFFLE and typesize > 1:
+        shuffle = "shuffle"
+    elif flags & FLAG_BITSHUFFLE and blocksize >= typesize:
+        shuffle = "bitshuffle"
+    else:
+        shuffle = "noshuffle"
     memcpyed = bool(flags & FLAG_MEMCPYED)
     if memcpyed or nbytes == 0:
         if HEADER.size + nbytes > len(data):
@@ -139,6 +149,8 @@ def parse_frame(data: Buffer) -> BloscFrame:
         bsize = min(blocksize, nbytes - j * blocksize)
         leftover = bsize < blocksize
         split = not dont_split and typesize <= MAX_SPLITS and blocksize // typesize >= MIN_BUFFERSIZE and not leftover
+        if split and bsize % typesize:  # its streams would leave bytes of the block unwritten
+            raise CorruptData(f"blosc: block {j} of {bsize} bytes does not split into {typesize} streams")
         nsplits = typesize if split else 1
         neblock = bsize // nsplits
         pos = start
