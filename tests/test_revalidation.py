@@ -341,3 +341,34 @@ def test_a_load_that_lands_after_a_sessions_check_is_checked_before_use(tmp_path
     md.recheck([(uri, None)], since)  # nothing cached yet
     md._keep(root, stale, Seen(store, tuple(docs), began))  # the other read lands
     assert md.arrays([(uri, None)], since)[(uri, None)].shape == (8, 24, 20)
+
+
+def test_one_objects_failed_head_leaves_the_others_versions_asked(tmp_path):
+    """A HEAD that fails for one object (403, 500) is that object's: the next object of the
+    store is still asked (else an array re-created meanwhile would be taken as unchanged for
+    minutes); a server that does not take HEAD (501) is not asked again for a while."""
+    from damacy_server.store import resolve_uri
+    from damacy_server.store.remote import NO_HEAD_S
+
+    from object_servers import RangeServer
+
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    server = RangeServer(tmp_path)
+    try:
+        store, root = resolve_uri(f"{server.url}/a")
+        key = lambda name: store.join(root.rsplit("/", 1)[0], name)  # noqa: E731
+        for status in (403, 500):
+            server.fail["/b"] = [status] * 10
+            with pytest.raises(damacy.StorageError, match=f"HTTP {status}"):
+                store.version(key("b"))
+            assert store.version(key("a"))[-1] == 10  # asked, and answered
+        server.fail["/c"] = [501] * 10
+        with pytest.raises(damacy.StorageError, match="HTTP 501"):
+            store.version(key("c"))
+        asked = len(server.requests)
+        with pytest.raises(damacy.StorageError, match="refused a HEAD"):
+            store.version(key("a"))
+        assert len(server.requests) == asked and NO_HEAD_S > 60  # not asked
+    finally:
+        server.stop()

@@ -23,6 +23,12 @@ def first_line(e: BaseException) -> str:
     return next((line.strip(" x|") for line in lines if line.strip(" x|")), type(e).__name__)[:300]
 
 
+def http_status(e: BaseException) -> int | None:
+    """The HTTP status a storage library's failure reports (None: no server answered)."""
+    found = _STATUS.search(str(e))
+    return int(found.group(1)) if found else None
+
+
 def storage_error(e: BaseException, key: str) -> StorageError:
     """An obstore failure as a :class:`StorageError` naming the object, the HTTP status
     (when the server answered) or why no server answered, and the cause."""

@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlsplit
 
 from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
 from damacy_server.store.base import MISSING, ByteRange, Store, join_segments
-from damacy_server.store.failures import first_line, storage_error
+from damacy_server.store.failures import first_line, http_status, storage_error
 
 #: uri schemes read through obstore
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -50,11 +50,11 @@ CLIENT_OPTIONS = frozenset({
 })
 #: retry options: ``max_retries`` (default 3) and ``retry_timeout`` (seconds, default 60)
 RETRY_OPTIONS = frozenset({"max_retries", "retry_timeout"})
+#: how long a store whose server does not take HEAD requests is not asked for versions again
+NO_HEAD_S = 300.0
+NO_HEAD_STATUS = (405, 501)  # a server that does not take HEAD requests says one of these
 #: a request's defaults: long enough for a large range over a slow link, short enough that a
 #: stalled server is reported within a minute or two rather than obstore's three
-#: how long a store whose server refused a HEAD is not asked for versions again
-NO_HEAD_S = 300.0
-
 DEFAULT_CLIENT = {"timeout": "30s", "connect_timeout": "5s"}
 DEFAULT_RETRY = {"max_retries": 3, "retry_timeout": 60.0}
 
@@ -319,8 +319,10 @@ class ObjectStore(Store):
 
     def version(self, key: str) -> tuple | str:
         """The object's ETag, modification time, version and size (one HEAD). A HEAD that
-        fails raises StorageError, and so does every call for the next ``NO_HEAD_S`` without
-        a request (a server without HEAD would make each one wait out its retries)."""
+        fails raises StorageError; one the server does not take (405, 501) makes every call
+        for the next ``NO_HEAD_S`` raise without a request (a server without HEAD would make
+        each one wait out its retries). Other failures (one object's 403, a 500, a timeout)
+        are that call's: the store's other objects are still asked."""
         import obstore
 
         if time.monotonic() < self._no_head_until:
@@ -331,7 +333,8 @@ class ObjectStore(Store):
         except FileNotFoundError:
             return MISSING
         except Exception as e:
-            self._no_head_until = time.monotonic() + NO_HEAD_S
+            if http_status(e) in NO_HEAD_STATUS:
+                self._no_head_until = time.monotonic() + NO_HEAD_S
             raise storage_error(e, key) from None
         return (head.get("e_tag"), str(head.get("last_modified")), head.get("version"), head.get("size"))
 
