@@ -312,6 +312,13 @@ def test_a_range_past_the_end_is_short_and_a_failure_is_not_taken_for_one(http, 
     with pytest.raises(damacy.StorageError, match="HTTP 403") as info:
         store.read_range_sized(key, 0, 4)
     assert info.value.path == key
+    # a GET that failed (not its range) is reported as the GET's failure, with no HEAD after it
+    for status in (403, 500):
+        http.fail["/a.zarr/c/0/0"] = [status] * 10
+        asked = len(http.requests)
+        with pytest.raises(damacy.StorageError, match=f"HTTP {status}.*GET") as info:
+            store.read_range(key, 0, 4)
+        assert [m for m, p, _ in http.requests[asked:] if p == "/a.zarr/c/0/0"] == ["GET"] * (1 if status == 403 else 4)
 
 
 def test_a_stalled_server_times_out_and_the_other_samples_go_on(http, sharded):

@@ -29,6 +29,12 @@ def http_status(e: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def unanswered(e: BaseException) -> bool:
+    """Did no server answer (a connection that failed, a request that timed out)?"""
+    text = str(e)
+    return "kind: Connect" in text or "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower()
+
+
 def storage_error(e: BaseException, key: str) -> StorageError:
     """An obstore failure as a :class:`StorageError` naming the object, the HTTP status
     (when the server answered) or why no server answered, and the cause."""

@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlsplit
 
 from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
 from damacy_server.store.base import MISSING, ByteRange, Store, join_segments
-from damacy_server.store.failures import first_line, http_status, storage_error
+from damacy_server.store.failures import first_line, http_status, storage_error, unanswered
 
 #: uri schemes read through obstore
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -361,8 +361,15 @@ class ObjectStore(Store):
         range lies past its end (servers refuse such a range, 416), None when the object is
         gone; otherwise ``error``, as a :class:`StorageError`. Decided by the object's size
         (one HEAD, only after a failure), not by the words of the error: obstore reports a
-        refused range as a generic error."""
-        size = self.size(key)
+        refused range as a generic error. A GET that failed otherwise (another status than
+        416, no answer) raises its own error at once, with no HEAD after it."""
+        status = http_status(error)
+        if (status is not None and status != 416) or unanswered(error):
+            raise storage_error(error, key) from None
+        try:
+            size = self.size(key)
+        except StorageError:
+            raise storage_error(error, key) from None  # the GET's failure, not the HEAD's
         if size is None:
             return None
         past = offset >= size if offset >= 0 else -offset > size
