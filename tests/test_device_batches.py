@@ -393,3 +393,28 @@ def test_device_slot_memory_is_counted_gone_only_when_its_last_user_is_and_the_g
     del slot, view
     gc.collect()
     assert released == [1 << 20]
+
+
+def test_slot_memory_goes_back_to_the_allocator_only_after_the_consumers_fences():
+    """A slot's last view gone, the fences its consumers left (their kernels reading the last
+    batch) are waited for before the memory is freed: the allocator may hand it to a buffer
+    the executor's stream writes at once."""
+    import gc
+
+    waited = []
+
+    class Fenced(HostDevice):
+        def synchronize_event(self, event):
+            waited.append(event)
+
+    device = Fenced()
+    slot = device.array(4096)
+    view = slot[16:32]
+    slot.sync.add_fence("consumer A")
+    slot.sync.add_fence("consumer B")
+    del slot
+    gc.collect()
+    assert waited == []  # a view still holds the memory
+    del view
+    gc.collect()
+    assert waited == ["consumer A", "consumer B"]

@@ -25,21 +25,37 @@ from typing import Any
 
 import numpy as np
 
-from damacy_runtime.device import DeviceArray, StreamOrder
+from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
 from damacy_server.cuda import nvcomp
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 
 
 class DeviceBuffer:
-    """``nbytes`` of device memory at ``ptr``; ``owner`` keeps it alive."""
+    """``nbytes`` of device memory at ``ptr``; ``owner`` keeps it alive. A slot's buffer
+    knows its uses' order (``sync``, on ``device``): the fences consumers left when they let
+    its last batch go are waited for before the memory goes back to the allocator (another
+    allocation may be written on the executor's stream while a consumer's kernel still
+    reads this one)."""
 
-    __slots__ = ("ptr", "nbytes", "owner", "__weakref__")  # (slot memory is counted gone by a finalizer)
+    __slots__ = ("ptr", "nbytes", "owner", "sync", "device", "__weakref__")  # (slot memory is counted gone by a finalizer)
 
     def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
         self.ptr = ptr
         self.nbytes = nbytes
         self.owner = owner
+        self.sync: SlotSync | None = None
+        self.device: Device | None = None
+
+    def __del__(self) -> None:
+        sync, device = self.sync, self.device
+        if sync is None or device is None:
+            return
+        for event in sync.take_fences():
+            try:
+                device.synchronize_event(event)
+            except Exception:  # a finalizer raises nothing; a failed wait leaves the memory as the allocator takes it
+                pass
 
 
 class Device(StreamOrder):
@@ -109,7 +125,11 @@ class Device(StreamOrder):
     def array(self, nbytes: int) -> DeviceArray:
         """``nbytes`` of the device's memory as a byte array (a batch slot)."""
         buf = self.alloc(nbytes)
-        return DeviceArray(buf.ptr, (nbytes,), np.uint8, self, buf)
+        buf.sync, buf.device = SlotSync(), self
+        return DeviceArray(buf.ptr, (nbytes,), np.uint8, self, buf, sync=buf.sync)
+
+    def synchronize_event(self, event: Any) -> None:
+        """Wait on the host until ``event`` has happened (the stand-in's have at once)."""
 
 
 class HostDevice(Device):
@@ -290,6 +310,10 @@ class CupyDevice(Device):
     def wait_event(self, event: Any, stream: int | None = None) -> None:
         with self._cupy.cuda.Device(self.index):
             self._cupy.cuda.runtime.streamWaitEvent(self._stream(stream), event.ptr, 0)
+
+    def synchronize_event(self, event: Any) -> None:
+        with self._cupy.cuda.Device(self.index):
+            self._cupy.cuda.runtime.eventSynchronize(event.ptr)
 
     def record(self, event: Any, stream: int | None = None) -> None:
         with self._cupy.cuda.Device(self.index):
