@@ -100,7 +100,7 @@ def test_refusals_say_what_was_found(tmp_path):
         damacy.read(uri, scale=[1.0, 1.0])
     with pytest.raises(damacy.InvalidArgument, match="axes \\['t'\\]"):
         damacy.read(uri, scale={"t": 1.0})
-    with pytest.raises(damacy.InvalidArgument, match="positive numbers"):
+    with pytest.raises(damacy.InvalidArgument, match="positive finite numbers"):
         damacy.read(uri, scale=-1.0)
     zarr.open_group(str(tmp_path / "plain.zarr"), mode="w")
     with pytest.raises(damacy.InvalidArgument, match="not an NGFF image"):
@@ -190,3 +190,37 @@ def test_a_scale_may_be_a_numpy_number(tmp_path):
     path, data = pyramid(tmp_path / "img.zarr", 3)
     np.testing.assert_array_equal(damacy.read(path, scale=np.float32(2.0)), data[2])
     np.testing.assert_array_equal(damacy.read(path, scale=[np.float64(2.0), 1, np.int64(1)]), data[1])
+
+
+def _image(root, datasets, shapes):
+    """An NGFF 0.5 image of zyx levels written as given (its datasets' entries verbatim)."""
+    root.mkdir()
+    axes = [{"name": n, "type": "space"} for n in "zyx"]
+    (root / "zarr.json").write_text(json.dumps(
+        {"zarr_format": 3, "node_type": "group", "attributes": {"ome": {"version": "0.5", "multiscales": [{"axes": axes, "datasets": datasets}]}}}
+    ))
+    for k, shape in enumerate(shapes):
+        zarr.create_array(str(root / str(k)), shape=shape, dtype="u2", chunks=shape, fill_value=k + 1)
+    return str(root)
+
+
+def test_a_level_with_other_axes_or_a_bad_entry_fails_alone_and_transforms_compose_in_order(tmp_path):
+    scale = lambda *v: [{"type": "scale", "scale": list(v)}]  # noqa: E731
+    # level 1 is 2-d in a 3-d image: it fails alone, with its error; picking by scale skips it
+    uri = _image(tmp_path / "a", [{"path": "0"}, {"path": "1", "coordinateTransformations": scale(2, 2)}], [(4, 4, 4), (2, 2)])
+    image = damacy.open_image(uri)
+    assert image.levels[0].error is None and isinstance(image.levels[1].error, damacy.MetadataError)
+    assert "level 1 has 2 axes, the image 3" in str(image.levels[1].error) or "must list 2 numbers" in str(image.levels[1].error)
+    assert (damacy.read(uri, scale=2) == 1).all() and damacy.read(uri, scale=2).shape == (4, 4, 4)
+    with pytest.raises(damacy.MetadataError):
+        damacy.read(uri, level=1)
+    # a dataset entry that does not parse (a scale of 2 numbers) fails its level only
+    uri = _image(tmp_path / "b", [{"path": "0"}, {"path": "1", "coordinateTransformations": scale(2, 2)}], [(4, 4, 4), (2, 2, 2)])
+    assert damacy.read(uri, level=0).shape == (4, 4, 4)
+    assert isinstance(damacy.open_image(uri).levels[1].error, damacy.MetadataError)
+    # a translation before a scale is scaled by it
+    both = [{"type": "translation", "translation": [1, 1, 1]}, {"type": "scale", "scale": [2, 2, 2]}]
+    level = damacy.open_image(_image(tmp_path / "c", [{"path": "0", "coordinateTransformations": both}], [(4, 4, 4)])).levels[0]
+    assert level.scale == (2.0, 2.0, 2.0) and level.translation == (2.0, 2.0, 2.0)
+    with pytest.raises(damacy.InvalidArgument, match="positive finite"):
+        image.level_for(float("inf"))

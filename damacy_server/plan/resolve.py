@@ -489,25 +489,29 @@ class ZarrMetadata:
             raise MetadataError("NGFF multiscales[0].datasets must be a non-empty list", uri=str(uri))
         levels = []
         axes = None
+        ndim = None  # the image's axes: the first readable level's (they must list that many)
         for index in range(len(datasets)):
-            path = multiscale_path(doc, str(uri), index)
-            level_uri = f"{str(uri).rstrip('/')}/{path}"
+            path, level_uri = "", str(uri)
             level_docs: list = []
-            try:
+            try:  # a level that cannot be read or described fails its samples, not the others'
+                path = multiscale_path(doc, str(uri), index)
+                level_uri = f"{str(uri).rstrip('/')}/{path}"
                 with _malformed(level_uri):
                     meta = self._level(store, root, path, index, str(uri), level_docs, level_uri)
+                if ndim is not None and meta.ndim != ndim:
+                    raise MetadataError(f"NGFF level {index} has {meta.ndim} axes, the image {ndim}", uri=level_uri)
+                found_axes = axes if axes is not None else parse_axes(multiscale, meta.ndim, str(uri))
+                scale, translation = transforms(datasets[index].get("coordinateTransformations"), meta.ndim, level_uri)
+                outer, shift = transforms(multiscale.get("coordinateTransformations"), meta.ndim, str(uri))
             except StorageError:
                 raise  # perhaps passing: the image is not kept with it
-            except SampleError as e:  # this level's samples fail, not the others'
+            except SampleError as e:
                 levels.append(Level(index, path, level_uri, (), None, (), (), error=e))
                 continue
             finally:
                 docs.extend(level_docs)
+            axes, ndim = found_axes, meta.ndim
             meta = self._keep(store.join(root, *path.split("/")), meta, Seen(store, tuple(level_docs), began))
-            if axes is None:
-                axes = parse_axes(multiscale, meta.ndim, str(uri))
-            scale, translation = transforms(datasets[index].get("coordinateTransformations"), meta.ndim, str(uri))
-            outer, shift = transforms(multiscale.get("coordinateTransformations"), meta.ndim, str(uri))
             levels.append(Level(
                 index, path, level_uri, meta.shape, meta.dtype,
                 tuple(a * b for a, b in zip(scale, outer)), tuple(a * b + c for a, b, c in zip(translation, outer, shift)),

@@ -91,11 +91,14 @@ class Image:
                 names = [self.axes[k].name for k in spatial]
                 raise InvalidArgument(f"scale has {len(values)} values for the {len(spatial)} spatial axes {names}", uri=self.uri)
             targets = dict(zip(spatial, values))
-        if not targets or not all(isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and v > 0 for v in targets.values()):
-            raise InvalidArgument(f"scale sizes must be positive numbers, got {scale!r}", uri=self.uri)
+        if not targets or not all(
+            isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) and v > 0 for v in targets.values()
+        ):
+            raise InvalidArgument(f"scale sizes must be positive finite numbers, got {scale!r}", uri=self.uri)
 
         def distance(level: Level) -> float:
-            return max(abs(math.log(level.scale[k] / t)) if level.scale[k] > 0 else math.inf for k, t in targets.items())
+            ratios = [level.scale[k] / t for k, t in targets.items()]
+            return max(abs(math.log(r)) if 0 < r < math.inf else math.inf for r in ratios)
 
         readable = [i for i, level in enumerate(self.levels) if level.error is None]
         return min(readable, key=lambda i: (distance(self.levels[i]), i))
@@ -148,8 +151,9 @@ def transforms(entries: Any, ndim: int, uri: str) -> tuple[tuple[float, ...], tu
             values = t.get(kind)
             if not isinstance(values, list) or len(values) != ndim or not all(isinstance(v, (int, float)) for v in values):
                 raise MetadataError(f"NGFF {kind} must list {ndim} numbers, got {values!r}", uri=uri)
-            if kind == "scale":
+            if kind == "scale":  # applied after what came before it: a translation listed earlier scales too
                 scale = [a * b for a, b in zip(scale, values)]
+                translation = [a * b for a, b in zip(translation, values)]
             else:
                 translation = [a + b for a, b in zip(translation, values)]
         elif kind != "identity":
