@@ -96,7 +96,11 @@ def read(
     if out_of_bounds not in ("pad", "error"):
         raise InvalidArgument(f"out_of_bounds is 'pad' or 'error', got {out_of_bounds!r}", uri=str(uri))
     axes, drop = resolve(normalize(selection, READ, str(uri)), meta.shape, out_of_bounds, str(uri))
-    out = np.empty(selection_shape(axes), dtype=numpy_dtype(canonical_dtype(dtype), meta.dtype))
+    shape, out_dtype = selection_shape(axes), numpy_dtype(canonical_dtype(dtype), meta.dtype)
+    try:
+        out = np.empty(shape, dtype=out_dtype)
+    except (ValueError, MemoryError) as e:  # more than numpy may (or the machine can) hold
+        raise InvalidArgument(f"the selection's shape {shape} of {out_dtype.name} is too large to read into memory at once ({e})", uri=str(uri)) from None
     executor = _default_executor() if md.reader is None else CpuExecutor(_StoreReads(md.reader))
     finished = threading.Event()
     errors: dict[int, SampleError] = {}

@@ -119,7 +119,7 @@ def _v3(path, **over):
             {"name": "numcodecs.astype", "configuration": {"encode_dtype": "<f4", "decode_dtype": "zz"}},
             {"name": "bytes", "configuration": {"endian": "little"}},
         ]}, ["malformed metadata", "zz"]),
-        ("dims", {"shape": [1] * 65, "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1] * 65}}}, ["65 axes", "up to 64"]),
+        ("dims", {"shape": [1] * 64, "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1] * 64}}}, ["64 axes", "up to 63"]),
     ],
 )
 def test_metadata_no_check_names_is_still_a_metadata_error_of_its_sample(tmp_path, name, over, words):
@@ -283,6 +283,21 @@ def test_bad_selection(tmp_path, selection, cls, words):
     write_array(tmp_path / "b", np.zeros((8, 8), "u1"), chunks=(4, 4))
     with raises(cls, tmp_path / "b", *words):
         damacy.read(tmp_path / "b", selection)
+
+
+def test_selections_near_the_int64_limits_and_arrays_too_large_to_hold_are_refused_naming_why(tmp_path):
+    big = 2**62 - 1
+    write_array(tmp_path / "c", np.zeros((4, 4), "u2"), chunks=(2, 2))
+    edit_metadata(tmp_path / "c", shape=[big, big], chunk_grid={"name": "regular", "configuration": {"chunk_shape": [5, 5]}})
+    with raises(damacy.InvalidArgument, tmp_path / "c", "axis 0", "reaches past 2**62"):
+        damacy.read(tmp_path / "c", ((big - 2, big + 3), (0, 2)), out_of_bounds="pad")
+    with raises(damacy.InvalidArgument, tmp_path / "c", "too large to read into memory"):
+        damacy.read(tmp_path / "c")
+    assert (damacy.read(tmp_path / "c", ((big - 2, big + 1), (0, 2)), out_of_bounds="pad") == 0).all()
+    # 63 axes: the most an array may have, read
+    write_array(tmp_path / "d", np.zeros((1,) * 8, "u2"), chunks=(1,) * 8, fill_value=3)
+    edit_metadata(tmp_path / "d", shape=[1] * 63, chunk_grid={"name": "regular", "configuration": {"chunk_shape": [1] * 63}})
+    assert damacy.read(tmp_path / "d").shape == (1,) * 63
 
 
 def test_bad_dtype(tmp_path):

@@ -242,8 +242,9 @@ def _parse_chunk_grid(grid: Any, ndim: int, uri: str) -> tuple[int, ...]:
 _MAX_EXTENT = 1 << 62
 
 
-#: the most axes an array may have (numpy's)
-MAX_NDIM = 64
+#: the most axes an array may have (numpy's limit is 64 for an array, 63 for its index
+#: arithmetic, which the planner uses on the chunk grid)
+MAX_NDIM = 63
 
 
 def _int_tuple(value: Any, what: str, uri: str, minimum: int) -> tuple[int, ...]:
