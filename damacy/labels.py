@@ -55,6 +55,8 @@ def load_maps(maps: Sequence[Any] | Mapping[str, Any] | None, arrays: Sequence[t
         m = np.asarray(m)
         if m.ndim != len(shape):
             raise InvalidArgument(f"the {what} {_noun(what)[:-1]} has {m.ndim} axes, the array {len(shape)}", uri=name)
+        if 0 in shape:
+            raise InvalidArgument(f"the array has no elements (shape {tuple(shape)}): a {what} {_noun(what)[:-1]} has nothing to place boxes on", uri=name)
         out.append(m)
     return out if any(m is not None for m in out) else None
 
@@ -150,7 +152,10 @@ def check_ratios(ratios: Mapping[Any, float]) -> tuple[list[Any], np.ndarray]:
     if not isinstance(ratios, Mapping) or not ratios:
         raise InvalidArgument(f"label_ratios must be {{class: weight}} with at least one class, got {ratios!r}")
     classes = list(ratios)
-    w = np.array([ratios[c] for c in classes], dtype=np.float64)
+    values = [ratios[c] for c in classes]
+    if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) for v in values):
+        raise InvalidArgument(f"label_ratios' weights must be numbers, got {dict(ratios)}")
+    w = np.array(values, dtype=np.float64)
     if not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
         raise InvalidArgument(f"label_ratios' weights must be non-negative numbers, not all 0, got {dict(ratios)}")
     return classes, w / w.sum()

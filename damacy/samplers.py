@@ -836,7 +836,9 @@ class RandomBoxes(_Sampler):
                 point = self.maps.points(k, idx[sel], a, cls, shape, self._CELL, self._POINT)
                 size = sizes[sel]
                 top = np.maximum(0, shape - size) // self.align
-                origins[sel] = np.clip((point - size // 2) // self.align, 0, top) * self.align
+                # the aligned origin nearest the centred one (floored, a box no larger than
+                # the alignment could end before the point)
+                origins[sel] = np.clip((point - size // 2 + self.align // 2) // self.align, 0, top) * self.align
 
     def _enough_foreground(self, k: np.uint64, idx: np.ndarray, which: np.ndarray, origins: np.ndarray, sizes: np.ndarray, top: np.ndarray) -> None:
         """Boxes of arrays with a map holding less than ``min_foreground`` are drawn again

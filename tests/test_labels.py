@@ -67,6 +67,22 @@ def test_label_options_are_checked():
         damacy.RandomBoxes({"/d/a.zarr": SHAPE}, BOX, samples_per_epoch=10, labels=[lab], min_foreground=2.0, **KW)
     with pytest.raises(damacy.InvalidArgument, match="2 maps for 1 arrays"):
         damacy.RandomBoxes({"/d/a.zarr": SHAPE}, BOX, samples_per_epoch=10, labels=[lab, lab], label_ratios={1: 1}, **KW)
+    for weight in ("x", [1], True):
+        with pytest.raises(damacy.InvalidArgument, match="weights must be numbers"):
+            damacy.RandomBoxes({"/d/a.zarr": SHAPE}, BOX, samples_per_epoch=10, labels=[lab], label_ratios={1: weight}, **KW)
+    with pytest.raises(damacy.InvalidArgument, match="no elements"):
+        damacy.RandomBoxes({"/d/e.zarr": (0, 30)}, (4, 4), samples_per_epoch=4, foreground=[np.ones((1, 30))], min_foreground=0.5, **KW)
+
+
+def test_a_box_centred_on_foreground_holds_it_when_the_scales_align_boxes():
+    """Boxes of an aligned size (scales of 1/4: origins on multiples of 4) centred on the one
+    foreground element hold it (the origin is the aligned one nearest the centred box's)."""
+    mask = np.zeros(64, np.uint8)
+    mask[33] = 1
+    for size in (4, 8, 12):
+        s = damacy.RandomBoxes({"/d/a.zarr": (64,)}, (size,), samples_per_epoch=100, foreground=[mask], scales={"a": 0.25}, **KW)
+        boxes = [x.selection[0] for x in s]
+        assert all(b.start <= 33 < b.stop and b.start % 4 == 0 for b in boxes), (size, boxes[:3])
 
 
 def _exact_fraction(mask, shape, box):
