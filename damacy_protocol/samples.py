@@ -115,15 +115,23 @@ def _aabb_selection(aabb: Any, uri: str) -> tuple[Any, ...]:
     return tuple(entries)
 
 
+def _is_aabb_list(selection: Any) -> bool:
+    """A list of per-axis (start, stop) pairs or slices: an aabb given where a selection goes
+    (a list is never a Sample's selection: it would be an index list, an IndexQuery's)."""
+    return isinstance(selection, list) and bool(selection) and all(
+        isinstance(e, slice) or e is Ellipsis or (isinstance(e, (list, tuple)) and len(e) == 2) for e in selection
+    )
+
+
 class Sample:
     """A box of the array at ``uri``: per axis ``(start, stop)``, a slice or an integer (the
     axis is dropped), in a tuple (``np.s_[...]``); ``...`` stands for the axes not named and
     fewer entries select the rest whole (see :mod:`damacy_protocol.selection`).
 
     ``aabb=``: the box as the seed API writes it, a list (or tuple) of per-axis ``(start,
-    stop)`` pairs or slices: ``Sample(uri=uri, aabb=[(0, 64), (0, 256), (0, 256)])``. Always a
-    box (a list given as the selection is an index list, which only an :class:`IndexQuery`
-    takes).
+    stop)`` pairs or slices: ``Sample(uri=uri, aabb=[(0, 64), (0, 256), (0, 256)])``, or the
+    same list in the selection's place (``Sample(uri, [(0, 64), (0, 256), (0, 256)])``).
+    Always a box: any other list is an index list, which only an :class:`IndexQuery` takes.
 
     ``level``: for an OME-NGFF image uri, the level to read (the box is in its index space;
     none: level 0).
@@ -164,6 +172,8 @@ class Sample:
             entries = normalize_selection(_aabb_selection(aabb, uri), BOX, uri)
         elif selection is None:
             raise InvalidArgument("a Sample needs its box: a selection (np.s_[...]) or aabb=[(start, stop), ...]", uri=uri)
+        elif _is_aabb_list(selection):  # Sample(uri, [(start, stop), ...]): the seed's positional aabb
+            entries = normalize_selection(_aabb_selection(selection, uri), BOX, uri)
         else:
             entries = normalize_selection(selection, BOX, uri)
         object.__setattr__(self, "uri", uri)

@@ -270,13 +270,21 @@ def test_the_seed_spellings_composed_style(volume, monkeypatch):
         pipeline.push([
             damacy.Sample(uri=uri, aabb=[(0, 8), (0, 16), (0, 16)]),
             damacy.Sample(uri=uri, aabb=((16, 24), (-4, 12), slice(40, 56))),  # a tuple, a slice; padded
+            damacy.Sample(uri, [(0, 8), (0, 16), (0, 16)]),  # DESIGN's Sample(uri, aabb): the box in the selection's place
+            damacy.Sample(uri, [(8, 16), slice(0, 16), [16, 32]]),
         ])
-        with pipeline.pop() as batch:
-            array = np.from_dlpack(batch)
-            assert array.shape == (2, 8, 16, 16)
-            assert np.array_equal(array[0], arr[0:8, 0:16, 0:16].astype("f4"))
-            assert same(array[1], expected_box(arr, [(16, 24), (-4, 12), (40, 56)], np.dtype("f4")))
-            del array
+        for first in (0, 2):
+            with pipeline.pop() as batch:
+                array = np.from_dlpack(batch)
+                assert array.shape == (2, 8, 16, 16)
+                assert np.array_equal(array[0], arr[0:8, 0:16, 0:16].astype("f4"))
+                if first == 0:
+                    assert same(array[1], expected_box(arr, [(16, 24), (-4, 12), (40, 56)], np.dtype("f4")))
+                else:
+                    assert np.array_equal(array[1], arr[8:16, 0:16, 16:32].astype("f4"))
+                del array
+    with pytest.raises(damacy.InvalidArgument, match="a list selects indices"):
+        damacy.Sample(uri, [0, 8])  # a flat list is an index list: an IndexQuery's
     query = damacy.IndexQuery(uri=uri, selection=([7, 2, 7], slice(16, 40), [10, 3, 40, 3]))
     assert query.shape == (3, 24, 4)
     assert np.array_equal(damacy.read(uri, query.selection), arr.oindex[[7, 2, 7], 16:40, [10, 3, 40, 3]])
