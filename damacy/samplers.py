@@ -109,11 +109,19 @@ class _Arrays(Sequence):
     for, so an epoch over 10^5 arrays reads only those it draws; iterating reads every shape
     not read yet, ``concurrency`` at a time (the metadata's readers)."""
 
-    def __init__(self, entries: list[tuple[Any, tuple[int, ...] | None]], shape_of: Callable[[str], Sequence[int]] | None, level: int | None, ndim: int | None) -> None:
+    def __init__(
+        self, entries: list[tuple[Any, tuple[int, ...] | None]], shape_of: Callable[[str], Sequence[int]] | None, level: int | None,
+        ndim: int | None, box: tuple[int, ...] | None = None,
+    ) -> None:
         self._entries = entries
         self._shape_of = shape_of
         self._level = level
         self._ndim = ndim
+        # with ``box`` (a sampler drawing boxes as it goes), an array whose metadata cannot be
+        # read stands as one box at its origin: its samples fail when read, naming it and the
+        # cause, under the pipeline's error policy, and the epoch goes on
+        self._box = box
+        self.unreadable: dict[int, Exception] = {}
         for where, shape in entries:
             if shape is not None:
                 self._check(where, shape)
@@ -141,10 +149,14 @@ class _Arrays(Sequence):
 
             found = default_metadata().arrays((u, self._level) for u in uris)
             shapes = []
-            for u in uris:
+            for a, u in zip(indices, uris):
                 meta = found[(u, self._level)]
                 if isinstance(meta, Exception):
-                    raise meta
+                    if self._box is None:
+                        raise meta
+                    self.unreadable[a] = meta
+                    shapes.append(self._box)
+                    continue
                 shapes.append(tuple(meta.shape))
         for a, shape in zip(indices, shapes):
             self._check(self._entries[a][0], shape)
@@ -175,11 +187,12 @@ def _shapes(
     shape_of: Callable[[str], Sequence[int]] | None,
     level: int | None = None,
     ndim: int | None = None,
+    box: tuple[int, ...] | None = None,
 ) -> _Arrays:
     """A sampler's ``arrays`` argument as :class:`_Arrays` (shapes given kept, others read on
-    first use)."""
+    first use; ``box``: see :class:`_Arrays`)."""
     if isinstance(arrays, Mapping):
-        return _Arrays([(str(u), tuple(int(n) for n in s)) for u, s in arrays.items()], shape_of, level, ndim)
+        return _Arrays([(str(u), tuple(int(n) for n in s)) for u, s in arrays.items()], shape_of, level, ndim, box)
     if isinstance(arrays, (str, os.PathLike)):
         arrays = [arrays]
     out: list[tuple[Any, tuple[int, ...] | None]] = []
@@ -197,7 +210,7 @@ def _shapes(
         # which must not happen in the middle of an epoch (a daemon client's heartbeats
         # would stop), only the reads of the shapes do
         import damacy_server.read  # noqa: F401
-    return _Arrays(out, shape_of, level, ndim)
+    return _Arrays(out, shape_of, level, ndim, box)
 
 
 def _listed(arrays: Any) -> Any:
@@ -691,7 +704,7 @@ class RandomBoxes(_Sampler):
         self.sample_shape = tuple(int(n) for n in sample_shape)
         # shapes not given are read when an array is first drawn (an epoch over a plate of
         # 10^5 images opens those it reads); weights by region sizes and masks need them all
-        self.arrays = _shapes(arrays, shape_of, level, len(self.sample_shape))
+        self.arrays = _shapes(arrays, shape_of, level, len(self.sample_shape), self.sample_shape)
         if not len(self.arrays):
             raise InvalidArgument("RandomBoxes needs at least one array")
         self.offsets = _offsets(arrays, self.align)

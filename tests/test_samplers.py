@@ -286,3 +286,32 @@ def test_foreground_boxes_near_an_edge_stay_inside_and_keep_scaled_parts_whole()
     for m in s:
         assert m["image"].selection == (slice(0, 8), slice(32, 40))  # inside, on even origins
         assert m["label"].selection == (slice(0, 4), slice(16, 20))
+
+
+def test_an_array_that_cannot_be_opened_fails_its_samples_and_the_epoch_goes_on(tmp_path, make):
+    """RandomBoxes reads an array's shape when it first draws it: one that cannot be opened
+    (a plate's missing field, a broken zarr.json) stands as one box at its origin, whose
+    samples fail naming it under the error policy, and the epoch is delivered whole."""
+    data = random_data((16, 16), "uint16", seed=3)
+    write_array(tmp_path / "good.zarr", data, chunks=(8, 8))
+    (tmp_path / "broken.zarr").mkdir()
+    (tmp_path / "broken.zarr" / "zarr.json").write_text("{not json")
+    uris = [str(tmp_path / "good.zarr"), str(tmp_path / "gone.zarr"), str(tmp_path / "broken.zarr")]
+    sampler = damacy.RandomBoxes(uris, (4, 4), seed=1, samples_per_epoch=30, rank=0, world_size=1)
+    with make(damacy.Config(samples_per_batch=5, sample_shape=(4, 4), dtype="u16", on_error="fill")) as p:
+        p.push(sampler)
+        seen = failed = 0
+        for b in p:
+            with b:
+                errors = dict(b.info.errors)
+                for j, s in enumerate(b.info.samples):
+                    seen += 1
+                    if s.uri == uris[0]:
+                        assert j not in errors and np.array_equal(b.numpy()[j], data[s.selection])
+                    else:
+                        failed += 1
+                        assert s.selection == (slice(0, 4), slice(0, 4))
+                        kind = damacy.NotFound if s.uri == uris[1] else damacy.MetadataError
+                        assert isinstance(errors[j], kind) and s.uri in str(errors[j])
+    assert seen == 30 and 0 < failed < 30
+    assert sorted(sampler.arrays.unreadable) == [1, 2]
