@@ -613,6 +613,24 @@ def test_on_error_skip(damaged, make):
         assert sizes == [2, 1]
 
 
+def _drain_skipping(p, oracle):
+    """Pop every batch until drained, each checked against ``oracle``: (batch sizes, samples
+    delivered, (sample, error) skipped, from the batches and the drained pop's error)."""
+    sizes, got, listed = [], [], []
+    while True:
+        try:
+            b = p.pop()
+        except damacy.PipelineDrained as e:
+            listed.extend(e.skipped)
+            return sizes, got, listed
+        with b:
+            sizes.append(len(b))
+            got.extend(b.info.samples)
+            listed.extend(b.info.skipped)
+            for j, s in enumerate(b.info.samples):
+                assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+
+
 def test_every_skipped_sample_is_listed_once(damaged, make):
     """Skipped samples are listed with their errors by the batches (or, where every batch was
     handed out already, by the drained pop's error), each once: also those of batches left
@@ -623,18 +641,7 @@ def test_every_skipped_sample_is_listed_once(damaged, make):
     with make(config(n=3, shape=(6, 7, 8), on_error="skip", lookahead_samples=6)) as p:
         for stream in ([good[0], *[missing, corrupt] * 6], [good[1], missing, good[2], corrupt, missing]):
             p.push(stream)
-            listed, got = [], []
-            while True:
-                try:
-                    b = p.pop()
-                except damacy.PipelineDrained as e:
-                    listed.extend(e.skipped)
-                    break
-                with b:
-                    got.extend(b.info.samples)
-                    listed.extend(b.info.skipped)
-                    for j, s in enumerate(b.info.samples):
-                        assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+            _, got, listed = _drain_skipping(p, oracle)
             assert got == [s for s in stream if s in good]
             assert sorted(map(repr, (s for s, _ in listed))) == sorted(repr(s) for s in stream if s not in good)
             assert all(isinstance(e, kind[id(s)]) for s, e in listed)
@@ -648,19 +655,7 @@ def test_skip_with_drop_last_hands_out_full_batches_only(damaged, make):
     stream = [s for g in [*good, *good, *good, good[0]] for s in (g, missing)]  # 10 good, 10 bad
     with make(config(n=3, shape=(6, 7, 8), on_error="skip", drop_last=True)) as p:
         p.push(stream)
-        sizes, got, listed = [], [], []
-        while True:
-            try:
-                b = p.pop()
-            except damacy.PipelineDrained as e:
-                listed.extend(e.skipped)
-                break
-            with b:
-                sizes.append(len(b))
-                got.extend(b.info.samples)
-                listed.extend(b.info.skipped)
-                for j, s in enumerate(b.info.samples):
-                    assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
+        sizes, got, listed = _drain_skipping(p, oracle)
         assert sizes == [3, 3, 3] and all(s in good for s in got)
         assert len(listed) == 10 and all(s is missing for s, _ in listed)
 
