@@ -656,7 +656,9 @@ def test_skip_with_drop_last_hands_out_full_batches_only(damaged, make):
     with make(config(n=3, shape=(6, 7, 8), on_error="skip", drop_last=True)) as p:
         p.push(stream)
         sizes, got, listed = _drain_skipping(p, oracle)
-        assert sizes == [3, 3, 3] and all(s in good for s in got)
+        # full batches only (how many depends on which batches were in flight when the input
+        # ran out: each one left short is left out with its good samples)
+        assert sizes and all(n == 3 for n in sizes) and all(s in good for s in got)
         assert len(listed) == 10 and all(s is missing for s, _ in listed)
 
 
