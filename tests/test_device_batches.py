@@ -372,6 +372,7 @@ def test_a_deleter_run_while_an_export_holds_the_registry_does_not_deadlock():
     assert not worker.is_alive(), "the deleter waited for the lock its own thread holds"
 
 
+@needs_twin
 def test_device_slot_memory_is_counted_gone_only_when_its_last_user_is_and_the_gpu_writes_it_where_it_is():
     """A device slot's bytes go back to the budget once the slot and every view of it are
     gone (not at close while a view is held); the GPU device's kernels write a device slot at
@@ -395,6 +396,7 @@ def test_device_slot_memory_is_counted_gone_only_when_its_last_user_is_and_the_g
     assert released == [1 << 20]
 
 
+@needs_twin
 def test_slot_memory_goes_back_to_the_allocator_only_after_the_consumers_fences():
     """A slot's last view gone, the fences its consumers left (their kernels reading the last
     batch) are waited for before the memory is freed: the allocator may hand it to a buffer
