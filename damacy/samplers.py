@@ -61,7 +61,16 @@ import numpy as np
 
 from damacy import labels as labels_
 from damacy import order
-from damacy.windows import WINDOW_ORDER, CellIndex, Cells, ChunksOf, batch_diversity, check_window, window_order
+from damacy.windows import (
+    WINDOW_ORDER,
+    CellIndex,
+    Cells,
+    ChunksOf,
+    batch_diversity,
+    check_seed,
+    check_window,
+    window_order,
+)
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample, normalize_pair
 
@@ -310,9 +319,7 @@ class _Sampler:
         local_world_size: int | None = None,
         chunks_of: ChunksOf | None = None,
     ) -> None:
-        if not _is_int(seed) or seed < 0:
-            raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.rank, self.world_size = partition(rank, world_size)
         self.epoch = 0
         self.consumed: list[tuple[int, int]] = []  # positions of this epoch read before (elastic resume)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy.windows import ChunksOf, metadata_chunks
+from damacy.windows import ChunksOf, check_seed, metadata_chunks
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_protocol.selection import expand
@@ -135,8 +135,7 @@ def split_chunks(
         raise InvalidArgument(f"fractions must be non-negative shares summing to 1, got {dict(fractions)}")
     if not isinstance(block, int) or block < 1:
         raise InvalidArgument(f"block must be a positive number of chunks, got {block!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed)
     if axis is not None and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
         raise InvalidArgument(f"axis must be an axis number or None (whole arrays), got {axis!r}")
     chunks_of = chunks_of or metadata_chunks

@@ -49,6 +49,13 @@ def metadata_chunks(uri: str, level: int | None) -> tuple[tuple[int, ...], tuple
     return tuple(meta.shape), tuple(meta.read_unit), int(meta.dtype.itemsize)
 
 
+def check_seed(seed: Any) -> int:
+    """A seed: a non-negative integer, Python's or numpy's, not a bool."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+    return int(seed)
+
+
 def check_window(window: Any) -> int | None:
     """A window in bytes (None: no window)."""
     if window is None:
@@ -335,8 +342,7 @@ def chunk_windows(
     window = check_window(window)
     if not isinstance(buffer, int) or buffer < 1:
         raise InvalidArgument(f"buffer must be a positive number of samples, got {buffer!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed)
     index = CellIndex(chunks_of)
     it = iter(samples)
     round_ = 0

@@ -112,7 +112,7 @@ class RemotePipeline(PipelineAPI):
         while True:
             with self._cond:
                 while not self._closed and not (
-                    (self._sources and self._conn.credits > 0) or (not self._sources and not self._final_sent)
+                    self._may_pull() or (not self._sources and not self._final_sent)
                 ):
                     self._cond.wait(0.5)
                 if self._closed:

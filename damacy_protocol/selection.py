@@ -30,6 +30,7 @@ the engine resolves them against the array's shape.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 from damacy_protocol.errors import InvalidArgument
@@ -41,9 +42,14 @@ class Indices(tuple):
     __slots__ = ()
 
     def __repr__(self) -> str:
-        if len(self) > 8:
-            return "[" + ", ".join(map(str, self[:4])) + f", ... ({len(self)} indices)]"
-        return "[" + ", ".join(map(str, self)) + "]"
+        return describe_indices(self)
+
+
+def describe_indices(indices: Sequence[int]) -> str:
+    """An index list as a message shows it: whole when short, else its first four and count."""
+    if len(indices) > 8:
+        return "[" + ", ".join(map(str, indices[:4])) + f", ... ({len(indices)} indices)]"
+    return "[" + ", ".join(map(str, indices)) + "]"
 
 
 #: a normalised entry: a range (``slice``, int bounds or None, step None or > 0), a

@@ -15,7 +15,7 @@ import msgspec
 from damacy_protocol import messages as m
 from damacy_protocol.errors import ERRORS, SampleError, from_wire, kind_of, redact_uri
 from damacy_protocol.samples import IndexQuery, Sample, describe_item
-from damacy_protocol.selection import describe
+from damacy_protocol.selection import describe, describe_indices
 
 
 def absolute_uri(uri: str) -> str:
@@ -52,9 +52,9 @@ def fit_pushes(samples: list[m.WireSample], max_message_bytes: int) -> list[list
     push). A sample that alone does not fit goes as a refused stand-in (its seq, the start
     of its uri), which the daemon fails as a bad sample saying why. At least one push (an
     empty one says the input ended)."""
-    if not max_message_bytes:
-        return [samples]
     room = max(max_message_bytes - PUSH_ROOM, 1)
+    if not max_message_bytes or len(_encoder.encode(samples)) <= room:  # (one call: most pushes fit whole)
+        return [samples]
     out: list[list[m.WireSample]] = [[]]
     used = 0
     for w in samples:
@@ -110,9 +110,7 @@ class _Listed:
         self.indices = indices
 
     def __repr__(self) -> str:
-        if len(self.indices) > 8:
-            return "[" + ", ".join(map(str, self.indices[:4])) + f", ... ({len(self.indices)} indices)]"
-        return repr(self.indices)
+        return describe_indices(self.indices)
 
 
 def longest_list(w: m.WireSample) -> int:

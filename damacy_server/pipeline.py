@@ -189,7 +189,7 @@ class Pipeline(PipelineAPI):
         try:
             while True:
                 with self._cond:
-                    while not self._closed and not (self._sources and core.room() > 0) and not core.can_pump():
+                    while not self._closed and not self._may_pull() and not core.can_pump():
                         self._cond.wait(0.5)
                     if self._closed:
                         return
@@ -280,6 +280,10 @@ class Pipeline(PipelineAPI):
         slot.release()  # the engine's hold; the batch holds its own
         return batch
 
+    def _may_pull(self) -> bool:
+        """Can the feeder pull from the pushed iterables now (room in the lookahead)?"""
+        return bool(self._sources) and self._core.room() > 0
+
     def _all_slots_held(self) -> bool:
         """Every slot is held by batches handed out (or arrays exported from them), and no
         batch is being assembled or pulled, nor a failed one's slot held by the executor,
@@ -292,7 +296,7 @@ class Pipeline(PipelineAPI):
             and not engine.abandoned_slots
             and engine.delivered_ids >= engine.started_ids
             and not self._pulling
-            and not (self._sources and self._core.room() > 0)
+            and not self._may_pull()
             and self._core.settled()
             and not self._core.can_pump()
         )

@@ -443,8 +443,6 @@ class Daemon:
         :class:`BadSample` whose error its pop reports. ``longest``: the most indices an
         index list may hold (the longest axis of the session's samples: a longer list is
         refused before it is read, on this thread that serves every session)."""
-        if w.refused is not None and not w.uri:  # a pushed item that is no sample
-            return BadSample(None, InvalidArgument(w.refused), PUSHED_ITEM)
         try:
             if w.refused is not None:
                 raise InvalidArgument(w.refused)
@@ -456,6 +454,8 @@ class Daemon:
             if not isinstance(e, SampleError):
                 e = InvalidArgument(f"{type(e).__name__}: {e}")
             self._log_refusal(w.uri, e)
+            if not w.uri:  # a pushed item that is no sample (its client says what it was)
+                return BadSample(None, e, PUSHED_ITEM)
             return BadSample(w.uri, e.with_context(uri=w.uri), describe_wire(w))
 
     def _log_refusal(self, uri: str, e: SampleError) -> None:

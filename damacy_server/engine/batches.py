@@ -503,14 +503,13 @@ class BatchEngine:
             self.cond.notify_all()
 
     def _head_ready(self) -> bool:
-        """Is a delivery due (the lock held)? See :meth:`next_delivery`."""
-        batch_id = self._next_out
-        while (delivery := self._ready.get(batch_id)) is not None and delivery.error is _SKIPPED:
-            batch_id += 1
+        """Is the next delivery due (the lock held, batches all skipped passed over)? See
+        :meth:`next_delivery`."""
+        delivery = self._ready.get(self._next_out)
         if delivery is None:
             return False
         if self._dry and delivery.slot is not None:
-            return all(later in self._ready for later in range(batch_id + 1, self._next_id))
+            return all(later in self._ready for later in range(self._next_out + 1, self._next_id))
         return True
 
     def take_skipped(self) -> list[tuple[Any, SampleError]]:
@@ -524,6 +523,7 @@ class BatchEngine:
     def ready(self) -> bool:
         """Would :meth:`next_delivery` return one now?"""
         with self.cond:
+            self._pass_skipped()
             return self._head_ready()
 
     def idle(self) -> bool:

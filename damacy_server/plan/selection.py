@@ -18,6 +18,7 @@ import numpy as np
 
 from damacy_protocol.errors import InvalidArgument, OutOfBounds
 from damacy_protocol.selection import expand
+from damacy_server.zarr.metadata import MAX_EXTENT
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,6 @@ def selection_shape(axes: Sequence[AxisSelection]) -> tuple[int, ...]:
     return tuple(a.size for a in axes)
 
 
-#: the largest magnitude of a position a selection may name (an array's extent is below it)
-_LIMIT = 1 << 62
-
-
 def resolve(
     entries: tuple[Any, ...], shape: tuple[int, ...], out_of_bounds: str, uri: str | None = None
 ) -> tuple[list[AxisSelection], list[int]]:
@@ -68,7 +65,7 @@ def resolve(
             stop = max(size, start) if e.stop is None else e.stop
             if stop < start:
                 raise InvalidArgument(f"axis {axis}: {start}:{stop} ends before it starts (size {size})", uri=uri)
-            if start < -_LIMIT or stop > _LIMIT:  # (no array reaches there; offsets past it would overflow)
+            if start < -MAX_EXTENT or stop > MAX_EXTENT:  # (no array reaches there; offsets past it would overflow)
                 raise InvalidArgument(f"axis {axis}: {start}:{stop} reaches past 2**62, where no array has elements", uri=uri)
             # the last position selected (a step may stop short of `stop`)
             last = start + (stop - start - 1) // (e.step or 1) * (e.step or 1) if stop > start else start - 1

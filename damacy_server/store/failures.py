@@ -29,25 +29,33 @@ def http_status(e: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _no_connection(text: str) -> bool:
+    return "kind: Connect" in text
+
+
+def _timed_out(text: str) -> bool:
+    return "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower()
+
+
 def unanswered(e: BaseException) -> bool:
     """Did no server answer (a connection that failed, a request that timed out)?"""
     text = str(e)
-    return "kind: Connect" in text or "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower()
+    return _no_connection(text) or _timed_out(text)
 
 
 def storage_error(e: BaseException, key: str) -> StorageError:
     """An obstore failure as a :class:`StorageError` naming the object, the HTTP status
     (when the server answered) or why no server answered, and the cause."""
     text = str(e)
-    status = _STATUS.search(text)
-    if status:
-        reason = f"HTTP {status.group(1)}"
-    elif "kind: Connect" in text:  # no answer at all: a wrong endpoint, a server down, a name unknown
+    status = http_status(e)
+    if status is not None:
+        reason = f"HTTP {status}"
+    elif _no_connection(text):  # no answer at all: a wrong endpoint, a server down, a name unknown
         found = _CONNECT.search(text)
         what, where = (found.group(1), found.group(2)) if found else ("connect error", None)
         cause = _CAUSE.search(text[found.end() :] if found else text)
         reason = f"could not reach the server ({what}{' to ' + where if where else ''}{': ' + cause.group(1) if cause else ''})"
-    elif "kind: Timeout" in text or "TimedOut" in text or "timed out" in text.lower():
+    elif _timed_out(text):
         reason = "the request timed out"
     else:
         reason = "the request failed"

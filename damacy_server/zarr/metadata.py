@@ -239,7 +239,7 @@ def _parse_chunk_grid(grid: Any, ndim: int, uri: str) -> tuple[int, ...]:
 
 
 #: no extent of an array or a chunk reaches this (offsets and products stay within int64)
-_MAX_EXTENT = 1 << 62
+MAX_EXTENT = 1 << 62
 
 
 #: the most axes an array may have (numpy's limit is 64 for an array, 63 for its index
@@ -249,7 +249,7 @@ MAX_NDIM = 63
 
 def _int_tuple(value: Any, what: str, uri: str, minimum: int) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and minimum <= v < _MAX_EXTENT for v in value
+        isinstance(v, int) and not isinstance(v, bool) and minimum <= v < MAX_EXTENT for v in value
     ):
         raise MetadataError(f"{what} must be a list of integers from {minimum} to 2**62 - 1, got {value!r}", uri=uri)
     return tuple(value)
