@@ -1,5 +1,6 @@
 """damacyd's logs: text for people (the default) or one JSON object a line for machines
 (``--log-format json``): ``time``, ``level``, ``event`` (a stable name: ``start``,
+``stale_segments`` (shared memory of dead damacyd processes, removed before ``start``),
 ``metrics``, ``session_start``, ``session_end``, ``reclaimed`` (a dead or silent client's
 session, before its ``session_end``), ``slow_batch``, ``refused_client``,
 ``refused_session``, ``refused_path``, ``protocol_error``, ``stop``, or ``log`` for the

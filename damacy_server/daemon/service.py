@@ -76,7 +76,7 @@ class Daemon:
     def __init__(self, options: DaemonOptions) -> None:
         self.options = options
         self.started = time.time()
-        remove_stale(log.info)
+        remove_stale(lambda message: log.info(message, extra={"event": "stale_segments"}))
         roots = [os.path.realpath(r) for r in options.allow_roots]
         self.roots = roots
         self.remote = RemoteStores(options.storage_options, allow=options.allow_prefixes, roots=options.allow_roots)
