@@ -73,3 +73,24 @@ def test_a_plate_of_many_images_is_listed_and_sampled_lazily(tmp_path, rows, col
     assert stats["entries"] <= 64  # the pipeline's metadata cache keeps its bound
     for x, s in zip(got, samples):
         assert s.level == 0 and np.array_equal(x, zarr.open_array(f"{s.uri}/0", mode="r")[s.selection]), s
+
+
+def _small_plate(root, wells):
+    g = zarr.open_group(root, mode="w", zarr_format=3)
+    g.attrs["ome"] = {"version": "0.5", "plate": {"rows": [{"name": "A"}, {"name": "B"}], "columns": [{"name": "1"}, {"name": "2"}], "wells": wells}}
+    for w in wells:
+        g.create_group(w["path"]).attrs["ome"] = {"version": "0.5", "well": {"images": [{"path": "0"}]}}
+    return str(root)
+
+
+def test_plate_wells_take_their_row_and_column_from_the_indices(tmp_path):
+    uri = _small_plate(tmp_path / "p.zarr", [{"path": "x/y", "rowIndex": 1, "columnIndex": 0}, {"path": "A/2"}])
+    plate = damacy.open_plate(uri, metadata=damacy.ZarrMetadata())
+    assert [(w.path, w.row, w.column) for w in plate.wells] == [("x/y", "B", "1"), ("A/2", "A", "2")]  # the second: 0.4's row/column path
+
+
+@pytest.mark.parametrize("row, column", [(True, 0), (0, 2), (-1, 0), (1.0, 0), (0, None)])
+def test_a_plate_well_index_that_is_no_index_into_its_rows_or_columns_is_a_metadata_error(tmp_path, row, column):
+    uri = _small_plate(tmp_path / "p.zarr", [{"path": "A/1", "rowIndex": row, "columnIndex": column}])
+    with pytest.raises(damacy.MetadataError, match=r"NGFF plate well 'A/1': (rowIndex|columnIndex) .* is not an index into the plate's 2 (rows|columns)"):
+        damacy.open_plate(uri, metadata=damacy.ZarrMetadata())

@@ -236,7 +236,10 @@ def plate_wells(group: dict[str, Any], uri: str) -> tuple[str | None, str | None
             raise MetadataError("NGFF plate wells must be objects with a path", uri=uri)
         path = _relative(w.get("path"), "well", uri)
         row, col = w.get("rowIndex"), w.get("columnIndex")
-        if isinstance(row, int) and isinstance(col, int) and 0 <= row < len(names["rows"]) and 0 <= col < len(names["columns"]):
+        if row is not None or col is not None:
+            for key, index, axis in (("rowIndex", row, "rows"), ("columnIndex", col, "columns")):
+                if type(index) is not int or not 0 <= index < len(names[axis]):
+                    raise MetadataError(f"NGFF plate well {path!r}: {key} {index!r} is not an index into the plate's {len(names[axis])} {axis}", uri=uri)
             out.append((path, names["rows"][row], names["columns"][col]))
         else:  # 0.4 before rowIndex: the path is row/column
             parts = path.split("/")
