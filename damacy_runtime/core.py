@@ -131,8 +131,9 @@ class FrontCore:
         queue = self._queue
         if self._patch is not None:
             need = self._patch.needed
-            cut = bool(queue and isinstance(queue[-1], _Raised))  # an error follows: the batch ends before it
-            short = self._samples_before_error() < need
+            before = self._samples_before_error()
+            cut = before < len(queue)  # an error is queued (later pushes' samples may follow it): the batch ends before it
+            short = before < need
             if short and not self.final and not cut:
                 return None  # wait for more input
             patch, self._patch = self._patch, None
@@ -194,7 +195,8 @@ class FrontCore:
             if self._patch is None and self.engine.patches_waiting():
                 return True
             if self._patch is not None:
-                return self._samples_before_error() >= self._patch.needed or self.final or bool(self._queue and isinstance(self._queue[-1], _Raised))
+                before = self._samples_before_error()
+                return before >= self._patch.needed or self.final or before < len(self._queue)
             if self._queue and isinstance(self._queue[0], _Raised):
                 return True
             ready = self._samples_before_error()

@@ -183,3 +183,21 @@ def test_the_core_is_drained_only_with_a_final_input_and_nothing_in_flight():
     assert core.drained()
     core.add(["c"], final=False)  # a new push: not drained any more
     assert not core.drained()
+
+
+def test_a_patch_is_refilled_short_when_an_input_error_is_queued_before_later_samples():
+    """[x, <error>, y, z]: a patch needing 2 takes x and the batch ends at the error (it must
+    not wait for input before the error, which can never come), then the error goes out."""
+    from damacy_runtime.core import FrontCore
+
+    engine = FakeEngine(slots=1)
+    core = FrontCore(engine, samples_per_batch=2, lookahead=8)
+    core.add(["a", "b"], final=False)
+    core.pump()
+    core.add(["x"], final=False, error=RuntimeError("the generator broke"))
+    core.add(["y", "z"], final=False)  # the next push, pulled before the patch came
+    engine.patches.append(FakePatch([("a", ValueError("bad a")), ("b", ValueError("bad b"))]))
+    assert core.can_pump()
+    core.pump()
+    assert engine.log[1:3] == [("refill", ["x"]), ("error", "the generator broke")]
+    assert core.queued == 2
