@@ -130,6 +130,52 @@ def test_slots_wait_for_chunk_data_in_flight():
         budget.admit_slots(10, "more slots")
 
 
+def _waiting(budget, n):
+    assert wait_for(lambda: budget.waiting == n, what=f"{n} slot admission(s) waiting")
+
+
+def test_two_slot_admissions_waiting_together_cannot_leave_less_than_the_minimum_in_flight():
+    mb = 1 << 20
+    budget = MemoryBudget(40 * mb)
+    assert budget.reserve(30 * mb, lambda: False) is Reservation.TAKEN
+    outcomes = []
+
+    def admit():
+        try:
+            budget.admit_slots(20 * mb, "2 batch slots")  # 20 + 16 fits 40, but not twice
+            outcomes.append("admitted")
+        except damacy.BudgetExceeded as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=admit) for _ in range(2)]
+    for t in threads:
+        t.start()
+    _waiting(budget, 2)
+    budget.release(30 * mb)
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes)[0] == "admitted" and "beside 20971520 held by other slots" in sorted(outcomes)[1], outcomes
+    assert budget.capacity >= MIN_INFLIGHT_BYTES
+
+
+def test_a_waiting_slot_admission_is_not_starved_by_new_reads_in_flight():
+    mb = 1 << 20
+    budget = MemoryBudget(64 * mb)
+    assert budget.reserve(40 * mb, lambda: False) is Reservation.TAKEN
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (budget.admit_slots(32 * mb, "2 batch slots"), done.set()))
+    t.start()
+    _waiting(budget, 1)
+    assert not budget.try_reserve(8 * mb)  # 40 + 8 fits, but would leave the admission less than it waits for
+    took = []
+    reader = threading.Thread(target=lambda: took.append(budget.reserve(8 * mb, lambda: False)))
+    reader.start()
+    budget.release(40 * mb)  # the reads finish: the admission goes first
+    assert done.wait(60)
+    reader.join(60)
+    assert took == [Reservation.TAKEN] and budget.slots == 32 * mb and budget.used == 32 * mb + 8 * mb
+
+
 def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_path):
     from zarr.codecs import BytesCodec, ShardingCodec
 

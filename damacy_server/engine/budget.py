@@ -40,6 +40,7 @@ class MemoryBudget:
         self.used = 0  # slots + in flight
         self.peak = 0
         self.waiting = 0  # slot admissions waiting for chunk data in flight to drain
+        self.admitting = 0  # the bytes they wait for
         self._cond = threading.Condition()
 
     @property
@@ -48,19 +49,27 @@ class MemoryBudget:
         return self.total - self.slots
 
     def admit_slots(self, nbytes: int, what: str) -> None:
+        """Take ``nbytes`` for batch slots for good, waiting (at most ``SLOT_WAIT_S``) for chunk
+        data in flight to drain. While an admission waits, new reads in flight take only
+        the room it leaves (they would otherwise take back every byte a finished read frees).
+        Refused (BudgetExceeded) when the slots would leave less than ``MIN_INFLIGHT_BYTES``
+        in flight, checked again after every wait: another admission may have taken slots."""
         with self._cond:
-            need = self.slots + nbytes + MIN_INFLIGHT_BYTES
-            if need > self.total:
-                raise BudgetExceeded(
-                    f"max_memory_bytes={self.total} is too small: {what} need {nbytes} bytes"
-                    + (f" (beside {self.slots} held by other slots)" if self.slots else "")
-                    + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
-                )
             deadline = time.monotonic() + SLOT_WAIT_S
             self.waiting += 1
+            self.admitting += nbytes
             try:
-                while self.used + nbytes > self.total:  # chunk data in flight must drain first
-                    left = deadline - time.monotonic()
+                while True:
+                    need = self.slots + nbytes + MIN_INFLIGHT_BYTES
+                    if need > self.total:
+                        raise BudgetExceeded(
+                            f"max_memory_bytes={self.total} is too small: {what} need {nbytes} bytes"
+                            + (f" (beside {self.slots} held by other slots)" if self.slots else "")
+                            + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
+                        )
+                    if self.used + nbytes <= self.total:
+                        break
+                    left = deadline - time.monotonic()  # chunk data in flight must drain first
                     if left <= 0:
                         raise BudgetExceeded(
                             f"{what} need {nbytes} bytes and max_memory_bytes={self.total} stayed full of chunk data in "
@@ -69,6 +78,8 @@ class MemoryBudget:
                     self._cond.wait(min(left, 0.1))
             finally:
                 self.waiting -= 1
+                self.admitting -= nbytes
+                self._cond.notify_all()
             self.slots += nbytes
             self._take(nbytes)
 
@@ -85,7 +96,7 @@ class MemoryBudget:
             while True:
                 if nbytes > self.capacity:
                     return Reservation.TOO_BIG
-                if self.used + nbytes <= self.total:
+                if self.used + nbytes + self.admitting <= self.total:
                     self._take(nbytes)
                     return Reservation.TAKEN
                 if cancelled():
@@ -95,7 +106,7 @@ class MemoryBudget:
     def try_reserve(self, nbytes: int) -> bool:
         """Take ``nbytes`` of room in flight if there is room now (never waits)."""
         with self._cond:
-            if nbytes > self.capacity or self.used + nbytes > self.total:
+            if nbytes > self.capacity or self.used + nbytes + self.admitting > self.total:
                 return False
             self._take(nbytes)
             return True
