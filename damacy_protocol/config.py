@@ -92,6 +92,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
             if f.name != "dtype":
                 set_(self, f.name, checked("Config", f.name, getattr(self, f.name), f.type))
         set_(self, "dtype", canonical_dtype(self.dtype, "Config.dtype"))
+        if 0 in self.sample_shape:
+            raise InvalidArgument(f"Config.sample_shape {self.sample_shape} holds no element: every extent must be at least 1")
         lookahead = 2 * self.samples_per_batch if self.lookahead_samples is None else self.lookahead_samples
         set_(self, "lookahead_samples", lookahead)
         if lookahead < self.samples_per_batch:

@@ -699,6 +699,7 @@ def test_native_skip_takes_the_dtype_of_the_samples_that_fill_the_holes(damaged,
     [
         (dict(samples_per_batch=0, sample_shape=(4,)), "samples_per_batch"),
         (dict(samples_per_batch=2, sample_shape=(4, -1)), "sample_shape"),
+        (dict(samples_per_batch=2, sample_shape=(4, 0, 3)), r"sample_shape \(4, 0, 3\) holds no element"),  # no slot of 0 bytes
         (dict(samples_per_batch=2, sample_shape=(4,), dtype="f128"), "dtype"),
         (dict(samples_per_batch=2, sample_shape=(4,), on_error="ignore"), "on_error"),
         (dict(samples_per_batch=2, sample_shape=(4,), out_of_bounds="clip"), "out_of_bounds"),
