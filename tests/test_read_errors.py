@@ -219,6 +219,8 @@ def test_zstd_frames_without_a_content_size_or_several_in_a_row_decode_and_corru
     assert decompress(sized.compress(a), len(a)) == a
     assert decompress(unsized.compress(a), len(a)) == a  # no content size in the header
     assert decompress(sized.compress(a) + unsized.compress(b), len(a) + len(b)) == a + b  # two frames
+    assert decompress(unsized.compress(a) + unsized.compress(b), len(a) + len(b)) == a + b  # the one call stops after the first
+    assert decompress(unsized.compress(a) + unsized.compress(b)) == a + b
     frame = sized.compress(a)
     for bad in (frame[: len(frame) // 2], frame + frame[:7], b"\x00" + frame[1:]):
         with pytest.raises(CorruptData, match="zstd"):

@@ -44,11 +44,15 @@ def decompress(data: Buffer, decoded_size: int | None = None) -> bytes:
     """Decompress one or more concatenated zstd frames.
 
     One frame with its content size in its header is the common, fastest case (one call);
-    anything else it refuses (frames without a content size, several frames, or corrupt
-    data) goes frame by frame, which reports corruption as :class:`CorruptData`."""
+    anything else it refuses or decodes short (frames without a content size, several
+    frames, or corrupt data) goes frame by frame, which reports corruption as
+    :class:`CorruptData`."""
     d = _decompressor()
     try:
-        return d.decompress(data, max_output_size=decoded_size or 0, allow_extra_data=False)
+        out = d.decompress(data, max_output_size=decoded_size or 0, allow_extra_data=False)
+        # frames without a content size: the one call stops after the first, as if it were all
+        if decoded_size is None or len(out) == decoded_size:
+            return out
     except zstandard.ZstdError:
         pass
     try:
