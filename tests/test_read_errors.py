@@ -52,6 +52,16 @@ def test_missing_uri(tmp_path):
         damacy.read(tmp_path / "nope")
 
 
+def test_a_file_uri_with_a_query_or_fragment_is_refused_not_read_as_another_path(tmp_path):
+    data = random_data((4, 4), "uint16", seed=2)
+    write_array(tmp_path / "a", np.zeros((4, 4), "uint16"), chunks=(4, 4))
+    write_array(tmp_path / "a#b.zarr", data, chunks=(4, 4))
+    for uri in (f"file://{tmp_path}/a#b.zarr", f"file://{tmp_path}/a?x=1", f"file://{tmp_path}/a?"):
+        with pytest.raises(damacy.InvalidArgument, match="a file uri takes no query or fragment"):
+            damacy.read(uri)
+    assert np.array_equal(damacy.read(f"file://{tmp_path}/a%23b.zarr"), data)  # '#' spelled as a uri spells it
+
+
 def test_directory_without_metadata(tmp_path):
     (tmp_path / "d").mkdir()
     with raises(damacy.NotFound, tmp_path / "d"):

@@ -45,6 +45,8 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
     if scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise InvalidArgument(f"file uri with a remote host {parsed.netloc!r}", uri=text)
+        if parsed.query or parsed.fragment or text.endswith(("?", "#")):
+            raise InvalidArgument("a file uri takes no query or fragment (a path's '?' is %3F in a uri, '#' is %23)", uri=text)
         path = unquote(parsed.path)
     elif scheme in SCHEMES:
         return (remote if remote is not None else _REMOTE).resolve(text)
