@@ -167,7 +167,7 @@ class LRUCache(Generic[V]):
         self._by_frequency = not self._by_frequency
         self.switches += 1
         self._wins = 0
-        for k in [k for k in self._data if k not in kept]:
+        for k in reversed([k for k in self._data if k not in kept]):  # (each to the front: the last first)
             self._data.move_to_end(k, last=False)
         self._shadow = OrderedDict((k, size) for k, (_, size) in self._data.items())
         self._shadow_bytes = self._bytes

@@ -173,6 +173,22 @@ def test_a_moving_working_set_is_admitted():
     assert sum(hits[1:]) >= 0.9 * 5 * best, hits
 
 
+def test_a_switch_of_rules_keeps_the_recency_order_of_the_entries_it_puts_first():
+    cache = LRUCache(4, admit_by_frequency=True)
+    for k in "abcd":
+        cache.put(k, k)
+    for k in "abcd" * 3:  # a to d asked for often
+        cache.get(k)
+    cache.put("e", "e")
+    cache.put("f", "f")  # recency admits e and f in place of a and b; the shadow (by frequency) keeps a to d
+    cache.get("e")  # f is now the least recently used of them
+    while cache.stats()["switches"] == 0:  # the shadow hits a to d, the cache only c and d
+        cache.get_many(list("abcd"))
+    assert cache.admission == "frequency"
+    cache.put("a", "a")  # asked for often: admitted in place of the least recently used
+    assert cache.peek("e") == "e" and cache.peek("f") is None
+
+
 def test_file_store_ranges(tmp_path):
     f = tmp_path / "blob"
     f.write_bytes(bytes(range(100)))
