@@ -168,9 +168,11 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             # "final": everything this client will push (for now) is already on its way, so
             # the daemon may call the stream drained; otherwise it waits for more pushes (the
-            # connection adds how many pushes were sent before this pop)
+            # connection adds how many pushes were sent before this pop). Sent under the lock
+            # the feeder sends its pushes under: a final push cannot go out between the flag
+            # and the pop (the pop would count it and still say not final, and wait for ever)
             final = self._input_final()
-        return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=self._consumed)
+            return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=self._consumed)
 
     def _input_final(self) -> bool:
         """Everything this client will push (for now) was sent (call with the lock held)."""
@@ -200,6 +202,8 @@ class RemotePipeline(PipelineAPI):
                 # now (a stream with nothing left to deliver is answered, drained, at once),
                 # unless the feeder may yet find the input's end or its error (no slot needed)
                 self._next_call = call
+                if self._closed:
+                    raise PipelineDrained("the pipeline is closed")
                 if not self._may_pull():
                     raise front.slots_held(self.config.prepared_batches)
                 left = front.time_left(deadline)
@@ -207,9 +211,16 @@ class RemotePipeline(PipelineAPI):
                     raise self._waiting_for(timeout)
                 call.event.wait(0.05 if left is None else min(left, 0.05))
                 continue
-            if not call.event.wait(front.time_left(deadline)):
+            try:
+                answered = call.event.wait(front.time_left(deadline))
+            except BaseException:  # interrupted (Ctrl-C): the batch it asked for is the next pop's
+                self._next_call = call
+                raise
+            if not answered:
                 self._next_call = call  # its answer will serve the next pop
                 raise self._waiting_for(timeout)
+            if self._closed:  # closed (by another thread) while it waited
+                raise PipelineDrained("the pipeline is closed")
             if call.error is not None:
                 raise call.error
             reply = call.reply

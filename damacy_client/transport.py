@@ -131,11 +131,11 @@ class Connection:
     def request(self, make: Callable[[int], Any], on_progress: Callable[[Any], None] | None = None) -> Call:
         """Send ``make(id)``; the returned call gets the reply (or the error)."""
         call = Call(on_progress)
-        if self.dead is not None:
-            call.error = self.dead
-            call.event.set()
-            return call
-        with self._lock:
+        with self._lock:  # (dead is set under it: a call is never added after the others were abandoned)
+            if self.dead is not None or self._closed:
+                call.error = self.dead if self.dead is not None else DamacyError("the connection to damacyd is closed")
+                call.event.set()
+                return call
             msg = make(self._proto.new_id())
             payload = self._proto.send(msg, token=call)
         self._send(payload)
@@ -264,7 +264,12 @@ class Connection:
                 self.request(lambda i: m.Bye(id=i, unmapped=unmapped)).wait(1.0, "bye")
             except (DamacyError, ProtocolError):
                 pass
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            calls = [c for c in self._proto.abandon() if c is not None]
+        for call in calls:  # no answer can come now: whoever waits for one is told
+            call.error = DamacyError("the connection to damacyd was closed")
+            call.event.set()
         self._waker.wake()  # the loop leaves its poll now, not at its next timeout
         self._thread.join(2.0)
         self._teardown()

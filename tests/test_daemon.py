@@ -138,6 +138,64 @@ def test_close_wakes_the_connection_thread(daemon, data, monkeypatch):
     assert not thread.is_alive()
 
 
+def test_the_pop_after_the_last_batch_is_drained_whenever_the_final_push_goes_out(daemon, data, monkeypatch):
+    """The pop asked for ahead says whether the input is final; a final push sent between
+    that answer and the pop's send would be counted by the pop and the pop still say "not
+    final": the daemon would wait for more input for ever. Where the send can be overtaken,
+    this lets the feeder's final push overtake it."""
+    from damacy_client.transport import Connection
+
+    real, pipes, pops = Connection.request, [], []
+
+    def request(self, make, on_progress=None):
+        probe = make(0)
+        if isinstance(probe, m.Pop):
+            pops.append(probe.final)
+            p = pipes[0]
+            if len(pops) == 3 and not probe.final and not p._cond._is_owned():
+                wait_for(lambda: p._final_sent, what="the feeder's final push")
+        return real(self, make, on_progress)
+
+    monkeypatch.setattr(Connection, "request", request)
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, dtype="u16", lookahead_samples=2, pop_timeout_s=60)
+    uri = str(data / "vol.zarr")
+    with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:
+        pipes.append(pipe)
+        pipe.push([damacy.Sample(uri, tuple((z, z + n) for z, n in zip((8 * i, 0, 0), BOX))) for i in range(4)])
+        assert [len(b) for b in pipe.batches()] == [2, 2]  # then drained, not a timeout
+    assert len(pops) >= 3
+
+
+def test_a_request_made_as_the_connection_dies_is_answered_with_its_death(daemon):
+    """The I/O thread declares the daemon dead (abandoning every call) between a request's
+    check and its send: the request must not wait for an answer that cannot come."""
+    from damacy_client.transport import Connection
+
+    conn = Connection(daemon.endpoint)
+    try:
+        real = conn._lock
+
+        class DiesFirst:
+            died = False
+
+            def __enter__(self):
+                if not DiesFirst.died:
+                    DiesFirst.died = True
+                    conn._lock = real
+                    conn._die("damacyd stopped answering (as the request was made)")
+                return real.__enter__()
+
+            def __exit__(self, *exc):
+                return real.__exit__(*exc)
+
+        conn._lock = DiesFirst()
+        call = conn.request(lambda i: m.Ping(id=i))
+        with pytest.raises(damacy.DaemonUnavailable, match="as the request was made"):
+            call.wait(30, "ping")
+    finally:
+        conn.close(bye=False)
+
+
 def test_killed_clients_are_reclaimed(tmp_path, data):
     proc = DaemonProcess(tmp_path, [data], ["--memory", "256M"])
     try:

@@ -18,6 +18,7 @@ import damacy
 from damacy_server.decode.contract import convert
 
 from conftest import padded_selection, random_data, write_array
+from daemon_helpers import wait_for
 from pipeline_helpers import expected_box, out_dtype, same
 
 LE = BytesCodec(endian="little")
@@ -971,3 +972,79 @@ def test_both_kinds_are_a_damacy_pipeline(make):
         assert isinstance(p, damacy.Pipeline)
     assert issubclass(damacy.EmbeddedPipeline, damacy.Pipeline) and issubclass(damacy.RemotePipeline, damacy.Pipeline)
     assert not isinstance(object(), damacy.Pipeline)
+
+
+# -- a pop interrupted, or closed under -------------------------------------------------
+
+
+def _gated(uri, n, gate, at):
+    """``n`` samples (one plane each) of ``uri``; the ``at``-th waits for ``gate``."""
+    for i in range(n):
+        if i == at:
+            assert gate.wait(60)
+        yield damacy.Sample(uri, np.s_[i : i + 1, 0:7, 0:8])
+
+
+def _waiting_in_pop(thread_id):
+    """Whether that thread waits inside a pipeline's pop."""
+    import sys
+
+    names, f = [], sys._current_frames().get(thread_id)
+    while f is not None:
+        names.append(f.f_code.co_name)
+        f = f.f_back
+    return "pop" in names and "wait" in names
+
+
+def test_a_pop_interrupted_while_it_waits_loses_no_batch(store, make):
+    import signal
+
+    uri, arr = store[1]["u16"]
+    gate = threading.Event()
+    main = threading.get_ident()
+    with make(config(n=2, shape=(1, 7, 8), lookahead_samples=2)) as p:
+        p.push(_gated(uri, 6, gate, at=2))  # batch 1 cannot be made before the interrupt
+        with p.pop() as b:
+            assert b.info.batch_id == 0
+
+        def interrupt():
+            wait_for_pop = time.monotonic() + 60
+            while not _waiting_in_pop(main) and time.monotonic() < wait_for_pop:
+                time.sleep(0.01)
+            signal.pthread_kill(main, signal.SIGINT)
+
+        t = threading.Thread(target=interrupt)
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            p.pop()
+        t.join()
+        gate.set()
+        got = []
+        for batch in p.batches():
+            with batch:
+                got.append((batch.info.batch_id, [s.selection[0].start for s in batch.info.samples]))
+                assert np.array_equal(batch.numpy(), arr[got[-1][1][0] : got[-1][1][0] + 2, 0:7, 0:8].astype("f4").reshape(2, 1, 7, 8))
+    assert got == [(1, [2, 3]), (2, [4, 5])]  # the batch the interrupted pop waited for is the next one
+
+
+def test_close_from_another_thread_ends_a_waiting_pop(store, make):
+    uri, _ = store[1]["u16"]
+    gate = threading.Event()
+    p = make(config(n=2, shape=(1, 7, 8), lookahead_samples=2, pop_timeout_s=None))
+    p.push(_gated(uri, 4, gate, at=0))  # no batch can come
+    outcome = []
+
+    def pop():
+        try:
+            p.pop()
+            outcome.append("a batch")
+        except BaseException as e:  # noqa: BLE001 - what the pop raised is the outcome
+            outcome.append(e)
+
+    t = threading.Thread(target=pop)
+    t.start()
+    assert wait_for(lambda: _waiting_in_pop(t.ident), what="the pop to wait")
+    p.close()
+    assert wait_for(lambda: not t.is_alive(), what="the pop to end after close")
+    gate.set()
+    assert len(outcome) == 1 and isinstance(outcome[0], damacy.PipelineDrained) and "closed" in str(outcome[0]), outcome
