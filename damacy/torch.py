@@ -70,6 +70,7 @@ class Loader(IterableDataset):
         self._restore: dict[str, Any] | None = None
         self._yielded = False  # the pipeline has been pushed to
         self._finished = True  # the last iteration read its whole epoch
+        self._pipe_epoch = self.epoch  # the epoch the pipeline was pushed
 
     # -- epochs -------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -116,7 +117,7 @@ class Loader(IterableDataset):
             pipe.load_state_dict(self._restore)
             self._restore = None
         pipe.push(self.sampler)
-        self._yielded, self._finished = True, False
+        self._yielded, self._finished, self._pipe_epoch = True, False, self.epoch
         for batch in pipe.batches(len(self)):
             x = torch.from_dlpack(batch)
             batch_info = batch.info
@@ -126,6 +127,7 @@ class Loader(IterableDataset):
             if self.device is not None:
                 x = x.to(self.device, non_blocking=True)
             yield (x, batch_info) if self.with_info else x
+            x = batch_info = None  # the caller's now: this frame must not keep its slot while the next pops
         self._finished = True
 
     # -- checkpoints --------------------------------------------------------------------
@@ -133,7 +135,8 @@ class Loader(IterableDataset):
         """Where training is: the epoch, and the pipeline's position within it (batches
         handed out so far). Plain data."""
         if self._pipe is not None and self._yielded and self._restore is None:
-            pipe = self._pipe.state_dict()
+            # the pipeline's position, in the epoch it read (set_epoch since: that one's start)
+            pipe = self._pipe.state_dict() if self._pipe_epoch == self.epoch else None
         else:  # not read yet: where a restore put it, or the start
             pipe = self._restore
         return {"epoch": self.epoch, "pipeline": pipe}
@@ -149,6 +152,13 @@ class Loader(IterableDataset):
         elif source is not None and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(source)
         self._restore = pipe
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (a spawned DataLoader worker): as a forked one, it
+        makes its own pipeline, from the start of the epoch or where a restore put it."""
+        state = dict(self.__dict__)
+        state.update(_pipe=None, _pipe_pid=0, _finished=True)
+        return state
 
     def close(self) -> None:
         if self._pipe is not None:

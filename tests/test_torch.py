@@ -174,3 +174,56 @@ def test_a_checkpoint_after_set_epoch_starts_that_epoch_whole(volume):
     assert again.state_dict()["epoch"] == 1
     assert sum(1 for _ in again) == len(first)  # epoch 1 whole, not skipped
     again.close()
+
+
+def test_a_checkpoint_after_set_epoch_starts_that_epoch_whole_for_a_plain_list(volume):
+    """A list has no epoch of its own to tell the saved position's epoch by: the loader does."""
+    from damacy.torch import Loader
+
+    uri, _ = volume
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 16, 12), dtype="f32")
+    samples = [damacy.Sample(uri, np.s_[z : z + 8, 0:16, 0:12]) for z in range(0, 32, 4)]
+    loader = Loader(cfg, samples)
+    loader.set_epoch(0)
+    first = [x.clone() for x in loader]
+    loader.set_epoch(1)
+    state = loader.state_dict()
+    loader.close()
+    assert state == {"epoch": 1, "pipeline": None}
+    again = Loader(cfg, samples)
+    again.load_state_dict(state)
+    rest = [x.clone() for x in again]
+    assert len(rest) == len(first) == 2 and all(torch.equal(a, b) for a, b in zip(rest, first))
+    again.close()
+
+
+def test_the_loader_holds_no_slot_of_a_tensor_it_handed_out(volume):
+    """With one slot, the next batch can be made once the caller lets its tensor go."""
+    import gc
+
+    from damacy.torch import Loader
+
+    uri, data = volume
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 16, 12), dtype="f32", prepared_batches=1, pop_timeout_s=60)
+    loader = Loader(cfg, [damacy.Sample(uri, np.s_[z : z + 8, 0:16, 0:12]) for z in range(0, 32, 8)])
+    got = []
+    for x in loader:
+        got.append(x.clone())
+        del x
+        gc.collect()
+    assert len(got) == 2 and np.array_equal(got[1][1].numpy(), data[24:32, 0:16, 0:12].astype("f4"))
+    loader.close()
+
+
+def test_a_loader_pickles_after_it_was_read_and_its_copy_reads_on_its_own(volume):
+    import pickle
+
+    uri, _ = volume
+    loader, _ = _loader(uri)
+    plain = [x.clone() for x in loader]
+    copy = pickle.loads(pickle.dumps(loader))  # what a spawned DataLoader worker gets
+    assert copy._pipe is None
+    assert all(torch.equal(a, b) for a, b in zip([x.clone() for x in copy], plain))
+    assert sum(1 for _ in loader) == len(plain)  # and the original still reads
+    copy.close()
+    loader.close()
