@@ -129,12 +129,13 @@ class RemotePipeline(PipelineAPI):
                 return
             with self._cond:  # counted, flagged and queued together, so a pop never misses it
                 final = not self._sources
-                if batch or final:
+                if batch or final or error is not None:
                     parts = fit_pushes(batch, self._max_message)
                     for k, part in enumerate(parts):
                         last = final and k == len(parts) - 1
+                        cut = error is not None and k == len(parts) - 1  # batches end where the input raised, as embedded
                         try:
-                            call = self._conn.request(lambda i, b=part, f=last: m.Push(id=i, samples=b, final=f))
+                            call = self._conn.request(lambda i, b=part, f=last, c=cut: m.Push(id=i, samples=b, final=f, cut=c))
                         except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
                             self._source_errors.append((self._last_seq, e))
                             return

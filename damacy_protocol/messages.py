@@ -16,7 +16,7 @@ from damacy_protocol.errors import ErrorKind
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 8  # 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message
+PROTOCOL_VERSION = 9  # 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message; 9: a push says where the input raised (cut)
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -120,6 +120,7 @@ class Push(_Msg, tag="push"):
     id: RequestId
     samples: list[WireSample]
     final: bool = False  # the client's input is exhausted (until it pushes again)
+    cut: bool = False  # the input raised after these samples: batches end here (the client raises it)
 
 
 class Pop(_Msg, tag="pop"):

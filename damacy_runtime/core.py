@@ -53,6 +53,16 @@ class _Raised:
         self.error = error
 
 
+class _Cut:
+    """Where a pushed iterable raised, for a front end that raises the error itself (a daemon
+    client): batches end there as they would at the error, and nothing is delivered for it."""
+
+    __slots__ = ()
+
+
+_CUT = _Cut()
+
+
 class FrontCore:
     def __init__(self, engine: Engine, samples_per_batch: int, lookahead: int, drop_last: bool = False) -> None:
         self.engine = engine
@@ -75,15 +85,18 @@ class FrontCore:
         with self._lock:
             return self.lookahead - self.outstanding
 
-    def add(self, samples: list[Any], final: bool, error: BaseException | None = None) -> None:
+    def add(self, samples: list[Any], final: bool, error: BaseException | None = None, cut: bool = False) -> None:
         """Take ``samples`` in; ``final``: no more will come (for now); ``error``: the input
-        raised it after these samples."""
+        raised it after these samples; ``cut``: it raised an error the front end raises
+        itself (batches end there all the same)."""
         with self._lock:
             self._queue.extend(samples)
             self._samples += len(samples)
             self.outstanding += len(samples)
             if error is not None:
                 self._queue.append(_Raised(error))
+            elif cut:
+                self._queue.append(_CUT)
             self.final = final
 
     @property
@@ -129,6 +142,8 @@ class FrontCore:
         """The next thing to hand the engine (called with the lock held; counted busy)."""
         n = self.samples_per_batch
         queue = self._queue
+        while self._patch is None and queue and queue[0] is _CUT:  # the batches before it have ended
+            queue.popleft()
         if self._patch is not None:
             need = self._patch.needed
             before = self._samples_before_error()
@@ -159,14 +174,15 @@ class FrontCore:
         return "start", samples
 
     def _samples_before_error(self) -> int:
+        """The samples queued before the first error (or cut): what the next batch may take."""
         for i, item in enumerate(self._queue):
-            if isinstance(item, _Raised):
+            if isinstance(item, (_Raised, _Cut)):
                 return i
         return len(self._queue)
 
     def _take(self, k: int) -> list[Any]:
         out: list[Any] = []
-        while self._queue and len(out) < k and not isinstance(self._queue[0], _Raised):
+        while self._queue and len(out) < k and not isinstance(self._queue[0], (_Raised, _Cut)):
             out.append(self._queue.popleft())
         self._samples -= len(out)
         return out
@@ -197,7 +213,7 @@ class FrontCore:
             if self._patch is not None:
                 before = self._samples_before_error()
                 return before >= self._patch.needed or self.final or before < len(self._queue)
-            if self._queue and isinstance(self._queue[0], _Raised):
+            if self._queue and isinstance(self._queue[0], (_Raised, _Cut)):
                 return True
             ready = self._samples_before_error()
             cut = ready < len(self._queue)

@@ -201,3 +201,17 @@ def test_a_patch_is_refilled_short_when_an_input_error_is_queued_before_later_sa
     core.pump()
     assert engine.log[1:3] == [("refill", ["x"]), ("error", "the generator broke")]
     assert core.queued == 2
+
+
+def test_a_cut_ends_batches_where_the_input_raised_and_delivers_nothing_itself():
+    """A daemon client raises its input's error itself; its push says where: batches end
+    there as at an error, and nothing is started for it."""
+    from damacy_runtime.core import FrontCore
+
+    engine = FakeEngine(slots=4)
+    core = FrontCore(engine, samples_per_batch=2, lookahead=8)
+    core.add(["a", "b", "c"], final=False, cut=True)
+    core.add(["d", "e"], final=True)
+    core.pump()
+    assert engine.log == [("start", ["a", "b"]), ("start", ["c"]), ("start", ["d", "e"])]
+    assert core.queued == 0 and not core._queue

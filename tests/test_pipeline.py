@@ -487,6 +487,34 @@ def test_generator_error_is_raised_at_its_pop(store, make):
             assert b.info.samples[0].aabb[0] == (2, 8)
 
 
+def test_a_batch_ends_where_the_input_raised_before_a_later_push(store, make):
+    """The samples before the error make a short batch; the next push's samples start a new
+    one, in every mode (a daemon client raises the error itself: its push says where)."""
+    uri, arr = store[1]["u16"]
+
+    def broken():
+        for i in range(6):
+            yield damacy.Sample(uri, np.s_[i : i + 1, 0:7, 0:8])
+        raise RuntimeError("the sampler broke")
+
+    got = []
+    with make(config(n=4, shape=(1, 7, 8))) as p:
+        p.push(broken())
+        p.push([damacy.Sample(uri, np.s_[i : i + 1, 0:7, 0:8]) for i in range(20, 28)])
+        while True:
+            try:
+                with p.pop() as b:
+                    starts = [s.selection[0].start for s in b.info.samples]
+                    assert np.array_equal(b.numpy()[:, 0], np.stack([arr[i, 0:7, 0:8] for i in starts]).astype("f4"))
+                    got.append(starts)
+            except RuntimeError as e:
+                assert "sampler broke" in str(e)
+                got.append("raised")
+            except damacy.PipelineDrained:
+                break
+    assert got == [[0, 1, 2, 3], [4, 5], "raised", [20, 21, 22, 23], [24, 25, 26, 27]]
+
+
 # -- error policies -----------------------------------------------------------------
 
 

@@ -180,7 +180,7 @@ class Session:
             sample = self.host.to_sample(w, longest)
             self.seqs[id(sample)] = w.seq
             samples.append(sample)
-        self.core.add(samples, final=self.stream.final)  # the stream counted the push already
+        self.core.add(samples, final=self.stream.final, cut=msg.cut)  # the stream counted the push already
         self.pushed += len(msg.samples)
         self.reply(m.Ack(reply_to=msg.id))
         self.pump()
