@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -104,47 +105,50 @@ class RemotePipeline(PipelineAPI):
             self._pushed = True
             self._final_sent = False
             if self._feeder is None:
-                self._feeder = threading.Thread(target=self._feed, name="damacy-client-feeder", daemon=True)
+                self._feeder = threading.Thread(
+                    target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-client-feeder", daemon=True
+                )
                 self._feeder.start()
             self._cond.notify_all()
 
-    def _feed(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and not (
-                    self._may_pull() or (not self._sources and not self._final_sent)
-                ):
-                    self._cond.wait(0.5)
-                if self._closed:
-                    return
-                room = self._conn.credits
-            pulled, error = self._sources.pull(min(room, PUSH_CHUNK), lambda: self._closed, self._numbered)
-            batch = [wire for wire, _ in pulled]
-            with self._cond:
-                for wire, sample in pulled:
-                    self._samples[wire.seq] = sample
-                if error is not None:  # raised by the pop after the samples pulled before it
-                    self._source_errors.append((batch[-1].seq if batch else self._last_seq, error))
+    def _feed(self) -> bool:
+        """One round of the feeder thread (:func:`front.feed_weakly`): pull what the credits
+        allow and push it. False: stop (closed, or the daemon is gone)."""
+        with self._cond:
+            if not self._closed and not (self._may_pull() or (not self._sources and not self._final_sent)):
+                self._cond.wait(0.5)
+                return not self._closed  # (the next round looks again)
             if self._closed:
-                return
-            with self._cond:  # counted, flagged and queued together, so a pop never misses it
-                final = not self._sources
-                if batch or final or error is not None:
-                    parts = fit_pushes(batch, self._max_message)
-                    for k, part in enumerate(parts):
-                        last = final and k == len(parts) - 1
-                        cut = error is not None and k == len(parts) - 1  # batches end where the input raised, as embedded
-                        try:
-                            call = self._conn.request(lambda i, b=part, f=last, c=cut: m.Push(id=i, samples=b, final=f, cut=c))
-                        except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
-                            self._source_errors.append((self._last_seq, e))
-                            return
-                        self._push_calls.append(call)
-                        if part:
-                            self._last_seq = part[-1].seq
-                    if final:
-                        self._final_sent = True
-                self._cond.notify_all()
+                return False
+            room = self._conn.credits
+        pulled, error = self._sources.pull(min(room, PUSH_CHUNK), lambda: self._closed, self._numbered)
+        batch = [wire for wire, _ in pulled]
+        with self._cond:
+            for wire, sample in pulled:
+                self._samples[wire.seq] = sample
+            if error is not None:  # raised by the pop after the samples pulled before it
+                self._source_errors.append((batch[-1].seq if batch else self._last_seq, error))
+        if self._closed:
+            return False
+        with self._cond:  # counted, flagged and queued together, so a pop never misses it
+            final = not self._sources
+            if batch or final or error is not None:
+                parts = fit_pushes(batch, self._max_message)
+                for k, part in enumerate(parts):
+                    last = final and k == len(parts) - 1
+                    cut = error is not None and k == len(parts) - 1  # batches end where the input raised, as embedded
+                    try:
+                        call = self._conn.request(lambda i, b=part, f=last, c=cut: m.Push(id=i, samples=b, final=f, cut=c))
+                    except (DamacyError, ProtocolError) as e:  # closed or the daemon is gone
+                        self._source_errors.append((self._last_seq, e))
+                        return False
+                    self._push_calls.append(call)
+                    if part:
+                        self._last_seq = part[-1].seq
+                if final:
+                    self._final_sent = True
+            self._cond.notify_all()
+        return True
 
     def _numbered(self, sample: Any) -> tuple[m.WireSample, Any]:
         return sample_to_wire(next(self._seq), sample), sample
@@ -173,7 +177,7 @@ class RemotePipeline(PipelineAPI):
             # the feeder sends its pushes under: a final push cannot go out between the flag
             # and the pop (the pop would count it and still say not final, and wait for ever)
             final = self._input_final()
-            return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=self._consumed)
+            return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=_weak(self._consumed))
 
     def _input_final(self) -> bool:
         """Everything this client will push (for now) was sent (call with the lock held)."""
@@ -384,3 +388,16 @@ class RemotePipeline(PipelineAPI):
         # slots still read by tensors stay mapped (the daemon frees them once this process is gone)
         if self._feeder is not None and self._feeder is not threading.current_thread():
             self._feeder.join(2.0)
+
+
+def _weak(method: Any) -> Any:
+    """``method`` called through a weak reference to its object (a call pending on the
+    connection must not keep a pipeline dropped without ``close()`` alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call

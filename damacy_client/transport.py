@@ -82,6 +82,7 @@ class Connection:
         self.dead: DaemonUnavailable | None = None
         self._session = ""  # set by the I/O thread when the welcome arrives
         self._closed = False
+        self._teardown_on_exit = False  # closed from the I/O thread itself: it tears down as it ends
         self._last_recv = time.monotonic()
         try:
             self._sock.connect(self.endpoint)
@@ -183,6 +184,7 @@ class Connection:
                         fn()
                     except Exception:  # noqa: BLE001 - deferred work must not stop the connection
                         log.exception("damacy: deferred client work failed")
+                    fn = None  # (what it holds, a pipeline say, is not kept until the next one)
                 while True:
                     try:
                         payload = self._outbox.get_nowait()
@@ -207,6 +209,9 @@ class Connection:
         except Exception as e:  # the loop must never die silently
             log.exception("damacy: client I/O thread failed")
             self._die(f"the client's connection thread failed: {e}")
+        finally:
+            if self._teardown_on_exit:
+                self._teardown()
 
     def _receive_all(self) -> None:
         while True:
@@ -271,6 +276,9 @@ class Connection:
             call.error = DamacyError("the connection to damacyd was closed")
             call.event.set()
         self._waker.wake()  # the loop leaves its poll now, not at its next timeout
+        if threading.current_thread() is self._thread:  # (a pipeline collected on it): it tears down as it leaves
+            self._teardown_on_exit = True
+            return
         self._thread.join(2.0)
         self._teardown()
 

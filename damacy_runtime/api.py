@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
@@ -121,9 +123,21 @@ class PipelineAPI(ABC):
         self.close()
 
     def __del__(self) -> None:
-        if self._forked():
-            return
+        """Dropped without ``close()``: closed on a thread of its own (the collector may run
+        this on any thread, one of the pipeline's own holding its locks included); at
+        interpreter exit, where no thread starts any more, here."""
+        try:
+            if self._forked():
+                return
+            if sys.is_finalizing():
+                self._close_quietly()
+            else:
+                threading.Thread(target=self._close_quietly, name="damacy-close", daemon=True).start()
+        except Exception:  # noqa: BLE001 - half-built object
+            pass
+
+    def _close_quietly(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - half-built object or interpreter shutdown
+        except Exception:  # noqa: BLE001 - what a pipeline nobody holds met as it closed
             pass

@@ -12,6 +12,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -220,3 +221,17 @@ def batch_info(
         errors=tuple(errors),
         skipped=tuple(skipped),
     )
+
+
+def feed_weakly(ref: weakref.ref, step: str) -> None:
+    """A front end's feeder thread: ``step`` of the object ``ref`` names, called until it
+    returns False or the object is gone. The thread holds the object only during a step, so
+    a pipeline dropped without ``close()`` is collected (and its ``__del__`` closes it)."""
+    while True:
+        owner = ref()
+        if owner is None:
+            return
+        go = getattr(owner, step)()
+        del owner
+        if not go:
+            return

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -170,7 +171,7 @@ class Pipeline(PipelineAPI):
             self._sources.add(samples, self._take_restore())
             self._pushed = True
             if self._feeder is None:
-                self._feeder = threading.Thread(target=self._feed, name="damacy-feeder", daemon=True)
+                self._feeder = threading.Thread(target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-feeder", daemon=True)
                 self._feeder.start()
             self._cond.notify_all()
 
@@ -181,38 +182,41 @@ class Pipeline(PipelineAPI):
         return out, error
 
     # -- the feeder thread --------------------------------------------------------
-    def _feed(self) -> None:
-        """Pull from the input while the core has room (lookahead), and pump the core: it
-        starts batches as slots free up and refills batches whose samples were skipped."""
+    def _feed(self) -> bool:
+        """One round of the feeder thread (:func:`front.feed_weakly`): pull from the input
+        while the core has room (lookahead), and pump the core: it starts batches as slots
+        free up and refills batches whose samples were skipped. False: stop (closed)."""
         core = self._core
         n = self.config.samples_per_batch
         try:
-            while True:
+            with self._cond:
+                if not self._closed and not self._may_pull() and not core.can_pump():
+                    self._cond.wait(0.5)
+                    return not self._closed  # (the next round looks again)
+                if self._closed:
+                    return False
+                want = min(core.room(), n) if self._sources else 0
+                self._pulling = want > 0
+            if want:
+                samples, source_error = self._pull(want)
                 with self._cond:
-                    while not self._closed and not self._may_pull() and not core.can_pump():
-                        self._cond.wait(0.5)
-                    if self._closed:
-                        return
-                    want = min(core.room(), n) if self._sources else 0
-                    self._pulling = want > 0
-                if want:
-                    samples, source_error = self._pull(want)
-                    with self._cond:
-                        core.add(samples, final=not self._sources, error=source_error)
-                        self._pulling = False
-                core.pump()
-                dropped = core.take_dropped()
-                if dropped and self._on_skip is not None:
-                    self._on_skip(dropped)
-                core.take_discarded()  # a short last batch under drop_last: left out
-                with self._cond:
-                    self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
+                    core.add(samples, final=not self._sources, error=source_error)
+                    self._pulling = False
+            core.pump()
+            dropped = core.take_dropped()
+            if dropped and self._on_skip is not None:
+                self._on_skip(dropped)
+            core.take_discarded()  # a short last batch under drop_last: left out
+            with self._cond:
+                self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
+            return True
         except BaseException as e:  # never expected: pops say so instead of waiting forever
             log.exception("damacy: the feeder thread failed")
             with self._cond:
                 self._failure = e
                 self._cond.notify_all()
             threading.Thread(target=self.close, name="damacy-close", daemon=True).start()
+            return False
 
     # -- output -------------------------------------------------------------------
     def _drained(self) -> bool:

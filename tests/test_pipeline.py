@@ -1076,3 +1076,19 @@ def test_close_from_another_thread_ends_a_waiting_pop(store, make):
     assert wait_for(lambda: not t.is_alive(), what="the pop to end after close")
     gate.set()
     assert len(outcome) == 1 and isinstance(outcome[0], damacy.PipelineDrained) and "closed" in str(outcome[0]), outcome
+
+
+def test_a_pipeline_dropped_without_close_is_collected_and_closed(store, make):
+    import gc
+    import weakref
+
+    uri, _ = store[1]["u16"]
+    p = make(config(n=2))
+    p.push(damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(10**6))  # an input without end
+    p.pop().release()
+    threads = [p._feeder] + ([p._conn._thread] if hasattr(p, "_conn") else [])
+    ref = weakref.ref(p)
+    del p
+    gc.collect()
+    assert wait_for(lambda: ref() is None, what="the pipeline to be collected")  # its threads held it only for a step
+    assert wait_for(lambda: not any(t.is_alive() for t in threads), what="its threads to end (it was closed)")

@@ -75,6 +75,8 @@ def test_a_dataloader_with_no_workers_and_one_forked_worker(volume):
 
 
 def test_the_length_of_an_epoch_drops_the_short_batch_with_drop_last(volume):
+    import damacy.torch
+
     uri, _ = volume
     for drop in (False, True):
         cfg = damacy.Config(samples_per_batch=4, sample_shape=(4, 6, 5), drop_last=drop)
