@@ -196,6 +196,48 @@ def test_a_request_made_as_the_connection_dies_is_answered_with_its_death(daemon
         conn.close(bye=False)
 
 
+def test_a_session_whose_start_waited_for_memory_is_not_reclaimed_as_silent(tmp_path, monkeypatch):
+    """B's slots need memory that A's stalled read holds: B's start waits longer than the
+    heartbeat timeout, and B is served once it starts, not reclaimed for the wait."""
+    import threading
+
+    import zarr
+
+    from object_servers import RangeServer
+
+    web = tmp_path / "web"
+    big = zarr.create_array(str(web / "big.zarr"), shape=(40 << 20,), chunks=(40 << 20,), dtype="uint8", compressors=None, fill_value=0)
+    big[:] = 7
+    server = RangeServer(web)
+    server.stall.add("/big.zarr/c/0")
+    import damacy_client.client as client
+
+    def slow_pin(mapped):  # pinning a large slot (page-locking it for a GPU) takes a while
+        time.sleep(1.0)
+
+    monkeypatch.setattr(client.pinning, "pin", slow_pin)
+    (tmp_path / "d").mkdir(mode=0o700)
+    d = DaemonProcess(tmp_path / "d", [tmp_path], ["--memory", "128M", "--heartbeat-timeout", "2", "--allow-prefix", server.url + "/"])
+    try:
+        with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(16,), dtype="u8"), endpoint=d.endpoint) as first:
+            first.push([damacy.Sample(server.url + "/big.zarr", np.s_[0:16])])
+            assert server.stalled.wait(60)
+            threading.Timer(4.0, server.release.set).start()  # A's read ends after B's start has waited 4 s
+            cfg = damacy.Config(samples_per_batch=1, sample_shape=(100 << 20,), dtype="u8", prepared_batches=1)
+            with damacy.Pipeline(cfg, endpoint=d.endpoint) as second:
+                started = time.monotonic()
+                # a heartbeat answered after the daemon has looked for silent sessions since B's start
+                assert wait_for(lambda: second._conn._last_recv > started + 1.0 or second._conn.dead, what="a heartbeat")
+                assert second._conn.dead is None and second.stats()["session"]
+            with first.pop() as b:
+                assert (b.numpy() == 7).all()
+    finally:
+        server.release.set()
+        assert d.stop() == 0, d.log_path.read_text()
+        server.stop()
+    assert "reclaiming" not in d.log_path.read_text()
+
+
 def test_killed_clients_are_reclaimed(tmp_path, data):
     proc = DaemonProcess(tmp_path, [data], ["--memory", "256M"])
     try:

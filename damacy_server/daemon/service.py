@@ -181,6 +181,7 @@ class Daemon:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(250))
+                turn = time.monotonic()  # silence is judged against this: what came during a long turn is read next
                 busy = time.thread_time()
                 if self.socket in events:
                     self._receive_all()
@@ -192,7 +193,7 @@ class Daemon:
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + 0.5
-                    self._check_liveness(now)
+                    self._check_liveness(turn)
                     self._retry_retiring(now)
         finally:
             self.shutdown()
@@ -288,6 +289,7 @@ class Daemon:
                 err = e if isinstance(e, DamacyError) else DamacyError(f"cannot start a session: {type(e).__name__}: {e}")
                 self.post(identity, conn.refuse(msg.id, err))
                 return
+            session.last_seen = time.monotonic()  # its start may have waited long (for memory): silence counts from now
             with self._sessions_lock:
                 stopping = self._stopping
                 if not stopping:
