@@ -129,19 +129,31 @@ def describe_wire(w: m.WireSample) -> str:
     return f"{'Sample' if w.box else 'IndexQuery'}({redact_uri(w.uri)!r}, {describe(entries)}{level}{transform})"
 
 
+def text(s: str | None) -> str | None:
+    """``s`` as a message may carry it: UTF-8. A lone surrogate (a file name that is not
+    UTF-8, a ``\\udcff`` escape in a zarr.json) is written out as its escape."""
+    if s is None or s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:
     kind = kind_of(err)
     if isinstance(err, SampleError):
         return m.WireError(
             kind=kind,
-            reason=err.reason,
-            uri=err.uri,
-            sample=err.sample,
-            path=err.path,
+            reason=text(err.reason),
+            uri=text(err.uri),
+            sample=text(err.sample),
+            path=text(err.path),
             chunk=None if err.chunk is None else list(err.chunk),
             seq=seq,
         )
-    return m.WireError(kind=kind, reason=str(err) or type(err).__name__, seq=seq)
+    return m.WireError(kind=kind, reason=text(str(err) or type(err).__name__), seq=seq)
 
 
 def error_from_wire(w: m.WireError) -> BaseException:

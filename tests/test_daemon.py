@@ -238,6 +238,27 @@ def test_a_session_whose_start_waited_for_memory_is_not_reclaimed_as_silent(tmp_
     assert "reclaiming" not in d.log_path.read_text()
 
 
+def test_an_error_naming_a_string_that_is_not_utf8_reaches_the_client(daemon, tmp_path):
+    """An NGFF level path "\\udcff" (valid JSON, a lone surrogate in Python): the sample's
+    error names it escaped; the reply is not lost and the session goes on."""
+    import zarr
+
+    img = tmp_path / "img.zarr"
+    img.mkdir()
+    axes = [{"name": n, "type": "space"} for n in "yx"]
+    datasets = [{"path": p, "coordinateTransformations": [{"type": "scale", "scale": [k, k]}]} for k, p in ((1, "0"), (2, "\udcff"))]
+    (img / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"ome": {"version": "0.5", "multiscales": [{"axes": axes, "datasets": datasets}]}}}))
+    zarr.create_array(str(img / "0"), shape=(8, 16), dtype="u2", chunks=(8, 16), fill_value=3)
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(1, 16), dtype="u16", on_error="fill", pop_timeout_s=60)
+    with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:
+        pipe.push([damacy.Sample(str(img), np.s_[0:1, 0:16], level=1), damacy.Sample(str(img), np.s_[0:1, 0:16], level=0)])
+        with pipe.pop() as b:
+            (_, err), = b.info.errors
+            assert isinstance(err, damacy.NotFound) and "\\udcff" in str(err)
+        with pipe.pop() as b:
+            assert b.info.errors == () and (b.numpy() == 3).all()
+
+
 def test_killed_clients_are_reclaimed(tmp_path, data):
     proc = DaemonProcess(tmp_path, [data], ["--memory", "256M"])
     try:

@@ -41,7 +41,7 @@ from damacy_protocol.errors import (
     redact_uri,
 )
 from damacy_protocol.samples import PUSHED_ITEM
-from damacy_protocol.wire import describe_wire, error_to_wire, longest_list, sample_from_wire
+from damacy_protocol.wire import describe_wire, error_to_wire, longest_list, sample_from_wire, text
 from damacy_runtime.waker import Waker
 from damacy_server.cpu.executor import CpuExecutor, CpuLimits
 from damacy_server.cuda.ipc import gpu_executor
@@ -482,8 +482,8 @@ class Daemon:
                 pid=os.getpid(),
                 endpoint=self.endpoint,
                 uptime_s=time.time() - self.started,
-                allow_roots=list(self.roots),
-                allow_prefixes=list(self.remote.allow or []),
+                allow_roots=[text(r) for r in self.roots],
+                allow_prefixes=[text(r) for r in self.remote.allow or []],
                 messages=self.received,
                 malformed_messages=self.malformed,
                 replies=self.sent,
