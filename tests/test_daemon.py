@@ -666,7 +666,7 @@ def test_json_logs_name_events_and_say_a_refused_path_once(tmp_path_factory, dat
     try:
         cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, dtype="u16", on_error="fill")
         with damacy.Pipeline(cfg, endpoint=d.endpoint) as pipe:
-            pipe.push([damacy.Sample("/etc/passwd", tuple((0, n) for n in BOX)), damacy.Sample("/etc/passwd", tuple((0, n) for n in BOX))])
+            pipe.push([damacy.Sample("/etc/passwd", tuple((0, n) for n in BOX)), damacy.Sample("/etc/group", tuple((0, n) for n in BOX))])
             with pipe.pop() as batch:
                 assert len(batch.info.errors) == 2
     finally:

@@ -463,12 +463,13 @@ class Daemon:
     def _log_refusal(self, uri: str, e: SampleError) -> None:
         """A refused sample, logged once per cause (its reason), not once per sample (its uri
         without the credentials or signature it may hold)."""
-        uri = redact_uri(uri)
-        cause = e.reason
+        cause = f"{type(e).__name__}: {e.reason.replace(uri, '<uri>') if uri else e.reason}"[:256]  # (paths apart)
         if cause in self._refusals_logged or len(self._refusals_logged) >= 1024:
             return
         self._refusals_logged.add(cause)
-        log.warning("refused %s: %s (said once per cause)", uri, cause, extra={"event": "refused_path", "uri": uri, "error": type(e).__name__})
+        shown = redact_uri(uri)
+        shown = shown if len(shown) <= 512 else shown[:512] + "..."
+        log.warning("refused %s: %s (said once per cause)", shown, e.reason[:1024], extra={"event": "refused_path", "uri": shown, "error": type(e).__name__})
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread, per pool."""
