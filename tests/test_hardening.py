@@ -17,6 +17,7 @@ import resource
 import shutil
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -403,6 +404,42 @@ def test_sessions_over_the_slot_cap_or_the_descriptor_limit_are_refused_with_a_r
                 assert np.array_equal(np.from_dlpack(b)[0], data[FIRST])
         assert proc_status(proc.pid)["fds"] < limit
     finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
+
+
+def test_sessions_starting_together_are_held_to_the_descriptor_limit_together(tmp_path, fresh):
+    """Each start counts the descriptors the others are opening: at most as many sessions as
+    fit are served, the others refused with the reason (never a failure to open a file)."""
+    root, _ = fresh
+    limit = 256
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    proc = DaemonProcess(tmp_path, [root], ["--max-slots-per-session", "64"], preexec_fn=low_limit)
+    outcomes, pipes = [], []
+    try:
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=BOX, dtype="u16", prepared_batches=64, lookahead_samples=1)
+
+        def start():
+            try:
+                pipes.append(damacy.Pipeline(cfg, endpoint=proc.endpoint))
+                outcomes.append("served")
+            except BaseException as e:  # noqa: BLE001 - the outcome is what it raised
+                outcomes.append(e)
+
+        threads = [threading.Thread(target=start) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        refused = [e for e in outcomes if e != "served"]
+        assert len(outcomes) == 4 and 1 <= outcomes.count("served") <= 2, outcomes
+        assert all(isinstance(e, damacy.BudgetExceeded) and "file descriptors" in str(e) for e in refused), refused
+        assert proc_status(proc.pid)["fds"] < limit
+    finally:
+        for p in pipes:
+            p.close()
         assert proc.stop() == 0, proc.log_path.read_text()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from damacy_protocol import messages as m
@@ -79,8 +80,9 @@ class SessionHost(Protocol):
     def gpu_executor(self, uuid: str) -> Any:
         """The executor of the GPU named ``uuid``, made on first use."""
 
-    def check_descriptors(self, slots: int) -> None:
-        """Refuse (BudgetExceeded) a session whose slots would leave too few descriptors."""
+    def descriptors(self, slots: int) -> AbstractContextManager[None]:
+        """Refuse (BudgetExceeded) a session whose slots would leave too few descriptors;
+        else hold them for it while it opens its slots (the context)."""
 
     def to_sample(self, w: m.WireSample, longest: int | None = None) -> Any:
         """A wire sample as a sample, or a bad one when the daemon may not serve it (or an

@@ -18,6 +18,7 @@ all act on the daemon's one state, owned by the loop thread.)
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import os
@@ -25,6 +26,7 @@ import queue
 import resource
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -107,6 +109,8 @@ class Daemon:
         self._gpus_lock = threading.Lock()
         self.sessions: dict[bytes, Session] = {}
         self._sessions_lock = threading.Lock()
+        self._fd_lock = threading.Lock()
+        self._fd_held = 0  # descriptors held for sessions opening their slots (descriptors())
         self.sharing = SlotSharing(options.socket_mode, socket_gid(options), self.retire, self.retire_when)
         # segments of ended sessions still mapped (a task in flight holds a view): (segment,
         # what returns its bytes to the budget once unmapped, when it was first tried)
@@ -387,20 +391,30 @@ class Daemon:
             except (ValueError, OSError):
                 pass
 
-    def check_descriptors(self, slots: int) -> None:
-        """Refuse a session whose slot mappings would leave too few file descriptors."""
+    @contextlib.contextmanager
+    def descriptors(self, slots: int) -> Iterator[None]:
+        """Refuse a session whose slot mappings would leave too few file descriptors; else
+        hold its ``slots`` descriptors for it while it opens them (sessions starting together
+        are counted together)."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
-            return
+        with self._fd_lock:
+            try:
+                open_now = len(os.listdir("/proc/self/fd"))
+            except OSError:
+                open_now = None
+            if soft != resource.RLIM_INFINITY and open_now is not None and open_now + self._fd_held + slots + FD_RESERVE > soft:
+                raise BudgetExceeded(
+                    f"damacyd has {open_now} of its {soft} file descriptors open"
+                    + (f" and {self._fd_held} held for sessions starting" if self._fd_held else "")
+                    + f"; a session of {slots} slots needs {slots} more and {FD_RESERVE} stay free (raise `ulimit -n` "
+                    "for damacyd, or end other sessions)"
+                )
+            self._fd_held += slots
         try:
-            open_now = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            return
-        if open_now + slots + FD_RESERVE > soft:
-            raise BudgetExceeded(
-                f"damacyd has {open_now} of its {soft} file descriptors open; a session of {slots} slots needs "
-                f"{slots} more and {FD_RESERVE} stay free (raise `ulimit -n` for damacyd, or end other sessions)"
-            )
+            yield
+        finally:  # its slots are open now (counted as open), or it was refused
+            with self._fd_lock:
+                self._fd_held -= slots
 
     def shutdown(self) -> None:
         if self.metrics_server is not None:

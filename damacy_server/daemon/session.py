@@ -100,23 +100,23 @@ class Session:
                     "ahead for a session (--max-lookahead-samples), fewer than one batch"
                 )
             self.lookahead = min(cfg.lookahead_samples, most)  # the credits the client gets
-            host.check_descriptors(cfg.prepared_batches)
-            dtype = numpy_dtype(cfg.dtype, "float32") if cfg.dtype != "native" else None
-            spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
-            self.engine = BatchEngine(
-                spec,
-                # the daemon's caches outlive sessions: what a session reads was cached after
-                # it opened, or is found unchanged in storage first (an array re-created
-                # between two runs is read anew)
-                ChunkPlanner(host.metadata, host.planner.limits, fresh_after=self.opened),
-                executor,
-                cfg.prepared_batches,
-                self.slots,
-                on_change=lambda: host.wake(self),
-                on_errors=host.totals.failed,
-                plan_pool=host.plan_pool,
-                what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
-            )
+            with host.descriptors(cfg.prepared_batches):  # the slots' descriptors, held while they are opened
+                dtype = numpy_dtype(cfg.dtype, "float32") if cfg.dtype != "native" else None
+                spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
+                self.engine = BatchEngine(
+                    spec,
+                    # the daemon's caches outlive sessions: what a session reads was cached after
+                    # it opened, or is found unchanged in storage first (an array re-created
+                    # between two runs is read anew)
+                    ChunkPlanner(host.metadata, host.planner.limits, fresh_after=self.opened),
+                    executor,
+                    cfg.prepared_batches,
+                    self.slots,
+                    on_change=lambda: host.wake(self),
+                    on_errors=host.totals.failed,
+                    plan_pool=host.plan_pool,
+                    what=f"{cfg.prepared_batches} batch slots of {cfg.samples_per_batch} x {cfg.sample_shape} {cfg.dtype}",
+                )
             self.core = FrontCore(self.engine, cfg.samples_per_batch, self.lookahead, cfg.drop_last)
             host.totals.session_started()
 
