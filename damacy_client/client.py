@@ -177,7 +177,7 @@ class RemotePipeline(PipelineAPI):
             # the feeder sends its pushes under: a final push cannot go out between the flag
             # and the pop (the pop would count it and still say not final, and wait for ever)
             final = self._input_final()
-            return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=_weak(self._consumed))
+            return self._conn.request(lambda i: m.Pop(id=i, final=final), on_progress=front.weak_method(self._consumed))
 
     def _input_final(self) -> bool:
         """Everything this client will push (for now) was sent (call with the lock held)."""
@@ -388,16 +388,3 @@ class RemotePipeline(PipelineAPI):
         # slots still read by tensors stay mapped (the daemon frees them once this process is gone)
         if self._feeder is not None and self._feeder is not threading.current_thread():
             self._feeder.join(2.0)
-
-
-def _weak(method: Any) -> Any:
-    """``method`` called through a weak reference to its object (a call pending on the
-    connection must not keep a pipeline dropped without ``close()`` alive)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return call

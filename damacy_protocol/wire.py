@@ -8,7 +8,7 @@ reason and the sample's context), used by the client and the daemon alike.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 
@@ -129,6 +129,10 @@ def describe_wire(w: m.WireSample) -> str:
     return f"{'Sample' if w.box else 'IndexQuery'}({redact_uri(w.uri)!r}, {describe(entries)}{level}{transform})"
 
 
+@overload
+def text(s: str) -> str: ...
+@overload
+def text(s: None) -> None: ...
 def text(s: str | None) -> str | None:
     """``s`` as a message may carry it: UTF-8. A lone surrogate (a file name that is not
     UTF-8, a ``\\udcff`` escape in a zarr.json) is written out as its escape."""

@@ -235,3 +235,16 @@ def feed_weakly(ref: weakref.ref, step: str) -> None:
         del owner
         if not go:
             return
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., None]:
+    """``method`` called through a weak reference to its object (a callback a connection
+    keeps must not keep a pipeline dropped without ``close()`` alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
