@@ -70,6 +70,73 @@ def test_a_disk_that_refuses_writes_and_removals_turns_entries_away_quietly(tmp_
     assert tier.get("a") == b"kept" and tier.get("b") is None
 
 
+def test_a_full_disk_makes_room_from_the_least_recently_used_entries(tmp_path, monkeypatch):
+    """The disk fills before the bound does (the bound is larger than the free space): a
+    write that finds no space evicts old entries and is tried once more."""
+    import builtins
+    import errno
+
+    from damacy_server.store import disk
+
+    tier = DiskTier(str(tmp_path / "tier"), 64 << 20)
+    for k in "abcd":
+        assert tier.put(k, k.encode() * 1000)
+    tier.get("a")  # b is now the least recently used
+    real, full = builtins.open, [True]
+
+    def no_space_once(path, mode="r", *args, **kwargs):
+        if "w" in mode and full[0] and str(path).endswith(TMP_SUFFIX):
+            full[0] = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(disk, "open", no_space_once, raising=False)
+    assert tier.put("e", b"e" * 1000)  # room made, then written
+    monkeypatch.undo()
+    assert tier.get("e") == b"e" * 1000 and tier.get("b") is None and tier.get("a") == b"a" * 1000
+    assert tier.stats()["evictions"] >= 1
+
+
+def test_processes_making_a_new_folder_a_tier_together_all_open_it(tmp_path):
+    # processes at once, each opening the same 100 fresh folders as fast as it can
+    code = textwrap.dedent("""
+        import os, sys, time
+        from damacy_server.store.disk import DiskTier
+        open(f"{sys.argv[1]}/ready-{os.getpid()}", "w").close()
+        while not os.path.exists(f"{sys.argv[1]}/go"):  # all start together
+            time.sleep(0.001)
+        bad = 0
+        for k in range(100):
+            try:
+                DiskTier(f"{sys.argv[1]}/{k}", 1 << 20)
+            except Exception as e:
+                bad += 1
+                print(repr(e))
+        print("refused", bad)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    assert wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 4, timeout=120, what="the processes to be ready")
+    (tmp_path / "go").touch()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(out.strip().endswith("refused 0") for out in outs), outs
+    assert all((tmp_path / str(k) / MARKER).is_file() for k in range(100))
+
+
+def test_a_temporary_file_of_an_earlier_process_with_this_pid_is_removed(tmp_path):
+    """A restarted container's process often gets its predecessor's pid: a write that
+    predecessor left half done is its, not this process's."""
+    tier_dir = tmp_path / "tier"
+    DiskTier(str(tier_dir), 1 << 20)
+    (tier_dir / "cd").mkdir()
+    left = tier_dir / "cd" / f"{'2' * 38}.{os.getpid()}.1{TMP_SUFFIX}"
+    left.write_bytes(b"half")
+    os.utime(left, (1_000_000_000, 1_000_000_000))  # written long before this process started
+    mine = tier_dir / "cd" / f"{'3' * 38}.{os.getpid()}.2{TMP_SUFFIX}"  # one this process writes now
+    mine.write_bytes(b"half")
+    DiskTier(str(tier_dir), 1 << 20)
+    assert not left.exists() and mine.exists()
+
+
 def test_the_folder_is_the_tiers_own(tmp_path):
     # a folder holding anything else is refused, and nothing in it is touched
     other = tmp_path / "scratch"

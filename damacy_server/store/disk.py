@@ -24,11 +24,13 @@ store again. Clear the folder when the data is rewritten in place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -41,6 +43,7 @@ _HEADER = struct.Struct("<8sQII")  # magic, payload length, crc32, key length
 TMP_SUFFIX = ".part"
 #: the file naming a folder as a disk tier
 MARKER = "damacy-disk-tier"
+_STARTED = time.time() - 1.0  # (about) when this process started: a temporary file of its pid older than that is an earlier process's
 _SUB = re.compile(r"[0-9a-f]{2}")
 _ENTRY = re.compile(r"[0-9a-f]{38}")
 _PART = re.compile(r"([0-9a-f]{38})\.(\d+)\.(\d+)" + re.escape(TMP_SUFFIX))
@@ -72,10 +75,12 @@ class DiskTier:
         if marker.is_file():
             return
         # a tier made before the marker was: its subfolders only (a filesystem's own
-        # lost+found aside: a tier at the root of an NVMe mount)
+        # lost+found aside: a tier at the root of an NVMe mount); the marker, or one being
+        # written, is another process making the folder a tier at the same time
         foreign = sorted(
             p.name for p in self.folder.iterdir()
-            if p.name != "lost+found" and not (_SUB.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+            if p.name != "lost+found" and not p.name.startswith(MARKER)
+            and not (_SUB.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
         )
         if foreign:
             raise InvalidArgument(
@@ -83,7 +88,9 @@ class DiskTier:
                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); give an empty folder "
                 "or one a disk tier made"
             )
-        marker.write_text("a damacy disk tier: entries of fetched object-store bytes, safe to delete whole\n")
+        tmp = self.folder / f"{MARKER}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        tmp.write_text("a damacy disk tier: entries of fetched object-store bytes, safe to delete whole\n")
+        os.replace(tmp, marker)  # whole or not there: another process opening the folder never reads half
 
     def _size(self, st: os.stat_result) -> int:
         return max(st.st_blocks * 512, self._on_disk(st.st_size))
@@ -109,7 +116,8 @@ class DiskTier:
                     part = _PART.fullmatch(entry.name)
                     if part is not None:
                         pid = int(part.group(2))
-                        if pid != os.getpid() and not pid_alive(pid):  # a write that never finishes
+                        gone = not pid_alive(pid) if pid != os.getpid() else entry.stat(follow_symlinks=False).st_mtime < _STARTED
+                        if gone:  # a write that never finishes (an earlier process of this pid's too: a restarted container)
                             os.unlink(entry.path)
                         continue
                     if not _ENTRY.fullmatch(entry.name):
@@ -184,15 +192,20 @@ class DiskTier:
         name = self._name(key)
         final = self.folder / name
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
-        try:
-            final.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, len(payload), zlib.crc32(payload), len(key_bytes)))
-                f.write(key_bytes)
-                f.write(payload)
-        except OSError:
-            _remove(tmp)
-            return False
+        for attempt in range(2):
+            try:
+                final.parent.mkdir(exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(_HEADER.pack(MAGIC, len(payload), zlib.crc32(payload), len(key_bytes)))
+                    f.write(key_bytes)
+                    f.write(payload)
+                break
+            except OSError as e:
+                _remove(tmp)
+                if attempt or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    return False
+                self._evict(free=2 * size)  # the disk is fuller than the bound allowed for: make room, once
+
         with self._lock:  # the file and its index entry change together
             try:
                 os.replace(tmp, final)  # whole, or not there at all
@@ -222,10 +235,13 @@ class DiskTier:
         if size is not None:
             self._bytes -= size
 
-    def _evict(self) -> None:
+    def _evict(self, free: int = 0) -> None:
+        """Remove the least recently used entries until the tier is within its bound and
+        ``free`` bytes of entries are gone (a disk that filled up before the bound did)."""
         with self._lock:
-            while self._bytes > self.max_bytes and self._index:
+            while (self._bytes > self.max_bytes or free > 0) and self._index:
                 name, size = self._index.popitem(last=False)
+                free -= size
                 self._bytes -= size
                 self.evictions += 1
                 try:
