@@ -15,6 +15,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.errors import DamacyError
 from damacy_protocol.stats import as_dict
 from damacy_protocol.wire import absolute_uri, error_from_wire
+from damacy_runtime.cli_types import Seconds
 
 ENDPOINT = click.option("--endpoint", default=None, help="The daemon's endpoint (default: $DAMACY_ENDPOINT, else the default ipc socket).")
 
@@ -39,7 +40,7 @@ def main():
 
 @main.command()
 @ENDPOINT
-@click.option("--timeout", type=click.FloatRange(0.0, 3600.0, min_open=True), default=2.0, show_default=True)
+@click.option("--timeout", type=Seconds(0.0, 3600.0, min_open=True), default=2.0, show_default=True)
 def ping(endpoint, timeout):
     """Check that damacyd answers."""
     from damacy_runtime.endpoint import default_endpoint
@@ -173,7 +174,7 @@ def render(stats, before=None, seconds: float | None = None) -> str:
 @ENDPOINT
 @click.option("--json", "as_json", is_flag=True, help="Print the raw figures as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
-@click.option("--interval", type=click.FloatRange(0.1, 86400.0), default=2.0, show_default=True)
+@click.option("--interval", type=Seconds(0.1, 86400.0), default=2.0, show_default=True)
 def stats(endpoint, as_json, watch, interval):
     """Per-stage timings, cache hit rates, sessions and memory of the daemon."""
     conn = _connect(endpoint)

@@ -771,6 +771,7 @@ def test_flag_values_that_would_leave_the_daemon_open_or_useless_are_usage_error
         (["--socket-mode", "-1"], "from 000 to 777"),  # became 07777: anyone, setuid, sticky
         (["--socket-mode", "7777"], "from 000 to 777"),
         (["--heartbeat-timeout", "0"], "heartbeat-timeout"),  # every session reclaimed at once
+        (["--heartbeat-timeout", "nan"], "not a finite number"),  # a silent session never reclaimed
         (["--max-message-size", "0"], "max-message-size"),  # every request dropped
     ]:
         run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)
@@ -792,6 +793,9 @@ def test_the_cli_refuses_timeouts_that_would_hang_and_names_what_refused_it(tmp_
     assert run.returncode == 2 and "--timeout" in run.stderr  # poll(-1000) waited for ever
     run = subprocess.run([*damacy_command(), "stats", "--watch", "--interval", "-1"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--interval" in run.stderr
+    for args in (["ping", "--endpoint", "tcp://127.0.0.1:1", "--timeout", "nan"], ["stats", "--watch", "--interval", "nan"]):
+        run = subprocess.run([*damacy_command(), *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and "not a finite number" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_a_warm_stops_at_its_next_step_once_its_session_ends(monkeypatch):

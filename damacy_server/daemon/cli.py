@@ -15,6 +15,7 @@ import zmq
 
 from damacy_protocol.checks import default_decode_workers
 from damacy_protocol.errors import DamacyError
+from damacy_runtime.cli_types import Seconds
 from damacy_runtime.endpoint import default_endpoint
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
@@ -77,10 +78,10 @@ def _ids(values, lookup, what: str) -> list[int]:
 @click.option("--max-lookahead-samples", type=click.IntRange(1), default=65536, show_default=True, help="Most samples one session may have pushed ahead of its batches (Config.lookahead_samples is held to it): queued samples are the daemon's memory, outside --memory.")
 @click.option("--max-message-size", type=Size(), default="64M", show_default=True, help="Largest request accepted; a larger one drops its connection.")
 @click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False), default=None, help="File holding the daemon's CURVE secret key (z85); required for a TCP endpoint off loopback.")
-@click.option("--heartbeat-timeout", type=click.FloatRange(2.0, 86400.0), default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed (at least 2: clients send a heartbeat every second).")
+@click.option("--heartbeat-timeout", type=Seconds(2.0, 86400.0), default=5.0, show_default=True, help="Seconds of silence after which a client's session is reclaimed (at least 2: clients send a heartbeat every second).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True, help="json: one object a line (time, level, event, session, pid, rank, uri, error).")
-@click.option("--slow-batch-s", type=click.FloatRange(0), default=10.0, show_default=True, help="Log a batch that takes longer than this from its start to ready (event slow_batch); 0: never.")
+@click.option("--slow-batch-s", type=Seconds(0), default=10.0, show_default=True, help="Log a batch that takes longer than this from its start to ready (event slow_batch); 0: never.")
 @click.option("--metrics", "metrics", default=None, metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default).")
 def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_memory, chunk_cache, chunk_cache_dir, chunk_cache_dir_bytes, io_workers, decode_workers, socket_mode, socket_group, allow_uids, allow_gids, max_slots_per_session, max_lookahead_samples, max_message_size, curve_secret_key, heartbeat_timeout, log_level, log_format, slow_batch_s, metrics):
     """Serve Zarr batches to every training process on this node."""
