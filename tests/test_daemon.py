@@ -661,6 +661,20 @@ def test_warm_of_a_sparse_array_that_fits_says_nothing_of_room(cached_daemon, da
     assert "1 chunk(s)" in out.stdout and "did not fit" not in out.stderr
 
 
+def test_warm_goes_on_past_a_corrupt_chunk_and_names_it(tmp_path_factory, data):
+    values = random_data((16, 24, 20), "uint16", 13)
+    write_array(data / "one-bad.zarr", values, chunks=(8, 12, 10), compressors=[ZstdCodec(level=1)])
+    (data / "one-bad.zarr" / "c" / "0" / "0" / "0").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)  # the first chunk
+    d = DaemonProcess(tmp_path_factory.mktemp("warm-bad"), [data], ["--chunk-cache", "64M"])
+    try:
+        env = {**os.environ, "DAMACY_ENDPOINT": d.endpoint}
+        out = subprocess.run(["damacy", "warm", str(data / "one-bad.zarr"), "--chunks"], capture_output=True, text=True, env=env, timeout=60)
+        assert "7 chunk(s)" in out.stdout, (out.stdout, out.stderr)  # the other 7 of 8 are warmed
+        assert "c/0/0/0" in out.stderr and stats(d.endpoint)["chunk_cache"]["entries"] == 7
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()
+
+
 def test_json_logs_name_events_and_say_a_refused_path_once(tmp_path_factory, data):
     d = DaemonProcess(tmp_path_factory.mktemp("json-logs"), [data], ["--log-format", "json", "--log-level", "info"])
     try:

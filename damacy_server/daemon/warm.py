@@ -108,9 +108,10 @@ def warm(
             try:
                 locs = daemon.metadata.locate(meta, arr)
                 if chunks:
-                    cached, left = _load_chunks(meta, units, locs, cache, daemon.executor.stats)
+                    cached, left, failed = _load_chunks(meta, units, locs, cache, daemon.executor.stats)
                     out["chunks"] += cached
                     out["left"] += left
+                    out["errors"].extend(failed)
                 out["errors"].extend(locs.errors.values())
             except SampleError as e:
                 out["errors"].append(e)
@@ -120,12 +121,14 @@ def warm(
     return out
 
 
-def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
+def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[SampleError]]:
     """Read and decode ``units`` into the chunk cache; the work counts in the stage figures
     as a stream's does ("read", "decode"), and under "warm" (chunks cached, their bytes).
-    Returns the chunks the cache holds and those that exist and did not fit (units never
-    written are neither: they read as the fill value)."""
+    Returns the chunks the cache holds, those that exist and did not fit (units never
+    written are neither: they read as the fill value), and the errors of those that could
+    not be read or decoded (each its own: the others are warmed all the same)."""
     n = 0
+    failed: list[SampleError] = []
     present = [k for k in range(len(units)) if not locs.missing[k] and k not in locs.errors]
     for done, k in enumerate(present):
         unit = units[k]
@@ -136,16 +139,20 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
             continue
         if not cache.has_room(size):
             # a full cache keeps what it holds: warming more would only evict what was warmed
-            return n, len(present) - done
+            return n, len(present) - done, failed
         offset, nbytes = int(locs.offsets[k]), int(locs.nbytes[k])
         t0 = time.perf_counter()
-        data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
-        t1 = time.perf_counter()
-        stats.add("read", t1 - t0, bytes_out=len(data) if data else 0)
-        if data is None:
+        try:
+            data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
+            t1 = time.perf_counter()
+            stats.add("read", t1 - t0, bytes_out=len(data) if data else 0)
+            if data is None:
+                continue
+            check_length(meta, data, nbytes, unit, key)
+            arr = decode_unit(meta, data, unit, key)
+        except SampleError as e:
+            failed.append(e)
             continue
-        check_length(meta, data, nbytes, unit, key)
-        arr = decode_unit(meta, data, unit, key)
         arr = np.array(arr)
         arr.flags.writeable = False
         stats.add("decode", time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
@@ -153,4 +160,4 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int]:
         if cached:
             stats.add("warm", 0.0, bytes_out=arr.nbytes)
         n += cached
-    return n, 0
+    return n, 0, failed
