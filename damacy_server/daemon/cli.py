@@ -38,9 +38,12 @@ class Size(click.ParamType):
         if isinstance(value, int):
             return value
         try:
-            return parse_size(value)
+            out = parse_size(value)
         except click.BadParameter as e:
             self.fail(str(e), param, ctx)
+        if out >= 1 << 63:
+            self.fail(f"{value!r} is more bytes than any machine holds (at most 2**63 - 1)", param, ctx)
+        return out
 
 
 def _ids(values, lookup, what: str) -> list[int]:
@@ -121,8 +124,13 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
                 stores.resolve(prefix)
             except SampleError as e:
                 raise click.BadParameter(str(e), param_hint="--storage-option") from None
+    endpoint = endpoint or default_endpoint()
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        if port != "*" and not (port.isdigit() and 0 < int(port) < 1 << 16):
+            raise click.BadParameter(f"{endpoint}: the port must be 1 to 65535 (or * for any)", param_hint="--endpoint")
     options = DaemonOptions(
-        endpoint=endpoint or default_endpoint(),
+        endpoint=endpoint,
         allow_roots=list(allow_roots),
         allow_prefixes=list(allow_prefixes),
         storage_options=per_prefix,
@@ -157,7 +165,7 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         click.echo(f"damacyd: {e}", err=True)
         sys.exit(2)
     except (zmq.ZMQError, OSError) as e:  # the endpoint (a port in use, a path too long), a folder, a key
-        click.echo(f"damacyd: cannot start on {endpoint}: {e}", err=True)
+        click.echo(f"damacyd: cannot start on {endpoint} (or with the folders and key it was given): {e}", err=True)
         sys.exit(2)
     if metrics is not None:
         from damacy_server.daemon.metrics import serve
