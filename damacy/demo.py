@@ -75,49 +75,54 @@ def write_volume(path: Path, data: np.ndarray, shards: tuple[int, ...], chunks: 
         raise ValueError(f"inner chunks {chunks} must tile the shards {shards}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".part-", dir=path.parent))
-    compressor = zstandard.ZstdCompressor(level=level)
-    grid = [-(-n // s) for n, s in zip(data.shape, shards)]
-    per_shard = [s // c for s, c in zip(shards, chunks)]
-    for shard in itertools.product(*map(range, grid)):
-        blob = bytearray()
-        index = np.full((int(np.prod(per_shard)), 2), 2**64 - 1, dtype="<u8")  # missing: all ones
-        for k, inner in enumerate(itertools.product(*map(range, per_shard))):
-            start = [(s * n + i * c) for s, n, i, c in zip(shard, shards, inner, chunks)]
-            if any(a >= n for a, n in zip(start, data.shape)):
-                continue  # wholly past the array's end
-            piece = np.zeros(chunks, dtype="<u2")
-            region = data[tuple(slice(a, a + c) for a, c in zip(start, chunks))]
-            piece[tuple(slice(0, n) for n in region.shape)] = region
-            encoded = compressor.compress(piece.tobytes())
-            index[k] = (len(blob), len(encoded))
-            blob += encoded
-        raw = index.tobytes()
-        blob += raw + crc32c.crc32c(raw).to_bytes(4, "little")
-        key = tmp / "c" / Path(*map(str, shard))
-        key.parent.mkdir(parents=True, exist_ok=True)
-        key.write_bytes(bytes(blob))
-    meta = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(data.shape),
-        "data_type": "uint16",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shards)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 0,
-        "codecs": [
-            {
-                "name": "sharding_indexed",
-                "configuration": {
-                    "chunk_shape": list(chunks),
-                    "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": level, "checksum": False}}],
-                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-                    "index_location": "end",
-                },
-            }
-        ],
-        "attributes": {"written_by": "damacy demo"},
-    }
-    (tmp / "zarr.json").write_text(json.dumps(meta, indent=2))
+    try:
+        compressor = zstandard.ZstdCompressor(level=level)
+        grid = [-(-n // s) for n, s in zip(data.shape, shards)]
+        per_shard = [s // c for s, c in zip(shards, chunks)]
+        for shard in itertools.product(*map(range, grid)):
+            blob = bytearray()
+            index = np.full((int(np.prod(per_shard)), 2), 2**64 - 1, dtype="<u8")  # missing: all ones
+            for k, inner in enumerate(itertools.product(*map(range, per_shard))):
+                start = [(s * n + i * c) for s, n, i, c in zip(shard, shards, inner, chunks)]
+                if any(a >= n for a, n in zip(start, data.shape)):
+                    continue  # wholly past the array's end
+                piece = np.zeros(chunks, dtype="<u2")
+                region = data[tuple(slice(a, a + c) for a, c in zip(start, chunks))]
+                piece[tuple(slice(0, n) for n in region.shape)] = region
+                encoded = compressor.compress(piece.tobytes())
+                index[k] = (len(blob), len(encoded))
+                blob += encoded
+            raw = index.tobytes()
+            blob += raw + crc32c.crc32c(raw).to_bytes(4, "little")
+            key = tmp / "c" / Path(*map(str, shard))
+            key.parent.mkdir(parents=True, exist_ok=True)
+            key.write_bytes(bytes(blob))
+        meta = {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(data.shape),
+            "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shards)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(chunks),
+                        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": level, "checksum": False}}],
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": {"written_by": "damacy demo"},
+        }
+        (tmp / "zarr.json").write_text(json.dumps(meta, indent=2))
+        os.chmod(tmp, 0o777 & ~_umask())  # (mkdtemp makes it 700: a daemon of another user could not read it)
+    except BaseException:  # interrupted (Ctrl-C) or failed: nothing half written is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (path / "zarr.json").exists():  # another writer finished first: its volume stays
@@ -125,6 +130,18 @@ def write_volume(path: Path, data: np.ndarray, shards: tuple[int, ...], chunks: 
             return
         shutil.rmtree(path, ignore_errors=True)  # one cut short
         os.replace(tmp, path)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 STAGES = ("plan", "read", "decode", "assemble")  # "native" and "direct" are parts of these

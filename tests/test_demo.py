@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import zarr
 from zarr.codecs import ZstdCodec
 
@@ -30,6 +31,29 @@ def test_the_demo_writer_writes_what_zarr_python_reads(tmp_path):
     assert np.array_equal(zarr.open_array(tmp_path / "w.zarr", mode="r")[...], data)
     assert np.array_equal(damacy.read(tmp_path / "w.zarr"), data)
     assert not list(tmp_path.glob("w.zarr.part*"))
+
+
+def test_a_demo_volume_cut_short_leaves_nothing_and_is_readable_by_others(tmp_path, monkeypatch):
+    import stat
+
+    data = random_data((16, 16, 16), "uint16", 4)
+    calls = []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 2:  # Ctrl-C while the shards are written
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    real = demo.Path.write_bytes
+    monkeypatch.setattr(demo.Path, "write_bytes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.write_volume(tmp_path / "v.zarr", data, shards=(8, 16, 16), chunks=(8, 8, 8))
+    monkeypatch.undo()
+    assert not list(tmp_path.glob("v.zarr*"))  # no half-written folder left behind
+    demo.write_volume(tmp_path / "v.zarr", data, shards=(8, 16, 16), chunks=(8, 8, 8))
+    mode = stat.S_IMODE((tmp_path / "v.zarr").stat().st_mode)
+    assert mode == 0o777 & ~demo._umask(), oct(mode)  # as a folder made here is, not mkdtemp's 700
 
 
 def test_two_demos_writing_at_once_leave_one_whole_volume(tmp_path):
