@@ -116,7 +116,7 @@ def warm(endpoint, uris, shard_indexes, chunks):
 def _fmt_bytes(n):
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
 
 

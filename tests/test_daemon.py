@@ -632,6 +632,10 @@ def test_stats_watch_shows_rates_since_the_last_refresh(cached_daemon):
     assert "count/s" in text and "busy" in text
     assert " 5.0 " in row and "2.0 MiB/s" in row and row.endswith(" 0.50")  # 10 in 2 s, 4 MiB in 2 s, half a thread busy
     assert "count/s" not in render(after)  # a single snapshot: totals only
+    slow = copy.deepcopy(before)
+    slow["stages"][name]["bytes_out"] += 1000
+    row = next(line for line in render(slow, before, 3.0).splitlines() if line.startswith(name))
+    assert "333 B/s" in row and "333.3" not in row  # under a KiB a second: whole bytes, as the columns expect
     after["daemon"].update(batches=40, loop_cpu_s=0.1, messages=100, replies=60)
     assert "loop: 2.500 ms of the loop's CPU per batch delivered, 4.0 messages per batch (40 batches)" in render(after)
 
