@@ -155,6 +155,14 @@ def render(stats, before=None, seconds: float | None = None) -> str:
         rate = f"{100 * c['hits'] / total:.1f}%" if total else "-"
         rule = f", admitting by {c['admission']}" if c.get("admission", "lru") != "lru" else ""
         lines.append(f"cache {name}: {c['entries']} entries, hit rate {rate} ({c['hits']} hits, {c['misses']} misses){rule}")
+    disk = stats.get("disk_cache")
+    if disk:
+        total = disk["hits"] + disk["misses"]
+        rate = f"{100 * disk['hits'] / total:.1f}%" if total else "-"
+        lines.append(
+            f"cache disk: {disk['entries']} entries ({_fmt_bytes(disk['bytes'])}), hit rate {rate} ({disk['hits']} hits, "
+            f"{disk['misses']} misses), {disk['writes']} written, {disk['evictions']} evicted, {disk['refused']} refused"
+        )
     sessions = [s for s in stats["sessions"] if not s.get("control")]
     lines.append(f"sessions: {len(sessions)}")
     earlier = {s["session"]: s for s in (before or {}).get("sessions", [])}

@@ -632,6 +632,9 @@ def test_stats_watch_shows_rates_since_the_last_refresh(cached_daemon):
     assert "count/s" in text and "busy" in text
     assert " 5.0 " in row and "2.0 MiB/s" in row and row.endswith(" 0.50")  # 10 in 2 s, 4 MiB in 2 s, half a thread busy
     assert "count/s" not in render(after)  # a single snapshot: totals only
+    with_disk = copy.deepcopy(after)
+    with_disk["disk_cache"] = {"entries": 3, "bytes": 3 << 20, "hits": 3, "misses": 1, "writes": 4, "evictions": 1, "refused": 0}
+    assert "cache disk: 3 entries (3.0 MiB), hit rate 75.0% (3 hits, 1 misses), 4 written, 1 evicted, 0 refused" in render(with_disk)
     slow = copy.deepcopy(before)
     slow["stages"][name]["bytes_out"] += 1000
     row = next(line for line in render(slow, before, 3.0).splitlines() if line.startswith(name))
