@@ -127,8 +127,8 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
     endpoint = endpoint or default_endpoint()
     if endpoint.startswith("tcp://"):
         port = endpoint.rpartition(":")[2]
-        if port != "*" and not (port.isdigit() and 0 < int(port) < 1 << 16):
-            raise click.BadParameter(f"{endpoint}: the port must be 1 to 65535 (or * for any)", param_hint="--endpoint")
+        if port != "*" and not (port.isdigit() and int(port) < 1 << 16):
+            raise click.BadParameter(f"{endpoint}: the port must be 0 to 65535 (0 or *: any free one)", param_hint="--endpoint")
     options = DaemonOptions(
         endpoint=endpoint,
         allow_roots=list(allow_roots),
