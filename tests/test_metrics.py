@@ -102,6 +102,16 @@ def test_metrics_are_off_by_default_and_a_bad_address_is_refused(tmp_path):
         assert out.returncode == 2 and "--metrics" in out.stderr and "HOST:PORT" in out.stderr, out.stderr
 
 
+def test_the_disk_tier_has_its_cache_series(tmp_path):
+    proc = DaemonProcess(tmp_path, [tmp_path], extra=["--metrics", "127.0.0.1:0", "--chunk-cache-dir", str(tmp_path / "tier")])
+    try:
+        got = scrape(metrics_url(proc))
+        for name in ("damacy_cache_entries", "damacy_cache_bytes", "damacy_cache_hits_total", "damacy_cache_misses_total", "damacy_cache_evictions_total"):
+            assert got[(name, (("cache", "disk"),))] == 0, name  # an empty tier: its series, at 0
+    finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
+
+
 @pytest.mark.parametrize("text,want", [("9400", ("127.0.0.1", 9400)), (":9400", ("127.0.0.1", 9400)), ("0.0.0.0:1", ("0.0.0.0", 1)), ("[::1]:80", ("::1", 80))])
 def test_metrics_addresses_default_to_loopback(text, want):
     from damacy_server.daemon.metrics import parse_address

@@ -95,6 +95,8 @@ class DaemonCollector:
         caches = {"metadata": stats.cache.arrays, "shard_index": stats.cache.shard_indexes}
         if stats.chunk_cache is not None:
             caches["chunk"] = stats.chunk_cache
+        if stats.disk_cache is not None:  # (--chunk-cache-dir: fetched object-store bytes on local disk)
+            caches["disk"] = stats.disk_cache
         cache_labels = ["cache"]
         families = {
             "hits": CounterMetricFamily(f"{PREFIX}_cache_hits", "Lookups found in the cache.", labels=cache_labels),
