@@ -794,6 +794,8 @@ def test_flag_values_that_would_leave_the_daemon_open_or_useless_are_usage_error
         (["--heartbeat-timeout", "0"], "heartbeat-timeout"),  # every session reclaimed at once
         (["--heartbeat-timeout", "nan"], "not a finite number"),  # a silent session never reclaimed
         (["--max-message-size", "9000000T"], "at most 2**63 - 1"),  # a traceback (int64 overflow)
+        (["--memory", "0"], "--memory"),  # said as CpuLimits.max_memory_bytes
+        (["--chunk-cache-dir-bytes", "0"], "--chunk-cache-dir-bytes"),
         (["--max-message-size", "0"], "max-message-size"),  # every request dropped
     ]:
         run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)

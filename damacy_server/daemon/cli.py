@@ -102,6 +102,9 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
         raise click.BadParameter(f"{socket_mode!r} is not an octal mode", param_hint="--socket-mode") from None
     if not 0 <= mode <= 0o777:  # -1 became 07777 (anyone, setuid and sticky bits)
         raise click.BadParameter(f"{socket_mode!r} is not a mode from 000 to 777", param_hint="--socket-mode")
+    for flag, value in (("--memory", memory), ("--chunk-cache-dir-bytes", chunk_cache_dir_bytes)):
+        if value < 1:  # (said by the flag, not by the Config field it becomes)
+            raise click.BadParameter(f"{value} bytes: give at least 1", param_hint=flag)
     if max_message_size < 64 << 10:  # smaller, every request (a push of a batch's samples) is dropped
         raise click.BadParameter(f"{max_message_size} bytes: a request may need more; give at least 64K", param_hint="--max-message-size")
     secret = None
