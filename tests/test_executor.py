@@ -176,6 +176,25 @@ def test_a_waiting_slot_admission_is_not_starved_by_new_reads_in_flight():
     assert took == [Reservation.TAKEN] and budget.slots == 32 * mb and budget.used == 32 * mb + 8 * mb
 
 
+def test_a_read_stuck_in_flight_holds_other_reads_back_only_for_a_while(monkeypatch):
+    """An admission waits on a read stuck in flight (a stalled server): new reads leave it
+    room only for ADMIT_FIRST_S, then go on."""
+    from damacy_server.engine import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ADMIT_FIRST_S", 0.2)
+    monkeypatch.setattr(budget_module, "SLOT_WAIT_S", 60.0)
+    mb = 1 << 20
+    budget = MemoryBudget(64 * mb)
+    assert budget.reserve(40 * mb, lambda: False) is Reservation.TAKEN  # stuck
+    t = threading.Thread(target=budget.admit_slots, args=(32 * mb, "2 batch slots"))
+    t.start()
+    _waiting(budget, 1)
+    assert wait_for(lambda: budget.try_reserve(8 * mb), what="new reads to go on")  # not for the whole wait
+    budget.release(48 * mb)  # the reads end: the admission gets in
+    t.join(60)
+    assert not t.is_alive() and budget.slots == 32 * mb
+
+
 def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_path):
     from zarr.codecs import BytesCodec, ShardingCodec
 

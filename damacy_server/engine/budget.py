@@ -19,6 +19,10 @@ from damacy_protocol.errors import BudgetExceeded
 MIN_INFLIGHT_BYTES = 16 << 20
 #: how long a new pipeline waits for chunk data in flight to make room for its slots
 SLOT_WAIT_S = 30.0
+#: how long new reads leave a waiting admission the room it waits for: long enough for the
+#: reads in flight to finish, short enough that one stuck read (a stalled server) does not
+#: hold every other pipeline's reads for the whole wait
+ADMIT_FIRST_S = 2.0
 
 
 class Reservation(enum.Enum):
@@ -41,6 +45,7 @@ class MemoryBudget:
         self.peak = 0
         self.waiting = 0  # slot admissions waiting for chunk data in flight to drain
         self.admitting = 0  # the bytes they wait for
+        self._first_until = 0.0  # until then new reads leave them that room (ADMIT_FIRST_S)
         self._cond = threading.Condition()
 
     @property
@@ -50,14 +55,17 @@ class MemoryBudget:
 
     def admit_slots(self, nbytes: int, what: str) -> None:
         """Take ``nbytes`` for batch slots for good, waiting (at most ``SLOT_WAIT_S``) for chunk
-        data in flight to drain. While an admission waits, new reads in flight take only
-        the room it leaves (they would otherwise take back every byte a finished read frees).
+        data in flight to drain. For ``ADMIT_FIRST_S`` after an admission starts waiting, new
+        reads in flight take only the room it leaves (they would otherwise take back every
+        byte a finished read frees).
         Refused (BudgetExceeded) when the slots would leave less than ``MIN_INFLIGHT_BYTES``
         in flight, checked again after every wait: another admission may have taken slots."""
         with self._cond:
-            deadline = time.monotonic() + SLOT_WAIT_S
+            now = time.monotonic()
+            deadline = now + SLOT_WAIT_S
             self.waiting += 1
             self.admitting += nbytes
+            self._first_until = now + ADMIT_FIRST_S
             try:
                 while True:
                     need = self.slots + nbytes + MIN_INFLIGHT_BYTES
@@ -96,7 +104,7 @@ class MemoryBudget:
             while True:
                 if nbytes > self.capacity:
                     return Reservation.TOO_BIG
-                if self.used + nbytes + self.admitting <= self.total:
+                if self.used + nbytes + self._held() <= self.total:
                     self._take(nbytes)
                     return Reservation.TAKEN
                 if cancelled():
@@ -106,10 +114,14 @@ class MemoryBudget:
     def try_reserve(self, nbytes: int) -> bool:
         """Take ``nbytes`` of room in flight if there is room now (never waits)."""
         with self._cond:
-            if nbytes > self.capacity or self.used + nbytes + self.admitting > self.total:
+            if nbytes > self.capacity or self.used + nbytes + self._held() > self.total:
                 return False
             self._take(nbytes)
             return True
+
+    def _held(self) -> int:
+        """The room new reads leave waiting admissions now (the caller holds the lock)."""
+        return self.admitting if self.admitting and time.monotonic() < self._first_until else 0
 
     def _take(self, nbytes: int) -> None:
         self.used += nbytes
