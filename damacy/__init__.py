@@ -1,51 +1,93 @@
-"""damacy: fast, dependable n-dimensional Zarr v3 data for GPU training.
+"""damacy: fast, dependable n-dimensional Zarr data for GPU training.
 
-The one import users write; everything public is re-exported here.
+The one import users write; everything public is re-exported here. The seed API's names
+(``damacy.Pipeline``, ``Config``, ``Sample``, the components, limits, errors, enums, stats and
+spatial queries) mean what its documents say; damacy's own (samplers, ``read``, the daemon
+client, ``MultiPipeline``) add to them (docs/seed.md lists every difference).
+
+>>> import damacy
+>>> damacy.Sample("cell.zarr", [(0, 64), (0, 256), (0, 256)]).aabb
+((0, 64), (0, 256), (0, 256))
+>>> damacy.Dtype.coerce("bfloat16") is damacy.Dtype.BF16
+True
 """
 
 from typing import TYPE_CHECKING
 
+from damacy._native import max_concurrency
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
+from damacy_protocol.enums import DeviceType, Dtype, NumaStrategy, Status
 from damacy_protocol.errors import (
     BatchFailed,
     BudgetExceeded,
     DaemonUnavailable,
     DamacyError,
     DecodeError,
+    DtypeMismatch,
     InvalidArgument,
     MetadataError,
+    NativeCudaError,
     NotFound,
     OutOfBounds,
+    OutOfMemory,
     PipelineDrained,
+    PoolStarved,
     ProtocolError,
-    SampleError,
+    RankMismatch,
+    ShutdownError,
     SlotsHeld,
     StorageError,
-    UnsupportedError,
+    TryAgain,
+    UnsupportedOperation,
 )
-from damacy_protocol.samples import IndexQuery, Padding, Sample
+from damacy_protocol.limits import (
+    BatchSpec,
+    CpuLimits,
+    CudaLimits,
+    LatencyModel,
+    MetadataCache,
+    NgffLimits,
+    PlanLimits,
+    QueueLimits,
+)
+from damacy_protocol.samples import IndexQuery, Padding, ResolvedSpatialQuery, Sample
+from damacy_protocol.stats import Metric, Stats
 from damacy_runtime.batch import Batch, BatchInfo
+from damacy_runtime.logsink import (
+    LOG_DEBUG,
+    LOG_ERROR,
+    LOG_FATAL,
+    LOG_INFO,
+    LOG_TRACE,
+    LOG_WARN,
+    install as _install_log_sink,
+    set_log_level,
+    set_log_quiet,
+)
+
+__version__ = "0.1.0"
 
 #: the rest of the API, imported on first use: a daemon client never loads the engine (nor
 #: its codec libraries), and an embedded pipeline never loads the client's transport
 _LAZY = {
     "RemotePipeline": "damacy_client.client",
     "EmbeddedPipeline": ("damacy_server.pipeline", "Pipeline"),
-    "QueueLimits": "damacy_server.pipeline",
-    "CpuExecutor": "damacy_server.cpu.executor",
-    "CpuLimits": "damacy_server.cpu.executor",
-    "BatchSpec": "damacy_server.plan.planner",
+    "FileMetadataReader": "damacy_server.store.file",
+    "FileReader": "damacy_server.store.file",
+    "ZarrMetadata": "damacy_server.plan.resolve",
     "ChunkPlanner": "damacy_server.plan.planner",
-    "PlanLimits": "damacy_server.plan.reads",
+    "CpuExecutor": "damacy_server.cpu.executor",
+    "CudaExecutor": "damacy_server.cuda.executor",
+    "NgffImage": "damacy_server.spatial",
+    "NgffAxis": "damacy_protocol.spatial",
+    "NgffLevel": "damacy_protocol.spatial",
+    "Sampler": "damacy_protocol.spatial",
+    "SpatialQuery": "damacy_protocol.spatial",
     "open_array": "damacy_server.read",
     "open_image": "damacy_server.read",
     "open_plate": "damacy_server.read",
     "read": "damacy_server.read",
-    "MetadataCache": "damacy_server.plan.resolve",
-    "ZarrMetadata": "damacy_server.plan.resolve",
-    "FileMetadataReader": "damacy_server.store.file",
-    "FileReader": "damacy_server.store.file",
     "RemoteStores": "damacy_server.store.remote",
     "RandomBoxes": "damacy.samplers",
     "GridBoxes": "damacy.samplers",
@@ -64,13 +106,14 @@ if TYPE_CHECKING:  # the same names, for type checkers and the import contracts 
     from damacy.splits import Split, split_chunks
     from damacy.windows import chunk_windows
     from damacy_client.client import RemotePipeline
-    from damacy_server.cpu.executor import CpuExecutor, CpuLimits
+    from damacy_protocol.spatial import NgffAxis, NgffLevel, Sampler, SpatialQuery
+    from damacy_server.cpu.executor import CpuExecutor
+    from damacy_server.cuda.executor import CudaExecutor
     from damacy_server.pipeline import Pipeline as EmbeddedPipeline
-    from damacy_server.pipeline import QueueLimits
-    from damacy_server.plan.planner import BatchSpec, ChunkPlanner
-    from damacy_server.plan.reads import PlanLimits
-    from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
+    from damacy_server.plan.planner import ChunkPlanner
+    from damacy_server.plan.resolve import ZarrMetadata
     from damacy_server.read import open_array, open_image, open_plate, read
+    from damacy_server.spatial import NgffImage
     from damacy_server.store.file import FileMetadataReader, FileReader
     from damacy_server.store.remote import RemoteStores
 
@@ -88,60 +131,37 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted(set(__all__) | set(globals()))
 
 
-__version__ = "0.1.0"
-
-
-__all__ = [
-    "Batch",
-    "BatchInfo",
-    "BatchSpec",
-    "ChunkPlanner",
-    "Config",
-    "CpuExecutor",
-    "CpuLimits",
-    "FileMetadataReader",
-    "FileReader",
-    "IndexQuery",
-    "Pipeline",
-    "PlanLimits",
-    "QueueLimits",
-    "RemotePipeline",
-    "RemoteStores",
-    "RandomBoxes",
-    "GridBoxes",
-    "Shuffled",
-    "Split",
-    "split_chunks",
-    "chunk_windows",
-    "Padding",
-    "MultiSample",
-    "MultiPipeline",
-    "MultiBatch",
-    "EmbeddedPipeline",
-    "Sample",
-    "BatchFailed",
-    "BudgetExceeded",
-    "DaemonUnavailable",
-    "DamacyError",
-    "DecodeError",
-    "InvalidArgument",
-    "MetadataCache",
-    "MetadataError",
-    "NotFound",
-    "OutOfBounds",
-    "PipelineDrained",
-    "ProtocolError",
-    "SampleError",
-    "SlotsHeld",
-    "StorageError",
-    "UnsupportedError",
-    "ZarrMetadata",
-    "open_array",
-    "open_image",
-    "open_plate",
-    "read",
-    "__version__",
+#: the seed API's public names (its ``__all__``), then damacy's own
+SEED_NAMES = [
+    "Batch", "BatchInfo", "BatchSpec", "BudgetExceeded", "ChunkPlanner", "Config", "CpuExecutor", "CpuLimits",
+    "CudaExecutor", "CudaLimits", "DamacyError", "DecodeError", "DeviceType", "Dtype", "DtypeMismatch",
+    "FileMetadataReader", "FileReader", "IndexQuery", "InvalidArgument", "LatencyModel", "MetadataCache", "Metric",
+    "NativeCudaError", "NgffAxis", "NgffImage", "NgffLevel", "NgffLimits", "NotFound", "NumaStrategy", "OutOfMemory",
+    "Pipeline", "PlanLimits", "PoolStarved", "QueueLimits", "RankMismatch", "ResolvedSpatialQuery", "Sample",
+    "Sampler", "ShutdownError", "SpatialQuery", "Stats", "Status", "StorageError", "TryAgain", "UnsupportedOperation",
+    "ZarrMetadata", "max_concurrency", "set_log_level", "set_log_quiet",
 ]
+__all__ = [
+    *SEED_NAMES,
+    "BatchFailed", "DaemonUnavailable", "EmbeddedPipeline", "GridBoxes", "MetadataError", "MultiBatch",
+    "MultiPipeline", "MultiSample", "OutOfBounds", "Padding", "PipelineDrained", "ProtocolError", "RandomBoxes",
+    "RemotePipeline", "RemoteStores", "Shuffled", "SlotsHeld", "Split", "chunk_windows", "open_array", "open_image",
+    "open_plate", "read", "split_chunks",
+]
+
+# the public classes say they are damacy's (their reprs, pickles by name and doctest find them here)
+for _obj in (
+    Config, DeviceType, Dtype, NumaStrategy, Status, BatchSpec, CpuLimits, CudaLimits, LatencyModel, MetadataCache,
+    NgffLimits, PlanLimits, QueueLimits, IndexQuery, Padding, ResolvedSpatialQuery, Sample, Metric, Stats, Batch,
+    BatchInfo, DamacyError, TryAgain, InvalidArgument, NotFound, DtypeMismatch, RankMismatch, StorageError,
+    DecodeError, NativeCudaError, OutOfMemory, BudgetExceeded, ShutdownError, UnsupportedOperation, PoolStarved,
+    OutOfBounds, MetadataError, PipelineDrained, SlotsHeld, BatchFailed, DaemonUnavailable, ProtocolError,
+    set_log_level, set_log_quiet,
+):
+    _obj.__module__ = "damacy"
+del _obj
+
+_install_log_sink()

@@ -134,7 +134,7 @@ class MultiPipeline:
         if "skip" in policies:
             raise InvalidArgument('on_error="skip" would drop a sample from one name\'s batch only; use "fill" or "raise"')
         self.names = list(configs)
-        # batch k's outcome per name (its Batch, or the SampleError its pop raised) while
+        # batch k's outcome per name (its Batch, or the DamacyError its pop raised) while
         # another name's pop has not answered (a timeout): the next pop completes it
         self._pending: dict[str, Any] = {}
         self.pipes: dict[str, Any] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from damacy_protocol.config import Config
 from damacy_protocol.errors import DaemonUnavailable, InvalidArgument
@@ -79,27 +80,57 @@ class _AnyPipeline(type):
 
 
 class Pipeline(metaclass=_AnyPipeline):
-    """A streaming pipeline: run by the node's damacyd when one answers, else embedded here.
+    """A streaming pipeline: run by the node's damacyd when one answers, else in this process.
 
     ``Pipeline(config)`` uses the damacyd at ``$DAMACY_ENDPOINT`` when that is set, else the
     one at the node's default endpoint (``ipc:///tmp/damacy-UID/damacyd.sock``) when it
     answers, else runs the engine in this process; the choice is logged once (logger
     "damacy", level INFO). ``endpoint=...`` asks for that daemon; ``embedded=True`` runs here
     whatever answers, ``embedded=False`` requires a daemon. Composed from parts
-    (``planner=..., executor=..., output=..., queues=...``) it is always embedded. Both kinds
-    behave the same.
+    (``planner=..., executor=..., output=..., queues=...``, all four) it runs here, and takes
+    ``pop_timeout_s`` (default 30 s; a Config has its own). Both kinds behave the same.
     """
 
-    def __new__(cls, config: Config | None = None, *, endpoint: str | None = None, embedded: bool | None = None, **parts):
-        return _make_pipeline(config, endpoint, embedded, parts)
+    def __new__(
+        cls,
+        config: Config | None = None,
+        *,
+        planner: Any = None,
+        executor: Any = None,
+        output: Any = None,
+        queues: Any = None,
+        pop_timeout_s: float | None = 30.0,
+        endpoint: str | None = None,
+        embedded: bool | None = None,
+        **extras: Any,
+    ):
+        parts = {"planner": planner, "executor": executor, "output": output, "queues": queues}
+        given = {k: v for k, v in parts.items() if v is not None}
+        if config is not None and given:
+            raise TypeError("supply either Config or pipeline components")
+        if config is None:
+            if len(given) < 4:
+                raise TypeError("planner, executor, output, and queues are required")
+            return _embedded(None, {**parts, "pop_timeout_s": pop_timeout_s, **extras}, endpoint, embedded)
+        if extras:
+            raise TypeError(f"Pipeline(config) takes no {', '.join(sorted(extras))} (they are Config fields)")
+        return _make_pipeline(config, endpoint, embedded)
 
 
-def _make_pipeline(config: Config | None, endpoint: str | None, embedded: bool | None, parts: dict):
+def _embedded(config: Config | None, parts: dict, endpoint: str | None, embedded: bool | None):
+    if endpoint is not None or embedded is False:
+        raise InvalidArgument("a pipeline composed from parts runs in this process: it takes no endpoint")
+    from damacy_server.pipeline import Pipeline as EmbeddedPipeline
+
+    return EmbeddedPipeline(config, **parts)
+
+
+def _make_pipeline(config: Config, endpoint: str | None, embedded: bool | None):
+    if not isinstance(config, Config):
+        raise TypeError(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
     if embedded and endpoint is not None:
         raise InvalidArgument("a pipeline is embedded or has an endpoint, not both")
-    if parts and (endpoint is not None or embedded is False):
-        raise InvalidArgument(f"a daemon pipeline takes a Config only, not {sorted(parts)}")
-    if not parts and not embedded:
+    if not embedded:
         if endpoint is None:
             endpoint = os.environ.get("DAMACY_ENDPOINT") or _node_daemon()
         if endpoint is None and embedded is False:
@@ -114,6 +145,6 @@ def _make_pipeline(config: Config | None, endpoint: str | None, embedded: bool |
         return pipe
     from damacy_server.pipeline import Pipeline as EmbeddedPipeline
 
-    if not parts and not embedded:
+    if not embedded:
         _say_once("no damacyd answers at the node's endpoint: running embedded")
-    return EmbeddedPipeline(config, **parts)
+    return EmbeddedPipeline(config)

@@ -26,11 +26,12 @@ from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import DamacyError, ErrorKind, InvalidArgument, PipelineDrained, ProtocolError, SampleError
-from damacy_protocol.stats import as_dict
+from damacy_protocol.errors import DamacyError, ErrorKind, PipelineDrained, ProtocolError, ShutdownError, stage
+from damacy_protocol.samples import check_pushed
+from damacy_protocol.stats import Stats, as_dict, session_stats, since
 from damacy_protocol.wire import error_from_wire, fit_pushes, sample_to_wire
 from damacy_runtime import front, pinning
-from damacy_runtime.api import PipelineAPI
+from damacy_runtime.api import CLOSED, PipelineAPI, check_pop_timeout
 from damacy_runtime.batch import Batch, Slot
 from damacy_runtime.devices import device_uuid
 
@@ -48,9 +49,19 @@ class RemotePipeline(PipelineAPI):
     """
 
     def __init__(self, config: Config, endpoint: str | None = None, *, rank: int | None = None, connect_timeout_s: float = 10.0) -> None:
+        self._closed = True  # until connected
         if not isinstance(config, Config):
-            raise InvalidArgument(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
+            raise TypeError(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
         self.config = config
+        self.output = config.output
+        self.queues = config.queues
+        self.pop_timeout_s = check_pop_timeout(config.pop_timeout_s)
+        self.on_error = config.on_error
+        try:
+            config.check_cache_floors()
+        except DamacyError as e:
+            raise stage(e, "create") from None
+        self._reference: Stats | None = None  # the figures at the last stats_reset (subtracted)
         if rank is None and os.environ.get("RANK", "").isdigit():
             rank = int(os.environ["RANK"])
         # a GPU is named by its UUID: the daemon may number the node's GPUs differently
@@ -94,22 +105,29 @@ class RemotePipeline(PipelineAPI):
         self._pid = os.getpid()
         self._feeder: threading.Thread | None = None
         self._batch_shape = (config.samples_per_batch, *config.sample_shape)
+        self._pop_seconds = 0.0  # time callers waited in pop, and how many pops
+        self._pops = 0
 
     # -- input --------------------------------------------------------------------
-    def push(self, samples: Iterable[Any]) -> None:
-        self._check_process()
-        front.Sources.check(samples)
+    def _push(self, samples: Iterable[Any]) -> None:
         self._check()
         with self._cond:
             self._sources.add(samples, self._take_restore())
             self._pushed = True
             self._final_sent = False
-            if self._feeder is None:
+        with self._cond:
+            room = self._conn.credits
+        self._send(min(room, PUSH_CHUNK), deferred=False)  # a first window, checked here
+        with self._cond:
+            if self._feeder is None and not self._closed:
                 self._feeder = threading.Thread(
                     target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-client-feeder", daemon=True
                 )
                 self._feeder.start()
             self._cond.notify_all()
+
+    def _check_item(self, item: Any) -> Any:
+        return check_pushed(item, self.output.shape, self.config.out_of_bounds == "pad")
 
     def _feed(self) -> bool:
         """One round of the feeder thread (:func:`front.feed_weakly`): pull what the credits
@@ -121,7 +139,20 @@ class RemotePipeline(PipelineAPI):
             if self._closed:
                 return False
             room = self._conn.credits
-        pulled, error = self._sources.pull(min(room, PUSH_CHUNK), lambda: self._closed, self._numbered)
+        return self._send(min(room, PUSH_CHUNK), deferred=True)
+
+    def _send(self, room: int, deferred: bool) -> bool:
+        """Pull up to ``room`` samples (checked) and push them; a refused sample drops its
+        iterable and is raised (``deferred``: kept for the next push or pop). False: stop."""
+        try:
+            pulled, error = self._sources.pull(room, lambda: self._closed, self._numbered, check=self._check_item)
+        except front.Refused as refused:
+            if not deferred:
+                raise refused.error from None
+            with self._cond:
+                self._defer(refused.error)
+                self._cond.notify_all()
+            pulled, error = [], None
         batch = [wire for wire, _ in pulled]
         with self._cond:
             for wire, sample in pulled:
@@ -156,7 +187,7 @@ class RemotePipeline(PipelineAPI):
     # -- output -------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
-            raise PipelineDrained("the pipeline is closed")
+            raise ShutdownError(CLOSED, what="closed")
         if self._conn.dead is not None:
             raise self._conn.dead
         with self._cond:
@@ -183,17 +214,22 @@ class RemotePipeline(PipelineAPI):
         """Everything this client will push (for now) was sent (call with the lock held)."""
         return self._final_sent and not self._sources
 
-    def pop(self, timeout: float | None = None) -> Batch:
-        """The next batch in push order; see :meth:`damacy.EmbeddedPipeline.pop`. The next
-        batch is requested as soon as this one is handed out, so a pop whose batch is ready
-        costs no round trip to the daemon."""
-        self._check_process()
+    def _pop(self, timeout: float | None) -> Batch:
+        """The next batch in push order (see :meth:`PipelineAPI.pop`). The next batch is
+        requested as soon as this one is handed out, so a pop whose batch is ready costs no
+        round trip to the daemon."""
         self._check()
         if not self._pushed:
-            raise PipelineDrained("nothing was pushed")
-        if timeout is None:
-            timeout = self.config.pop_timeout_s
+            raise PipelineDrained("nothing was pushed: pop() has no batch to wait for")
         deadline = front.deadline(timeout)
+        started = front.now()
+        try:
+            return self._pop_batch(deadline, timeout)
+        finally:
+            self._pop_seconds += front.now() - started
+            self._pops += 1
+
+    def _pop_batch(self, deadline: float | None, timeout: float | None) -> Batch:
         with self._cond:
             error = self._due_source_error()
         if error is not None:
@@ -208,7 +244,7 @@ class RemotePipeline(PipelineAPI):
                 # unless the feeder may yet find the input's end or its error (no slot needed)
                 self._next_call = call
                 if self._closed:
-                    raise PipelineDrained("the pipeline is closed")
+                    raise ShutdownError(CLOSED, what="closed")
                 if not self._may_pull():
                     raise front.slots_held(self.config.prepared_batches)
                 left = front.time_left(deadline)
@@ -225,7 +261,7 @@ class RemotePipeline(PipelineAPI):
                 self._next_call = call  # its answer will serve the next pop
                 raise self._waiting_for(timeout)
             if self._closed:  # closed (by another thread) while it waited
-                raise PipelineDrained("the pipeline is closed")
+                raise ShutdownError(CLOSED, what="closed")
             if call.error is not None:
                 raise call.error
             reply = call.reply
@@ -251,13 +287,14 @@ class RemotePipeline(PipelineAPI):
                 self._next_call = self._request_pop()
             if consumed and hasattr(err, "batch_samples"):  # as embedded: the batch's samples and failures
                 err.batch_samples = tuple(s for s in consumed if s is not None)
-                if isinstance(err, SampleError):
+                if isinstance(err, DamacyError):
                     err.batch_errors = tuple(
                         (by_seq.get(w.seq) if w.seq is not None else None, err if w.seq == reply.error.seq else error_from_wire(w))
                         for w in reply.errors
                     )
             if not isinstance(err, PipelineDrained):
                 self._handed(None, len(consumed))
+                raise self._batch_failed(err)
             raise err
         batch = self._batch(reply)
         self._handed(batch)
@@ -282,7 +319,7 @@ class RemotePipeline(PipelineAPI):
         with self._cond:
             return not self._sources and not self._samples
 
-    def _waiting_for(self, timeout: float) -> TimeoutError:
+    def _waiting_for(self, timeout: float) -> DamacyError:
         slots = self.config.prepared_batches
         held = self._held()
         with self._cond:
@@ -324,7 +361,7 @@ class RemotePipeline(PipelineAPI):
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
         device = f"cuda:{self.config.device}" if self._link is not None else "cpu"
-        info = front.batch_info(self.config, r.count, dtype.name, r.batch_id, samples, errors, skipped, device=device)
+        info = front.batch_info(self.output, r.count, dtype.name, r.batch_id, samples, errors, skipped, device=device)
         slot = Slot(full, lambda _slot, bid=r.batch_id: self._release(bid), index=r.slot)
         batch = Batch(slot, info, dtype, full)
         with self._cond:
@@ -359,7 +396,7 @@ class RemotePipeline(PipelineAPI):
         except (DamacyError, ProtocolError):
             pass
 
-    def stats(self) -> dict[str, Any]:
+    def stats_dict(self) -> dict[str, Any]:
         """The daemon's figures (stages, caches, memory, sessions) with this session's
         counters (batches, samples, sample_errors, samples_pulled) at the top level."""
         self._check_process()
@@ -371,9 +408,23 @@ class RemotePipeline(PipelineAPI):
                 data[key] = mine[key]
         return data
 
+    def _figures(self) -> Stats:
+        self._check()
+        reply = self._conn.call(lambda i: m.Stats(id=i), 10.0, "stats")
+        figures = session_stats(reply.stats, self._pop_seconds, self._pops)
+        return figures if self._reference is None else since(figures, self._reference)
+
+    def _reset_figures(self) -> None:
+        self._pop_seconds, self._pops = 0.0, 0
+        self._reference = None
+        self._reference = self._figures()
+
+    def _device_index(self) -> int:
+        return int(self.config.device) if self._link is not None else -1
+
     # -- lifetime -----------------------------------------------------------------
-    def close(self) -> None:
-        if self._forked():  # the session, sockets and mappings are the parent's
+    def _close(self) -> None:
+        if not hasattr(self, "_conn"):  # never connected
             return
         with self._cond:
             if self._closed:

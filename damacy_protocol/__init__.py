@@ -14,9 +14,8 @@ from damacy_protocol.errors import (
     OutOfBounds,
     PipelineDrained,
     ProtocolError,
-    SampleError,
     StorageError,
-    UnsupportedError,
+    UnsupportedOperation,
 )
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "OutOfBounds",
     "PipelineDrained",
     "ProtocolError",
-    "SampleError",
     "StorageError",
-    "UnsupportedError",
+    "UnsupportedOperation",
 ]

@@ -118,7 +118,8 @@ class ClientConnection(_Side):
             raise ProtocolError(f"hello in state {self.state.value}")
         self.state = State.HELLO_SENT
         self.hello_id = self.new_id()
-        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=config, device=device), token)
+        described = None if config is None else config.to_dict()
+        return self._send(m.Hello(id=self.hello_id, version=m.PROTOCOL_VERSION, pid=pid, rank=rank, config=described, device=device), token)
 
     def send(self, msg: Any, token: Any = None) -> bytes:
         """Encode a request (not ``Hello``) built with :meth:`new_id`."""

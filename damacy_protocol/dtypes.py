@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from damacy_protocol.enums import Dtype
 from damacy_protocol.errors import InvalidArgument
 
 #: canonical name → numpy dtype name ("native": the array's own dtype)
@@ -30,8 +31,39 @@ OUTPUT_DTYPES: dict[str, str] = {
 _ALIASES = {v: k for k, v in OUTPUT_DTYPES.items()}
 
 
+#: damacy's output dtypes beyond the seed API's :class:`Dtype` (kept as their names)
+EXTRA_DTYPES = ("f16", "f64", "bool", "native")
+
+
+def output_dtype(value: Any) -> Dtype | str:
+    """A batch's dtype: a :class:`Dtype` for the seed API's ten (from a member, its number or
+    a short or full name, as :meth:`Dtype.coerce`), else one of damacy's own names
+    (:data:`EXTRA_DTYPES`: ``"f16"``/``"float16"``, ``"f64"``/``"float64"``, ``"bool"``,
+    ``"native"``, the array's own); ``ValueError("unknown dtype: ...")`` otherwise."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        name = _ALIASES.get(name, name)
+        if name in EXTRA_DTYPES:
+            return name
+    return Dtype.coerce(value)
+
+
+def dtype_name(dtype: Dtype | str) -> str:
+    """The short name of a batch dtype (``"f32"``, ``"f16"``, ``"native"``)."""
+    return dtype.short if isinstance(dtype, Dtype) else dtype
+
+
+def itemsize(dtype: Dtype | str) -> int:
+    """Bytes per element of a batch dtype (0 for ``"native"``: the array decides)."""
+    if isinstance(dtype, Dtype):
+        return dtype.itemsize
+    return 0 if dtype == "native" else numpy_dtype(dtype).itemsize
+
+
 def canonical_dtype(value: Any, field: str = "dtype") -> str:
     """The canonical short name of an output dtype given as a name or a numpy dtype."""
+    if isinstance(value, Dtype):
+        return value.short
     if value is None:
         return "native"
     if isinstance(value, str):
@@ -57,6 +89,8 @@ def numpy_dtype(name: str, native: Any = None):
     """The numpy dtype of canonical name ``name``; ``native`` is the dtype "native" means."""
     import numpy as np
 
+    if isinstance(name, Dtype):
+        name = name.short
     if name == "native":
         if native is None:
             raise InvalidArgument("dtype 'native' needs the array's dtype")

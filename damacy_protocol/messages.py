@@ -7,16 +7,15 @@ them fails to decode with an error naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
-from damacy_protocol.config import Config
 from damacy_protocol.errors import ErrorKind
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 9  # 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message; 9: a push says where the input raised (cut)
+PROTOCOL_VERSION = 10  # 10: the seed API's errors (status, stage) and Config (as a dict), Stats; 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message; 9: a push says where the input raised (cut)
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -82,6 +81,8 @@ class WireError(msgspec.Struct):
     path: str | None = None
     chunk: list[int] | None = None
     seq: int | None = None  # the sample's number, for sample errors
+    status: int | None = None  # its Status (None: its class's)
+    what: str = ""  # the stage that failed
 
 
 class SlotInfo(msgspec.Struct):
@@ -106,7 +107,7 @@ class Hello(_Msg, tag="hello"):
     version: int
     pid: int
     rank: int | None
-    config: Config | None = None  # None: a control session (stats, warm), no pipeline
+    config: dict[str, Any] | None = None  # Config.to_dict(); None: a control session (stats, warm), no pipeline
     device: str | None = None  # the UUID of config.device (indices differ between processes)
 
 

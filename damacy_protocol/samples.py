@@ -1,31 +1,86 @@
-"""What a training sample is: a box of an array (:class:`Sample`) or an index selection
-(:class:`IndexQuery`). Both are frozen and hashable, and hold only plain Python values so
-they travel to the daemon as they are."""
+"""What a batch is asked for, one family with one frozen base: a box of an array
+(:class:`Sample`), an index selection (:class:`IndexQuery`), a sample repeated only to even
+out ranks (:class:`Padding`) and a spatial query resolved against an NGFF image
+(:class:`ResolvedSpatialQuery`).
+
+Every member is immutable, hashable, compares by value and holds only plain Python values,
+so it travels to the daemon and to other processes as it is. What can be checked without
+the array is checked where it is made (its form, with the seed API's messages) or where it
+is pushed (its geometry against the batch: :func:`check_pushed`); the rest when its array's
+metadata arrives.
+"""
 
 from __future__ import annotations
 
 import math
 import operator
+import os
+from collections.abc import Iterable
 from types import EllipsisType
-from typing import Any
+from typing import Any, ClassVar
 
-from damacy_protocol.errors import InvalidArgument, redact_uri
-from damacy_protocol.selection import BOX, QUERY, Indices, describe, key
-from damacy_protocol.selection import normalize as normalize_selection
+from damacy_protocol.errors import InvalidArgument, UnsupportedOperation, redact_uri
+from damacy_protocol.limits import INT63_MAX, MAX_RANK, UINT32_MAX
+from damacy_protocol.selection import Indices, describe, key
+
+#: how an error names a pushed item that is no sample (its reason says what it was)
+PUSHED_ITEM = "a pushed item"
+
+
+def describe_item(item: Any) -> str:
+    """A pushed item that is no sample, as an error message names it."""
+    text = repr(item)
+    return f"{type(item).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+class Query:
+    """The frozen base of the family: immutable, compared and hashed by :meth:`_key`,
+    pickled by :attr:`_fields` (each a keyword of the constructor)."""
+
+    __slots__ = ("_hash",)
+    _fields: ClassVar[tuple[str, ...]] = ()
+    _hash: int
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, f) for f in self._fields)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_hash", hash((type(self)._family(), self._key())))
+
+    @classmethod
+    def _family(cls) -> type:
+        """The class members compare equal across (a Padding equals its Sample)."""
+        return cls
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Query) or other._family() is not self._family():
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), {f: getattr(self, f) for f in self._fields}))
+
+
+def _rebuild(cls: type, values: dict[str, Any]) -> Any:
+    return cls._restore(values) if hasattr(cls, "_restore") else cls(**values)
+
+
+# -- helpers shared by the members ------------------------------------------------------
 
 
 def _uri(uri: Any) -> str:
-    import os
-
     if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri):
         raise InvalidArgument(f"a sample's uri must be a non-empty string or path, got {uri!r}")
     return os.fspath(uri)
-
-
-def _span(entry: Any) -> tuple[int | None, int | None]:
-    if isinstance(entry, slice):
-        return (entry.start, entry.stop)
-    return (entry, entry + 1)
 
 
 def _level(level: Any, uri: str) -> int | None:
@@ -35,10 +90,6 @@ def _level(level: Any, uri: str) -> int | None:
     if not isinstance(level, int) or isinstance(level, bool) or level < 0:
         raise InvalidArgument(f"level must be a non-negative integer (an NGFF image's level), got {level!r}", uri=uri)
     return level
-
-
-def _rebuild(cls, uri, selection, level, flip=(), transpose=None, normalize=None):
-    return cls(uri, selection, level=level, flip=flip, transpose=transpose, normalize=normalize)
 
 
 def normalize_pair(normalize: Any, uri: str | None = None) -> tuple[float, float] | None:
@@ -56,11 +107,16 @@ def normalize_pair(normalize: Any, uri: str | None = None) -> tuple[float, float
     return pair
 
 
+def _is_axis(a: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool nor a float."""
+    return hasattr(a, "__index__") and not isinstance(a, bool) and type(a).__name__ != "bool_" and not hasattr(a, "__len__")
+
+
 def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """A sample's transform, checked as far as it can be without the array: ``flip``, the
     axes reversed (of the selection's result, dropped axes left out); ``transpose``, the
     result's axes in a new order (``np.transpose``'s ``axes``), applied after the flips."""
-    given = () if flip is None else (flip,) if _is_axis(flip) else flip  # one axis, or a sequence (an array too)
+    given = () if flip is None else (flip,) if _is_axis(flip) else flip
     try:
         listed = list(given)
     except TypeError:
@@ -80,150 +136,182 @@ def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tu
     return axes, (None if order == tuple(range(len(order))) else order)
 
 
-def _is_axis(a: Any) -> bool:
-    """An integer (Python's or numpy's), not a bool nor a float."""
-    return hasattr(a, "__index__") and not isinstance(a, bool) and type(a).__name__ != "bool_" and not hasattr(a, "__len__")
-
-
-def _describe_transform(flip: tuple[int, ...], transpose: tuple[int, ...] | None, normalize: tuple[float, float] | None = None) -> str:
+def _describe_transform(q: Any) -> str:
+    level = "" if q.level is None else f", level={q.level}"
     return (
-        (f", flip={flip}" if flip else "") + (f", transpose={transpose}" if transpose is not None else "")
-        + (f", normalize={normalize}" if normalize is not None else "")
+        level
+        + (f", flip={q.flip}" if q.flip else "")
+        + (f", transpose={q.transpose}" if q.transpose is not None else "")
+        + (f", normalize={q.normalize}" if q.normalize is not None else "")
     )
 
 
-def _aabb_selection(aabb: Any, uri: str) -> tuple[Any, ...]:
-    """The selection of an ``aabb``: a sequence (list, tuple or an (n, 2) array) of per-axis
-    ``(start, stop)`` pairs or slices (``...`` for the axes not named), always a box, never
-    index lists."""
-    if isinstance(aabb, slice):
-        aabb = (aabb,)
-    elif type(aabb).__name__ == "ndarray" and getattr(aabb, "ndim", 0) == 2 and aabb.shape[1] == 2:
-        aabb = aabb.tolist()
-    if not isinstance(aabb, (list, tuple)):
-        raise InvalidArgument(f"aabb must be a sequence of per-axis (start, stop) pairs or slices, got {aabb!r}", uri=uri)
-    entries: list[Any] = []
-    for axis, e in enumerate(aabb):
-        if isinstance(e, slice) or e is Ellipsis:
-            entries.append(e)
-        elif isinstance(e, (list, tuple)) and len(e) == 2:
-            entries.append(slice(*e))
-        elif type(e).__name__ == "ndarray" and getattr(e, "shape", None) == (2,):
-            entries.append(slice(*e.tolist()))
-        else:
-            raise InvalidArgument(f"aabb axis {axis}: expected a (start, stop) pair or a slice, got {e!r}", uri=uri)
-    return tuple(entries)
+class _Selected(Query):
+    """A selection of the array at ``uri`` with damacy's per-sample options: ``level`` (an
+    NGFF image's), ``flip``, ``transpose`` and ``normalize``."""
 
-
-def _is_aabb_list(selection: Any) -> bool:
-    """A list of per-axis (start, stop) pairs or slices: an aabb given where a selection goes
-    (a list is never a Sample's selection: it would be an index list, an IndexQuery's)."""
-    return isinstance(selection, list) and bool(selection) and all(
-        isinstance(e, slice) or e is Ellipsis or (isinstance(e, (list, tuple)) and len(e) == 2) for e in selection
-    )
-
-
-class Sample:
-    """A box of the array at ``uri``: per axis ``(start, stop)``, a slice or an integer (the
-    axis is dropped), in a tuple (``np.s_[...]``); ``...`` stands for the axes not named and
-    fewer entries select the rest whole (see :mod:`damacy_protocol.selection`).
-
-    ``aabb=``: the box as the seed API writes it, a list (or tuple) of per-axis ``(start,
-    stop)`` pairs or slices: ``Sample(uri=uri, aabb=[(0, 64), (0, 256), (0, 256)])``, or the
-    same list in the selection's place (``Sample(uri, [(0, 64), (0, 256), (0, 256)])``).
-    Always a box: any other list is an index list, which only an :class:`IndexQuery` takes.
-
-    ``level``: for an OME-NGFF image uri, the level to read (the box is in its index space;
-    none: level 0).
-
-    ``flip`` (axes to reverse) and ``transpose`` (a new order of the axes) transform the
-    result as ``np.transpose(np.flip(box, flip), transpose)``, made by the copies that
-    assemble the batch (no pass of their own); the batch's ``sample_shape`` is the
-    transformed shape.
-
-    ``normalize=(offset, scale)``: the sample's values become ``(x - offset) * scale``
-    (``scale = 1 / std`` standardises), computed in the cast that writes the batch (no pass
-    of its own); the batch's dtype must be a float type (see the README's numeric contract).
-
-    Coordinates are absolute array coordinates: a box may reach outside the array (negative
-    starts, stops past the end) and that part is padded with the array's fill value (or
-    refused, per ``out_of_bounds``), never clipped or wrapped. An open slice bound
-    (``np.s_[:, 0:64]``) means the array's own bound on that axis.
-    """
-
-    __slots__ = ("uri", "selection", "level", "flip", "transpose", "normalize", "_hash")
+    __slots__ = ("uri", "level", "flip", "transpose", "normalize")
 
     uri: str
-    selection: tuple[slice | int | EllipsisType, ...]
     level: int | None
     flip: tuple[int, ...]
     transpose: tuple[int, ...] | None
     normalize: tuple[float, float] | None
-    _hash: int
+
+    def _options(self, uri: Any, level: Any, flip: Any, transpose: Any, normalize: Any) -> str:
+        uri = _uri(uri)
+        set_ = object.__setattr__
+        set_(self, "uri", uri)
+        set_(self, "level", _level(level, uri))
+        flips, order = _transform(flip, transpose, uri)
+        set_(self, "flip", flips)
+        set_(self, "transpose", order)
+        set_(self, "normalize", normalize_pair(normalize, uri))
+        return uri
+
+    def result_shape(self) -> tuple[int, ...] | None:
+        """The shape the sample takes in a batch (after ``transpose``), or None while it
+        depends on the array."""
+        shape = self.shape
+        if shape is None or self.transpose is None or len(self.transpose) != len(shape):
+            return shape
+        return tuple(shape[a] for a in self.transpose)
+
+    shape: Any  # each member's
+
+
+# -- Sample --------------------------------------------------------------------------------
+
+
+def _aabb_axis(x: Any, axis: int) -> slice:
+    """One axis of an aabb as the seed API writes it: a 2-tuple ``(start, stop)`` or a
+    slice with a stop (step 1 or none; an open start is 0)."""
+    if isinstance(x, slice):
+        _check_step(x.step, axis)
+        if x.stop is None:
+            raise ValueError(f"aabb axis {axis}: slice stop is required (got {x!r})")
+        return slice(0 if x.start is None else int(x.start), int(x.stop))
+    if isinstance(x, tuple) and len(x) == 2:
+        return slice(int(x[0]), int(x[1]))
+    raise TypeError(f"aabb axis {axis}: expected slice or (start, stop) tuple; got {type(x).__name__}")
+
+
+def _check_step(step: Any, axis: int) -> None:
+    if step not in (None, 1):
+        raise ValueError(f"aabb axis {axis}: slice step must be 1 or omitted (got step={step})")
+
+
+def _selection_axis(x: Any, axis: int) -> slice | int | EllipsisType:
+    """One entry of a numpy-style selection (``np.s_[...]``): a slice (an open bound is the
+    array's), a ``(start, stop)`` pair, an integer (that position; the axis is dropped) or
+    ``...`` (the axes not named)."""
+    if x is Ellipsis:
+        return x
+    if isinstance(x, slice):
+        _check_step(x.step, axis)
+        start = 0 if x.start is None else _integer(x.start, axis)
+        return slice(start, None if x.stop is None else _integer(x.stop, axis))
+    if isinstance(x, tuple) and len(x) == 2:
+        return slice(int(x[0]), int(x[1]))
+    if _is_axis(x):
+        return operator.index(x)
+    raise TypeError(f"aabb axis {axis}: expected slice or (start, stop) tuple; got {type(x).__name__}")
+
+
+def _integer(value: Any, axis: int) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"aabb axis {axis}: slice bounds must be integers, got {value!r}")
+    return operator.index(value)
+
+
+class Sample(_Selected):
+    """A box of the array at ``uri``.
+
+    ``aabb`` as the seed API writes it: per axis of the array, in its stored order, a
+    ``(start, stop)`` pair or a slice (half-open, step 1, a stop required). In a tuple
+    (``np.s_[...]``), damacy also takes an integer (that position; the axis is dropped),
+    ``...`` (the axes not named; fewer entries select the rest whole) and open bounds (the
+    array's own): see docs/seed.md. Equivalent spellings compare and hash equal:
+
+    >>> a = Sample("cell.zarr", [(0, 64), (0, 256)])
+    >>> a == Sample("cell.zarr", [slice(None, 64), slice(0, 256)]), a.aabb
+    (True, ((0, 64), (0, 256)))
+    >>> Sample("cell.zarr", [64, 256])
+    Traceback (most recent call last):
+        ...
+    TypeError: aabb axis 0: expected slice or (start, stop) tuple; got int
+
+    Coordinates are array coordinates: a box may reach outside the array (negative starts,
+    stops past the end), which ``out_of_bounds="error"`` refuses and ``"pad"`` fills with
+    the array's fill value; never clipped or wrapped.
+
+    ``level``: for an OME-NGFF image uri, the level to read (the box is in its index space;
+    none: level 0). ``flip`` (axes to reverse) and ``transpose`` (a new order of the axes)
+    transform the result as ``np.transpose(np.flip(box, flip), transpose)``;
+    ``normalize=(offset, scale)`` makes the values ``(x - offset) * scale`` in the cast.
+    """
+
+    __slots__ = ("selection",)
+    _fields = ("uri", "selection", "level", "flip", "transpose", "normalize")
+
+    selection: tuple[slice | int | EllipsisType, ...]
 
     def __init__(
-        self, uri: Any, selection: Any = None, *, aabb: Any = None, level: int | None = None, flip: Any = (),
-        transpose: Any = None, normalize: Any = None,
+        self,
+        uri: Any,
+        aabb: Any = None,
+        *,
+        selection: Any = None,
+        level: int | None = None,
+        flip: Any = (),
+        transpose: Any = None,
+        normalize: Any = None,
     ) -> None:
-        uri = _uri(uri)
-        if aabb is not None:
-            if selection is not None:
-                raise InvalidArgument("a Sample takes a selection or aabb=, not both", uri=uri)
-            entries = normalize_selection(_aabb_selection(aabb, uri), BOX, uri)
-        elif selection is None:
-            raise InvalidArgument("a Sample needs its box: a selection (np.s_[...]) or aabb=[(start, stop), ...]", uri=uri)
-        elif _is_aabb_list(selection):  # Sample(uri, [(start, stop), ...]): the seed's positional aabb
-            entries = normalize_selection(_aabb_selection(selection, uri), BOX, uri)
+        if aabb is not None and selection is not None:
+            raise TypeError("a Sample takes its box as aabb or selection, not both")
+        box = aabb if selection is None else selection
+        if box is None:
+            raise TypeError("a Sample needs its box: aabb=[(start, stop), ...] or a selection np.s_[...]")
+        uri = self._options(uri, level, flip, transpose, normalize)
+        if isinstance(box, tuple) or not isinstance(box, Iterable) or isinstance(box, (str, bytes)):
+            entries = box if isinstance(box, tuple) else (box,)
+            if sum(1 for e in entries if e is Ellipsis) > 1:
+                raise InvalidArgument("a selection may hold one '...' only", uri=uri)
+            parts = tuple(_selection_axis(x, i) for i, x in enumerate(entries))
         else:
-            entries = normalize_selection(selection, BOX, uri)
-        object.__setattr__(self, "uri", uri)
-        object.__setattr__(self, "selection", entries)
-        object.__setattr__(self, "level", _level(level, uri))
-        flip, transpose = _transform(flip, transpose, uri)
-        object.__setattr__(self, "flip", flip)
-        object.__setattr__(self, "transpose", transpose)
-        object.__setattr__(self, "normalize", normalize_pair(normalize, uri))
-        object.__setattr__(self, "_hash", hash(("Sample", uri, key(entries), self.level, flip, transpose, self.normalize)))
+            parts = tuple(_aabb_axis(x, i) for i, x in enumerate(box))
+        object.__setattr__(self, "selection", parts)
+        self._freeze()
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("Sample is immutable")
+    @classmethod
+    def _family(cls) -> type:
+        return Sample
 
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Sample) and self.uri == other.uri and self.level == other.level
-            and key(self.selection) == key(other.selection) and self.flip == other.flip and self.transpose == other.transpose
-            and self.normalize == other.normalize
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self):
-        return (_rebuild, (type(self), self.uri, self.selection, self.level, self.flip, self.transpose, self.normalize))
+    def _key(self) -> tuple:
+        return (self.uri, key(self.selection), self.level, self.flip, self.transpose, self.normalize)
 
     @property
-    def aabb(self) -> tuple[tuple[int | None, int | None] | EllipsisType, ...]:
+    def aabb(self) -> tuple[tuple[int, int | None] | EllipsisType, ...]:
         """The box per named axis as ``(start, stop)`` (an integer ``i`` as ``(i, i + 1)``;
-        ``None``: the array's bound; ``...`` as given)."""
-        return tuple(e if e is Ellipsis else _span(e) for e in self.selection)
+        a stop ``None``: the array's bound; ``...`` as given)."""
+        return tuple(
+            e if e is Ellipsis else (e.start, e.stop) if isinstance(e, slice) else (e, e + 1) for e in self.selection
+        )
 
     @property
     def shape(self) -> tuple[int, ...] | None:
         """The box's shape over the axes it names (dropped axes left out), or ``None`` while
-        it depends on the array (an open bound or ``...``). A selection naming fewer axes
-        than its array has takes the rest whole: those are not in this shape (the sample
-        does not know the array's)."""
+        it depends on the array (an open bound or ``...``)."""
         out = []
         for e in self.selection:
-            if e is Ellipsis or (isinstance(e, slice) and (e.start is None or e.stop is None)):
+            if e is Ellipsis or (isinstance(e, slice) and e.stop is None):
                 return None
             if isinstance(e, slice):
                 out.append(e.stop - e.start)
         return tuple(out)
 
     def __repr__(self) -> str:
-        level = "" if self.level is None else f", level={self.level}"
-        return f"{type(self).__name__}({redact_uri(self.uri)!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
+        return f"{type(self).__name__}({redact_uri(self.uri)!r}, {describe(self.selection)}{_describe_transform(self)})"
 
 
 class Padding(Sample):
@@ -234,99 +322,209 @@ class Padding(Sample):
     __slots__ = ()
 
 
-class IndexQuery:
-    """An index selection of the array at ``uri``: per axis an index list, a range (with a
-    step), an integer (the axis is dropped) or ``...``, in a tuple (see
-    :mod:`damacy_protocol.selection`).
+# -- IndexQuery ----------------------------------------------------------------------------
 
-    The result is the outer product of the axes (like zarr's ``oindex``): every combination,
-    in the given order, duplicates kept; ``flip``, ``transpose`` and ``normalize`` as for a
-    :class:`Sample`. Numbers are array coordinates as in a
-    :class:`Sample` (negative ones are before the array, not counted from the end);
-    positions outside the array are padded or refused per ``out_of_bounds``.
+
+def _index_values(item: Any, axis: int) -> tuple[int, ...]:
+    if type(item).__name__ == "ndarray":
+        if item.ndim != 1 or item.dtype.kind not in "iu":
+            raise TypeError(f"selection axis {axis}: an index array holds integers, got a {item.dtype} array of shape {item.shape}")
+        values = tuple(item.tolist())
+    else:
+        if not isinstance(item, Iterable) or isinstance(item, (str, bytes)):
+            raise TypeError(f"selection axis {axis}: expected a slice or an iterable of indices, got {type(item).__name__}")
+        values = tuple(operator.index(v) for v in item)
+    if not values:
+        raise ValueError(f"selection axis {axis}: index array is empty")
+    if len(values) > UINT32_MAX:
+        raise ValueError(f"selection axis {axis}: too many indices")
+    if min(values) < 0 or max(values) >= INT63_MAX:
+        raise ValueError(f"selection axis {axis}: indices must be nonnegative int64 values")
+    return values
+
+
+class IndexQuery(_Selected):
+    """Per axis of the array an index array or a contiguous slice; the result is every
+    combination (``np.ix_``), in the given order, duplicates kept; a singleton array keeps
+    its axis.
+
+    Any iterable other than a slice is an index array (a list, a tuple such as ``(7, 2)``,
+    a ``range``, a numpy array): nonnegative integers. A slice has a stop and a step of
+    one. Positions past the array's end are refused when its metadata arrives (or padded:
+    ``out_of_bounds="pad"``). ``level``, ``flip``, ``transpose``, ``normalize`` as for a
+    :class:`Sample`.
+
+    >>> q = IndexQuery("cell.zarr", selection=([7, 2, 7], slice(4, 8)))
+    >>> q.shape, q.indices, q.aabb
+    ((3, 4), ((7, 2, 7), None), ((2, 8), (4, 8)))
     """
 
-    __slots__ = ("uri", "selection", "level", "flip", "transpose", "normalize", "_hash")
+    __slots__ = ("aabb", "indices", "selection")
+    _fields = ("uri", "selection", "level", "flip", "transpose", "normalize")
 
-    uri: str
-    selection: tuple[slice | int | Indices | EllipsisType, ...]
-    level: int | None
-    flip: tuple[int, ...]
-    transpose: tuple[int, ...] | None
-    normalize: tuple[float, float] | None
-    _hash: int
+    aabb: tuple[tuple[int, int], ...]
+    indices: tuple[tuple[int, ...] | None, ...]
+    selection: tuple[slice | Indices, ...]
 
     def __init__(
-        self, uri: Any, selection: Any, *, level: int | None = None, flip: Any = (), transpose: Any = None,
+        self,
+        uri: Any,
+        selection: Iterable[slice | Iterable[int]],
+        *,
+        level: int | None = None,
+        flip: Any = (),
+        transpose: Any = None,
         normalize: Any = None,
     ) -> None:
-        uri = _uri(uri)
-        entries = normalize_selection(selection, QUERY, uri)
-        object.__setattr__(self, "uri", uri)
-        object.__setattr__(self, "selection", entries)
-        object.__setattr__(self, "level", _level(level, uri))
-        flip, transpose = _transform(flip, transpose, uri)
-        object.__setattr__(self, "flip", flip)
-        object.__setattr__(self, "transpose", transpose)
-        object.__setattr__(self, "normalize", normalize_pair(normalize, uri))
-        object.__setattr__(self, "_hash", hash(("IndexQuery", uri, key(entries), self.level, flip, transpose, self.normalize)))
+        bounds: list[tuple[int, int]] = []
+        indices: list[tuple[int, ...] | None] = []
+        entries: list[slice | Indices] = []
+        if isinstance(selection, slice) or not isinstance(selection, Iterable):
+            raise TypeError(f"selection must be a sequence with one slice or index array per axis, got {type(selection).__name__}")
+        for axis, item in enumerate(selection):
+            if axis >= MAX_RANK:
+                raise ValueError(f"selection rank must not exceed {MAX_RANK}")
+            if isinstance(item, slice):
+                if item.step is not None and operator.index(item.step) != 1:
+                    raise ValueError(f"selection axis {axis}: slice step must be one")
+                if item.stop is None:
+                    raise ValueError(f"selection axis {axis}: slice stop is required")
+                start = 0 if item.start is None else operator.index(item.start)
+                stop = operator.index(item.stop)
+                if not 0 <= start < stop <= INT63_MAX:
+                    raise ValueError(f"selection axis {axis}: invalid slice bounds")
+                bounds.append((start, stop))
+                indices.append(None)
+                entries.append(slice(start, stop))
+            else:
+                values = _index_values(item, axis)
+                bounds.append((min(values), max(values) + 1))
+                indices.append(values)
+                entries.append(Indices(values))
+        if not bounds:
+            raise ValueError("selection must have at least one axis")
+        self._options(uri, level, flip, transpose, normalize)
+        set_ = object.__setattr__
+        set_(self, "aabb", tuple(bounds))
+        set_(self, "indices", tuple(indices))
+        set_(self, "selection", tuple(entries))
+        self._freeze()
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("IndexQuery is immutable")
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, IndexQuery) and self.uri == other.uri and self.level == other.level
-            and key(self.selection) == key(other.selection) and self.flip == other.flip and self.transpose == other.transpose
-            and self.normalize == other.normalize
-        )
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self):
-        return (_rebuild, (IndexQuery, self.uri, self.selection, self.level, self.flip, self.transpose, self.normalize))
+    def _key(self) -> tuple:
+        return (self.uri, key(self.selection), self.level, self.flip, self.transpose, self.normalize)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The selection's shape over the axes it names (dropped axes left out; axes it does
-        not name are whole, and not in it); an error when it depends on the array's shape
-        (then use :meth:`shape_for`)."""
-        out = []
-        for axis, e in enumerate(self.selection):
-            if isinstance(e, int):
-                continue
-            if e is Ellipsis or (isinstance(e, slice) and (e.start is None or e.stop is None)):
-                raise InvalidArgument(
-                    f"axis {axis}: the selection's shape depends on the array's; use shape_for(shape)", uri=self.uri
-                )
-            out.append(len(range(e.start, e.stop, e.step or 1)) if isinstance(e, slice) else len(e))
-        return tuple(out)
-
-    def shape_for(self, array_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The selection's shape on an array of ``array_shape`` (dropped axes left out)."""
-        from damacy_protocol.selection import expand
-
-        out = []
-        for e, n in zip(expand(self.selection, len(array_shape), self.uri), array_shape):
-            if isinstance(e, slice):
-                start = 0 if e.start is None else e.start
-                stop = n if e.stop is None else e.stop
-                out.append(len(range(start, max(start, stop), e.step or 1)))
-            elif not isinstance(e, int):
-                out.append(len(e))
-        return tuple(out)
+        """The result's shape: per axis the index array's length or the slice's extent."""
+        return tuple(
+            len(ix) if ix is not None else stop - start for (start, stop), ix in zip(self.aabb, self.indices, strict=True)
+        )
 
     def __repr__(self) -> str:
-        level = "" if self.level is None else f", level={self.level}"
-        return f"IndexQuery({redact_uri(self.uri)!r}, {describe(self.selection)}{level}{_describe_transform(self.flip, self.transpose, self.normalize)})"
+        return f"IndexQuery({redact_uri(self.uri)!r}, {describe(self.selection)}{_describe_transform(self)})"
 
 
-#: how an error names a pushed item that is no sample (its reason says what it was)
-PUSHED_ITEM = "a pushed item"
+# -- ResolvedSpatialQuery ------------------------------------------------------------------
 
 
-def describe_item(item: Any) -> str:
-    """A pushed item that is no sample, as an error message names it."""
-    text = repr(item)
-    return f"{type(item).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+class ResolvedSpatialQuery(Query):
+    """A spatial query resolved against an NGFF image (``NgffImage.resolve``): the source
+    level and its array (``uri``, ``level``, ``source_shape``), the output grid (``shape``),
+    the map from output voxel corners to source ones (``output_to_source``, rank rows of rank
+    + 1, the last column the offset), the ``sampler``, the box of source indices that
+    contribute before boundary handling (``source_bounds_index``) and after it
+    (``read_bounds_index``), and whether producing it needs resampling
+    (``requires_resampling``).
+
+    An aligned one (no resampling) is pushed as the box ``source_bounds_index`` of its
+    level; one that needs resampling is refused at push with :class:`UnsupportedOperation`
+    (its geometry stays readable). Made only by ``NgffImage.resolve``; immutable and
+    picklable.
+    """
+
+    __slots__ = (
+        "uri",
+        "level",
+        "shape",
+        "source_shape",
+        "output_to_source",
+        "sampler",
+        "source_bounds_index",
+        "read_bounds_index",
+        "requires_resampling",
+    )
+    _fields = __slots__
+
+    uri: str
+    level: int
+    shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    output_to_source: tuple[tuple[float, ...], ...]
+    sampler: Any
+    source_bounds_index: tuple[tuple[int, int], ...]
+    read_bounds_index: tuple[tuple[int, int], ...]
+    requires_resampling: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("use NgffImage.resolve() to create a ResolvedSpatialQuery")
+
+    @classmethod
+    def _restore(cls, values: dict[str, Any]) -> ResolvedSpatialQuery:
+        """The query of these field values (the resolver's, and unpickling's way in)."""
+        out = object.__new__(cls)
+        for name in cls._fields:
+            object.__setattr__(out, name, values[name])
+        out._freeze()
+        return out
+
+    def as_sample(self) -> Sample:
+        """The box of its level this query copies (an aligned one), as a :class:`Sample`;
+        :class:`UnsupportedOperation` when it needs resampling."""
+        if self.requires_resampling:
+            what = "submit spatial query: resampling required"
+            raise UnsupportedOperation(what, what=what)
+        return Sample(self.uri, tuple(slice(a, b) for a, b in self.source_bounds_index))
+
+    def __repr__(self) -> str:
+        kind = "resampling" if self.requires_resampling else "aligned"
+        return (
+            f"ResolvedSpatialQuery({redact_uri(self.uri)!r}, level={self.level}, shape={self.shape}, "
+            f"source_bounds_index={self.source_bounds_index}, {kind})"
+        )
+
+
+# -- what push checks -----------------------------------------------------------------------
+
+
+def check_pushed(item: Any, shape: tuple[int, ...], pad: bool) -> Any:
+    """The sample a pushed ``item`` is, checked as far as it can be without its array:
+    refused (:class:`InvalidArgument`) when it is no sample, when a box is empty or reversed
+    (or reaches before the array, unless ``pad``), or when its shape is known and is not the
+    batch's ``shape``; a :class:`ResolvedSpatialQuery` becomes the box it copies
+    (:class:`UnsupportedOperation` when it needs resampling)."""
+    if isinstance(item, ResolvedSpatialQuery):
+        if tuple(item.shape) != tuple(shape):
+            raise InvalidArgument(
+                f"the spatial query's output shape {tuple(item.shape)} is not the batch's sample shape {tuple(shape)}",
+                sample=item,
+            )
+        return item.as_sample()
+    if isinstance(item, Sample):
+        for axis, e in enumerate(item.selection):
+            if isinstance(e, slice) and e.stop is not None:
+                if e.stop <= e.start:
+                    raise InvalidArgument(f"axis {axis}: the box [{e.start}, {e.stop}) is empty or reversed", sample=item)
+                if e.start < 0 and not pad:
+                    raise InvalidArgument(
+                        f"axis {axis}: the box starts at {e.start}, before the array (out_of_bounds='pad' pads it)", sample=item
+                    )
+            elif isinstance(e, int) and e < 0 and not pad:
+                raise InvalidArgument(f"axis {axis}: position {e} is before the array (out_of_bounds='pad' pads it)", sample=item)
+    elif not isinstance(item, IndexQuery):
+        raise InvalidArgument(
+            f"push takes Sample, IndexQuery and ResolvedSpatialQuery items, got {describe_item(item)}", sample=PUSHED_ITEM
+        )
+    got = item.result_shape()
+    if got is not None and tuple(got) != tuple(shape):
+        raise InvalidArgument(f"its shape {tuple(got)} is not the batch's sample shape {tuple(shape)}", sample=item)
+    return item

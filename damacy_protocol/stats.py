@@ -7,6 +7,8 @@ callers as plain dicts (``msgspec.to_builtins``), so ``damacy stats --json`` and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 
@@ -21,6 +23,7 @@ class StageFigures(_Figures):
     count: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    best: float = 0.0  # the shortest single observation, seconds (1e27 before any)
 
 
 class CacheFigures(_Figures):
@@ -119,3 +122,169 @@ class DaemonStats(_Figures):
 def as_dict(stats: DaemonStats) -> dict:
     """The figures as plain dicts and lists (what callers and ``--json`` get)."""
     return msgspec.to_builtins(stats)
+
+
+# -- the seed API's snapshot of one pipeline -------------------------------------------------
+
+#: ``Metric.best_ms`` before any observation
+NO_OBSERVATION_MS = 1e30
+
+STAGE_METRICS = (
+    "plan", "io", "input_transfer", "decode", "post_decode", "decode_gap", "assemble", "bind_wait", "pop_wait",
+)
+COUNTERS = (
+    "array_meta_hits", "array_meta_misses", "shard_index_hits", "shard_index_misses", "chunk_layout_hits",
+    "chunk_layout_misses", "metadata_latency_ops", "metadata_latency_stat_ops", "metadata_latency_submit_ops",
+    "metadata_latency_active", "metadata_latency_max_active", "metadata_latency_total_sleep_ns",
+    "metadata_latency_max_sleep_ns", "metadata_backend_read_jobs", "metadata_backend_read_active",
+    "metadata_backend_read_max_active", "batches_emitted", "waves_emitted", "chunks_planned", "chunks_to_load",
+    "chunks_dispatched", "reads_issued", "worker_steps", "gpu_bytes_committed", "host_bytes_committed",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One stage of a pipeline: ``ms`` summed over every observation (and thread),
+    ``best_ms`` the shortest single one (a large sentinel before any), the bytes it took in
+    and gave out, and ``count`` observations."""
+
+    name: str
+    ms: float
+    best_ms: float
+    input_bytes: float
+    output_bytes: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A pipeline's figures when asked (``Pipeline.stats()``; they keep accumulating).
+
+    Stages (each a :class:`Metric`): ``plan`` (batches planned), ``io`` (reads),
+    ``input_transfer`` (host to device copies of a GPU pipeline), ``decode`` (chunks),
+    ``post_decode`` (device work after decoding: unshuffles), ``decode_gap`` (time decode
+    threads waited for reads), ``assemble`` (copies into batches), ``bind_wait`` (batches
+    waiting for a free slot), ``pop_wait`` (callers waiting in ``pop``). Then the caches'
+    hits and misses (``chunk_layout``: parsed Blosc headers of a GPU pipeline), the
+    synthetic metadata latency (:class:`LatencyModel`) and the metadata reads, batches,
+    chunks planned (uses, before deduplication), to load (distinct, not cached) and
+    dispatched (decoded), reads issued, worker tasks run, and the device and host memory
+    committed now (``waves_emitted``: batches handed to an executor). See docs/seed.md.
+    """
+
+    plan: Metric
+    io: Metric
+    input_transfer: Metric
+    decode: Metric
+    post_decode: Metric
+    decode_gap: Metric
+    assemble: Metric
+    bind_wait: Metric
+    pop_wait: Metric
+    array_meta_hits: int
+    array_meta_misses: int
+    shard_index_hits: int
+    shard_index_misses: int
+    chunk_layout_hits: int
+    chunk_layout_misses: int
+    metadata_latency_ops: int
+    metadata_latency_stat_ops: int
+    metadata_latency_submit_ops: int
+    metadata_latency_active: int
+    metadata_latency_max_active: int
+    metadata_latency_total_sleep_ns: int
+    metadata_latency_max_sleep_ns: int
+    metadata_backend_read_jobs: int
+    metadata_backend_read_active: int
+    metadata_backend_read_max_active: int
+    batches_emitted: int
+    waves_emitted: int
+    chunks_planned: int
+    chunks_to_load: int
+    chunks_dispatched: int
+    reads_issued: int
+    worker_steps: int
+    gpu_bytes_committed: int
+    host_bytes_committed: int = 0
+
+    def to_dict(self) -> dict:
+        """Plain data (for the wire, JSON); :meth:`from_dict` rebuilds it."""
+        out: dict = {}
+        for name in STAGE_METRICS:
+            m = getattr(self, name)
+            out[name] = [m.name, m.ms, m.best_ms, m.input_bytes, m.output_bytes, m.count]
+        for name in COUNTERS:
+            out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Stats:
+        values: dict = {name: Metric(*data[name]) for name in STAGE_METRICS}
+        values.update({name: int(data.get(name, 0)) for name in COUNTERS})
+        return cls(**values)
+
+
+#: the seed API's stage -> the daemon's stage figures it reads
+_DAEMON_STAGES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}
+
+
+def session_stats(daemon: DaemonStats, pop_seconds: float, pops: int) -> Stats:
+    """A daemon client's :class:`Stats`: the daemon's stages, caches and memory (which all
+    its sessions share), this session's batches, and the client's own waits in ``pop``."""
+    metrics: dict = {}
+    for name in STAGE_METRICS:
+        if name == "pop_wait":
+            metrics[name] = Metric(name, pop_seconds * 1e3, NO_OBSERVATION_MS if not pops else pop_seconds * 1e3 / pops, 0.0, 0.0, pops)
+            continue
+        fig = daemon.stages.get(_DAEMON_STAGES.get(name, ""))
+        if fig is None:
+            metrics[name] = Metric(name, 0.0, NO_OBSERVATION_MS, 0.0, 0.0, 0)
+        else:
+            best = fig.best * 1e3 if fig.count and fig.best < 1e27 else NO_OBSERVATION_MS
+            metrics[name] = Metric(name, fig.seconds * 1e3, best, float(fig.bytes_in), float(fig.bytes_out), fig.count)
+    session = daemon.session
+    read = daemon.stages.get("read")
+    decode = daemon.stages.get("decode")
+    return Stats(
+        **metrics,
+        array_meta_hits=daemon.cache.arrays.hits,
+        array_meta_misses=daemon.cache.arrays.misses,
+        shard_index_hits=daemon.cache.shard_indexes.hits,
+        shard_index_misses=daemon.cache.shard_indexes.misses,
+        chunk_layout_hits=0,
+        chunk_layout_misses=0,
+        metadata_latency_ops=0,
+        metadata_latency_stat_ops=0,
+        metadata_latency_submit_ops=0,
+        metadata_latency_active=0,
+        metadata_latency_max_active=0,
+        metadata_latency_total_sleep_ns=0,
+        metadata_latency_max_sleep_ns=0,
+        metadata_backend_read_jobs=0,
+        metadata_backend_read_active=0,
+        metadata_backend_read_max_active=0,
+        batches_emitted=session.batches if session is not None else 0,
+        waves_emitted=session.batches if session is not None else 0,
+        chunks_planned=0,
+        chunks_to_load=0,
+        chunks_dispatched=decode.count if decode is not None else 0,
+        reads_issued=read.count if read is not None else 0,
+        worker_steps=0,
+        gpu_bytes_committed=0,
+        host_bytes_committed=daemon.memory.in_use_bytes,
+    )
+
+
+def since(now: Stats, then: Stats) -> Stats:
+    """``now`` with the timings and stages' totals counted from ``then`` (a ``stats_reset``)."""
+    values: dict = {}
+    for name in STAGE_METRICS:
+        a, b = getattr(now, name), getattr(then, name)
+        count = a.count - b.count
+        values[name] = Metric(
+            name, a.ms - b.ms, a.best_ms if count else NO_OBSERVATION_MS, a.input_bytes - b.input_bytes,
+            a.output_bytes - b.output_bytes, count,
+        )
+    for name in COUNTERS:
+        values[name] = getattr(now, name)
+    return Stats(**values)

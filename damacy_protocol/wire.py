@@ -13,7 +13,7 @@ from typing import Any, overload
 import msgspec
 
 from damacy_protocol import messages as m
-from damacy_protocol.errors import ERRORS, SampleError, from_wire, kind_of, redact_uri
+from damacy_protocol.errors import DamacyError, from_wire, kind_of, redact_uri, to_wire
 from damacy_protocol.samples import IndexQuery, Sample, describe_item
 from damacy_protocol.selection import describe, describe_indices
 
@@ -146,24 +146,28 @@ def text(s: str | None) -> str | None:
 
 
 def error_to_wire(err: BaseException, seq: int | None = None) -> m.WireError:
-    kind = kind_of(err)
-    if isinstance(err, SampleError):
-        return m.WireError(
-            kind=kind,
-            reason=text(err.reason),
-            uri=text(err.uri),
-            sample=text(err.sample),
-            path=text(err.path),
-            chunk=None if err.chunk is None else list(err.chunk),
-            seq=seq,
-        )
-    return m.WireError(kind=kind, reason=text(str(err) or type(err).__name__), seq=seq)
-
-
-def error_from_wire(w: m.WireError) -> BaseException:
-    cls = ERRORS.get(w.kind, SampleError)
-    if not issubclass(cls, SampleError):
-        return cls(w.reason)
-    return from_wire(
-        {"kind": w.kind, "reason": w.reason, "uri": w.uri, "sample": w.sample, "path": w.path, "chunk": w.chunk}
+    """An error as a message carries it: its kind (its class), status, stage and context."""
+    data = to_wire(err)
+    chunk = data.get("chunk")
+    return m.WireError(
+        kind=kind_of(err),
+        reason=text(data["reason"]),
+        uri=text(data.get("uri")),
+        sample=text(data.get("sample")),
+        path=text(data.get("path")),
+        chunk=None if chunk is None else list(chunk),
+        seq=seq,
+        status=data.get("status"),
+        what=data.get("what") or "",
     )
+
+
+def error_from_wire(w: m.WireError) -> DamacyError:
+    """The error :func:`error_to_wire` described, of the same class."""
+    return from_wire(
+        {
+            "kind": w.kind, "reason": w.reason, "uri": w.uri, "sample": w.sample, "path": w.path, "chunk": w.chunk,
+            "status": w.status, "what": w.what,
+        }
+    )
+

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import SampleError
+from damacy_protocol.enums import DeviceType, Dtype
+from damacy_protocol.errors import DamacyError, InvalidArgument
 from damacy_protocol.samples import Padding
 from damacy_runtime import dlpack
-from damacy_runtime.device import LEGACY_DEFAULT_STREAM, DeviceArray, StreamOrder
+from damacy_runtime.device import LEGACY_DEFAULT_STREAM, DeviceArray, ExternalEvent, StreamOrder
 
 
 class Slot:
@@ -80,26 +81,36 @@ class _Lease:
             slot.release()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchInfo:
-    """What a batch holds: ``shape`` (samples first), ``dtype`` (damacy's name), ``device``
-    ("cpu" or "cuda:k"), ``batch_id`` (0, 1, ... in push order), ``samples`` (``padding``:
-    the positions of those a sampler added only to even out the ranks), ``errors``:
-    (index in the batch, error) of samples that were filled instead of read
-    (``on_error="fill"``), ``skipped``: (sample, error) of samples dropped and replaced
-    while this batch was assembled (``on_error="skip"``), ``device_ptr``: the address of
-    the batch's first element (in GPU memory for a device batch), and ``ready_stream``: the
-    CUDA stream the batch was assembled on (None for a host batch)."""
+    """What a batch is and where: ``device_ptr`` (also ``data``: the address of its first
+    element, in GPU memory when ``device_type`` is CUDA), ``shape`` (samples first),
+    ``dtype`` (a :class:`~damacy_protocol.enums.Dtype`, or damacy's name of a dtype beyond
+    them), ``ready_stream`` (the CUDA stream a GPU batch was assembled on, which a consumer
+    bypassing DLPack must wait on; 0 for a host batch, ready when ``pop`` returns),
+    ``batch_id`` (0, 1, ... in push order), ``device_type`` and ``device_id``.
 
+    damacy's: ``samples`` (``padding``: the positions of those a sampler added only to even
+    out the ranks), ``errors``: (index in the batch, error) of samples filled instead of
+    read (``on_error="fill"``), ``skipped``: (sample, error) of samples dropped and replaced
+    while it was assembled (``on_error="skip"``), and ``device`` ("cpu" or "cuda:k")."""
+
+    device_ptr: int
     shape: tuple[int, ...]
-    dtype: str
-    device: str
+    dtype: Dtype | str
+    ready_stream: int
     batch_id: int
-    samples: tuple[Any, ...]
-    errors: tuple[tuple[int, SampleError], ...] = field(default=())
-    skipped: tuple[tuple[Any, SampleError], ...] = field(default=())
-    device_ptr: int = 0
-    ready_stream: int | None = None
+    device_type: DeviceType = DeviceType.CUDA
+    device_id: int = 0
+    samples: tuple[Any, ...] = field(default=())
+    errors: tuple[tuple[int, DamacyError], ...] = field(default=())
+    skipped: tuple[tuple[Any, DamacyError], ...] = field(default=())
+    device: str = "cuda:0"
+
+    @property
+    def data(self) -> int:
+        """The address of the batch's first element (``device_ptr``), on either device."""
+        return self.device_ptr
 
     @property
     def padding(self) -> tuple[int, ...]:
@@ -133,14 +144,32 @@ class Batch:
             ptr = int(shaped.__array_interface__["data"][0])
         self._device = device
         if info.device_ptr == 0:
-            info = dataclasses.replace(info, device_ptr=ptr, ready_stream=device.stream_handle if device is not None else None)
-        self.info = info
+            on_device = device is not None and not device.host_accessible
+            info = dataclasses.replace(
+                info,
+                device_ptr=ptr,
+                ready_stream=(device.stream_handle or 0) if device is not None else 0,
+                device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
+                device_id=device.dlpack_device[1] if on_device else 0,
+            )
+        self._info = info
+
+    @property
+    def info(self) -> BatchInfo:
+        """What the batch is and where (:class:`BatchInfo`); BufferError once released."""
+        if self._slot is None:
+            raise BufferError(f"batch {self._info.batch_id} was released")
+        return self._info
+
+    @info.setter
+    def info(self, info: BatchInfo) -> None:
+        self._info = info
 
     # -- access -------------------------------------------------------------------
     def _live(self) -> Slot:
         slot = self._slot
         if slot is None:
-            raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
+            raise BufferError(f"batch {self._info.batch_id} was released; its slot may hold another batch now")
         return slot
 
     @property
@@ -154,12 +183,12 @@ class Batch:
         slot = self._live()
         array = self._array
         if array is None:  # released meanwhile, by another thread
-            raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
+            raise BufferError(f"batch {self._info.batch_id} was released; its slot may hold another batch now")
         if isinstance(array, DeviceArray):
             array = array.host_view()
         raw = array.view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
         out = np.asarray(_Lease(slot, raw)).view(self._dtype)
-        return out.reshape(self.info.shape)
+        return out.reshape(self._info.shape)
 
     def copy(self) -> np.ndarray:
         """The batch as a numpy array of its own (a copy, from the device for a device
@@ -193,7 +222,7 @@ class Batch:
         slot = self._live()
         array = self._array
         if array is None:
-            raise BufferError(f"batch {self.info.batch_id} was released; its slot may hold another batch now")
+            raise BufferError(f"batch {self._info.batch_id} was released; its slot may hold another batch now")
         consumer = self._consumer_stream(stream)
         if isinstance(array, DeviceArray):
             ptr, strides = array.ptr, tuple(st // array.itemsize for st in array.strides)
@@ -204,13 +233,13 @@ class Batch:
             raise BufferError("the batch was released; its slot may hold another batch now")
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         let_go = _fenced_release(slot, self._device, array.sync if consumer is not None else None, consumer)
-        return dlpack.export(ptr, self.info.shape, strides, self._dtype, device, let_go, versioned)
+        return dlpack.export(ptr, self._info.shape, strides, self._dtype, device, let_go, versioned)
 
     def _consumer_stream(self, stream: Any) -> int | None:
         """The stream a consumer reads on, made to wait for the batch (device batches)."""
         if not self.on_device:
-            if stream is not None and stream != -1:
-                raise BufferError("a host batch takes no stream (stream must be None)")
+            if stream is not None:
+                raise BufferError(f"a CPU batch takes no stream (stream must be None, got {stream!r})")
             return None
         if stream == -1:
             return None  # the consumer orders its own work
@@ -226,10 +255,22 @@ class Batch:
         return self._device.dlpack_device if self._device is not None else (dlpack.KDL_CPU, 0)
 
     # -- lifetime -----------------------------------------------------------------
-    def release(self) -> None:
-        """Give the slot back (once every exported array is gone too). Idempotent. (Each
-        tensor exported from a device batch fences the slot on its stream when it is
-        deleted: only then can the consumer's queued work no longer read it.)"""
+    def release(self, *, event: Any = None) -> None:
+        """Give the slot back (once every exported array is gone too); idempotent.
+
+        ``event`` (GPU batches): the work that still reads the batch: a CUDA event (its raw
+        handle as an int, a ``torch.cuda.Event``, a ``cupy.cuda.Event``) or a stream, on
+        which one is recorded now (``torch.cuda.Stream``, ``cupy.cuda.Stream``); the slot is
+        written again only after it, and this returns at once. A CPU batch takes no event
+        (InvalidArgument). (Each tensor exported from a GPU batch also fences the slot on
+        its stream when it is deleted.)"""
+        handle = cuda_event_handle(event)
+        if handle is not None:
+            if not self.on_device:
+                raise InvalidArgument("a CPU batch is released without an event (event=None)")
+            array = self._array
+            if isinstance(array, DeviceArray) and array.sync is not None:
+                array.sync.add_fence(ExternalEvent(handle))
         lock = getattr(self, "_lock", None)
         if lock is None:  # a half-built batch
             return
@@ -261,15 +302,18 @@ class Batch:
         return self._live().index
 
     def __len__(self) -> int:
-        return self.info.shape[0]
+        return self._info.shape[0]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.info.shape
+        return self._info.shape
 
     def __repr__(self) -> str:
-        state = "released" if self._slot is None else "live"
-        return f"Batch(id={self.info.batch_id}, shape={self.info.shape}, dtype={self.info.dtype}, {state}, errors={len(self.info.errors)})"
+        if self._slot is None:
+            return "Batch(<released>)"
+        i = self._info
+        name = i.dtype.name if isinstance(i.dtype, Dtype) else i.dtype
+        return f"Batch(batch_id={i.batch_id}, shape={i.shape}, dtype={name})"
 
 
 def _fenced_release(slot: Slot, device: Any, sync: Any, stream: int | None) -> Callable[[], None]:
@@ -288,3 +332,28 @@ def _fenced_release(slot: Slot, device: Any, sync: Any, stream: int | None) -> C
             slot.release()
 
     return let_go
+
+
+def cuda_event_handle(event: Any) -> int | None:
+    """The raw CUevent handle of what ``Batch.release(event=...)`` was given: None; an int;
+    a stream (an object with ``record_event()``, as torch's, or a callable ``record()``, as
+    cupy's), on which an event is recorded now; a ``torch.cuda.Event`` (``cuda_event``) or a
+    ``cupy.cuda.Event`` (an int ``ptr``). TypeError for anything else."""
+    if event is None:
+        return None
+    if isinstance(event, int) and not isinstance(event, bool):
+        return event
+    if hasattr(event, "record_event"):  # a torch stream
+        return cuda_event_handle(event.record_event())
+    record = getattr(event, "record", None)
+    if callable(record) and hasattr(event, "wait_event"):  # a cupy stream: record() gives its event
+        return cuda_event_handle(record())
+    handle = getattr(event, "cuda_event", None)
+    if handle is not None:
+        return int(handle)
+    ptr = getattr(event, "ptr", None)
+    if isinstance(ptr, int):
+        return ptr
+    raise TypeError(
+        f"event must be a CUevent handle (int), a torch.cuda or cupy.cuda Event or Stream; got {type(event).__name__}"
+    )

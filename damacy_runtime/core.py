@@ -165,11 +165,9 @@ class FrontCore:
         cut = ready < len(queue)  # an error follows: the samples before it make a batch
         if (ready < n and not (self.final or cut)) or not self.engine.free_slots():
             return None
+        if ready < n and self.drop_last and not cut:  # a short last batch: kept for a later push
+            return None
         samples = self._take(n)
-        if len(samples) < n and self.drop_last and self.final and not cut:
-            self.outstanding -= len(samples)
-            self._discarded.extend(samples)
-            return self._next()
         self._busy += 1
         return "start", samples
 
@@ -217,13 +215,15 @@ class FrontCore:
                 return True
             ready = self._samples_before_error()
             cut = ready < len(self._queue)
-            return bool(ready) and (ready >= self.samples_per_batch or self.final or cut) and bool(self.engine.free_slots())
+            whole = ready >= self.samples_per_batch or cut or (self.final and not self.drop_last)
+            return bool(ready) and whole and bool(self.engine.free_slots())
 
     def waiting_for_slot(self) -> bool:
         """A batch's samples are queued and wait for a free slot."""
         with self._lock:
             ready = self._samples_before_error()
-            return bool(ready) and (ready >= self.samples_per_batch or self.final) and not self.engine.free_slots()
+            whole = ready >= self.samples_per_batch or (self.final and not self.drop_last)
+            return bool(ready) and whole and not self.engine.free_slots()
 
     def settled(self) -> bool:
         """Nothing is being handed to the engine and no patch waits for it to be taken."""
@@ -231,7 +231,13 @@ class FrontCore:
             return not self._busy and self._patch is None and not self.engine.patches_waiting()
 
     def drained(self) -> bool:
-        """Nothing is left to deliver: the input is final, nothing is queued, nothing is in
-        the engine."""
+        """Nothing is left to deliver: the input is final, nothing is queued (or, with
+        ``drop_last``, fewer samples than a batch, kept for a later push), nothing is in the
+        engine."""
         with self._lock:
-            return self.final and not self._queue and self.settled() and self.engine.idle()
+            if not self.final or not self.settled() or not self.engine.idle():
+                return False
+            if not self._queue:
+                return True
+            short = self.drop_last and self._patch is None and self._samples < self.samples_per_batch
+            return short and self._samples_before_error() == len(self._queue)

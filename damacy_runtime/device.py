@@ -80,6 +80,16 @@ class SlotSync:
         self.ready = device.record_event()
 
 
+class ExternalEvent:
+    """A CUDA event the caller made (``Batch.release(event=...)``): its raw handle, as
+    ``ptr`` (what a device's ``wait_event`` reads)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, handle: int) -> None:
+        self.ptr = int(handle)
+
+
 class DeviceArray:
     """``shape`` elements of ``dtype`` at ``ptr`` in ``device``'s memory, ``strides`` in
     bytes; ``owner`` keeps the memory alive and ``sync`` (:class:`SlotSync`) is shared by every

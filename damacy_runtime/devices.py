@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from functools import cache
 
 from damacy_protocol.errors import InvalidArgument
@@ -99,3 +100,51 @@ def standin_log(who: str, op: str, event: str, stream: int | None = None) -> Non
         os.write(fd, line)
     finally:
         os.close(fd)
+
+
+# -- the CUDA context current in a thread (what a Config with no device binds to) ------------
+
+_current = threading.local()  # the stand-in's "current context": the device made current here
+
+
+def init_primary(device: int = 0) -> None:
+    """Make CUDA device ``device``'s primary context current in this thread (what a program
+    without a framework does before a GPU pipeline that names no device); RuntimeError when
+    there is no CUDA device (the stand-in counts as device 0)."""
+    count, why = cuda_devices()
+    if count == 0:
+        raise RuntimeError(f"no CUDA device to make current: {why}")
+    if not 0 <= device < count:
+        raise RuntimeError(f"CUDA device {device} does not exist here ({count} device(s))")
+    if standin() is not None:
+        _current.device = device
+        return
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle, ctx = ctypes.c_int(0), ctypes.c_void_p()
+    for call, args in (
+        ("cuDeviceGet", (ctypes.byref(handle), device)),
+        ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), handle)),
+    ):
+        code = getattr(lib, call)(*args)
+        if code != 0:
+            raise RuntimeError(f"{call} failed (CUresult {code})")
+    code = lib.cuCtxSetCurrent(ctx)
+    if code != 0:
+        raise RuntimeError(f"cuCtxSetCurrent failed (CUresult {code})")
+
+
+def current_device() -> int | None:
+    """The device of the CUDA context current in this thread (None: none is)."""
+    if standin() is not None:
+        return getattr(_current, "device", None)
+    count, _ = _driver_devices()
+    if count == 0:
+        return None
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        return None
+    dev = ctypes.c_int(-1)
+    if lib.cuCtxGetDevice(ctypes.byref(dev)) != 0:
+        return None
+    return dev.value

@@ -17,9 +17,28 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from damacy_protocol.config import Config
-from damacy_protocol.errors import InvalidArgument, SlotsHeld
+from damacy_protocol.dtypes import output_dtype
+from damacy_protocol.enums import DeviceType
+from damacy_protocol.errors import DamacyError, InvalidArgument, PoolStarved, SlotsHeld
+from damacy_protocol.limits import BatchSpec
 from damacy_runtime.batch import BatchInfo
+
+
+class Refused(Exception):
+    """A pushed sample a pipeline's checks refused (its ``error``); its iterable was dropped."""
+
+    def __init__(self, error: DamacyError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Failed:
+    """The exception a generator raised when its next sample was pulled ahead."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class Sources:
@@ -38,12 +57,14 @@ class Sources:
         self.pushes: list[list[Any]] = []
         self.pulled = 0  # samples pulled so far (stream positions 0 .. pulled - 1)
         self._record: dict[int, list[Any]] = {}
+        self._pull_lock = threading.RLock()  # one puller at a time
+        self._peeked: tuple[Iterator[Any], Any] | None = None  # the next sample, pulled ahead
 
     @staticmethod
     def check(samples: Iterable[Any]) -> Iterator[Any]:
-        """``iter(samples)``, or InvalidArgument when ``samples`` is not an iterable of samples."""
+        """``iter(samples)``, or TypeError when ``samples`` is not an iterable of samples."""
         if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
-            raise InvalidArgument(f"push takes an iterable of samples, got {type(samples).__name__}")
+            raise TypeError(f"push takes an iterable of samples, got {type(samples).__name__}")
         return iter(samples)
 
     def add(self, samples: Iterable[Any], skip: int = 0) -> None:
@@ -90,28 +111,61 @@ class Sources:
         return bool(self._queue)
 
     def clear(self) -> None:
-        self._queue.clear()
+        with self._lock:
+            self._queue.clear()
+            self._peeked = None
 
     def pull(
-        self, n: int, stop: Callable[[], bool] = lambda: False, convert: Callable[[Any], Any] | None = None
+        self,
+        n: int,
+        stop: Callable[[], bool] = lambda: False,
+        convert: Callable[[Any], Any] | None = None,
+        check: Callable[[Any], Any] | None = None,
     ) -> tuple[list[Any], BaseException | None]:
-        """Up to ``n`` samples (``convert``-ed when given), and the exception that cut the pull
-        short, if any: a generator's (its iterable is dropped) or ``convert``'s (the iterable
-        goes on after the sample it refused)."""
+        """Up to ``n`` samples, and the exception that cut the pull short, if any: a
+        generator's (its iterable is dropped), or ``convert``'s (the client's numbering: the
+        iterable goes on after the sample it refused). ``check(item)`` (a pipeline's push
+        checks) returns the sample an item is or raises: then the iterable is dropped with
+        the samples pulled from it in this call, and :class:`Refused` carries the error.
+        Callers pull one at a time (the pushes and a feeder thread take turns)."""
+        with self._pull_lock:
+            return self._pull(n, stop, convert, check)
+
+    def _pull(self, n, stop, convert, check) -> tuple[list[Any], BaseException | None]:
         out: list[Any] = []
+        first = 0  # where the current iterable's samples start in out
+        current = None
         while len(out) < n and not stop():
             with self._lock:
                 if not self._queue:
                     break
                 source = self._queue[0]
-            try:
-                sample = next(source)
-            except StopIteration:
-                self._drop(source)
-                continue
-            except BaseException as e:  # the caller's generator failed: raised at a later pop
-                self._drop(source)
-                return out, e
+            if source is not current:
+                current, first = source, len(out)
+            peeked, self._peeked = self._peeked, None
+            if peeked is not None and peeked[0] is source:
+                sample = peeked[1]
+                if isinstance(sample, _Failed):
+                    self._drop(source)
+                    return out, sample.error
+            else:
+                try:
+                    sample = next(source)
+                except StopIteration:
+                    self._drop(source)
+                    continue
+                except BaseException as e:  # the caller's generator failed: raised at a later pop
+                    self._drop(source)
+                    return out, e
+            if check is not None:
+                try:
+                    sample = check(sample)
+                except DamacyError as e:
+                    self._drop(source)
+                    with self._lock:
+                        self.pulled -= len(out) - first
+                    del out[first:]
+                    raise Refused(e) from None
             if convert is not None:
                 try:
                     sample = convert(sample)
@@ -123,7 +177,19 @@ class Sources:
                     record[0] = self.pulled
                 self.pulled += 1
             out.append(sample)
+        if out and len(out) == n and current is not None:
+            self._peek(current)  # so an iterable that just ran out is known to have (``pending``)
         return out, None
+
+    def _peek(self, source: Iterator[Any]) -> None:
+        """Pull the next sample of ``source`` ahead (taken by the next pull), dropping it now
+        if it is exhausted."""
+        try:
+            self._peeked = (source, next(source))
+        except StopIteration:
+            self._drop(source)
+        except BaseException as e:  # raised by the next pull, in its place
+            self._peeked = (source, _Failed(e))
 
     def _drop(self, source: Iterator[Any]) -> None:
         with self._lock:
@@ -170,6 +236,9 @@ class Progress:
                 self._next += 1
 
 
+now = time.monotonic
+
+
 def deadline(timeout: float | None) -> float | None:
     """The monotonic time a pop gives up (None: never)."""
     return None if timeout is None or timeout == math.inf else time.monotonic() + timeout
@@ -191,35 +260,44 @@ def slots_held(slots: int) -> SlotsHeld:
     return SlotsHeld(
         f"all {slots} batch slots are held by batches that were not released, or by arrays exported from them "
         "(np.from_dlpack, torch.from_dlpack): no batch can be assembled until one is let go. Release each batch "
-        "(`with batch:` or batch.release()) and drop the arrays made from it; to keep data, take batch.copy()"
+        "(`with batch:` or batch.release()) and drop the arrays made from it; to keep data, take batch.copy() "
+        "(or .clone() of a tensor)"
     )
 
 
-def pop_timeout(batch_id: int, timeout: float, why: str, slots: int, in_use: int | None = None, where: str = "") -> TimeoutError:
+def pop_timeout(batch_id: int, timeout: float, why: str, slots: int, in_use: int | None = None, where: str = "") -> PoolStarved:
     """The error of a pop that waited ``timeout`` seconds for batch ``batch_id``, because of
     ``why`` (every slot held: :func:`slots_held`, whatever the wait)."""
     if why == SLOTS_HELD:
         return slots_held(slots)
-    what = f"no batch {batch_id} within {timeout}s"
+    what = f"Pipeline.pop() timed out: no batch {batch_id} within {timeout}s"
     if why == WAITING_FOR_INPUT:
-        return TimeoutError(f"{what}: waiting for the pushed iterable to yield samples")
+        return PoolStarved(f"{what}: waiting for the pushed iterable to yield samples")
     busy = "" if in_use is None else f" ({in_use} slots in use)"
-    return TimeoutError(f"{what}: its reads and decodes are still running{where}{busy}")
+    return PoolStarved(
+        f"{what}: its reads and decodes are still running{where}{busy}. If the loop keeps earlier batches "
+        "(or tensors made from them), their memory cannot be filled again: release them, or copy what must be kept"
+    )
 
 
 def batch_info(
-    config: Config, count: int, dtype_name: str, batch_id: int, samples, errors=(), skipped=(), device: str = "cpu"
+    output: BatchSpec, count: int, dtype_name: str, batch_id: int, samples, errors=(), skipped=(), device: str = "cpu"
 ) -> BatchInfo:
     """What a batch of ``count`` samples carries; ``dtype_name`` is the batch's own dtype
-    (used when the Config asks for ``native``)."""
+    (what it is when the pipeline asks for ``native``)."""
+    dtype = output.dtype if output.dtype != "native" else output_dtype(dtype_name)
     return BatchInfo(
-        shape=(count, *config.sample_shape),
-        dtype=config.dtype if config.dtype != "native" else dtype_name,
-        device=device,
+        device_ptr=0,
+        shape=(count, *output.shape),
+        dtype=dtype,
+        ready_stream=0,
         batch_id=batch_id,
+        device_type=DeviceType.CPU if device == "cpu" else DeviceType.CUDA,
+        device_id=0 if device == "cpu" else int(device.rpartition(":")[2] or 0),
         samples=tuple(samples),
         errors=tuple(errors),
         skipped=tuple(skipped),
+        device=device,
     )
 
 

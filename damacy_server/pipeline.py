@@ -3,8 +3,8 @@
 A front end over the batch engine (:mod:`damacy_server.engine.batches`): a feeder thread pulls
 samples lazily from what was pushed (never more than ``lookahead_samples`` ahead of what was
 popped) and starts a batch whenever the engine has a free slot; the engine plans it and the
-executor assembles it in the background. ``pop`` returns the batches in push order. A bad
-sample is handled per ``on_error`` and never stops the stream.
+executor assembles it in the background. ``pop`` returns the batches in push order. What a
+bad sample does is ``on_error``'s (stop the pipeline, as the seed API does, by default).
 
 (Over 400 lines: one job, the embedded front end; its feeder, pops and lifetime act on the
 one state it shares with its engine, under the engine's lock.)
@@ -19,53 +19,47 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from damacy_protocol.config import Config
-from damacy_protocol.dtypes import numpy_dtype
-from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, SampleError
+from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
+from damacy_protocol.limits import BatchSpec, CpuLimits, QueueLimits
+from damacy_protocol.samples import check_pushed
+from damacy_protocol.stats import Stats
 from damacy_runtime import front
-from damacy_runtime.api import PipelineAPI
+from damacy_runtime.api import CLOSED, PipelineAPI, check_pop_timeout
 from damacy_runtime.batch import Batch
 from damacy_runtime.core import FrontCore
-from damacy_server.cpu.executor import CpuExecutor, CpuLimits
+from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.engine.batches import BatchEngine, Delivery
-from damacy_server.engine.slots import OutputSpec, SlotMemory
-from damacy_server.plan.planner import BatchSpec, ChunkPlanner
-from damacy_server.plan.reads import PlanLimits
-from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
+from damacy_server.engine.figures import Figures
+from damacy_server.engine.slots import Policy, SlotMemory
+from damacy_server.plan.planner import ChunkPlanner
+from damacy_server.plan.resolve import ZarrMetadata
 from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 
 log = logging.getLogger("damacy")
 
 
-@dataclass(frozen=True)
-class QueueLimits:
-    """``lookahead_samples``: samples in flight ahead of ``pop`` (default: two batches);
-    ``prepared_batches``: batch slots."""
-
-    lookahead_samples: int | None = None
-    prepared_batches: int = 2
-
-
 class Pipeline(PipelineAPI):
-    """Streams samples into batches in host memory.
+    """Streams samples into batches, in this process.
 
-    Config style::
+    ``Pipeline(config)`` builds its components from a :class:`~damacy_protocol.config.Config`
+    (host memory, or a GPU when the Config names a budget or a device); composed from parts,
+    it takes ``planner`` (:class:`ChunkPlanner`), ``executor`` (:class:`CpuExecutor` or
+    :class:`CudaExecutor`), ``output`` (:class:`BatchSpec`) and ``queues``
+    (:class:`QueueLimits`), all four, and serves as their one pipeline until it is closed.
+    ``pop_timeout_s`` (composed; a Config has its own): how long ``pop`` waits (None: no
+    limit). damacy's, for composed pipelines (a Config has these as fields): ``on_error``,
+    ``out_of_bounds``, ``drop_last``; and ``slot_memory`` (where the slots live; by default
+    the executor's) and ``on_skip`` (told of skipped samples).
 
         with damacy.Pipeline(damacy.Config(samples_per_batch=8, sample_shape=(64, 256, 256))) as p:
             p.push(samples)
             for batch in p.batches(100):
                 with batch:
                     x = torch.from_dlpack(batch)
-
-    or composed from parts (``planner``, ``executor``, ``output``, ``queues``). A planner and
-    an executor may be shared by several pipelines: each pipeline's engine reserves its own
-    slots in the executor's memory budget and its tasks take turns with the others'. A
-    pipeline closes the executor it made, never one it was given (its owner closes it).
-    ``slot_memory`` supplies the slots (by default ordinary host memory).
     """
 
     def __init__(
@@ -73,80 +67,46 @@ class Pipeline(PipelineAPI):
         config: Config | None = None,
         *,
         planner: ChunkPlanner | None = None,
-        executor: CpuExecutor | None = None,
+        executor: Any = None,
         output: BatchSpec | None = None,
         queues: QueueLimits | None = None,
-        on_error: str = "raise",
-        out_of_bounds: str = "pad",
-        drop_last: bool = False,
-        pop_timeout_s: float | None = 600.0,
+        pop_timeout_s: float | None = 30.0,
+        on_error: str = "stop",
+        out_of_bounds: str = "error",
+        drop_last: bool = True,
         slot_memory: SlotMemory | None = None,
-        on_skip: Callable[[list[tuple[Any, SampleError]]], None] | None = None,
+        on_skip: Callable[[list[tuple[Any, DamacyError]]], None] | None = None,
     ) -> None:
-        if config is None:
-            if output is None:
-                raise InvalidArgument("Pipeline needs a Config, or output=BatchSpec(...) with planner and executor")
-            queues = queues or QueueLimits()
-            executor = executor or CpuExecutor()
-            config = Config(
-                samples_per_batch=output.samples,
-                sample_shape=output.shape,
-                dtype=output.dtype,
-                max_memory_bytes=executor.limits.max_memory_bytes,
-                lookahead_samples=queues.lookahead_samples,
-                prepared_batches=queues.prepared_batches,
-                io_workers=executor.reader.workers,
-                decode_workers=executor.limits.decode_workers,
-                on_error=on_error,
-                out_of_bounds=out_of_bounds,
-                drop_last=drop_last,
-                pop_timeout_s=pop_timeout_s,
-            )
-        elif not isinstance(config, Config):
-            raise InvalidArgument(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
+        self._closed = True  # until made
+        if config is not None:
+            if not isinstance(config, Config):
+                raise TypeError(f"Pipeline takes a damacy.Config, got {type(config).__name__}")
+            if any(x is not None for x in (planner, executor, output, queues)):
+                raise TypeError("supply either Config or pipeline components")
+            output, queues = config.output, config.queues
+            pop_timeout_s = config.pop_timeout_s
+            on_error, out_of_bounds, drop_last = config.on_error, config.out_of_bounds, config.drop_last
+        elif planner is None or executor is None or output is None or queues is None:
+            raise TypeError("planner, executor, output, and queues are required")
+        else:
+            _check_parts(planner, executor, output, queues)
+        self.pop_timeout_s = check_pop_timeout(pop_timeout_s)
+        self.policy = Policy(on_error, out_of_bounds)
+        if not isinstance(drop_last, bool):
+            raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
         self.config = config
-        self._owns = executor is None  # an executor given may serve other pipelines
-        if planner is None:
-            planner = ChunkPlanner(
-                ZarrMetadata(
-                    FileMetadataReader(),
-                    MetadataCache(config.array_cache_entries, config.shard_index_cache_entries, config.shard_index_cache_bytes),
-                    RemoteStores(config.storage_options) if config.storage_options else None,
-                    # the pipeline's own, never older than the run; a disk tier outlives it
-                    # and names its entries by the metadata's version
-                    recheckable=config.chunk_cache_dir is not None,
-                ),
-                PlanLimits(),
-            )
-        if executor is None and config.device is not None:
-            executor = _cuda_executor(config)
-        if executor is None:
-            executor = CpuExecutor(
-                FileReader(workers=config.io_workers),
-                CpuLimits(
-                    max_memory_bytes=config.max_memory_bytes,
-                    decode_workers=config.decode_workers,
-                    chunk_cache_bytes=config.chunk_cache_bytes,
-                    chunk_cache_dir=config.chunk_cache_dir,
-                    chunk_cache_dir_bytes=config.chunk_cache_dir_bytes,
-                ),
-            )
-        self.planner = planner
-        self.executor = executor
-        self._dtype = numpy_dtype(config.dtype, "float32") if config.dtype != "native" else None
+        self.output = output
+        self.on_error = on_error
+        lookahead = queues.lookahead_samples if queues.lookahead_samples is not None else 2 * output.samples
+        self.queues = dataclasses.replace(queues, lookahead_samples=lookahead)
+        try:
+            self._make(config, planner, executor, slot_memory)
+        except DamacyError as e:
+            raise stage(e, "create") from None
         self._closed = False
         self._pid = os.getpid()
-        spec = OutputSpec(config.samples_per_batch, tuple(config.sample_shape), self._dtype, config.on_error, config.out_of_bounds)
-        self.engine = BatchEngine(
-            spec,
-            planner,
-            executor,
-            config.prepared_batches,
-            slot_memory,
-            what=f"{config.prepared_batches} batch slots of {config.samples_per_batch} x {config.sample_shape} {config.dtype}",
-        )
         self._cond = self.engine.cond  # one lock for the engine, the core and this front end
-        self._core = FrontCore(self.engine, config.samples_per_batch, config.lookahead_samples, config.drop_last)
+        self._core = FrontCore(self.engine, output.samples, lookahead, drop_last)
         self._sources = front.Sources(self._cond)
         self._progress = front.Progress()
         self._pushed = False
@@ -157,29 +117,88 @@ class Pipeline(PipelineAPI):
         self._failure: BaseException | None = None  # what stopped the feeder, if anything did
         self._feeder: threading.Thread | None = None
         self._on_skip = on_skip
-        self._switch = _SwitchInterval.lower(config.switch_interval_s)
+        self._switch = _SwitchInterval.lower(config.switch_interval_s if config is not None else 0.0005)
+
+    def _make(self, config: Config | None, planner: ChunkPlanner | None, executor: Any, slot_memory: SlotMemory | None) -> None:
+        """The components (a Config's, made here) claimed for this pipeline, and its engine."""
+        output, lookahead = self.output, self.queues.lookahead_samples
+        if lookahead < output.samples:
+            raise InvalidArgument(
+                f"QueueLimits.lookahead_samples={lookahead} is less than one batch ({output.samples} samples): "
+                "a batch is planned as a whole"
+            )
+        if config is not None:
+            config.check_cache_floors()
+            planner, executor = _components(config)
+        else:
+            _check_floors(planner, lookahead + output.samples)
+        self._planner = planner
+        self._executor = executor
+        limits = executor.limits
+        recheckable = isinstance(limits, CpuLimits) and limits.chunk_cache_dir is not None
+        self.planner = planner.claim(self, recheckable=recheckable)
+        try:
+            executor.claim(self)
+            self.executor = executor
+            prepared = self.queues.prepared_batches
+            self.engine = BatchEngine(
+                output,
+                self.policy,
+                self.planner,
+                executor,
+                prepared,
+                slot_memory,
+                what=f"{prepared} batch slots of {output.samples} x {output.shape} {output.dtype}",
+            )
+        except BaseException:
+            planner.give_back(self)
+            executor.give_back(self)
+            raise
+        self._figures_of = Figures(self.planner, executor, self.engine)
 
     # -- input --------------------------------------------------------------------
-    def push(self, samples: Iterable[Any]) -> None:
-        """Queue samples (``Sample``/``IndexQuery``; any iterable, infinite generators included).
-        They are pulled lazily, as room frees up, in the order pushed."""
-        self._check_process()
-        front.Sources.check(samples)
+    def _push(self, samples: Iterable[Any]) -> None:
         with self._cond:
-            if self._closed:
-                raise InvalidArgument("push on a closed pipeline")
             self._sources.add(samples, self._take_restore())
             self._pushed = True
-            if self._feeder is None:
+        self._take_in(deferred=False)  # a first window, checked here (its errors raise here)
+        with self._cond:
+            if self._feeder is None and not self._closed:
                 self._feeder = threading.Thread(target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-feeder", daemon=True)
                 self._feeder.start()
             self._cond.notify_all()
 
-    def _pull(self, n: int) -> tuple[list[Any], BaseException | None]:
-        """Up to ``n`` samples from the sources (runs the caller's generators, in this thread)."""
-        out, error = self._sources.pull(n, lambda: self._closed)
-        self._pulled += len(out)
-        return out, error
+    def _check_item(self, item: Any) -> Any:
+        return check_pushed(item, self.output.shape, self.policy.out_of_bounds == "pad")
+
+    def _take_in(self, deferred: bool) -> None:
+        """Pull what the lookahead has room for (at most a batch) into the core, checking each
+        sample. A refused one drops its iterable and is raised (``deferred``: kept for the
+        next push or pop, the feeder's way)."""
+        core = self._core
+        with self._cond:
+            if self._closed or not self._sources:
+                return
+            want = min(core.room(), self.output.samples)
+            if want <= 0:
+                return
+            self._pulling = True
+        try:
+            samples, source_error = self._sources.pull(want, lambda: self._closed, check=self._check_item)
+        except front.Refused as refused:
+            with self._cond:
+                self._pulling = False
+                core.add([], final=not self._sources)
+                self._cond.notify_all()
+                if not deferred:
+                    raise refused.error from None
+                self._defer(refused.error)
+            return
+        with self._cond:
+            self._pulled += len(samples)
+            core.add(samples, final=not self._sources, error=source_error)
+            self._pulling = False
+            self._cond.notify_all()
 
     # -- the feeder thread --------------------------------------------------------
     def _feed(self) -> bool:
@@ -187,7 +206,6 @@ class Pipeline(PipelineAPI):
         while the core has room (lookahead), and pump the core: it starts batches as slots
         free up and refills batches whose samples were skipped. False: stop (closed)."""
         core = self._core
-        n = self.config.samples_per_batch
         try:
             with self._cond:
                 if not self._closed and not self._may_pull() and not core.can_pump():
@@ -195,18 +213,11 @@ class Pipeline(PipelineAPI):
                     return not self._closed  # (the next round looks again)
                 if self._closed:
                     return False
-                want = min(core.room(), n) if self._sources else 0
-                self._pulling = want > 0
-            if want:
-                samples, source_error = self._pull(want)
-                with self._cond:
-                    core.add(samples, final=not self._sources, error=source_error)
-                    self._pulling = False
+            self._take_in(deferred=True)
             core.pump()
             dropped = core.take_dropped()
             if dropped and self._on_skip is not None:
                 self._on_skip(dropped)
-            core.take_discarded()  # a short last batch under drop_last: left out
             with self._cond:
                 self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
             return True
@@ -226,35 +237,26 @@ class Pipeline(PipelineAPI):
         """Would :meth:`pop` return (or raise) at once?"""
         return self.engine.ready()
 
-    def pop(self, timeout: float | None = None) -> Batch:
-        """The next batch in push order (use it as a context manager).
-
-        Raises :class:`PipelineDrained` at once when nothing was pushed or everything pushed
-        has been delivered; :class:`SlotsHeld` at once when every batch slot is held by
-        batches not released (or arrays exported from them); :class:`TimeoutError` when no
-        batch is ready in time (``timeout``, default ``Config.pop_timeout_s``; ``math.inf``:
-        no limit); a bad sample's :class:`SampleError`
-        under ``on_error="raise"`` (the next pop continues).
-        """
-        self._check_process()
-        if timeout is None:
-            timeout = self.config.pop_timeout_s
+    def _pop(self, timeout: float | None) -> Batch:
         deadline = front.deadline(timeout)
+        started = front.now()
         with self._cond:
             while True:
                 if self._failure is not None:
                     raise DamacyError(f"the pipeline stopped: {self._failure!r}") from self._failure
                 if self._closed:
-                    raise PipelineDrained("the pipeline is closed")
+                    raise ShutdownError(CLOSED, what="closed")
+                if self._deferred is not None:
+                    self._raise_deferred("pop")
                 delivery = self.engine.next_delivery()
                 if delivery is not None:
                     self._core.delivered(len(delivery.samples))
                     self._cond.notify_all()
                     break
                 if not self._pushed:
-                    raise PipelineDrained("nothing was pushed")
+                    raise PipelineDrained("nothing was pushed: pop() has no batch to wait for")
                 if self._drained():
-                    drained = PipelineDrained(f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted")
+                    drained = PipelineDrained(self._drained_why())
                     drained.skipped = tuple(self.engine.take_skipped())
                     raise drained
                 if self._all_slots_held():  # nothing can come until the caller lets a batch go
@@ -263,9 +265,10 @@ class Pipeline(PipelineAPI):
                 if left is not None and left <= 0:
                     raise self._waiting_for(timeout)
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
+        self._figures_of.waited(front.now() - started)
         if delivery.error is not None:
             self._handed(None, len(getattr(delivery.error, "batch_samples", ()) or ()))
-            raise delivery.error
+            raise self._batch_failed(delivery.error)
         batch = self._batch(delivery)
         self._handed(batch)
         with self._cond:
@@ -273,16 +276,32 @@ class Pipeline(PipelineAPI):
             self._delivered_samples += len(delivery.samples)
         return batch
 
+    def _drained_why(self) -> str:
+        left = self._core.queued
+        if left:
+            return (
+                f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted; its last {left} "
+                f"sample(s) make no whole batch of {self.output.samples} (they stay queued for a later push; "
+                "drop_last=False delivers them short)"
+            )
+        return f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted"
+
     def _batch(self, delivery: Delivery) -> Batch:
         slot, dtype = delivery.slot, delivery.dtype
         info = front.batch_info(
-            self.config, len(delivery.samples), dtype.name, delivery.batch_id, delivery.samples, delivery.errors, delivery.skipped
+            self.output, len(delivery.samples), dtype.name, delivery.batch_id, delivery.samples, delivery.errors, delivery.skipped,
+            device=self._device_name(),
         )
         batch = Batch(slot, info, dtype, self.engine.slot_view(slot, dtype))
-        if batch.on_device:
-            batch.info = dataclasses.replace(batch.info, device=self.executor.device.name)
         slot.release()  # the engine's hold; the batch holds its own
         return batch
+
+    def _device_name(self) -> str:
+        gpu = getattr(self.executor, "gpu", None)
+        return "cpu" if gpu is None else f"cuda:{self.executor.device_index}"
+
+    def _device_index(self) -> int:
+        return -1 if getattr(self.executor, "gpu", None) is None else int(self.executor.device_index)
 
     def _may_pull(self) -> bool:
         """Can the feeder pull from the pushed iterables now (room in the lookahead)?"""
@@ -305,7 +324,7 @@ class Pipeline(PipelineAPI):
             and not self._core.can_pump()
         )
 
-    def _waiting_for(self, timeout: float) -> TimeoutError:
+    def _waiting_for(self, timeout: float) -> DamacyError:
         engine = self.engine
         nothing_started = engine.delivered_ids >= engine.started_ids
         free = engine.free_slots()
@@ -333,9 +352,8 @@ class Pipeline(PipelineAPI):
             return self._core.outstanding
 
     # -- lifetime -----------------------------------------------------------------
-    def close(self) -> None:
-        """Stop: cancel work in flight and return the memory. Idempotent, never hangs."""
-        if self._forked():  # the threads and memory are the parent's
+    def _close(self) -> None:
+        if not hasattr(self, "engine"):  # never made
             return
         with self._cond:
             if self._closed:
@@ -346,12 +364,18 @@ class Pipeline(PipelineAPI):
         if feeder is not None and feeder is not threading.current_thread():
             feeder.join(5.0)
         self.engine.close()
-        if self._owns:
-            self.executor.close()
+        self._planner.give_back(self)
+        self._executor.give_back(self)  # its pools and caches close (a later pipeline opens fresh ones)
         self._on_skip = None
+        self._sources.clear()
         if self._switch:
             _SwitchInterval.restore()
             self._switch = False
+
+    def _stop(self) -> None:
+        with self._cond:
+            super()._stop()
+            self._cond.notify_all()
 
     # -- introspection ------------------------------------------------------------
     def counters(self) -> dict[str, int]:
@@ -364,11 +388,19 @@ class Pipeline(PipelineAPI):
                 "samples_pulled": self._pulled,
             }
 
-    def stats(self) -> dict[str, Any]:
-        """Per-stage time/bytes/counts, cache hits and misses, deduplicated chunks, merged
-        reads, memory and delivery counters; with a GPU executor, ``device``: its name and the
-        units decoded on the host because nvCOMP does not decode their codec."""
+    def _figures(self) -> Stats:
+        return self._figures_of.stats()
+
+    def _reset_figures(self) -> None:
+        self._figures_of.reset()
+
+    def stats_dict(self) -> dict[str, Any]:
+        """damacy's figures as plain data: per-stage time/bytes/counts, cache hits and
+        misses, deduplicated chunks, merged reads, memory and delivery counters; with a GPU
+        executor, ``device``: its name and the units decoded on the host because nvCOMP does
+        not decode their codec."""
         self._check_process()
+        self._check_open("stats")
         counters = self.counters()
         device = getattr(self.executor, "device_stats", None)
         return {
@@ -387,7 +419,6 @@ class Pipeline(PipelineAPI):
             },
             **counters,
         }
-
 
 
 class _SwitchInterval:
@@ -424,20 +455,97 @@ class _SwitchInterval:
 
 
 
-def _cuda_executor(config: Config):
-    """The executor of ``Config(device=k)``: reads on the host, decodes and assembles on GPU k
-    into device slots (CuPy, nvCOMP; the extras ``damacy[cuda12]`` / ``damacy[cuda13]``)."""
-    from damacy_runtime.devices import check_device, standin
-    from damacy_server.cuda.device import CupyDevice, HostDevice
-    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
+def _check_parts(planner: Any, executor: Any, output: Any, queues: Any) -> None:
+    from damacy_server.cuda.executor import CudaExecutor
 
-    check_device(config.device)
-    try:
-        # DAMACY_DEVICE_STANDIN (tests): GPU 0 is the host stand-in (host memory, the twin)
-        device = HostDevice() if standin() is not None else CupyDevice(config.device)
-    except ImportError as e:
+    if not isinstance(planner, ChunkPlanner):
+        raise TypeError(f"planner must be a ChunkPlanner, got {type(planner).__name__}")
+    if not isinstance(executor, (CpuExecutor, CudaExecutor)):
+        raise TypeError(f"executor must be a CpuExecutor or a CudaExecutor, got {type(executor).__name__}")
+    if not isinstance(output, BatchSpec):
+        raise TypeError(f"output must be a BatchSpec, got {type(output).__name__}")
+    if not isinstance(queues, QueueLimits):
+        raise TypeError(f"queues must be a QueueLimits, got {type(queues).__name__}")
+
+
+def _check_floors(planner: ChunkPlanner, floor: int) -> None:
+    """A composed pipeline's metadata caches hold at least the samples in flight (the
+    lookahead and the batch being planned), and that many times the shards a sample may
+    touch (InvalidArgument)."""
+    cache, limits = planner.metadata.cache, planner.limits
+    if cache.array_entries < floor:
         raise InvalidArgument(
-            f"Config.device={config.device} needs CuPy and nvCOMP: pip install 'damacy[cuda13]' (or [cuda12]) ({e})"
-        ) from e
-    limits = CudaLimits() if config.max_gpu_memory_bytes is None else CudaLimits(config.max_gpu_memory_bytes)
-    return CudaExecutor(device, FileReader(workers=config.io_workers), limits)
+            f"MetadataCache.array_entries={cache.array_entries} is below its floor "
+            f"lookahead_samples + output.samples = {floor}"
+        )
+    need = floor * limits.max_shards_per_sample
+    if cache.shard_index_entries < need:
+        raise InvalidArgument(
+            f"MetadataCache.shard_index_entries={cache.shard_index_entries} is below its floor "
+            f"(lookahead_samples + output.samples) * PlanLimits.max_shards_per_sample = {need}"
+        )
+
+
+def _components(config: Config) -> tuple[ChunkPlanner, Any]:
+    """The planner and executor a Config describes: the value objects it composes, a CPU
+    executor, or a GPU one where it names a budget or a device."""
+    remote = RemoteStores(config.storage_options) if config.storage_options else None
+    reader = FileMetadataReader(concurrency=config.metadata_io_concurrency, latency=config.metadata_latency)
+    planner = ChunkPlanner(
+        metadata=ZarrMetadata(reader=reader, cache=config.metadata_cache, remote=remote), limits=config.plan_limits
+    )
+    chunks = FileReader(workers=config.n_io_threads)
+    if not config.on_gpu:
+        return planner, CpuExecutor(reader=chunks, limits=config.cpu_limits)
+    from damacy_server.cuda.executor import CudaExecutor
+
+    executor = CudaExecutor(
+        reader=chunks,
+        limits=config.cuda_limits,
+        device=config.device,
+        numa_strategy=config.numa_strategy,
+        numa_node=config.numa_node,
+        enable_gds=config.enable_gds,
+    )
+    _warn_binding(config.device, executor.device_index)
+    return planner, executor
+
+
+_warned: set[tuple[str, int, int]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_binding(configured: int | None, bound: int) -> None:
+    """With no device configured, a GPU pipeline bound to the current context's device
+    warns (once per case) when that is not LOCAL_RANK's, or when the host has several GPUs."""
+    import warnings
+
+    from damacy_runtime.devices import cuda_devices
+
+    if configured is not None:
+        return
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is not None and raw.isdigit() and int(raw) != bound:
+        key = ("rank", int(raw), bound)
+        with _warned_lock:
+            first = key not in _warned
+            _warned.add(key)
+        if first:
+            warnings.warn(
+                f"damacy.Pipeline bound to CUDA device {bound} but LOCAL_RANK={raw}: call torch.cuda.set_device({raw}) "
+                f"before making the pipeline, or pass Config(device={raw})",
+                stacklevel=4,
+            )
+        return
+    count = cuda_devices()[0]
+    if count > 1:
+        key = ("count", count, bound)
+        with _warned_lock:
+            first = key not in _warned
+            _warned.add(key)
+        if first:
+            warnings.warn(
+                f"damacy.Pipeline bound to CUDA device {bound} of {count} because its context was current: "
+                "pass Config(device=...) to say which",
+                stacklevel=4,
+            )

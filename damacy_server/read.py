@@ -6,37 +6,64 @@ planner and executor as the pipeline (a one-sample plan).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import InvalidArgument, SampleError
+from damacy_protocol.errors import InvalidArgument, DamacyError
 from damacy_protocol.selection import READ, normalize
 from damacy_server.cpu.executor import CpuExecutor
-from damacy_server.plan.planner import ChunkPlanner, Selected
-from damacy_server.plan.reads import PlanLimits
-from damacy_server.plan.resolve import ZarrMetadata
+from damacy_server.plan.planner import Planner, Selected
+from damacy_protocol.checks import default_decode_workers
+from damacy_protocol.limits import UINT32_MAX, CpuLimits, PlanLimits
+from damacy_server.plan.resolve import Resolver, ZarrMetadata
+from damacy_server.store.file import FileReader
 from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.zarr.metadata import ArrayMetadata
 
 #: one read is one request: small merged reads, so its units decode on all decode threads
-READ_LIMITS = PlanLimits(max_read_bytes=256 << 10)
+#: (a read is no pipeline batch: the seed API's per-batch caps do not apply, see Planner)
+READ_LIMITS = PlanLimits(max_chunk_bytes=UINT32_MAX, max_read_bytes=256 << 10)
 
 _lock = threading.Lock()
-_metadata: ZarrMetadata | None = None
+_metadata: Resolver | None = None
 _executor: CpuExecutor | None = None
+_resolvers: weakref.WeakKeyDictionary[ZarrMetadata, Resolver] = weakref.WeakKeyDictionary()
 
 
-def default_metadata() -> ZarrMetadata:
+def default_metadata() -> Resolver:
     """The process-wide metadata and shard-index cache used by :func:`read`."""
     global _metadata
     with _lock:
         if _metadata is None:
-            _metadata = ZarrMetadata()
+            _metadata = Resolver()
         return _metadata
+
+
+def _resolver(metadata: ZarrMetadata | Resolver | None) -> Resolver:
+    """The caches a read uses: the process's, or those kept for a caller's ZarrMetadata
+    (one set per ZarrMetadata, as long as it lives)."""
+    if metadata is None:
+        return default_metadata()
+    if isinstance(metadata, Resolver):
+        return metadata
+    if not isinstance(metadata, ZarrMetadata):
+        raise TypeError(f"metadata must be a ZarrMetadata, got {type(metadata).__name__}")
+    with _lock:
+        found = _resolvers.get(metadata)
+        if found is None:
+            found = _resolvers[metadata] = metadata.resolver(recheckable=True)
+        return found
+
+
+def _read_limits() -> CpuLimits:
+    workers = default_decode_workers()
+    return CpuLimits(max_memory_bytes=2 << 30, decode_workers=workers, chunks_per_input_buffer=max(256, workers))
 
 
 def _default_executor() -> CpuExecutor:
@@ -44,7 +71,7 @@ def _default_executor() -> CpuExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = CpuExecutor()
+            _executor = CpuExecutor(reader=FileReader(workers=max(4, os.cpu_count() or 1)), limits=_read_limits())
         return _executor
 
 
@@ -60,7 +87,7 @@ def read(
 ) -> np.ndarray:
     """Read ``selection`` of the Zarr array (v3 or v2) at ``uri``: a local path, ``file://``,
     or an object store (``s3://``, ``gs://``, ``az://``, ``http(s)://``; credentials from the
-    environment, or a ``metadata=ZarrMetadata(remote=RemoteStores(options))``).
+    environment, or ``metadata=ZarrMetadata(reader=..., cache=..., remote=RemoteStores(options))``).
 
     ``selection``: ``None`` (everything) or, per axis in a tuple (``np.s_[...]``), a range
     (``a:b``, ``(a, b)``, ``a:b:step``), an integer (drops the axis), an index list or a
@@ -69,7 +96,7 @@ def read(
     coordinates; a negative one is before the array, not counted from the end).
     ``out_of_bounds``: positions outside the array are refused (``"error"``) or read as
     the fill value (``"pad"``). ``dtype``: the output dtype ("f32", "bf16", "u16", numpy
-    dtypes...; default: the array's own). Errors are :class:`damacy.SampleError`
+    dtypes...; default: the array's own). Errors are :class:`damacy.DamacyError`
     subclasses naming the uri and, for data errors, the file and chunk.
 
     An NGFF image reads its level 0, or level ``level``, or the level whose voxel size is
@@ -80,7 +107,7 @@ def read(
     With ``metadata`` that has a reader of its own, the data is read through that reader too
     (its rules, roots included).
     """
-    md = metadata if metadata is not None else default_metadata()
+    md = _resolver(metadata)
     if level is not None and scale is not None:
         raise InvalidArgument("give level or scale, not both", uri=str(uri))
     if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level < 0):
@@ -101,16 +128,16 @@ def read(
         out = np.empty(shape, dtype=out_dtype)
     except (ValueError, MemoryError) as e:  # more than numpy may (or the machine can) hold
         raise InvalidArgument(f"the selection's shape {shape} of {out_dtype.name} is too large to read into memory at once ({e})", uri=str(uri)) from None
-    executor = _default_executor() if md.reader is None else CpuExecutor(_StoreReads(md.reader))
+    executor = _default_executor() if md.reader is None else CpuExecutor(reader=_StoreReads(md.reader), limits=_read_limits())
     finished = threading.Event()
-    errors: dict[int, SampleError] = {}
+    errors: dict[int, DamacyError] = {}
 
-    def done(failed: dict[int, SampleError]) -> None:
+    def done(failed: dict[int, DamacyError]) -> None:
         errors.update(failed)
         finished.set()
 
     try:
-        plan = ChunkPlanner(md, READ_LIMITS).plan(
+        plan = Planner(md, READ_LIMITS, batch_limits=False).plan(
             [Selected(str(uri), axes)], out.shape, out_of_bounds, capacity=executor.inflight_capacity, cache=executor.chunk_cache
         )
         errors.update(plan.errors)
@@ -127,14 +154,14 @@ def read(
     return out
 
 
-class _StoreReads:
+class _StoreReads(FileReader):
     """An executor's reader over a caller's store: every read goes through the store (no
     direct reads by the decode threads)."""
 
-    workers = 4
-    max_inflight_reads = 4096
+    direct = None  # type: ignore[assignment]
 
     def __init__(self, store: Any) -> None:
+        super().__init__(workers=4)
         self.store = store
 
     def read(self, key: str) -> bytes | None:
@@ -143,8 +170,11 @@ class _StoreReads:
     def read_range(self, key: str, offset: int, length: int) -> bytes | None:
         return self.store.read_range(key, offset, length)
 
+    def read_ranges(self, key: str, ranges: Any) -> list[bytes] | None:
+        return self.store.read_ranges(key, ranges)
 
-def _named_by_uri(err: SampleError) -> SampleError:
+
+def _named_by_uri(err: DamacyError) -> DamacyError:
     """A read's error names the array (it has no sample of the caller's to name)."""
     err.sample = None
     err.args = (err._message(),)
@@ -153,14 +183,14 @@ def _named_by_uri(err: SampleError) -> SampleError:
 
 def open_array(uri: str, *, metadata: ZarrMetadata | None = None) -> ArrayMetadata:
     """The parsed metadata of the array at ``uri`` (shape, dtype, chunks, codecs...)."""
-    return (metadata if metadata is not None else default_metadata()).array(uri)
+    return _resolver(metadata).array(uri)
 
 
 def open_image(uri: str, *, metadata: ZarrMetadata | None = None):
     """The OME-NGFF image at ``uri`` (0.4 on Zarr v2, 0.5 on Zarr v3): its axes (names, types,
     units) and its levels (path, uri, shape, dtype, scale and translation per axis); read a
     level with ``damacy.read(uri, selection, level=k)`` or ``scale=...``."""
-    return (metadata if metadata is not None else default_metadata()).image(uri)
+    return _resolver(metadata).image(uri)
 
 
 def open_plate(uri: str, *, metadata: ZarrMetadata | None = None):
@@ -168,4 +198,4 @@ def open_plate(uri: str, *, metadata: ZarrMetadata | None = None):
     (NGFF images) as uris; ``plate.images`` lists them all. Reads the plate's and the wells'
     metadata only: the images are opened when read (a sampler over a plate's fields reads an
     image's metadata when it first draws it)."""
-    return (metadata if metadata is not None else default_metadata()).plate(uri)
+    return _resolver(metadata).plate(uri)

@@ -27,13 +27,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from damacy_protocol.checks import Count, Size, check_fields, default_decode_workers
-from damacy_protocol.errors import SampleError
+from damacy_protocol.limits import CpuLimits
+from damacy_protocol.errors import DamacyError
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.cpu import optable
@@ -64,37 +63,6 @@ DIRECT_BACKOFF = 1024
 #: less than the bookkeeping (and the whole decode a shared unit needs); bench small-chunks
 #: (32 KiB units) lost a fifth of its rate to sharing, default (256 KiB) gains
 SHARE_MIN_BYTES = 128 << 10
-
-
-@dataclass(frozen=True)
-class CpuLimits:
-    """``max_memory_bytes``: batch slots plus chunk data in flight; ``decode_workers``:
-    decode threads (default: the CPUs); ``chunk_cache_bytes``: decoded chunks kept for
-    reuse across batches (LRU by bytes, 0: off; not part of ``max_memory_bytes``);
-    ``native``: decode zstd/raw chunks and copy boxes in C without the GIL where that applies
-    (the results are the same as numpy's); ``max_inflight_requests``: the most object-store
-    requests in flight at once (the window below it follows bandwidth × latency);
-    ``chunk_cache_dir``/``chunk_cache_dir_bytes``: a disk tier for bytes fetched from object
-    stores (see :mod:`damacy_server.store.disk`; None: off)."""
-
-    max_memory_bytes: Count = 2 << 30
-    decode_workers: Count | None = None
-    chunk_cache_bytes: Size = 0
-    native: bool = True
-    max_inflight_requests: Count = 1024
-    chunk_cache_dir: str | None = None
-    chunk_cache_dir_bytes: Count = 64 << 30
-
-    def __post_init__(self) -> None:
-        if self.decode_workers is None:
-            object.__setattr__(self, "decode_workers", default_decode_workers())
-        check_fields(
-            self,
-            {
-                "max_memory_bytes": Count, "decode_workers": Count, "chunk_cache_bytes": Size, "native": bool,
-                "max_inflight_requests": Count, "chunk_cache_dir": str | None, "chunk_cache_dir_bytes": Count,
-            },
-        )
 
 
 def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int) -> bool:
@@ -128,12 +96,25 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
 
 
 class CpuExecutor(BudgetedExecutor):
-    """Executes batch plans into host memory."""
+    """Reads, decodes and assembles batches in host memory: chunk data through ``reader`` (a
+    :class:`~damacy_server.store.file.FileReader`: its I/O threads), decodes and copies on
+    ``limits.decode_workers`` threads, everything within ``limits`` (a
+    :class:`~damacy_protocol.limits.CpuLimits`). Each distinct chunk a batch needs is decoded
+    once for all its samples (and kept across batches when ``limits.chunk_cache_bytes`` is
+    set). A composed pipeline claims it as its own while open (see
+    :class:`~damacy_server.engine.budget.BudgetedExecutor`)."""
 
-    def __init__(self, reader: FileReader | None = None, limits: CpuLimits | None = None) -> None:
-        self.reader = reader if reader is not None else FileReader()
-        self.limits = limits if limits is not None else CpuLimits()
-        self.budget = MemoryBudget(self.limits.max_memory_bytes)
+    def __init__(self, *, reader: FileReader, limits: CpuLimits) -> None:
+        if not isinstance(reader, FileReader):
+            raise TypeError(f"reader must be a FileReader, got {type(reader).__name__}")
+        if not isinstance(limits, CpuLimits):
+            raise TypeError(f"limits must be a CpuLimits, got {type(limits).__name__}")
+        self.reader = reader
+        self.limits = limits
+        self._start()
+
+    def _start(self) -> None:
+        self.budget = MemoryBudget(self.limits.max_memory_bytes, self.limits.min_inflight_bytes)
         self.stats = StageStats()
         self._io = WorkerPool(self.reader.workers, "damacy-io")
         self._decode = WorkerPool(self.limits.decode_workers, "damacy-decode")
@@ -149,7 +130,7 @@ class CpuExecutor(BudgetedExecutor):
         self.inflight = InFlight()
         self.native = NativeTasks(self.chunk_cache, self.inflight) if native.available() and self.limits.native else None
         # decode threads read page-cached groups themselves (see _read_direct)
-        self._direct = self.native is not None and hasattr(self.reader, "direct")
+        self._direct = self.native is not None and getattr(self.reader, "direct", None) is not None
         self._direct_misses = 0
         self._direct_skip = 0
         # reads from object stores: started with the first remote read
@@ -160,6 +141,15 @@ class CpuExecutor(BudgetedExecutor):
         # executor it made; one given inline goes with the pipeline that held it)
         close_with(self, self._io, self._decode)
 
+    def worker_steps(self) -> int:
+        """Tasks its worker threads ran."""
+        return self._io.steps + self._decode.steps
+
+    @property
+    def chunk_caps(self) -> tuple[int, int]:
+        """(stored, decoded) bytes a chunk may have here (see :meth:`Planner.plan`)."""
+        return self.limits.max_encoded_chunk_bytes, self.limits.max_decoded_chunk_bytes
+
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread: reads and decodes."""
         return {"io": self._io.queued(), "decode": self._decode.queued()}
@@ -169,13 +159,13 @@ class CpuExecutor(BudgetedExecutor):
         self,
         plan: BatchPlan,
         targets: Sequence[np.ndarray],
-        on_done: Callable[[dict[int, SampleError]], None],
+        on_done: Callable[[dict[int, DamacyError]], None],
         cancelled: Callable[[], bool] = lambda: False,
         key: Any = None,
     ) -> None:
         """Assemble sample i of ``plan`` into ``targets[i]`` (a view of a batch slot). The plan
         was made with this executor's ``inflight_capacity`` and ``chunk_cache`` (see
-        :meth:`ChunkPlanner.plan`): its reads fit the budget, and the units found in the
+        :meth:`Planner.plan`): its reads fit the budget, and the units found in the
         cache come with their arrays; a read that still does not fit fails its samples. Units
         another batch is decoding are not read again: the run waits for them.
 
@@ -272,7 +262,7 @@ class CpuExecutor(BudgetedExecutor):
     def _waiter(self, run: Run, u: UnitJob):
         """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""
 
-        def take(array: np.ndarray | None, error: SampleError | None, missing: bool) -> None:
+        def take(array: np.ndarray | None, error: DamacyError | None, missing: bool) -> None:
             if array is not None:
                 # a cache entry waits to be copied with the others that arrive meanwhile, by one
                 # task, the memory budget counting it meanwhile (the cache may evict it before
@@ -332,8 +322,8 @@ class CpuExecutor(BudgetedExecutor):
             if u.shared is not None:
                 self.inflight.settle(u.shared)
 
-    def _too_big(self, key: str, need: int) -> SampleError:
-        return SampleError(
+    def _too_big(self, key: str, need: int) -> DamacyError:
+        return DamacyError(
             f"reading {key} needs {need} bytes in flight, the memory budget leaves "
             f"{self.budget.capacity} beside the batch slots; raise max_memory_bytes",
             path=key,
@@ -364,7 +354,7 @@ class CpuExecutor(BudgetedExecutor):
                     return
                 check_length(u.meta, data, u.nbytes, u.unit, u.key)
                 self._apply(run, u, decode_unit(u.meta, memoryview(data), u.unit, u.key))
-        except SampleError as e:
+        except DamacyError as e:
             run.fail(samples_of((u,)), e.with_context(uri=u.meta.uri))
         except Exception as e:
             run.crash([u], e)
@@ -497,7 +487,7 @@ class CpuExecutor(BudgetedExecutor):
                 data = self.reader.read(group.key)
             else:
                 data = self.reader.read_range(group.key, group.offset, group.length)
-        except Exception as e:  # reported per sample (a SampleError) or as a crash
+        except Exception as e:  # reported per sample (a DamacyError) or as a crash
             self._landed(run, group, reserved, error=e)
             return
         self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
@@ -583,7 +573,7 @@ class CpuExecutor(BudgetedExecutor):
         try:
             if skip or run.cancelled() or self._closed:
                 return
-            if isinstance(error, SampleError):
+            if isinstance(error, DamacyError):
                 err = error.with_context(uri=group.units[0].meta.uri)
                 run.fail(samples_of(group.units), err)
                 for u in group.units:
@@ -646,7 +636,7 @@ class CpuExecutor(BudgetedExecutor):
                     try:
                         check_length(u.meta, data, u.nbytes, u.unit, u.key)
                         arr = decode_unit(u.meta, data, u.unit, u.key)
-                    except SampleError as e:
+                    except DamacyError as e:
                         run.fail(samples_of((u,)), e)
                         if u.shared is not None:
                             self.inflight.settle(u.shared, error=e)

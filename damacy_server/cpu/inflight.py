@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import SampleError
+from damacy_protocol.errors import DamacyError
 
 #: a waiter: called once with (array, error, missing); all empty means abandoned
-Waiter = Callable[[np.ndarray | None, SampleError | None, bool], None]
+Waiter = Callable[[np.ndarray | None, DamacyError | None, bool], None]
 
 
 class Shared:
@@ -73,7 +73,7 @@ class InFlight:
             return False
 
     def settle(
-        self, shared: Shared, array: np.ndarray | None = None, error: SampleError | None = None, missing: bool = False
+        self, shared: Shared, array: np.ndarray | None = None, error: DamacyError | None = None, missing: bool = False
     ) -> None:
         """The owner is done with the unit (nothing given: abandoned). Later calls do nothing."""
         with self._lock:

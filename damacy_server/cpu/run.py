@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import SampleError
+from damacy_protocol.errors import DamacyError
 from damacy_server.plan.planner import BatchPlan
 from damacy_server.plan.units import UnitJob
 
@@ -45,7 +45,7 @@ class Run:
         self.order = order  # runs are served oldest first within a pipeline
         self.plan = plan
         self.views = views
-        self.errors: dict[int, SampleError] = {}
+        self.errors: dict[int, DamacyError] = {}
         self.pending = 0  # reads, units waited for, and the cached-units task, not yet reported
         self.lock = threading.Lock()
         self.on_done = on_done
@@ -70,7 +70,7 @@ class Run:
         self.arrived: list[tuple[UnitJob, np.ndarray]] = []
         self.copying = False
 
-    def fail(self, samples, err: SampleError) -> None:
+    def fail(self, samples, err: DamacyError) -> None:
         with self.lock:
             for s in samples:
                 if s not in self.errors:
@@ -79,7 +79,7 @@ class Run:
     def crash(self, units: Sequence[UnitJob], exc: BaseException) -> None:
         """An unexpected exception: the samples of ``units`` fail with it, the others go on."""
         log.exception("damacy: unexpected error assembling a batch", exc_info=exc)
-        err = SampleError(f"internal error: {type(exc).__name__}: {exc}")
+        err = DamacyError(f"internal error: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         self.fail(samples_of(units), err)
 
@@ -95,7 +95,7 @@ class Run:
                 log.exception("damacy: error delivering a batch")
 
 
-def for_sample(err: SampleError, sample: Any) -> SampleError:
+def for_sample(err: DamacyError, sample: Any) -> DamacyError:
     e = type(err)(err.reason, uri=err.uri, path=err.path, chunk=err.chunk)
     e.__cause__ = err.__cause__
     return e.with_context(uri=getattr(sample, "uri", None), sample=sample)

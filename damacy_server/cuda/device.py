@@ -18,6 +18,7 @@ implementations that must answer alike: a GPU, and the host stand-in.)
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from abc import abstractmethod
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.errors import InvalidArgument
 from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
 from damacy_server.cuda import nvcomp
 
@@ -295,6 +297,7 @@ class CupyDevice(Device):
         self._functions: dict[str, Any] = {}
         self._registered: dict[int, weakref.finalize] = {}  # host allocations registered, by address
         self.dlpack_device = (2, device)  # kDLCUDA
+        self.pci_bus_id = cupy.cuda.Device(device).pci_bus_id  # for its NUMA node (numa_cpus)
 
     # -- stream order ------------------------------------------------------------------------
     def _stream(self, stream: int | None) -> int:
@@ -439,3 +442,111 @@ class CupyDevice(Device):
             self._cupy.cuda.runtime.hostUnregister(start)
         except Exception:  # noqa: BLE001 - the context is gone at exit; so is the registration
             pass
+
+
+# -- binding a GPU pipeline to a device -----------------------------------------------------------
+
+GDS_ENV = "DAMACY_GDS_ENABLE"
+
+
+def bind_device(device: int | None, what: str = "CudaExecutor") -> int:
+    """The CUDA device a GPU pipeline uses: ``device`` itself (which must exist here), or with
+    ``None`` that of the CUDA context current in the calling thread (InvalidArgument when
+    there is none, or when ``device`` and the current context disagree)."""
+    from damacy_runtime.devices import check_device, cuda_devices, current_device
+
+    count, why = cuda_devices()
+    if count == 0:
+        raise InvalidArgument(f"{what}: no CUDA device is available ({why}); use CpuExecutor for host memory")
+    current = current_device()
+    if device is None:
+        if current is None:
+            raise InvalidArgument(
+                "no CUcontext is current: pass device=k (Config(device=k)), or make a context current first "
+                "(torch.cuda.set_device(k) and any CUDA call, or damacy._native.cuda_init_primary())"
+            )
+        return current
+    check_device(device, f"{what} device")
+    if current is not None and current != device:
+        raise InvalidArgument(
+            f"Config.device={device} but the CUDA context current on this thread is on device {current}: "
+            f"make them agree (torch.cuda.set_device({device}))"
+        )
+    return device
+
+
+def check_gds(enable_gds: bool | None) -> None:
+    """GPUDirect Storage was asked for (``True``, or ``None`` with DAMACY_GDS_ENABLE=1):
+    damacy reads through host memory only, so that is refused (InvalidArgument)."""
+    if enable_gds is True or (enable_gds is None and os.environ.get(GDS_ENV) == "1"):
+        raise InvalidArgument(
+            "GPUDirect Storage (enable_gds) is not available: damacy reads chunks through host memory; "
+            f"pass enable_gds=False (or unset {GDS_ENV})"
+        )
+
+
+def open_backend(index: int) -> Device:
+    """The device object of CUDA device ``index`` (the host stand-in under
+    DAMACY_DEVICE_STANDIN); InvalidArgument when CuPy or nvCOMP are missing."""
+    from damacy_runtime.devices import standin
+
+    if standin() is not None:
+        return HostDevice()
+    try:
+        return CupyDevice(index)
+    except ImportError as e:
+        raise InvalidArgument(f"CUDA device {index} needs CuPy and nvCOMP: pip install 'damacy[cuda13]' (or [cuda12]) ({e})") from e
+
+
+def numa_cpus(strategy: int, node: int, backend: Device) -> set[int] | None:
+    """The CPUs a GPU pipeline's host threads run on: those of NUMA node ``node``
+    (``PIN_TO``), of the GPU's node (``AUTO``; None on a one-node host, or where the GPU's
+    node is unknown: the stand-in), or None (``DISABLED``: wherever the scheduler puts them)."""
+    from damacy_protocol.enums import NumaStrategy
+
+    strategy = NumaStrategy(strategy)
+    if strategy is NumaStrategy.DISABLED:
+        return None
+    nodes = sorted(int(n[4:]) for n in _listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit())
+    if strategy is NumaStrategy.AUTO:
+        if len(nodes) <= 1:
+            return None
+        pci = getattr(backend, "pci_bus_id", None)
+        node = _read_int(f"/sys/bus/pci/devices/{pci.lower()}/numa_node") if pci else None
+        if node is None or node < 0:
+            return None
+    if node not in nodes:
+        if strategy is NumaStrategy.PIN_TO:
+            raise InvalidArgument(f"numa_node={node}: this machine has NUMA node(s) {nodes}")
+        return None
+    cpus = _cpulist(f"/sys/devices/system/node/node{node}/cpulist")
+    return cpus or None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _cpulist(path: str) -> set[int]:
+    """The CPUs a sysfs cpulist names (``0-3,8``)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return set()
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out

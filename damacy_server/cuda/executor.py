@@ -28,18 +28,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from damacy_protocol.checks import Size, check_fields
-from damacy_protocol.errors import DecodeError, SampleError
+from damacy_protocol.enums import NumaStrategy
+from damacy_protocol.limits import CudaLimits
+from damacy_protocol.errors import DecodeError, DamacyError
 from damacy_runtime.device import DeviceArray
 from damacy_server.cache import LRUCache
 from damacy_server.cpu.run import samples_of
 from damacy_server.cuda import nvcomp
-from damacy_server.cuda.device import Device, DeviceBuffer
+from damacy_server.cuda.device import Device, DeviceBuffer, bind_device, check_gds, numa_cpus, open_backend
 from damacy_server.cuda.tables import check_disjoint
 from damacy_server.cuda.twin import CODES, SHUFFLE_MODES, norm_table
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
@@ -54,29 +54,60 @@ ALIGN = 256  # bytes: every unit's place in the arena (nvCOMP asks 8 at most; co
 BLOCK = 256  # threads per block
 
 
-@dataclass(frozen=True)
-class CudaLimits:
-    """``max_gpu_memory_bytes``: batch slots plus each batch's arenas on the device."""
-
-    max_gpu_memory_bytes: Size = 1 << 30
-
-    def __post_init__(self) -> None:
-        check_fields(self, {"max_gpu_memory_bytes": Size})
-
-
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 class CudaExecutor(BudgetedExecutor):
-    """Executes batch plans on a device; the engine's executor interface (``execute``,
-    ``inflight_capacity``, ``chunk_cache``, slot reservations, ``stats``, ``close``)."""
+    """Reads chunk data on the host (``reader``'s threads), decodes it on a GPU (nvCOMP) and
+    assembles batches there (one kernel launch per batch), within ``limits`` (a
+    :class:`~damacy_protocol.limits.CudaLimits`). ``device=k``: GPU k; ``None``: the GPU whose
+    CUDA context is current in the calling thread (none: :class:`InvalidArgument`).
+    ``numa_strategy``/``numa_node``: where its host threads run (see
+    :class:`~damacy_protocol.enums.NumaStrategy`). ``enable_gds``: GPUDirect Storage, which
+    damacy does not have: ``True`` (or ``None`` with ``DAMACY_GDS_ENABLE=1``) is refused.
+    Without a CUDA device it is refused at once, saying so.
 
-    def __init__(self, device: Device, reader: FileReader | None = None, limits: CudaLimits | None = None) -> None:
+    ``backend`` (damacy's, for the daemon and tests): the device object itself
+    (:mod:`damacy_server.cuda.device`), the host stand-in included."""
+
+    def __init__(
+        self,
+        *,
+        reader: FileReader,
+        limits: CudaLimits,
+        device: int | None = None,
+        numa_strategy: NumaStrategy | str | int = NumaStrategy.AUTO,
+        numa_node: int = -1,
+        enable_gds: bool | None = None,
+        backend: Device | None = None,
+    ) -> None:
+        if not isinstance(reader, FileReader):
+            raise TypeError(f"reader must be a FileReader, got {type(reader).__name__}")
+        if not isinstance(limits, CudaLimits):
+            raise TypeError(f"limits must be a CudaLimits, got {type(limits).__name__}")
+        self.reader = reader
+        self.limits = limits
+        self.numa_strategy = NumaStrategy.coerce(numa_strategy)
+        if self.numa_strategy is NumaStrategy.PIN_TO and numa_node < 0:
+            raise ValueError(f"numa_node must be >= 0 when numa_strategy=PIN_TO (got {numa_node})")
+        if self.numa_strategy is not NumaStrategy.PIN_TO and numa_node != -1:
+            raise ValueError(f"numa_node must be -1 when numa_strategy={self.numa_strategy.name} (got {numa_node})")
+        self.numa_node = int(numa_node)
+        self.enable_gds = None if enable_gds is None else bool(enable_gds)
+        check_gds(self.enable_gds)
+        if backend is None:
+            index = bind_device(device)
+            backend = open_backend(index)
+        else:
+            index = 0 if device is None else device
         self.device = device
-        self.reader = reader if reader is not None else FileReader()
-        self.limits = limits if limits is not None else CudaLimits()
-        self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes)
+        self.device_index = index
+        self.gpu = backend
+        self._start()
+
+    def _start(self) -> None:
+        self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes, 4 * self.limits.max_chunk_bytes)
         self.stats = StageStats()
         self.chunk_cache: LRUCache | None = None  # a device chunk cache is future work
         self.inflight = None
@@ -86,13 +117,14 @@ class CudaExecutor(BudgetedExecutor):
         self._slot_writes = threading.Lock()  # the engine's own writes (fill, move), one at a time
         self._closed = False
         close_with(self, self._readers, self._pool)  # closed by its owner, or once unreferenced
+        self._pin_threads()
 
     # -- the engine's interface (with BudgetedExecutor's) ----------------------------------
     def execute(
         self,
         plan: BatchPlan,
         targets: Sequence[Any],
-        on_done: Callable[[dict[int, SampleError]], None],
+        on_done: Callable[[dict[int, DamacyError]], None],
         cancelled: Callable[[], bool] = lambda: False,
         key: Any = None,
     ) -> None:
@@ -109,8 +141,23 @@ class CudaExecutor(BudgetedExecutor):
         self._readers.close(drain=True)  # first: they hand batches to the device thread
         self._pool.close(drain=True)
 
+    def worker_steps(self) -> int:
+        """Tasks its worker threads ran."""
+        return self._readers.steps + self._pool.steps
+
+    @property
+    def chunk_caps(self) -> tuple[None, int]:
+        """(stored, decoded) bytes a chunk may have here (see :meth:`Planner.plan`)."""
+        return None, self.limits.max_chunk_bytes
+
+    def _pin_threads(self) -> None:
+        """Run the host threads on the CPUs of ``numa_strategy`` (see :func:`numa_cpus`)."""
+        cpus = numa_cpus(self.numa_strategy, self.numa_node, self.gpu)
+        if cpus is not None:
+            self._readers.cpus = self._pool.cpus = cpus
+
     def device_stats(self) -> dict[str, Any]:
-        return {"name": self.device.name, "host_decoded": self.host_decoded}
+        return {"name": self.gpu.name, "host_decoded": self.host_decoded}
 
     def after_device_work(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the device thread once the device stages queued before it are done."""
@@ -118,7 +165,7 @@ class CudaExecutor(BudgetedExecutor):
 
     def slot_memory(self) -> DeviceSlots:
         """Batches go to the device's memory."""
-        return DeviceSlots(self.device)
+        return DeviceSlots(self.gpu)
 
     def fill(self, target: Any, value: Any) -> None:
         """One sample set to ``value`` (on_error="fill"), in stream order."""
@@ -127,7 +174,7 @@ class CudaExecutor(BudgetedExecutor):
         host = np.full(target.shape, value, dtype=target.dtype)
         with self._slot_writes:
             self._before_write([target])
-            self.device.upload(host, target.ptr)
+            self.gpu.upload(host, target.ptr)
             self._after_write([target])
 
     def move(self, dst: Any, src: Any) -> None:
@@ -136,26 +183,26 @@ class CudaExecutor(BudgetedExecutor):
             return super().move(dst, src)
         with self._slot_writes:
             self._before_write([dst])
-            self.device.copy(dst.ptr, src.ptr, dst.nbytes)
+            self.gpu.copy(dst.ptr, src.ptr, dst.nbytes)
             self._after_write([dst])
 
     def _before_write(self, targets: Sequence[Any]) -> None:
         """The stream waits for every consumer fence of the slots about to be written."""
         for sync in _syncs(targets):
             for event in sync.take_fences():
-                self.device.wait_event(event)
+                self.gpu.wait_event(event)
 
     def _after_write(self, targets: Sequence[Any]) -> None:
         """The slots' batches are complete once the stream is (their ``ready`` event); the
         executor waits too, as the batch's statuses decide what is delivered."""
         for sync in _syncs(targets):
-            sync.mark_ready(self.device)
-        self.device.synchronize()
+            sync.mark_ready(self.gpu)
+        self.gpu.synchronize()
 
     # -- one batch ------------------------------------------------------------------------------
     def _host_stage(self, plan: BatchPlan, targets: list, on_done, cancelled) -> None:
         """Reads, host checks and the device memory reservation; then the device stage."""
-        errors: dict[int, SampleError] = {}
+        errors: dict[int, DamacyError] = {}
         handed_over = False
         try:
             if cancelled() or self._closed:
@@ -167,7 +214,7 @@ class CudaExecutor(BudgetedExecutor):
             if status is not Reservation.TAKEN:
                 reason = "the batch's decoded units need more device memory than max_gpu_memory_bytes leaves beside the slots"
                 if status is Reservation.TOO_BIG:
-                    fail(errors, plan, samples_of([u.job for u in units]), SampleError(f"{reason} ({need} bytes)"))
+                    fail(errors, plan, samples_of([u.job for u in units]), DamacyError(f"{reason} ({need} bytes)"))
                 return
             self._pool.submit(self._device_stage, plan, targets, units, need, errors, on_done, cancelled)
             handed_over = True
@@ -185,7 +232,7 @@ class CudaExecutor(BudgetedExecutor):
             if cancelled() or self._closed:
                 return
             views = [None if shape is None else sample_view(targets[i], shape, plan.transforms[i]) for i, shape in enumerate(plan.shapes)]
-            arena = self.device.alloc(reserved)
+            arena = self.gpu.alloc(reserved)
             keep.append(arena)
             self._decode(units, arena, errors, plan, keep)
             self._before_write(targets)
@@ -195,7 +242,7 @@ class CudaExecutor(BudgetedExecutor):
         except Exception as e:  # a bug fails this batch's samples, never the executor
             crash(errors, plan, e)
             try:  # what was queued must finish before its memory and the slot are reused
-                self.device.synchronize()
+                self.gpu.synchronize()
             except Exception:  # noqa: BLE001 - the device is gone; nothing is running on it
                 pass
         finally:
@@ -222,12 +269,12 @@ class CudaExecutor(BudgetedExecutor):
         return pos
 
     def _temp_bytes(self, codec: str, n: int, max_bytes: int, total: int) -> int:
-        sizing = self.device.zstd_temp_bytes if codec == "zstd" else self.device.lz4_temp_bytes
+        sizing = self.gpu.zstd_temp_bytes if codec == "zstd" else self.gpu.lz4_temp_bytes
         return sizing(n, max_bytes, total)
 
     def _decode(self, units: list[Unit], arena: DeviceBuffer, errors, plan, keep: list) -> None:
         """Copies and the batched zstd and LZ4 decodes into the arena, then the Blosc unshuffles."""
-        dev = self.device
+        dev = self.gpu
         t0 = time.perf_counter()
         base = lambda u: arena.ptr + (u.scratch if u.scratch >= 0 else u.offset)  # noqa: E731
         copies = [(u, data, at) for u in units for data, at in u.copies]
@@ -254,7 +301,7 @@ class CudaExecutor(BudgetedExecutor):
     def _batched(self, codec: str, frames: list, arena: DeviceBuffer, pos: int, base, errors, plan, keep: list) -> int:
         """Frames of one codec staged at ``pos`` in the arena and decoded by one nvCOMP call;
         their statuses read back. Returns where the next region starts."""
-        dev = self.device
+        dev = self.gpu
         staging = dev.host_buffer(sum(_aligned(len(f)) for _, f, _, _ in frames))
         comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
         at_stage = 0
@@ -307,7 +354,7 @@ class CudaExecutor(BudgetedExecutor):
         for (typesize, mode), blocks in groups.items():
             host = [np.array([b[k] for b in blocks], dtype=np.uint64 if k < 2 else np.int64) for k in range(3)]
             addrs = self._tables(host, keep)
-            self.device.launch(
+            self.gpu.launch(
                 "unshuffle", len(blocks), BLOCK,
                 (np.uint64(addrs[0]), np.uint64(addrs[1]), np.uint64(addrs[2]), np.int64(len(blocks)), np.int64(typesize),
                  np.int32(SHUFFLE_MODES[mode])),
@@ -315,12 +362,12 @@ class CudaExecutor(BudgetedExecutor):
 
     def _tables(self, host: list[np.ndarray], keep: list) -> list[int]:
         """Host arrays copied into one device buffer; their device addresses."""
-        buf = self.device.alloc(sum(_aligned(h.nbytes) for h in host))
+        buf = self.gpu.alloc(sum(_aligned(h.nbytes) for h in host))
         keep.append(buf)
         addrs, at = [], 0
         for h in host:
             h = np.ascontiguousarray(h)
-            self.device.upload(h, buf.ptr + at)
+            self.gpu.upload(h, buf.ptr + at)
             keep.append(h)
             addrs.append(buf.ptr + at)
             at += _aligned(h.nbytes)
@@ -339,12 +386,12 @@ class CudaExecutor(BudgetedExecutor):
             values = np.zeros((len(members), 8), dtype=np.uint8)
             for k, (_, src) in enumerate(members):
                 values[k, : src.itemsize] = src.reshape(1).view(np.uint8)
-            out_ptr = np.array([self.device.output_pointer(views[s]) for s, _ in members], dtype=np.uint64)
+            out_ptr = np.array([self.gpu.output_pointer(views[s]) for s, _ in members], dtype=np.uint64)
             order = np.arange(len(members), dtype=np.int64)
             norm = norm_table([plan.norm(s) for s, _ in members])
             addrs = self._tables([order, values, out_ptr] + ([] if norm is None else [norm]), keep)
             swap = int(not src_dtype.isnative and src_dtype.itemsize > 1)
-            self.device.launch(
+            self.gpu.launch(
                 "fill", len(members), BLOCK,
                 (np.uint64(addrs[0]), np.int64(len(members)), np.uint64(addrs[1]), np.int32(CODES[src_dtype.newbyteorder("=")]),
                  np.int32(swap), np.uint64(addrs[2]), np.int64(len(members)), np.int64(count),
@@ -370,7 +417,7 @@ class CudaExecutor(BudgetedExecutor):
             for u in group:
                 unit_ptr[u.job.pos] = arena.ptr + u.offset
             first = live[0]
-            out_ptr = np.array([self.device.output_pointer(v) if v is not None else 0 for v in views], dtype=np.uint64)
+            out_ptr = np.array([self.gpu.output_pointer(v) if v is not None else 0 for v in views], dtype=np.uint64)
             # per sample its view's shape and strides (a sample without a view: zeros, no rows)
             out_shape = np.zeros((len(views), table.ndim), dtype=np.int64)
             out_strides = np.zeros((len(views), table.ndim), dtype=np.int64)
@@ -389,7 +436,7 @@ class CudaExecutor(BudgetedExecutor):
             norm = norm_table(plan.norms) if plan.norms else None
             host = [np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(pool, dtype=np.int64), unit_ptr, unit_shape, out_ptr, out_shape, out_strides]
             addrs = self._tables(host + ([] if norm is None else [norm]), keep)
-            self.device.launch(
+            self.gpu.launch(
                 "assemble", len(rows), BLOCK,
                 (np.uint64(addrs[0]), np.int64(len(rows)), np.int32(table.ndim), np.uint64(addrs[1]), np.int64(len(pool)),
                  np.uint64(addrs[2]), np.int64(len(unit_ptr)), np.uint64(addrs[3]), np.int32(src_code), np.int32(swap),

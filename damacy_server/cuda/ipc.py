@@ -88,7 +88,7 @@ class IpcSlots(SlotMemory):
         self.prefix = prefix  # slot k is named {prefix}-{k}
         self.sharing = sharing  # the daemon's shared-memory rule and retiring
         self.executor = executor
-        self.device = executor.device
+        self.device = executor.gpu
         self._unmapped = unmapped  # whether the client no longer maps the slots
         self.infos: list[m.SlotInfo] = []
         self.segments: list[Segment] = []  # the stand-in's (unlinked once the client mapped them)
@@ -146,4 +146,9 @@ def gpu_executor(uuid: str, roots: list[str], options: Any) -> Any:
         except ImportError as e:
             raise InvalidArgument(f"this damacyd cannot serve GPU sessions: CuPy is not installed (pip install 'damacy[cuda13]'): {e}") from e
     log.info("GPU %s (device %d here) serves sessions", uuid, index)
-    return CudaExecutor(device, FileReader(workers=options.io_workers, roots=roots), CudaLimits(options.gpu_memory_bytes))
+    return CudaExecutor(
+        reader=FileReader(workers=options.io_workers, roots=roots),
+        limits=CudaLimits(options.gpu_memory_bytes),
+        device=index,
+        backend=device,
+    )

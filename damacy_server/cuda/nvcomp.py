@@ -20,7 +20,7 @@ import enum
 import os
 from functools import cache
 
-from damacy_protocol.errors import DecodeError, UnsupportedError
+from damacy_protocol.errors import DecodeError, UnsupportedOperation
 from damacy_server.zarr.codecs.base import CorruptData
 
 #: nvCOMP decodes zstd chunks up to 2**31 - 1 bytes (nvcompZstdDecompressionMaxAllowedChunkSize)
@@ -118,11 +118,11 @@ def include_dir() -> str | None:
 
 @cache
 def load() -> ctypes.CDLL:
-    """libnvcomp with its functions typed; UnsupportedError naming the extra when absent."""
+    """libnvcomp with its functions typed; UnsupportedOperation naming the extra when absent."""
     try:
         lib = ctypes.CDLL(library_path() or "libnvcomp.so.6", ctypes.RTLD_LOCAL)
     except OSError as e:
-        raise UnsupportedError(f"nvCOMP is not installed ({e}); install damacy[cuda12] or damacy[cuda13]") from None
+        raise UnsupportedOperation(f"nvCOMP is not installed ({e}); install damacy[cuda12] or damacy[cuda13]") from None
     size_t, p = ctypes.c_size_t, ctypes.c_void_p
     lib.nvcompGetProperties.argtypes = [ctypes.POINTER(Properties)]
     lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import DecodeError, SampleError
+from damacy_protocol.errors import DecodeError, DamacyError
 from damacy_server.cpu.run import for_sample, samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.twin import CODES
@@ -41,14 +41,14 @@ class Unit:
         self.shuffle: tuple[int, str, list[tuple[int, int]]] | None = None  # typesize, mode, blocks
         self.offset = 0  # of the decoded unit in the arena
         self.scratch = -1  # of its shuffled bytes, when it has some
-        self.error: SampleError | None = None
+        self.error: DamacyError | None = None
 
     @property
     def encoded(self) -> int:
         return sum(len(f) for f, _, _, _ in self.frames)
 
 
-def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, SampleError], stats: StageStats) -> tuple[list[Unit], int]:
+def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, DamacyError], stats: StageStats) -> tuple[list[Unit], int]:
     """Every unit's bytes, read on the host and checked there; with how many units were
     decoded on the host (chains the device does not decode). Failed samples go to
     ``errors``."""
@@ -61,11 +61,11 @@ def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, SampleErro
         try:
             if k in fetched:
                 data = fetched[k]
-                if isinstance(data, SampleError):
+                if isinstance(data, DamacyError):
                     raise data
             else:
                 data = reader.read(group.key) if group.length < 0 else reader.read_range(group.key, group.offset, group.length)
-        except SampleError as e:
+        except DamacyError as e:
             fail(errors, plan, samples_of(group.units), e.with_context(uri=group.units[0].meta.uri))
             continue
         nbytes += len(data) if data else 0
@@ -131,7 +131,7 @@ def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here
         return unit
     except CorruptData as e:
         err = DecodeError(str(e), uri=meta.uri, path=job.key, chunk=job.unit)
-    except SampleError as e:
+    except DamacyError as e:
         err = e
     fail(errors, plan, samples_of((job,)), err)
     return None
@@ -181,13 +181,13 @@ def device_dtype(meta) -> np.dtype | None:
     return stored if stored.newbyteorder("=") in CODES else None
 
 
-def crash(errors: dict[int, SampleError], plan: BatchPlan, e: BaseException) -> None:
-    err = SampleError(f"internal error: {type(e).__name__}: {e}")
+def crash(errors: dict[int, DamacyError], plan: BatchPlan, e: BaseException) -> None:
+    err = DamacyError(f"internal error: {type(e).__name__}: {e}")
     err.__cause__ = e
     fail(errors, plan, range(len(plan.samples)), err)
 
 
-def fail(errors: dict[int, SampleError], plan: BatchPlan, samples, err: SampleError) -> None:
+def fail(errors: dict[int, DamacyError], plan: BatchPlan, samples, err: DamacyError) -> None:
     for s in samples:
         if s not in errors:
             errors[s] = for_sample(err, plan.samples[s])

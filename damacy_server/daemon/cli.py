@@ -118,14 +118,14 @@ def main(endpoint, allow_roots, allow_prefixes, storage_options, memory, gpu_mem
             raise click.BadParameter(f"{option!r} is not KEY=VALUE", param_hint="--storage-option")
         per_prefix.setdefault(prefix, {})[name] = value
     if per_prefix:  # each prefix's store made now (no request): a bad option is said at start, not at first use
-        from damacy_protocol.errors import SampleError
+        from damacy_protocol.errors import DamacyError
         from damacy_server.store.remote import RemoteStores
 
         stores = RemoteStores(per_prefix)
         for prefix in per_prefix:
             try:
                 stores.resolve(prefix)
-            except SampleError as e:
+            except DamacyError as e:
                 raise click.BadParameter(str(e), param_hint="--storage-option") from None
     endpoint = endpoint or default_endpoint()
     if endpoint.startswith("tcp://"):

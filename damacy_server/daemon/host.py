@@ -21,8 +21,8 @@ from damacy_protocol import stats as st
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.daemon.options import DaemonOptions
 from damacy_server.engine.slots import SlotSharing
-from damacy_server.plan.planner import ChunkPlanner
-from damacy_server.plan.resolve import ZarrMetadata
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 from damacy_server.workers import WorkerPool
 
 
@@ -61,10 +61,10 @@ class SessionHost(Protocol):
     """The daemon as its sessions see it."""
 
     options: DaemonOptions
-    planner: ChunkPlanner
+    planner: Planner
     executor: CpuExecutor
     plan_pool: WorkerPool
-    metadata: ZarrMetadata
+    metadata: Resolver
     sharing: SlotSharing
     totals: Totals
 

@@ -34,18 +34,18 @@ import zmq
 from damacy_protocol import messages as m
 from damacy_protocol import stats as st
 from damacy_protocol.connection import ServerConnection, State
+from damacy_protocol.limits import CpuLimits, MetadataCache, PlanLimits
 from damacy_protocol.errors import (
     BudgetExceeded,
     DamacyError,
     InvalidArgument,
     ProtocolError,
-    SampleError,
     redact_uri,
 )
 from damacy_protocol.samples import PUSHED_ITEM
 from damacy_protocol.wire import describe_wire, error_to_wire, longest_list, sample_from_wire, text
 from damacy_runtime.waker import Waker
-from damacy_server.cpu.executor import CpuExecutor, CpuLimits
+from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.cuda.ipc import gpu_executor
 from damacy_server.daemon.endpoint import Peer, bind_socket, cleanup_endpoint, peer_of, socket_gid
 from damacy_server.daemon.host import Totals
@@ -53,9 +53,8 @@ from damacy_server.daemon.options import DaemonOptions
 from damacy_server.daemon.session import Session
 from damacy_server.engine.shm import Segment, remove_stale
 from damacy_server.engine.slots import SlotSharing
-from damacy_server.plan.planner import BadSample, ChunkPlanner
-from damacy_server.plan.reads import PlanLimits
-from damacy_server.plan.resolve import MetadataCache, ZarrMetadata
+from damacy_server.plan.planner import BadSample, Planner
+from damacy_server.plan.resolve import Caches, Resolver
 from damacy_server.store import RemoteStores
 from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool
@@ -85,20 +84,21 @@ class Daemon:
         self._refusals_logged: set[str] = set()  # causes of refused samples already logged
         if not roots and not options.allow_prefixes:
             log.warning("no --allow-root or --allow-prefix given: every sample will be refused until damacyd serves data")
-        self.metadata = ZarrMetadata(
+        self.metadata = Resolver(
             FileMetadataReader(roots=roots),
-            MetadataCache(options.array_cache_entries, options.shard_index_cache_entries, options.shard_index_cache_bytes),
+            Caches(MetadataCache(options.array_cache_entries, options.shard_index_cache_entries, options.shard_index_cache_bytes)),
             self.remote,
         )
-        self.planner = ChunkPlanner(self.metadata, PlanLimits())
+        self.planner = Planner(self.metadata, PlanLimits())
         # planning (and the metadata reads it may need) runs here, off the loop thread;
         # sessions take turns
         self.plan_pool = WorkerPool(2, "damacyd-plan")
         self.executor = CpuExecutor(
-            FileReader(workers=options.io_workers, roots=roots),
-            CpuLimits(
+            reader=FileReader(workers=options.io_workers, roots=roots),
+            limits=CpuLimits(
                 max_memory_bytes=options.memory_bytes,
                 decode_workers=options.decode_workers,
+                chunks_per_input_buffer=max(256, options.decode_workers),
                 chunk_cache_bytes=options.chunk_cache_bytes,
                 chunk_cache_dir=options.chunk_cache_dir,
                 chunk_cache_dir_bytes=options.chunk_cache_dir_bytes,
@@ -466,15 +466,15 @@ class Daemon:
                 raise InvalidArgument(f"an index list of {n} indices selects more than the batch's samples hold (no axis is longer than {longest})")
             self.metadata.check_allowed(w.uri)
             return sample_from_wire(w)
-        except (SampleError, ValueError, TypeError, OverflowError) as e:
-            if not isinstance(e, SampleError):
+        except (DamacyError, ValueError, TypeError, OverflowError) as e:
+            if not isinstance(e, DamacyError):
                 e = InvalidArgument(f"{type(e).__name__}: {e}")
             self._log_refusal(w.uri, e)
             if not w.uri:  # a pushed item that is no sample (its client says what it was)
                 return BadSample(None, e, PUSHED_ITEM)
             return BadSample(w.uri, e.with_context(uri=w.uri), describe_wire(w))
 
-    def _log_refusal(self, uri: str, e: SampleError) -> None:
+    def _log_refusal(self, uri: str, e: DamacyError) -> None:
         """A refused sample, logged once per cause (its reason), not once per sample (its uri
         without the credentials or signature it may hold)."""
         cause = f"{type(e).__name__}: {e.reason.replace(uri, '<uri>') if uri else e.reason}"[:256]  # (paths apart)

@@ -21,8 +21,7 @@ from typing import Any
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection
-from damacy_protocol.dtypes import numpy_dtype
-from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, SampleError
+from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, DamacyError
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.wire import error_to_wire
 from damacy_runtime.batch import Slot
@@ -32,8 +31,8 @@ from damacy_server.daemon.endpoint import Peer
 from damacy_server.daemon.host import SessionHost
 from damacy_server.daemon.warm import start_warm
 from damacy_server.engine.batches import BatchEngine, Delivery
-from damacy_server.engine.slots import OutputSpec, ShmSlots, SlotMemory
-from damacy_server.plan.planner import ChunkPlanner
+from damacy_server.engine.slots import Policy, ShmSlots, SlotMemory
+from damacy_server.plan.planner import Planner
 from damacy_server.procs import pid_alive
 
 log = logging.getLogger("damacyd")
@@ -75,13 +74,18 @@ class Session:
         self.engine: BatchEngine | None = None  # a control session (the CLI) has none
         self.core: FrontCore | None = None  # the queue of pushed samples and what starts them
         if hello.config is not None:
-            self.config = cfg = hello.config
+            try:
+                self.config = cfg = Config.from_dict(hello.config)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(f"the client's Config was refused: {e}") from None
             if cfg.storage_options:
                 raise InvalidArgument(
                     "Config.storage_options applies to embedded pipelines; damacyd reads object stores with "
                     "its own options (damacyd --storage-option PREFIX KEY=VALUE)"
                 )
             executor: Any = host.executor
+            if cfg.on_gpu and cfg.device is None:
+                raise InvalidArgument("a GPU Config for damacyd names its device (Config(device=k)): the daemon has no current CUDA context of the client's")
             if cfg.device is not None:  # decoded and assembled on that GPU, slots shared over CUDA IPC
                 if not hello.device:
                     raise InvalidArgument(f"Config.device={cfg.device}: the client did not name the GPU by its UUID")
@@ -101,14 +105,13 @@ class Session:
                 )
             self.lookahead = min(cfg.lookahead_samples, most)  # the credits the client gets
             with host.descriptors(cfg.prepared_batches):  # the slots' descriptors, held while they are opened
-                dtype = numpy_dtype(cfg.dtype, "float32") if cfg.dtype != "native" else None
-                spec = OutputSpec(cfg.samples_per_batch, tuple(cfg.sample_shape), dtype, cfg.on_error, cfg.out_of_bounds)
                 self.engine = BatchEngine(
-                    spec,
+                    cfg.output,
+                    Policy(cfg.on_error, cfg.out_of_bounds),
                     # the daemon's caches outlive sessions: what a session reads was cached after
                     # it opened, or is found unchanged in storage first (an array re-created
                     # between two runs is read anew)
-                    ChunkPlanner(host.metadata, host.planner.limits, fresh_after=self.opened),
+                    Planner(host.metadata, host.planner.limits, fresh_after=self.opened),
                     executor,
                     cfg.prepared_batches,
                     self.slots,
@@ -229,11 +232,11 @@ class Session:
             err = d.error
             # each sample's seq is taken once (it leaves self.seqs): the samples the batch
             # consumed, then its errors' samples among them
-            used = err.batch_samples if isinstance(err, (SampleError, BatchFailed)) else ()
+            used = err.batch_samples if isinstance(err, (DamacyError, BatchFailed)) else ()
             seqs = {id(s): self._seq(s) for s in used}
-            pairs = err.batch_errors if isinstance(err, SampleError) else ()
+            pairs = err.batch_errors if isinstance(err, DamacyError) else ()
             errors = [error_to_wire(e, seq=seqs[id(s)] if id(s) in seqs else self._seq(s)) for s, e in pairs]
-            if not isinstance(err, SampleError):  # a batch that failed as a whole (its sample errors are counted as they happen)
+            if not isinstance(err, DamacyError):  # a batch that failed as a whole (its sample errors are counted as they happen)
                 self.host.totals.failed([err] * max(1, len(seqs)))
             seq = errors[0].seq if errors else None  # the first failure's sample: ``err`` is its error
             return m.Failed(reply_to=pop.id, error=error_to_wire(err, seq=seq), consumed=list(seqs.values()), errors=errors)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol import messages as m
-from damacy_protocol.errors import DamacyError, SampleError
+from damacy_protocol.errors import DamacyError
 from damacy_protocol.wire import error_to_wire
 from damacy_server.decode.chunks import check_length, decode_unit
 from damacy_server.plan.units import unit_key
@@ -71,7 +71,7 @@ def warm(
 ) -> dict[str, Any]:
     """Load ``uris``' metadata (and shard indexes, and decoded chunks into the chunk cache);
     what was cached before ``since`` is checked against storage first (see
-    :meth:`ZarrMetadata.recheck`).
+    :meth:`Resolver.recheck`).
 
     ``progress(done, total, item)`` is called as arrays and chunk batches complete. Errors
     are collected per array, not raised."""
@@ -84,7 +84,7 @@ def warm(
                 daemon.metadata.recheck([(uri, None)], since)
             metas.append(daemon.metadata.array(uri))
             out["arrays"] += 1
-        except SampleError as e:
+        except DamacyError as e:
             out["errors"].append(e.with_context(uri=uri))
     cache = daemon.executor.chunk_cache
     if chunks and cache is None:
@@ -113,7 +113,7 @@ def warm(
                     out["left"] += left
                     out["errors"].extend(failed)
                 out["errors"].extend(locs.errors.values())
-            except SampleError as e:
+            except DamacyError as e:
                 out["errors"].append(e)
             done += len(units)
             progress(done, total, meta.uri)
@@ -121,14 +121,14 @@ def warm(
     return out
 
 
-def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[SampleError]]:
+def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[DamacyError]]:
     """Read and decode ``units`` into the chunk cache; the work counts in the stage figures
     as a stream's does ("read", "decode"), and under "warm" (chunks cached, their bytes).
     Returns the chunks the cache holds, those that exist and did not fit (units never
     written are neither: they read as the fill value), and the errors of those that could
     not be read or decoded (each its own: the others are warmed all the same)."""
     n = 0
-    failed: list[SampleError] = []
+    failed: list[DamacyError] = []
     present = [k for k in range(len(units)) if not locs.missing[k] and k not in locs.errors]
     for done, k in enumerate(present):
         unit = units[k]
@@ -150,7 +150,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[Sample
                 continue
             check_length(meta, data, nbytes, unit, key)
             arr = decode_unit(meta, data, unit, key)
-        except SampleError as e:
+        except DamacyError as e:
             failed.append(e)
             continue
         arr = np.array(arr)

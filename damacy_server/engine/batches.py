@@ -32,13 +32,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from damacy_protocol.errors import BatchFailed, InvalidArgument, SampleError
+from damacy_protocol.dtypes import numpy_dtype
+from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument
+from damacy_protocol.limits import BatchSpec
 from damacy_runtime.batch import Slot
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
 from damacy_server.decode.chunks import cast_fill
 from damacy_server.engine.budget import StageStats
-from damacy_server.engine.slots import HostSlots, OutputSpec, SlotMemory
+from damacy_server.engine.slots import HostSlots, Policy, SlotMemory
 from damacy_server.plan.planner import BatchPlan
 
 log = logging.getLogger("damacy")
@@ -57,7 +59,7 @@ class Executor(Protocol):
     def release_slots(self, nbytes: int) -> None: ...
     def slot_memory(self) -> SlotMemory | None: ...
     def execute(
-        self, plan: BatchPlan, targets: Sequence[Any], on_done: Callable[[dict[int, SampleError]], None],
+        self, plan: BatchPlan, targets: Sequence[Any], on_done: Callable[[dict[int, DamacyError]], None],
         cancelled: Callable[[], bool] = ..., key: Any = None,
     ) -> None: ...
     def fill(self, target: Any, value: Any) -> None: ...
@@ -65,7 +67,7 @@ class Executor(Protocol):
 
 
 class Planner(Protocol):
-    """What the engine asks of a planner (:class:`~damacy_server.plan.planner.ChunkPlanner`)."""
+    """What the engine asks of a planner (:class:`~damacy_server.plan.planner.Planner`)."""
 
     def plan(
         self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad", *,
@@ -81,10 +83,10 @@ class Delivery:
     batch_id: int
     slot: Slot | None
     samples: list[Any]
-    errors: list[tuple[int, SampleError]]
+    errors: list[tuple[int, DamacyError]]
     error: BaseException | None = None
     dtype: np.dtype | None = None
-    skipped: list[tuple[Any, SampleError]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[Any, DamacyError]] = dataclasses.field(default_factory=list)
     seconds: float = 0.0  # from its start to ready (the front end may call a batch slow)
 
 
@@ -92,7 +94,7 @@ class Patch:
     """A batch whose failed samples were dropped (``on_error="skip"``): it wants ``needed``
     samples in their place (the front end gives what it has, possibly none)."""
 
-    def __init__(self, pending: _Pending, dropped: list[tuple[Any, SampleError]]) -> None:
+    def __init__(self, pending: _Pending, dropped: list[tuple[Any, DamacyError]]) -> None:
         self.pending = pending
         self.dropped = dropped
         self.needed = len(dropped)
@@ -106,9 +108,9 @@ class _Pending:
         self.slot = slot
         self.samples = samples  # by slot position
         self.metas: list[Any] = [None] * len(samples)
-        self.errors: dict[int, SampleError] = {}  # slot position -> error
+        self.errors: dict[int, DamacyError] = {}  # slot position -> error
         self.holes: list[int] = []  # positions whose sample failed, to refill (on_error="skip")
-        self.skipped: list[tuple[Any, SampleError]] = []
+        self.skipped: list[tuple[Any, DamacyError]] = []
         self.dtype: np.dtype | None = None
         self.started = time.monotonic()
         # the executor raised after taking the batch: it was delivered as failed, its slot
@@ -122,20 +124,22 @@ _SKIPPED = object()  # the delivery of a batch whose samples were all skipped: p
 class BatchEngine:
     def __init__(
         self,
-        spec: OutputSpec,
+        output: BatchSpec,
+        policy: Policy,
         planner: Planner,
         executor: Executor,
         slots: int,
         memory: SlotMemory | None = None,
         *,
         on_change: Callable[[], None] | None = None,
-        on_errors: Callable[[list[SampleError]], None] | None = None,
+        on_errors: Callable[[list[DamacyError]], None] | None = None,
         plan_pool: Any = None,
         what: str = "",
     ) -> None:
-        if spec.on_error not in ("raise", "fill", "skip"):
-            raise InvalidArgument(f"on_error must be 'raise', 'fill' or 'skip', got {spec.on_error!r}")
-        self.spec = spec
+        self.output = output
+        self.policy = policy
+        #: the batches' numpy dtype (None: "native", each batch in its first readable array's)
+        self.dtype = None if output.dtype == "native" else numpy_dtype(output.dtype)
         self.planner = planner
         self.executor = executor
         self._on_errors = on_errors  # told of each failed sample once (skipped and refilled ones too)
@@ -145,7 +149,7 @@ class BatchEngine:
         self.cond = threading.Condition()  # front ends wait on it for deliveries and slots
         self._on_change = on_change
         self._plan_pool = plan_pool  # a WorkerPool to plan on; None: in the caller's thread
-        self._batch_shape = (spec.samples_per_batch, *spec.sample_shape)
+        self._batch_shape = (output.samples, *output.shape)
         self._slots: list[Slot] = []
         self._free: deque[Slot] = deque()
         self._ready: dict[int, Delivery] = {}
@@ -157,7 +161,7 @@ class BatchEngine:
         # batch starts again), and samples of batches that ended all skipped, passed over,
         # waiting for a batch to list them
         self._dry = False
-        self._carried: list[tuple[Any, SampleError]] = []
+        self._carried: list[tuple[Any, DamacyError]] = []
         self._native: np.dtype | None = None  # dtype="native": the first array's, for every batch
         # dtype="native" until an array fixes it: batches started and not yet planned. On a
         # plan pool batches plan side by side; the first array must be the first batch's, so
@@ -167,17 +171,22 @@ class BatchEngine:
         self.sample_errors = 0
         self.deduplicated = 0
         self.merged = 0
-        self.slot_bytes = spec.slot_bytes * slots
-        executor.reserve_slots(self.slot_bytes, what or f"{slots} batch slots of {spec.samples_per_batch} x {spec.sample_shape}")
+        self.batches_delivered = 0
+        self.units_planned = 0  # unit uses of the batches planned (before deduplication)
+        self.units_to_load = 0  # distinct units not in the chunk cache
+        # "native" slots are raw bytes sized for the widest supported type (8 bytes)
+        one_slot = int(np.prod(self._batch_shape, dtype=np.int64)) * (8 if self.dtype is None else self.dtype.itemsize)
+        self.slot_bytes = one_slot * slots
+        executor.reserve_slots(self.slot_bytes, what or f"{slots} batch slots of {output.samples} x {output.shape}")
         try:
             for i in range(slots):
-                raw = self.memory.allocate(i, spec.slot_bytes)
-                arr = raw.view(spec.dtype).reshape(self._batch_shape) if spec.dtype is not None else raw
+                raw = self.memory.allocate(i, one_slot)
+                arr = raw.view(self.dtype).reshape(self._batch_shape) if self.dtype is not None else raw
                 slot = Slot(arr, self._slot_freed, index=i)
                 self._slots.append(slot)
                 self._free.append(slot)
         except BaseException:
-            allocated = spec.slot_bytes * len(self._slots)
+            allocated = one_slot * len(self._slots)
             self._slots.clear()
             self._free.clear()
             executor.release_slots(self.slot_bytes - allocated)  # what was never allocated
@@ -209,7 +218,7 @@ class BatchEngine:
 
     def slot_view(self, slot: Slot, dtype: np.dtype) -> np.ndarray:
         """The slot as (samples, *sample_shape) of ``dtype``."""
-        if self.spec.dtype is not None:
+        if self.dtype is not None:
             return slot.array
         n = int(np.prod(self._batch_shape, dtype=np.int64)) * dtype.itemsize
         return slot.array[:n].view(dtype).reshape(self._batch_shape)
@@ -230,7 +239,7 @@ class BatchEngine:
             batch_id = self._next_id
             self._next_id += 1
             self._dry = False
-            if self.spec.dtype is None and self._native is None:
+            if self.dtype is None and self._native is None:
                 self._unplanned.append(batch_id)
         slot.acquire()  # held while the batch is assembled and waits to be delivered
         pending = _Pending(batch_id, slot, list(samples))
@@ -268,23 +277,24 @@ class BatchEngine:
             self._deliver(Delivery(pending.batch_id, None, pending.samples, [], error=failed))
 
     def _plan_and_execute(self, pending: _Pending, positions: list[int]) -> None:
-        spec = self.spec
         samples = [pending.samples[p] for p in positions]
         executor = self.executor
-        if spec.dtype is None:
+        dtype = self.dtype
+        if dtype is None:
             self._native_turn(pending.batch_id)
         try:
             plan = self.planner.plan(
                 samples,
-                spec.sample_shape,
-                spec.out_of_bounds,
+                self.output.shape,
+                self.policy.out_of_bounds,
                 capacity=executor.inflight_capacity,
                 cache=executor.chunk_cache,
-                accept=self._accept_native if spec.dtype is None else None,
-                dtype=spec.dtype,
+                accept=self._accept_native if dtype is None else None,
+                dtype=dtype,
+                caps=getattr(executor, "chunk_caps", None),
             )
         finally:
-            if spec.dtype is None:
+            if dtype is None:
                 with self.cond:
                     if pending.batch_id in self._unplanned:
                         self._unplanned.remove(pending.batch_id)
@@ -293,13 +303,15 @@ class BatchEngine:
         with self.cond:
             self.deduplicated += plan.units_total - plan.units_unique
             self.merged += plan.reads_merged
+            self.units_planned += plan.units_total
+            self.units_to_load += plan.units_unique - sum(len(c.arrays) for c in plan.cached)
         dtype = self._batch_dtype(pending, plan)
         view = self.slot_view(pending.slot, dtype)
-        targets = [view[p : p + 1].reshape(spec.sample_shape) for p in positions]
+        targets = [view[p : p + 1].reshape(self.output.shape) for p in positions]
         for i, p in enumerate(positions):
             pending.metas[p] = plan.metas[i]
 
-        def done(errors: dict[int, SampleError]) -> None:
+        def done(errors: dict[int, DamacyError]) -> None:
             self._executed(pending, positions, plan, {**plan.errors, **errors}, targets)
 
         try:
@@ -339,19 +351,19 @@ class BatchEngine:
 
     def _batch_dtype(self, pending: _Pending, plan: Any) -> np.dtype:
         if pending.dtype is None:
-            if self.spec.dtype is not None:
-                pending.dtype = self.spec.dtype
+            if self.dtype is not None:
+                pending.dtype = self.dtype
             else:  # "native": fixed by the first array read (float32 until one is)
                 with self.cond:
                     native = self._native
-                if native is None and self.spec.on_error == "skip":
+                if native is None and self.policy.on_error == "skip":
                     # every sample of this round failed before an array was read: nothing of
                     # it is written, and the samples that fill its holes say the dtype
                     return np.dtype("float32")
                 pending.dtype = native if native is not None else np.dtype("float32")
         return pending.dtype
 
-    def _executed(self, pending: _Pending, positions: list[int], plan: Any, errors: dict[int, SampleError], targets: list) -> None:
+    def _executed(self, pending: _Pending, positions: list[int], plan: Any, errors: dict[int, DamacyError], targets: list) -> None:
         """Called once per round when the executor is done with it."""
         if pending.abandoned:  # delivered as failed already: only its slot goes back
             with self.cond:
@@ -361,7 +373,7 @@ class BatchEngine:
         if self.closed:
             pending.slot.release()
             return
-        policy = self.spec.on_error
+        policy = self.policy.on_error
         if errors:
             with self.cond:
                 self.sample_errors += len(errors)
@@ -445,7 +457,7 @@ class BatchEngine:
     # -- delivering ---------------------------------------------------------------------
     def _finish(self, pending: _Pending) -> None:
         errors = sorted(pending.errors.items())
-        if self.spec.on_error == "raise" and errors:
+        if self.policy.on_error in ("stop", "raise") and errors:
             first = errors[0][1]
             # every failure of the batch, and every sample it consumed (good ones included)
             first.batch_errors = tuple((pending.samples[p], e) for p, e in errors)
@@ -490,6 +502,8 @@ class BatchEngine:
             if self._carried and delivery.slot is not None:
                 delivery.skipped = [*delivery.skipped, *self._carried]
                 self._carried = []
+            if delivery.error is None:
+                self.batches_delivered += 1
             self.cond.notify_all()
             return delivery
 
@@ -512,7 +526,7 @@ class BatchEngine:
             return all(later in self._ready for later in range(self._next_out + 1, self._next_id))
         return True
 
-    def take_skipped(self) -> list[tuple[Any, SampleError]]:
+    def take_skipped(self) -> list[tuple[Any, DamacyError]]:
         """Samples of batches that ended all skipped that no batch handed out lists (every
         batch before them was handed out already, and the input ended with them)."""
         with self.cond:

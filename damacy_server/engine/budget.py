@@ -13,10 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from damacy_protocol.errors import BudgetExceeded
+from damacy_protocol.errors import BudgetExceeded, InvalidArgument
 
 #: the least memory for chunk data in flight that a budget must leave beside the slots
 MIN_INFLIGHT_BYTES = 16 << 20
+#: a stage's best observation before any (seconds; the Metric sentinel is 1e30 ms)
+_NONE = 1e27
 #: how long a new pipeline waits for chunk data in flight to make room for its slots
 SLOT_WAIT_S = 30.0
 #: how long new reads leave a waiting admission the room it waits for: long enough for the
@@ -38,8 +40,11 @@ class MemoryBudget:
     flight (held for a read). ``reserve`` waits for room, but never for more than the slots
     leave: a read that can never fit is refused instead of waiting forever."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, min_inflight: int = MIN_INFLIGHT_BYTES) -> None:
         self.total = total
+        #: the least room for chunk data in flight the slots must leave (one read of the
+        #: largest chunk the executor admits)
+        self.min_inflight = min_inflight
         self.slots = 0
         self.used = 0  # slots + in flight
         self.peak = 0
@@ -58,7 +63,7 @@ class MemoryBudget:
         data in flight to drain. For ``ADMIT_FIRST_S`` after an admission starts waiting, new
         reads in flight take only the room it leaves (they would otherwise take back every
         byte a finished read frees).
-        Refused (BudgetExceeded) when the slots would leave less than ``MIN_INFLIGHT_BYTES``
+        Refused (BudgetExceeded) when the slots would leave less than ``min_inflight``
         in flight, checked again after every wait: another admission may have taken slots."""
         with self._cond:
             now = time.monotonic()
@@ -68,12 +73,13 @@ class MemoryBudget:
             self._first_until = now + ADMIT_FIRST_S
             try:
                 while True:
-                    need = self.slots + nbytes + MIN_INFLIGHT_BYTES
+                    need = self.slots + nbytes + self.min_inflight
                     if need > self.total:
                         raise BudgetExceeded(
                             f"max_memory_bytes={self.total} is too small: {what} need {nbytes} bytes"
                             + (f" (beside {self.slots} held by other slots)" if self.slots else "")
-                            + f" plus at least {MIN_INFLIGHT_BYTES} for chunk data in flight; set max_memory_bytes >= {need}"
+                            + f" plus at least {self.min_inflight} for chunk data in flight (one read of the largest "
+                            f"chunk admitted); set max_memory_bytes >= {need}"
                         )
                     if self.used + nbytes <= self.total:
                         break
@@ -136,9 +142,44 @@ class MemoryBudget:
 
 class BudgetedExecutor:
     """The memory part of the executor interface, for an executor holding its
-    :class:`MemoryBudget` as ``budget`` (slots taken for good, the rest for data in flight)."""
+    :class:`MemoryBudget` as ``budget`` (slots taken for good, the rest for data in flight);
+    and its lifetime as a component: a pipeline composed with it claims it (one open
+    pipeline at a time) and gives it back as it closes, when its resources are closed; a
+    later claim opens fresh ones (:meth:`_start`)."""
 
     budget: MemoryBudget
+    _claimed_by: Any = None  # a weak reference to the pipeline that holds it
+    _closed: bool = False
+
+    def _start(self) -> None:
+        """Open the executor's resources (pools, caches, budget); called by ``__init__`` and
+        by a claim after a close."""
+        raise NotImplementedError
+
+    def claim(self, owner: Any) -> None:
+        """Serve ``owner`` (a pipeline) alone until :meth:`give_back`; InvalidArgument while
+        another open pipeline holds it. Reopens what a previous owner's close closed."""
+        import weakref
+
+        holder = self._claimed_by() if self._claimed_by is not None else None
+        if holder is not None and holder is not owner and not getattr(holder, "closed", True):
+            raise InvalidArgument(
+                f"this {type(self).__name__} serves another pipeline that is still open: close that one first, "
+                "or give each pipeline an executor of its own"
+            )
+        if self._closed:
+            self._start()
+        self._claimed_by = weakref.ref(owner)
+
+    def give_back(self, owner: Any) -> None:
+        """``owner`` is done with it: its resources are closed (a later claim reopens them)."""
+        holder = self._claimed_by() if self._claimed_by is not None else None
+        if holder is owner or holder is None:
+            self._claimed_by = None
+            self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     def reserve_slots(self, nbytes: int, what: str) -> None:
         """Take ``nbytes`` for output slots for good; the rest is for data in flight."""
@@ -176,11 +217,20 @@ class StageStats:
     "shared" (their decoded bytes out, no seconds of their own); chunks ``damacy warm`` put in
     the chunk cache under "warm" (their reads and decodes under "read" and "decode")."""
 
-    STAGES = ("plan", "read", "direct", "disk", "decode", "assemble", "native", "shared", "warm")
+    STAGES = ("plan", "read", "direct", "disk", "decode", "assemble", "upload", "native", "shared", "warm")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.data = {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0} for s in self.STAGES}
+        self.data = self._empty()
+
+    def _empty(self) -> dict[str, dict[str, float]]:
+        # best: the shortest single observation (one add), in seconds
+        return {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0, "best": _NONE} for s in self.STAGES}
+
+    def reset(self) -> None:
+        """Zero every stage."""
+        with self._lock:
+            self.data = self._empty()
 
     def add(self, stage: str, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
         with self._lock:
@@ -189,6 +239,8 @@ class StageStats:
             d["count"] += count
             d["bytes_in"] += bytes_in
             d["bytes_out"] += bytes_out
+            if count and seconds < d["best"]:
+                d["best"] = seconds
 
     def add_units(self, n: int, decode_s: float, encoded: int, decoded: int, assemble_s: float, assembled: int) -> None:
         """Decode and assembly of ``n`` units, under one lock."""
@@ -202,6 +254,9 @@ class StageStats:
             a["count"] += n
             a["bytes_in"] += decoded
             a["bytes_out"] += assembled
+            if n:
+                d["best"] = min(d["best"], decode_s)
+                a["best"] = min(a["best"], assemble_s)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:

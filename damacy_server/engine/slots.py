@@ -1,4 +1,4 @@
-"""Batch slots: what an engine assembles (OutputSpec) and where its slots live (SlotMemory).
+"""Batch slots: where an engine's slots live (SlotMemory), and its error policy (Policy).
 
 Host memory for an embedded pipeline (:class:`HostSlots`), POSIX shared memory a client
 maps for a daemon session (:class:`ShmSlots`), a GPU's memory for an embedded pipeline with
@@ -23,21 +23,21 @@ from damacy_server.engine.shm import Segment
 
 
 @dataclass(frozen=True)
-class OutputSpec:
-    """What the engine assembles: ``samples_per_batch`` samples of ``sample_shape`` as
-    ``dtype`` (None: each batch in the dtype of its first readable array)."""
+class Policy:
+    """What the engine does about what goes wrong, beside what a batch is (a
+    :class:`~damacy_protocol.limits.BatchSpec`): ``on_error`` ("stop" and "raise": the
+    batch's pop raises the error; "fill"; "skip") and ``out_of_bounds`` ("error", "pad")."""
 
-    samples_per_batch: int
-    sample_shape: tuple[int, ...]
-    dtype: np.dtype | None
-    on_error: str = "raise"
-    out_of_bounds: str = "pad"
+    on_error: str = "stop"
+    out_of_bounds: str = "error"
 
-    @property
-    def slot_bytes(self) -> int:
-        # "native" slots are raw bytes sized for the widest supported type (8 bytes)
-        itemsize = 8 if self.dtype is None else self.dtype.itemsize
-        return int(np.prod((self.samples_per_batch, *self.sample_shape), dtype=np.int64)) * itemsize
+    def __post_init__(self) -> None:
+        from damacy_protocol.config import ON_ERROR, OUT_OF_BOUNDS
+
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if self.out_of_bounds not in OUT_OF_BOUNDS:
+            raise ValueError(f"out_of_bounds must be one of {OUT_OF_BOUNDS}, got {self.out_of_bounds!r}")
 
 
 class SlotMemory(ABC):

@@ -183,6 +183,8 @@ def targets(views: list, ndim: int, norms=()) -> np.ndarray:
 
 #: the largest read :func:`run_file` makes (larger reads go through the reader's threads)
 RUN_FILE_MAX = _assemble.RUN_FILE_MAX if _assemble is not None else 0
+#: a flag of ``open_checked`` (and the direct reads): advise the kernel of random access
+NO_READAHEAD = 1 << 30
 
 
 _NO_KEEP = np.zeros(0, dtype=np.int64)

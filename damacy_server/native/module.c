@@ -78,5 +78,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_assemble", NULL, -1
 PyMODINIT_FUNC PyInit__assemble(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "RUN_FILE_MAX", RUN_FILE_MAX) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "NO_READAHEAD", DM_NO_READAHEAD) < 0) Py_CLEAR(m);
     return m;
 }

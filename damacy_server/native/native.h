@@ -121,6 +121,8 @@ PyObject *dm_py_run_decoded(PyObject *self, PyObject *args);
 
 /* ---- files (open.c, file.c) and LZ4 (lz4.c) ------------------------------------------- */
 #define RUN_FILE_MAX (16 << 20) /* the largest read run_file makes (module constant RUN_FILE_MAX) */
+/* a flag of dm_open_checked (no open(2) flag uses this bit): advise random access */
+#define DM_NO_READAHEAD (1 << 30)
 int dm_open_checked(const char *path, int flags, const char *roots, size_t roots_len, int *code, long long *size);
 PyObject *dm_py_open_checked(PyObject *self, PyObject *args);
 PyObject *dm_py_run_file(PyObject *self, PyObject *args);

@@ -54,9 +54,31 @@ static int regular_only(int fd, int *code, long long *size) {
     return -1;
 }
 
+static int open_checked(const char *path, int flags, const char *roots, size_t roots_len, int *code, long long *size);
+
 /* Open path for reading as FileStore.open does: a descriptor (the file's size in *size), or
- * -1 with *code set (an errno, -1 for not a regular file, -3 for outside the roots). */
+ * -1 with *code set (an errno, -1 for not a regular file, -3 for outside the roots). With
+ * DM_NO_READAHEAD in flags the kernel is told the file is read at random (no readahead);
+ * a kernel that refuses that fails the open with its errno. */
 int dm_open_checked(const char *path, int flags, const char *roots, size_t roots_len, int *code, long long *size) {
+    int random = flags & DM_NO_READAHEAD;
+    int fd = open_checked(path, flags & ~DM_NO_READAHEAD, roots, roots_len, code, size);
+#ifdef POSIX_FADV_RANDOM
+    if (fd >= 0 && random) {
+        int err = posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
+        if (err != 0) {
+            close(fd);
+            *code = err;
+            return -1;
+        }
+    }
+#else
+    (void)random;
+#endif
+    return fd;
+}
+
+static int open_checked(const char *path, int flags, const char *roots, size_t roots_len, int *code, long long *size) {
     flags |= O_NONBLOCK | O_CLOEXEC; /* a FIFO must not block a reader */
     if (!roots) {
         int fd = open(path, flags);

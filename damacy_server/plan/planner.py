@@ -18,31 +18,24 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, SampleError
+from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, RankMismatch
 from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
-from damacy_server.plan.reads import PlanLimits, ReadGroup, fit_reads, merge_reads
-from damacy_server.plan.resolve import UnitLocations, ZarrMetadata
+from damacy_protocol.limits import PlanLimits
+from damacy_server.plan.reads import ReadGroup, fit_reads, merge_reads
+from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
 from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob
 from damacy_server.zarr.metadata import ArrayMetadata
-
-
-@dataclass(frozen=True)
-class BatchSpec:
-    """What a batch is: ``samples`` samples of ``shape``, cast to ``dtype``."""
-
-    samples: int
-    shape: tuple[int, ...]
-    dtype: str = "f32"
 
 
 @dataclass(eq=False)
@@ -53,7 +46,7 @@ class BatchPlan:
     transforms: list[tuple[tuple[int, ...], tuple[int, ...] | None] | None]
     fills: list[tuple[int, Any]]  # (sample, fill value) to write before the copies
     groups: list[ReadGroup]
-    errors: dict[int, SampleError]
+    errors: dict[int, DamacyError]
     metas: list[ArrayMetadata | None]
     units_total: int = 0  # unit references over all samples
     units_unique: int = 0
@@ -214,17 +207,115 @@ def _box_rows_numpy(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple
 
 
 class ChunkPlanner:
+    """The planning component of a composed pipeline: plans each batch's reads from its
+    samples and the metadata ``metadata`` (a :class:`~damacy_server.plan.resolve.ZarrMetadata`)
+    provides, within ``limits`` (a :class:`~damacy_protocol.limits.PlanLimits`; None: the
+    defaults). It serves one open pipeline at a time (a second is refused with
+    :class:`InvalidArgument`) and may serve another once that one is closed; each pipeline it
+    serves starts with empty metadata caches of its own."""
+
+    __slots__ = ("metadata", "limits", "_owner")
+
+    def __init__(self, *, metadata: ZarrMetadata, limits: PlanLimits | None = None) -> None:
+        if not isinstance(metadata, ZarrMetadata):
+            raise TypeError(f"metadata must be a ZarrMetadata, got {type(metadata).__name__}")
+        limits = limits if limits is not None else PlanLimits()
+        if not isinstance(limits, PlanLimits):
+            raise TypeError(f"limits must be a PlanLimits or None, got {type(limits).__name__}")
+        self.metadata = metadata
+        self.limits = limits
+        self._owner: Any = None
+
+    def claim(self, owner: Any, *, recheckable: bool = False) -> Planner:
+        """The :class:`Planner` that plans for ``owner`` (a pipeline), with fresh caches;
+        InvalidArgument while another open pipeline holds this planner."""
+        holder = self._owner() if self._owner is not None else None
+        if holder is not None and holder is not owner and not getattr(holder, "closed", True):
+            raise InvalidArgument(
+                "this ChunkPlanner plans for another pipeline that is still open: close that one first, "
+                "or give each pipeline a planner of its own"
+            )
+        self._owner = weakref.ref(owner)
+        return Planner(self.metadata.resolver(recheckable=recheckable), self.limits)
+
+    def give_back(self, owner: Any) -> None:
+        holder = self._owner() if self._owner is not None else None
+        if holder is owner or holder is None:
+            self._owner = None
+
+    def __repr__(self) -> str:
+        return f"ChunkPlanner(metadata={self.metadata!r}, limits={self.limits!r})"
+
+
+class Planner:
     """Turns the samples of a batch into a :class:`BatchPlan`."""
 
     def __init__(
-        self, metadata: ZarrMetadata | None = None, limits: PlanLimits | None = None, *, fresh_after: float | None = None
+        self,
+        metadata: Resolver | None = None,
+        limits: PlanLimits | None = None,
+        *,
+        fresh_after: float | None = None,
+        batch_limits: bool = True,
     ) -> None:
         """``fresh_after`` (a ``time.monotonic()``): metadata cached before it is checked
-        against storage once before use (see :meth:`ZarrMetadata.recheck`; a daemon session's
-        planner, whose caches outlive sessions); None: cached metadata is used as it is."""
-        self.metadata = metadata if metadata is not None else ZarrMetadata()
+        against storage once before use (see :meth:`Resolver.recheck`; a daemon session's
+        planner, whose caches outlive sessions); None: cached metadata is used as it is.
+        ``batch_limits``: hold batches to :class:`PlanLimits`' caps (``damacy.read``'s
+        one-sample plans are no batches)."""
+        self.metadata = metadata if metadata is not None else Resolver()
         self.limits = limits if limits is not None else PlanLimits()
         self.fresh_after = fresh_after
+        self.batch_limits = batch_limits
+
+    # -- the limits a batch is planned within ----------------------------------------------
+    def _check_chunk_size(self, meta: ArrayMetadata, caps: tuple[int | None, int | None] | None) -> None:
+        """A sample's chunks (read units) decode to at most ``PlanLimits.max_chunk_bytes``,
+        and to at most the executor's cap."""
+        decoded = math.prod(meta.layout.unit_shape) * meta.dtype.itemsize
+        limit = self.limits.max_chunk_bytes
+        if decoded > limit:
+            raise BudgetExceeded(
+                f"its chunks ({meta.layout.unit_shape} {meta.dtype.name}) decode to {decoded} bytes, more than "
+                f"PlanLimits.max_chunk_bytes={limit} (Config.max_chunk_uncompressed_bytes): raise it to at least {decoded}"
+            )
+        if caps is not None and caps[1] is not None and decoded > caps[1]:
+            raise BudgetExceeded(
+                f"its chunks ({meta.layout.unit_shape} {meta.dtype.name}) decode to {decoded} bytes, more than the "
+                f"executor admits ({caps[1]}: CpuLimits.max_decoded_chunk_bytes, CudaLimits.max_chunk_bytes)"
+            )
+
+    def _check_shards(self, meta: ArrayMetadata, rows: np.ndarray, samples: Sequence[Any], errors: dict) -> None:
+        """A sample touches at most ``PlanLimits.max_shards_per_sample`` shards (of a sharded
+        array; InvalidArgument)."""
+        limit = self.limits.max_shards_per_sample
+        if not meta.layout.levels or len(rows) <= limit:
+            return
+        ndim = meta.ndim
+        per = np.asarray(meta.layout.units_per_chunk, dtype=np.int64)
+        shards = np.unique(np.column_stack([rows[:, :1], rows[:, 1 : 1 + ndim] // per]), axis=0)
+        owners, counts = np.unique(shards[:, 0], return_counts=True)
+        for s, n in zip(owners[counts > limit].tolist(), counts[counts > limit].tolist()):
+            if s not in errors:
+                errors[s] = InvalidArgument(
+                    f"touches {n} shards, more than PlanLimits.max_shards_per_sample={limit}"
+                ).with_context(uri=samples[s].uri, sample=samples[s])
+
+    def _check_batch(self, uses: int, located: list, samples: Sequence[Any], errors: dict) -> None:
+        """A batch uses at most ``PlanLimits.max_chunks`` chunks (each counted once per sample
+        using it) and its plan's tables take at most ``PlanLimits.max_plan_bytes``: else every
+        sample of it fails (BudgetExceeded)."""
+        limits = self.limits
+        table_bytes = sum(rows.nbytes + units.nbytes + inverse.nbytes for _, rows, units, inverse, *_ in located)
+        if uses > limits.max_chunks:
+            why = f"the batch uses {uses} chunks (counted once per sample), more than PlanLimits.max_chunks={limits.max_chunks}"
+        elif table_bytes > limits.max_plan_bytes:
+            why = f"the batch's plan takes {table_bytes} bytes, more than PlanLimits.max_plan_bytes={limits.max_plan_bytes}"
+        else:
+            return
+        for s, sample in enumerate(samples):
+            if s not in errors:
+                errors[s] = BudgetExceeded(why).with_context(uri=getattr(sample, "uri", None), sample=sample)
 
     def _locate(self, meta: ArrayMetadata, units: np.ndarray, hit: np.ndarray | None) -> UnitLocations:
         """Where ``units`` are; those found in the chunk cache (``hit``) are not looked up
@@ -260,26 +351,29 @@ class ChunkPlanner:
         cache: LRUCache | None = None,
         accept: Callable[[ArrayMetadata], np.dtype | None] | None = None,
         dtype: np.dtype | None = None,
+        caps: tuple[int | None, int | None] | None = None,
     ) -> BatchPlan:
         """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
         flight) merged reads that would not fit are split again; with its chunk ``cache``,
         units found there leave their reads and come with their arrays (``plan.cached``, a
         :class:`CachedUnits` per plan table).
-        ``accept(meta)`` may refuse a sample's array (a SampleError, that sample's), and
+        ``accept(meta)`` may refuse a sample's array (a DamacyError, that sample's), and
         returns the batch's dtype where it fixes one (``dtype="native"``: the first array's).
         ``dtype``: the batch's (None: the array's own), which a normalised sample needs to
-        be a float type."""
+        be a float type. ``caps``: the executor's (stored, decoded) bytes a chunk may have;
+        a sample reading a larger one fails with BudgetExceeded, as one over
+        :class:`PlanLimits`' (the chunks a batch uses, the shards a sample touches)."""
         t0 = time.perf_counter()
         n = len(samples)
         shapes: list[tuple[int, ...] | None] = [None] * n
         transforms: list = [None] * n
         norms: list = [None] * n
         metas: list[ArrayMetadata | None] = [None] * n
-        errors: dict[int, SampleError] = {}
+        errors: dict[int, DamacyError] = {}
         fills: list[tuple[int, Any]] = []
         by_array: dict[str, _ArrayRows] = {}
-        # every array the batch names, those not cached read together (ZarrMetadata.arrays)
-        requests = [(s.uri, getattr(s, "level", None)) for s in samples if isinstance(s, (Sample, IndexQuery, Selected))]
+        # every array the batch names, those not cached read together (Resolver.arrays)
+        requests = [(s.uri, s.level) for s in samples if isinstance(s, (Sample, IndexQuery, Selected))]
         if self.fresh_after is not None:
             self.metadata.recheck(requests, self.fresh_after)
         found = self.metadata.arrays(requests, self.fresh_after)
@@ -289,10 +383,12 @@ class ChunkPlanner:
                     raise sample.error
                 if not isinstance(sample, (Sample, IndexQuery, Selected)):  # a pushed item that is no sample
                     raise InvalidArgument(f"expected a Sample or an IndexQuery, got {describe_item(sample)}")
-                meta = found[(sample.uri, getattr(sample, "level", None))]
-                if isinstance(meta, SampleError):
+                meta = found[(sample.uri, sample.level)]
+                if isinstance(meta, DamacyError):
                     raise meta.copy() from meta.__cause__
                 metas[i] = meta
+                if self.batch_limits:
+                    self._check_chunk_size(meta, caps)
                 fixed = accept(meta) if accept is not None else None
                 if isinstance(sample, (Sample, IndexQuery)):
                     axes, drop = resolve(sample.selection, meta.shape, out_of_bounds)
@@ -304,8 +400,11 @@ class ChunkPlanner:
                 out = shape if transform is None or transform[1] is None else tuple(result[a] for a in transform[1])
                 if not same_shape(out, sample_shape):
                     what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
+                    named = len(sample.selection) if isinstance(sample, (Sample, IndexQuery)) else meta.ndim
+                    if named != meta.ndim and Ellipsis not in getattr(sample, "selection", ()):
+                        raise RankMismatch(f"names {named} axes, the array has {meta.ndim} (shape {meta.shape})")
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
-                norm = getattr(sample, "normalize", None)
+                norm = sample.normalize
                 if norm is not None:  # written as the batch's dtype (native: the one the first array fixed)
                     _check_normalized(dtype if dtype is not None else fixed if fixed is not None else meta.dtype, norm)
                 shapes[i] = shape
@@ -316,19 +415,24 @@ class ChunkPlanner:
                     acc = by_array[meta.root] = _ArrayRows(meta)
                 if not acc.add(i, axes):
                     fills.append((i, meta.fill_value))  # pads outside the array
-            except SampleError as e:
+            except DamacyError as e:
                 known = isinstance(sample, (Sample, IndexQuery, Selected, BadSample))
                 errors[i] = e.with_context(uri=sample.uri, sample=sample) if known else e.with_context(sample=PUSHED_ITEM)
 
         # where the units are; units that cannot be located fail their samples
         located = []
-        total = unique = 0
+        total = unique = uses = 0
         for acc in by_array.values():
             if not acc:  # only boxes wholly outside the array
                 continue
             rows, units, inverse = acc.rows()
+            if self.batch_limits:
+                uses += _uses(rows, inverse, len(units))
+                self._check_shards(acc.meta, rows, samples, errors)
             hits, hit = _cache_hits(acc.meta, units, cache)
             locs = self._locate(acc.meta, units, hit)
+            if caps is not None and caps[0] is not None:
+                _check_stored(acc.meta, rows, inverse, locs, caps[0], samples, errors)
             total += len(rows)
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
@@ -386,6 +490,8 @@ class ChunkPlanner:
             for p, k in enumerate(order[n_hit:].tolist(), n_hit):
                 present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
 
+        if self.batch_limits:
+            self._check_batch(uses, located, samples, errors)
         groups, merged = merge_reads(present, self.limits)
         groups = fit_reads(groups, capacity)
         seen = set()
@@ -405,6 +511,30 @@ class ChunkPlanner:
             seconds=time.perf_counter() - t0,
             cached=cached,
         )
+
+
+def _uses(rows: np.ndarray, inverse: np.ndarray, n_units: int) -> int:
+    """Chunk uses of one array's rows: each (sample, unit) once (an index list reading a
+    chunk at several places uses it once)."""
+    if not len(rows):
+        return 0
+    return int(np.unique(rows[:, 0] * max(n_units, 1) + inverse).size)
+
+
+def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, locs: UnitLocations, cap: int, samples, errors) -> None:
+    """Samples reading a unit stored in more than ``cap`` bytes fail (BudgetExceeded)."""
+    big = np.flatnonzero(locs.nbytes > cap)
+    if not len(big):
+        return
+    at = np.flatnonzero(np.isin(inverse, big))
+    for s, r in zip(*np.unique(rows[at, 0], return_index=True)):
+        s = int(s)
+        if s not in errors:
+            n = int(locs.nbytes[inverse[at[r]]])
+            errors[s] = BudgetExceeded(
+                f"a chunk of it is stored in {n} bytes, more than the executor admits ({cap}: "
+                "CpuLimits.max_encoded_chunk_bytes)"
+            ).with_context(uri=samples[s].uri, sample=samples[s])
 
 
 def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
@@ -440,7 +570,7 @@ def _check_normalized(dtype: np.dtype, norm: tuple[float, float]) -> None:
 def transform_of(sample: Any, shape: tuple[int, ...], drop: Sequence[int]) -> tuple | None:
     """A sample's (flip, transpose, dropped axes), checked against the axes of its result
     (``shape`` without the ``drop`` ped ones, which integers select); None: none."""
-    flip, order = getattr(sample, "flip", ()), getattr(sample, "transpose", None)
+    flip, order = sample.flip, sample.transpose
     if not flip and order is None:
         return None
     ndim = len(shape) - len(drop)
@@ -485,7 +615,7 @@ class BadSample:
 
     __slots__ = ("uri", "error", "description")
 
-    def __init__(self, uri: str | None, error: SampleError, description: str | None = None) -> None:
+    def __init__(self, uri: str | None, error: DamacyError, description: str | None = None) -> None:
         self.uri = uri
         self.error = error
         self.description = description or f"sample of {uri!r}"
@@ -495,9 +625,14 @@ class BadSample:
 
 
 class Selected:
-    """A sample whose per-axis selection is already parsed (``damacy.read``'s)."""
+    """A sample whose per-axis selection is already parsed (``damacy.read``'s): no level of
+    its own, no transform."""
 
     __slots__ = ("uri", "axes")
+    level = None
+    flip: tuple[int, ...] = ()
+    transpose = None
+    normalize = None
 
     def __init__(self, uri: str, axes: list[AxisSelection]) -> None:
         self.uri = uri

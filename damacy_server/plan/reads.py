@@ -9,30 +9,10 @@ asked to read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-from damacy_protocol.checks import Size, check_fields
+from damacy_protocol.limits import PlanLimits
 from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
-
-
-@dataclass(frozen=True)
-class PlanLimits:
-    """How reads are merged: byte ranges of one object closer than ``max_gap_bytes`` are read
-    as one, up to ``max_read_bytes`` per read. Objects in object stores use the ``remote_``
-    limits: a request there costs a round trip of milliseconds, in which the link carries
-    far more than a local disk's gap (1 MiB is what obstore and object_store coalesce)."""
-
-    max_gap_bytes: Size = 64 << 10
-    max_read_bytes: Size = 64 << 20
-    remote_max_gap_bytes: Size = 1 << 20
-    remote_max_read_bytes: Size = 64 << 20
-
-    def __post_init__(self) -> None:
-        check_fields(
-            self,
-            {"max_gap_bytes": Size, "max_read_bytes": Size, "remote_max_gap_bytes": Size, "remote_max_read_bytes": Size},
-        )
 
 
 class ReadGroup:

@@ -1,6 +1,6 @@
 """The resolve stage: uri → cached array metadata, and read units → where their bytes are.
 
-:class:`ZarrMetadata` is shared by every pipeline of a process (and every session of the
+:class:`Resolver` is shared by every pipeline of a process (and every session of the
 daemon): parsed ``zarr.json`` files and shard indexes are read once and kept in bounded
 LRU caches.
 
@@ -24,12 +24,13 @@ from typing import TypeVar
 
 import numpy as np
 
-from damacy_protocol.checks import Size, checked
-from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, SampleError, StorageError
+from damacy_protocol.limits import MetadataCache
+from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, DamacyError, StorageError
 from damacy_server.cache import LRUCache
 from damacy_server.plan.versions import Generations, Seen, differs, node_version
 from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.store.failures import first_line
+from damacy_server.store.latency import MetadataReads
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import (
@@ -57,19 +58,19 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class MetadataCache:
-    """Bounded caches of parsed array metadata (by entries: a parsed ``zarr.json`` is a few
-    KiB) and of shard indexes (by entries and by bytes: a shard's index grows with its chunks,
-    16 bytes each, so 8192 indexes of 10^4 chunks would hold 1.3 GiB). ``stats()`` reports
-    the shard indexes' bytes."""
+class Caches:
+    """The caches a :class:`Resolver` keeps, bounded as a
+    :class:`~damacy_protocol.limits.MetadataCache` says: parsed array metadata by entries (a
+    parsed ``zarr.json`` is a few KiB) and shard indexes by entries and by bytes (a shard's
+    index grows with its chunks, 16 bytes each, so 8192 indexes of 10^4 chunks would hold
+    1.3 GiB). ``stats()`` reports the shard indexes' bytes."""
 
-    def __init__(self, array_entries: int = 256, shard_index_entries: int = 8192, shard_index_bytes: int = 256 << 20) -> None:
-        checked("MetadataCache", "array_entries", array_entries, Size)
-        checked("MetadataCache", "shard_index_entries", shard_index_entries, Size)
-        checked("MetadataCache", "shard_index_bytes", shard_index_bytes, Size)
-        self.arrays: LRUCache[ArrayMetadata] = LRUCache(array_entries)
+    def __init__(self, limits: MetadataCache | None = None) -> None:
+        limits = limits if limits is not None else MetadataCache()
+        self.limits = limits
+        self.arrays: LRUCache[_Entry] = LRUCache(limits.array_entries)
         self.shard_indexes: LRUCache[tuple[np.ndarray, int]] = LRUCache(
-            shard_index_entries, max_bytes=shard_index_bytes, sizeof=_index_nbytes
+            limits.shard_index_entries, max_bytes=limits.shard_index_bytes, sizeof=_index_nbytes
         )  # (table, shard bytes)
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -94,7 +95,7 @@ class UnitLocations:
     offsets: np.ndarray  # int64 (n,)
     nbytes: np.ndarray  # int64 (n,)
     missing: np.ndarray  # bool (n,)
-    errors: dict[int, SampleError]  # units whose shard index could not be read
+    errors: dict[int, DamacyError]  # units whose shard index could not be read
 
     def raise_first(self) -> None:
         if self.errors:
@@ -141,7 +142,7 @@ def _malformed(uri: str) -> Iterator[None]:
     Python error."""
     try:
         yield
-    except SampleError:
+    except DamacyError:
         raise
     except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RecursionError) as e:
         raise MetadataError(f"malformed metadata ({type(e).__name__}: {first_line(e)})", uri=str(uri)) from e
@@ -158,7 +159,7 @@ class _Entry:
         self.seen = seen
 
 
-class ZarrMetadata:
+class Resolver:
     """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``.
 
     While a batch is planned, the ``zarr.json`` files of the arrays it names and the outer
@@ -169,7 +170,7 @@ class ZarrMetadata:
     def __init__(
         self,
         reader: Store | None = None,
-        cache: MetadataCache | None = None,
+        cache: Caches | None = None,
         remote: RemoteStores | None = None,
         *,
         recheckable: bool = True,
@@ -177,9 +178,11 @@ class ZarrMetadata:
         """``recheckable``: ask each node's version as it is loaded (a stat, or a HEAD in an
         object store), so that :meth:`recheck` can tell a change; off where the caches live
         no longer than one run (an embedded pipeline's)."""
-        self.reader = reader
+        #: the reads of ``reader`` counted (and slowed by its LatencyModel, where it has one)
+        self.reads = MetadataReads(reader, getattr(reader, "latency", None)) if reader is not None else None
+        self.reader = self.reads
         self.recheckable = recheckable
-        self.cache = cache if cache is not None else MetadataCache()
+        self.cache = cache if cache is not None else Caches()
         self.remote = remote
         self.concurrency: int = getattr(reader, "concurrency", DEFAULT_CONCURRENCY)
         # the consolidated metadata of groups loaded (root -> {path below: node}); apart from
@@ -210,13 +213,13 @@ class ZarrMetadata:
 
     def arrays(
         self, requests: Iterable[tuple[str, int | None]], since: float | None = None
-    ) -> dict[tuple[str, int | None], ArrayMetadata | SampleError]:
+    ) -> dict[tuple[str, int | None], ArrayMetadata | DamacyError]:
         """:meth:`array` of each distinct ``(uri, level)``: the metadata, or the error loading
         it raised. Those not cached yet are loaded concurrently (see the class). ``since``:
         see :meth:`array`."""
         wanted = list(dict.fromkeys(requests))
         cold = [r for r in wanted if not self._cached(*r)]
-        out: dict[tuple[str, int | None], ArrayMetadata | SampleError] = {}
+        out: dict[tuple[str, int | None], ArrayMetadata | DamacyError] = {}
         if len(cold) > 1:
             out.update(zip(cold, self._map(lambda r: self._array_or_error(r, since), cold)))
         for r in wanted:
@@ -224,10 +227,10 @@ class ZarrMetadata:
                 out[r] = self._array_or_error(r, since)
         return out
 
-    def _array_or_error(self, request: tuple[str, int | None], since: float | None = None) -> ArrayMetadata | SampleError:
+    def _array_or_error(self, request: tuple[str, int | None], since: float | None = None) -> ArrayMetadata | DamacyError:
         try:
             return self.array(*request, since=since)
-        except SampleError as e:
+        except DamacyError as e:
             return e
         except Exception as e:  # never the whole batch's: the sample's, naming what failed
             return MetadataError(f"loading its metadata failed: {type(e).__name__}: {first_line(e)}", uri=str(request[0]))
@@ -237,7 +240,7 @@ class ZarrMetadata:
         counter moves, nothing is read)?"""
         try:
             _, root = self.store_of(uri)
-        except SampleError:
+        except DamacyError:
             return True  # refused by name: nothing to read
         return self._peek(root if level is None else (root, "ngff-image")) is not None
 
@@ -463,17 +466,17 @@ class ZarrMetadata:
         version, name, rows, columns, wells = plate_wells(doc, str(uri))
         base = str(uri).rstrip("/")
 
-        def fields(well: tuple[str, str, str]) -> tuple[str, ...] | SampleError:
+        def fields(well: tuple[str, str, str]) -> tuple[str, ...] | DamacyError:
             path = well[0]
             try:
                 wdoc = self._node(store, store.join(root, *path.split("/")), f"{base}/{path}", [])
                 return tuple(f"{base}/{path}/{f}" for f in well_fields(wdoc, f"{base}/{path}"))
-            except SampleError as e:
+            except DamacyError as e:
                 return e
 
         found = self._map(fields, wells)
         for f in found:
-            if isinstance(f, SampleError):
+            if isinstance(f, DamacyError):
                 raise f
         return Plate(str(uri), version, name, rows, columns, tuple(Well(p, r, c, f) for (p, r, c), f in zip(wells, found)))
 
@@ -505,7 +508,7 @@ class ZarrMetadata:
                 outer, shift = transforms(multiscale.get("coordinateTransformations"), meta.ndim, str(uri))
             except StorageError:
                 raise  # perhaps passing: the image is not kept with it
-            except SampleError as e:
+            except DamacyError as e:
                 levels.append(Level(index, path, level_uri, (), None, (), (), error=e))
                 continue
             finally:
@@ -548,7 +551,7 @@ class ZarrMetadata:
         offsets = np.zeros(n, dtype=np.int64)
         nbytes = np.full(n, -1, dtype=np.int64)
         missing = np.zeros(n, dtype=bool)
-        errors: dict[int, SampleError] = {}
+        errors: dict[int, DamacyError] = {}
         if not layout.levels or not n:
             return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
@@ -567,7 +570,7 @@ class ZarrMetadata:
                 idx = live[order[bounds[c] : bounds[c + 1]]]
                 try:
                     found = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner], prefetched if depth == 0 else None)
-                except SampleError as e:
+                except DamacyError as e:
                     errors.update((i, e) for i in idx.tolist())
                     missing[idx] = True  # nothing more to read for them
                     continue
@@ -613,7 +616,7 @@ class ZarrMetadata:
         def one(key: str) -> object:
             try:
                 return store.read_range_sized(key, start, length)
-            except SampleError as e:
+            except DamacyError as e:
                 return e
 
         return dict(zip(want, self._map(one, want)))
@@ -650,7 +653,39 @@ class ZarrMetadata:
             found = (level.parse_index(data), container)
         except CorruptData as e:
             raise DecodeError(f"shard index: {e}", uri=meta.uri, path=key, chunk=chunk) from e
-        except SampleError as e:
+        except DamacyError as e:
             raise e.with_context(uri=meta.uri) from None
         self.cache.shard_indexes.put(cache_key, found)
         return found
+
+
+class ZarrMetadata:
+    """Where array metadata and shard indexes come from, as settings: the ``reader`` that
+    reads them (a :class:`~damacy_server.store.file.FileMetadataReader`), the ``cache``
+    capacities (a :class:`~damacy_protocol.limits.MetadataCache`) and (damacy's) ``remote``
+    object-store options (:class:`~damacy_server.store.remote.RemoteStores`). It holds no
+    cache itself: each planner made with it keeps caches of its own (a fresh set each time
+    a pipeline starts with it), so any number of planners may share one."""
+
+    __slots__ = ("reader", "cache", "remote", "__weakref__")
+
+    def __init__(self, *, reader: Store, cache: MetadataCache, remote: RemoteStores | None = None) -> None:
+        from damacy_server.store.file import FileMetadataReader
+
+        if not isinstance(reader, FileMetadataReader):
+            raise TypeError(f"reader must be a FileMetadataReader, got {type(reader).__name__}")
+        if not isinstance(cache, MetadataCache):
+            raise TypeError(f"cache must be a MetadataCache, got {type(cache).__name__}")
+        if remote is not None and not isinstance(remote, RemoteStores):
+            raise TypeError(f"remote must be a RemoteStores or None, got {type(remote).__name__}")
+        self.reader = reader
+        self.cache = cache
+        self.remote = remote
+
+    def resolver(self, *, recheckable: bool = False) -> Resolver:
+        """A new :class:`Resolver` with these settings and empty caches of its own."""
+        return Resolver(self.reader, Caches(self.cache), self.remote, recheckable=recheckable)
+
+    def __repr__(self) -> str:
+        remote = "" if self.remote is None else f", remote={self.remote!r}"
+        return f"ZarrMetadata(reader={self.reader!r}, cache={self.cache!r}{remote})"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlparse
 
-from damacy_protocol.errors import InvalidArgument, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, UnsupportedOperation
 from damacy_server.store.base import MISSING, ByteRange, Store
 from damacy_server.store.file import FileStore
 from damacy_server.store.remote import SCHEMES, ObjectStore, RemoteStores, is_remote
@@ -51,7 +51,7 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
     elif scheme in SCHEMES:
         return (remote if remote is not None else _REMOTE).resolve(text)
     elif scheme and len(scheme) > 1:  # one letter: a Windows drive, not a scheme
-        raise UnsupportedError(
+        raise UnsupportedOperation(
             f"storage scheme {scheme!r}:// is not supported (local paths, file://, {', '.join(s + '://' for s in SCHEMES)}, "
             "icechunk+file:// and icechunk+s3:// are)",
             uri=text,

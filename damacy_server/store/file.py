@@ -27,7 +27,14 @@ import stat
 import time
 from collections.abc import Sequence
 
-from damacy_protocol.checks import Count, checked
+from damacy_protocol.limits import (
+    DEFAULT_IO_WORKERS,
+    DEFAULT_METADATA_CONCURRENCY,
+    MAX_IO_THREADS,
+    MAX_METADATA_CONCURRENCY,
+    LatencyModel,
+    positive_int,
+)
 from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server import native
 from damacy_server.store.base import MISSING, ByteRange, Store
@@ -100,12 +107,15 @@ class FileStore(Store):
             return InvalidArgument("this damacyd serves no paths (start it with --allow-root DIR)", path=path)
         return InvalidArgument(f"{path} is outside the daemon's allowed roots ({', '.join(self.roots)})", path=path)
 
+    #: open flags (``native.NO_READAHEAD`` among them: a reader with readahead off)
+    _flags = _FLAGS
+
     def open(self, key: str) -> tuple[int, int] | None:
         """(descriptor open for reading, size) of a regular file, ``None`` when there is no
         such file, :class:`InvalidArgument` outside the roots, :class:`StorageError` otherwise."""
         _check_name(key)
         if _open_checked is not None:
-            fd, code, size = _open_checked(key, _FLAGS, self._roots_blob)
+            fd, code, size = _open_checked(key, self._flags, self._roots_blob)
             if fd >= 0:
                 return fd, size
             if code in (errno.ENOENT, errno.ENOTDIR):
@@ -119,6 +129,8 @@ class FileStore(Store):
         if fd is None:
             return None
         try:
+            if self._flags & native.NO_READAHEAD:
+                _advise_random(fd, key)
             return fd, os.fstat(fd).st_size
         except BaseException:
             os.close(fd)
@@ -176,7 +188,7 @@ class FileStore(Store):
         the same rule as :meth:`open` (roots: NUL-separated, or None for an unrooted store).
         Whatever it refuses or cannot do goes through :meth:`read`/:meth:`read_ranges`,
         which report every error."""
-        return key, _FLAGS, self._roots_blob
+        return key, self._flags, self._roots_blob
 
     def read(self, key: str) -> bytes | None:
         opened = self.open(key)
@@ -241,6 +253,17 @@ class FileStore(Store):
 
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
+
+
+def _advise_random(fd: int, key: str) -> None:
+    """Tell the kernel ``fd`` is read at random (no readahead); a refusal fails the read."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError as e:  # (the caller closes fd)
+        raise StorageError(f"cannot advise random reads: {e.strerror or e}", path=key) from e
 
 
 def _check_name(key: str) -> None:
@@ -309,25 +332,48 @@ class FileMetadataReader(FileStore):
 
     ``concurrency``: how many of those reads are in flight at once while a batch is planned
     (the arrays' metadata and the outer shard indexes not cached yet; see
-    :class:`~damacy_server.plan.resolve.ZarrMetadata`): the planner's local reads run on that many
-    threads, and its grouped requests to object stores keep that many in flight. 1 reads
-    one after another, in the planning thread."""
+    :class:`~damacy_server.plan.resolve.Resolver`): local reads on that many threads,
+    grouped requests to object stores that many in flight; 1 reads one after another, in
+    the planning thread. ``latency``: a :class:`~damacy_protocol.limits.LatencyModel` of
+    synthetic latency added to each read (benchmarks). It holds settings only: any number of
+    planners and image loads may share it. ``roots`` (damacy's): read only below these
+    folders (a daemon's ``--allow-root``)."""
 
-    def __init__(self, concurrency: int = 64, *, roots: list[str] | None = None) -> None:
+    def __init__(self, *, concurrency: int = DEFAULT_METADATA_CONCURRENCY, latency: LatencyModel | None = None, roots: list[str] | None = None) -> None:
+        if latency is None:
+            latency = LatencyModel()
+        if not isinstance(latency, LatencyModel):
+            raise TypeError("latency must be a LatencyModel")
+        self.concurrency = positive_int(concurrency, "concurrency", MAX_METADATA_CONCURRENCY)
+        self.latency = latency
         super().__init__(roots)
-        checked("FileMetadataReader", "concurrency", concurrency, Count)
-        self.concurrency = concurrency
 
 
 class FileReader(FileStore):
     """The store used for chunk data: ``workers`` threads issue positional reads (the GIL is
     released while they wait) with at most ``max_inflight_reads`` queued at once. Reads whose
     bytes the page cache holds are made by the decode threads themselves (see :meth:`direct`)
-    and do not count."""
+    and do not count.
 
-    def __init__(self, workers: int = 8, max_inflight_reads: int = 4096, roots: list[str] | None = None) -> None:
+    ``readahead=False`` tells the kernel each chunk or shard file this reader opens is read
+    at random (``POSIX_FADV_RANDOM``): no readahead, which helps scattered crops on some
+    storage and slows scans; the page cache is used as before. A kernel that refuses the
+    advice fails the read (:class:`StorageError`). ``roots`` as for
+    :class:`FileMetadataReader`."""
+
+    def __init__(
+        self,
+        *,
+        workers: int = DEFAULT_IO_WORKERS,
+        max_inflight_reads: int = 4096,
+        readahead: bool = True,
+        roots: list[str] | None = None,
+    ) -> None:
+        if not isinstance(readahead, bool):
+            raise TypeError("readahead must be a bool")
+        self.workers = positive_int(workers, "workers", MAX_IO_THREADS)
+        self.max_inflight_reads = positive_int(max_inflight_reads, "max_inflight_reads")
+        self.readahead = readahead
+        if not readahead:
+            self._flags = _FLAGS | native.NO_READAHEAD
         super().__init__(roots)
-        checked("FileReader", "workers", workers, Count)
-        checked("FileReader", "max_inflight_reads", max_inflight_reads, Count)
-        self.workers = workers
-        self.max_inflight_reads = max_inflight_reads

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, NotFound, SampleError, StorageError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, NotFound, DamacyError, StorageError, UnsupportedOperation
 from damacy_server.store.base import ByteRange, Store, join_segments
 from damacy_server.store.failures import first_line
 
@@ -50,7 +50,7 @@ def split(uri: str) -> tuple[str, str, str, str]:
     parts = urlsplit(uri[len(PREFIX) :])
     kind = parts.scheme.lower()
     if kind not in STORAGES:
-        raise UnsupportedError(f"icechunk repositories on {kind!r}:// are not supported ({', '.join(s + '://' for s in STORAGES)} are)", uri=uri)
+        raise UnsupportedOperation(f"icechunk repositories on {kind!r}:// are not supported ({', '.join(s + '://' for s in STORAGES)} are)", uri=uri)
     query = parse_qs(parts.query, keep_blank_values=True)
     given = [(k, v) for k, v in query.items() if k in _REFS]
     unknown = sorted(set(query) - set(_REFS))
@@ -107,7 +107,7 @@ class IcechunkStore(Store):
         try:
             import icechunk
         except ModuleNotFoundError as e:
-            raise UnsupportedError("reading icechunk repositories needs icechunk (pip install icechunk)", uri=location) from e
+            raise UnsupportedOperation("reading icechunk repositories needs icechunk (pip install icechunk)", uri=location) from e
         self.location = location
         self.base = f"{PREFIX}{location}?{ref_kind}={ref}#"
         self.allow = None if allow is None else tuple(allow)
@@ -172,7 +172,7 @@ class IcechunkStore(Store):
             request = RangeByteRequest(offset, offset + length)
         try:
             got = await self._store.get(self.path(key), prototype=default_buffer_prototype(), byte_range=request)
-        except SampleError:
+        except DamacyError:
             raise
         except Exception as e:
             text = " ".join(str(e).replace("|", " ").split())  # (icechunk's message comes folded)
@@ -190,7 +190,7 @@ class IcechunkStore(Store):
             return int(await self._store.getsize(self.path(key)))
         except FileNotFoundError:
             return None
-        except SampleError:
+        except DamacyError:
             raise
         except Exception as e:
             if "not found" in str(e).lower():
@@ -232,7 +232,7 @@ class IcechunkStore(Store):
                 async with gate:
                     try:
                         return await self._get(key, offset, length)
-                    except SampleError as e:
+                    except DamacyError as e:
                         return e
 
             return await asyncio.gather(*(one(*r) for r in reads))

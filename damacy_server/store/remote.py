@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, SampleError, StorageError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, DamacyError, StorageError, UnsupportedOperation
 from damacy_server.store.base import MISSING, ByteRange, Store, join_segments
 from damacy_server.store.failures import first_line, http_status, storage_error, unanswered
 
@@ -90,7 +90,7 @@ def normalized(uri: str) -> str:
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise UnsupportedError(f"storage scheme {scheme!r}:// is not supported", uri=uri)
+        raise UnsupportedOperation(f"storage scheme {scheme!r}:// is not supported", uri=uri)
     if not parts.netloc:
         raise InvalidArgument("the uri names no bucket or host", uri=uri)
     if parts.query or parts.fragment:
@@ -125,7 +125,7 @@ class ObjectStore(Store):
         try:
             from obstore.store import from_url
         except ModuleNotFoundError as e:
-            raise UnsupportedError(
+            raise UnsupportedOperation(
                 "reading object stores needs obstore (pip install obstore)", uri=base
             ) from e
         self.base = base
@@ -234,7 +234,7 @@ class ObjectStore(Store):
     def read_ranges_sized(self, keys: Sequence[str], offset: int, length: int, most: int = 64) -> list:
         """:meth:`read_range_sized` of many objects, requested together (at most ``most`` in
         flight): per key the (bytes, size), ``None`` when it does not exist, or the
-        :class:`SampleError`."""
+        :class:`DamacyError`."""
 
         gate = None
 
@@ -256,12 +256,12 @@ class ObjectStore(Store):
                     return bytes(await got.bytes_async()), got.meta["size"]
                 except FileNotFoundError:
                     return None
-                except SampleError as e:
+                except DamacyError as e:
                     return e
                 except Exception as e:  # past the end, or a failure: decided on the object's size
                     try:
                         size = await asyncio.to_thread(self._size_past_end, key, offset, length, e)
-                    except SampleError as err:
+                    except DamacyError as err:
                         return err
                     return None if size is None else (b"", size)
 
@@ -269,7 +269,7 @@ class ObjectStore(Store):
 
     def fetch_many(self, reads: Sequence[tuple[str, int, int]], most: int = 64) -> list:
         """:meth:`fetch` of many (key, offset, length), at most ``most`` in flight: per read
-        the bytes, ``None`` when the object does not exist, or the :class:`SampleError`."""
+        the bytes, ``None`` when the object does not exist, or the :class:`DamacyError`."""
         gate = None
 
         async def one(key: str, offset: int, length: int):
@@ -278,7 +278,7 @@ class ObjectStore(Store):
             async with gate:
                 try:
                     return await self.fetch(key, offset, length)
-                except SampleError as e:
+                except DamacyError as e:
                     return e
 
         return _gather([one(*r) for r in reads])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from damacy_protocol.errors import MetadataError, UnsupportedError
+from damacy_protocol.errors import MetadataError, UnsupportedOperation
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def parse_chunk_key_encoding(value: Any, uri: str) -> ChunkKeyEncoding:
     else:
         raise MetadataError(f"chunk_key_encoding must be an object, got {value!r}", uri=uri)
     if name not in ("default", "v2"):
-        raise UnsupportedError(f"chunk_key_encoding {name!r} is not supported (default and v2 are)", uri=uri)
+        raise UnsupportedOperation(f"chunk_key_encoding {name!r} is not supported (default and v2 are)", uri=uri)
     if not isinstance(config, dict):
         raise MetadataError(f"chunk_key_encoding configuration must be an object, got {config!r}", uri=uri)
     separator = config.get("separator", "/" if name == "default" else ".")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import MetadataError, UnsupportedError
+from damacy_protocol.errors import DtypeMismatch, MetadataError
 
 #: The data types damacy reads, by their Zarr v3 name.
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
@@ -39,7 +39,7 @@ def parse_data_type(value: Any, uri: str) -> np.dtype:
         name = value.get("name")
         if not isinstance(name, str):
             raise MetadataError(f"data_type {value!r} has no name", uri=uri)
-        raise UnsupportedError(f"data type {name!r} (an extension data type) is not supported", uri=uri)
+        raise DtypeMismatch(f"data type {name!r} (an extension data type) is not supported", uri=uri)
     if not isinstance(value, str):
         raise MetadataError(f"data_type must be a string, got {value!r}", uri=uri)
     dtype = SUPPORTED_DTYPES.get(value)
@@ -54,7 +54,7 @@ def parse_data_type(value: Any, uri: str) -> np.dtype:
     else:
         what = f"data type {value!r}"
     supported = ", ".join(SUPPORTED_DTYPES)
-    raise UnsupportedError(f"{what} is not supported (supported: {supported})", uri=uri)
+    raise DtypeMismatch(f"{what} is not supported (supported: {supported})", uri=uri)
 
 
 def parse_fill_value(value: Any, dtype: np.dtype, uri: str) -> np.generic:

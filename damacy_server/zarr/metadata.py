@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, MetadataError, NotFound, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, MetadataError, NotFound, UnsupportedOperation
 from damacy_server.store import Store
 from damacy_server.zarr.chunk_keys import ChunkKeyEncoding, parse_chunk_key_encoding
 from damacy_server.zarr.codecs import ChunkSpec, CodecChain, build_chain
@@ -178,14 +178,14 @@ def parse_array_metadata(doc: dict[str, Any], *, uri: str, store: Store, root: s
         raise InvalidArgument("names a Zarr group, not an array", uri=uri)
     for key, value in doc.items():
         if key not in _ARRAY_KEYS and not (isinstance(value, dict) and value.get("must_understand") is False):
-            raise UnsupportedError(f"zarr.json field {key!r} is not understood (and not marked must_understand: false)", uri=uri)
+            raise UnsupportedOperation(f"zarr.json field {key!r} is not understood (and not marked must_understand: false)", uri=uri)
     for key in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
         if key not in doc:
             raise MetadataError(f"zarr.json has no {key!r}", uri=uri)
 
     shape = _int_tuple(doc["shape"], "shape", uri, minimum=0)
     if len(shape) > MAX_NDIM:
-        raise UnsupportedError(f"the array has {len(shape)} axes; damacy reads arrays of up to {MAX_NDIM} (numpy's limit)", uri=uri)
+        raise UnsupportedOperation(f"the array has {len(shape)} axes; damacy reads arrays of up to {MAX_NDIM} (numpy's limit)", uri=uri)
     dtype = parse_data_type(doc["data_type"], uri)
     chunk_shape = _parse_chunk_grid(doc["chunk_grid"], len(shape), uri)
     fill_value = parse_fill_value(doc["fill_value"], dtype, uri)
@@ -195,7 +195,7 @@ def parse_array_metadata(doc: dict[str, Any], *, uri: str, store: Store, root: s
         raise MetadataError(f"storage_transformers must be a list, got {type(transformers).__name__}", uri=uri)
     if transformers:
         names = [t.get("name") if isinstance(t, dict) else t for t in transformers]
-        raise UnsupportedError(f"storage transformers {names} are not supported", uri=uri)
+        raise UnsupportedOperation(f"storage transformers {names} are not supported", uri=uri)
     codecs = build_chain(doc["codecs"], ChunkSpec(chunk_shape, dtype, fill_value), uri)
     names = doc.get("dimension_names")
     if names is not None:
@@ -228,7 +228,7 @@ def _parse_chunk_grid(grid: Any, ndim: int, uri: str) -> tuple[int, ...]:
         raise MetadataError(f"chunk_grid must be an object, got {grid!r}", uri=uri)
     name = grid.get("name")
     if name != "regular":
-        raise UnsupportedError(f"chunk grid {name!r} is not supported (regular is)", uri=uri)
+        raise UnsupportedOperation(f"chunk grid {name!r} is not supported (regular is)", uri=uri)
     config = grid.get("configuration")
     if not isinstance(config, dict) or "chunk_shape" not in config:
         raise MetadataError("regular chunk_grid needs configuration.chunk_shape", uri=uri)

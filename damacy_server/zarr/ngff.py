@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, MetadataError, SampleError, UnsupportedError
+from damacy_protocol.errors import InvalidArgument, MetadataError, DamacyError, UnsupportedOperation
 
 
 def multiscale_path(group: dict[str, Any], uri: str, level: int = 0) -> str | None:
@@ -55,7 +55,7 @@ class Level:
     dtype: np.dtype | None
     scale: tuple[float, ...]
     translation: tuple[float, ...]
-    error: SampleError | None = None
+    error: DamacyError | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def transforms(entries: Any, ndim: int, uri: str) -> tuple[tuple[float, ...], tu
             else:
                 translation = [a + b for a, b in zip(translation, values)]
         elif kind != "identity":
-            raise UnsupportedError(f"NGFF coordinate transformation {kind!r} is not supported (scale, translation are)", uri=uri)
+            raise UnsupportedOperation(f"NGFF coordinate transformation {kind!r} is not supported (scale, translation are)", uri=uri)
     return tuple(float(v) for v in scale), tuple(float(v) for v in translation)
 
 

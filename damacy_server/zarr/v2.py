@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import MetadataError, UnsupportedError
+from damacy_protocol.errors import DtypeMismatch, MetadataError, UnsupportedOperation
 from damacy_server.zarr.dtypes import SUPPORTED_DTYPES
 
 #: v2 compressor id -> the v3 codec reading the same bytes
@@ -38,7 +38,7 @@ def as_v3(zarray: dict[str, Any], attributes: dict[str, Any], uri: str) -> dict[
             raise MetadataError(f".zarray has no {key!r}", uri=uri)
     unknown = sorted(set(zarray) - _ZARRAY_KEYS)
     if unknown:
-        raise UnsupportedError(f".zarray fields {unknown} are not understood", uri=uri)
+        raise UnsupportedOperation(f".zarray fields {unknown} are not understood", uri=uri)
     dtype, endian = _dtype(zarray["dtype"], uri)
     shape, chunks = zarray["shape"], zarray["chunks"]
     if not isinstance(shape, list) or not isinstance(chunks, list):
@@ -79,14 +79,14 @@ def _dtype(value: Any, uri: str) -> tuple[str, str | None]:
     """(v3 data type name, byte order of the stored items: "little", "big" or None)."""
     if not isinstance(value, str) or len(value) < 3 or value[0] not in "<>|":
         what = "structured" if isinstance(value, list) else repr(value)
-        raise UnsupportedError(f".zarray dtype {what} is not supported (a numeric typestr such as '<u2' is)", uri=uri)
+        raise DtypeMismatch(f".zarray dtype {what} is not supported (a numeric typestr such as '<u2' is)", uri=uri)
     try:
         dtype = np.dtype(value)
     except TypeError as e:
         raise MetadataError(f".zarray dtype {value!r} is not a numpy type string: {e}", uri=uri) from e
     name = dtype.newbyteorder("=").name
     if name not in SUPPORTED_DTYPES:
-        raise UnsupportedError(f".zarray dtype {value!r} ({name}) is not supported (supported: {', '.join(SUPPORTED_DTYPES)})", uri=uri)
+        raise DtypeMismatch(f".zarray dtype {value!r} ({name}) is not supported (supported: {', '.join(SUPPORTED_DTYPES)})", uri=uri)
     endian = None if dtype.itemsize == 1 else ("big" if value[0] == ">" else "little")
     return name, endian
 
@@ -121,7 +121,7 @@ def _compressor(config: Any, dtype: str, uri: str) -> dict[str, Any]:
     cid = config["id"]
     name = _COMPRESSORS.get(cid)
     if name is None:
-        raise UnsupportedError(f"v2 compressor {cid!r} is not supported (supported: {', '.join(_COMPRESSORS)})", uri=uri)
+        raise UnsupportedOperation(f"v2 compressor {cid!r} is not supported (supported: {', '.join(_COMPRESSORS)})", uri=uri)
     rest = {k: v for k, v in config.items() if k != "id"}
     if cid == "blosc":
         shuffle = rest.get("shuffle", 1)
@@ -146,7 +146,7 @@ def _filter(config: Any, uri: str) -> dict[str, Any]:
         raise MetadataError(f".zarray: a filter must be an object with an id, got {config!r}", uri=uri)
     name = _FILTERS.get(config["id"])
     if name is None:
-        raise UnsupportedError(f"v2 filter {config['id']!r} is not supported (supported: {', '.join(_FILTERS)})", uri=uri)
+        raise UnsupportedOperation(f"v2 filter {config['id']!r} is not supported (supported: {', '.join(_FILTERS)})", uri=uri)
     return {"name": name, "configuration": {k: v for k, v in config.items() if k != "id"}}
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numcodecs import blosc as _blosc
 
-from damacy_protocol.errors import MetadataError, UnsupportedError
+from damacy_protocol.errors import MetadataError, UnsupportedOperation
 from damacy_server.zarr.codecs.base import Buffer, BytesBytesCodec, ChunkSpec, CorruptData, config_value
 
 CNAMES = ("blosclz", "lz4", "lz4hc", "zlib", "zstd")
@@ -36,7 +36,7 @@ class BloscCodec(BytesBytesCodec):
     def from_config(cls, config: dict[str, Any], spec: ChunkSpec, uri: str) -> BloscCodec:
         cname = config_value(config, "cname", str, cls.name, uri, default="zstd")
         if cname not in CNAMES:
-            raise UnsupportedError(f"blosc compressor {cname!r} is not supported ({', '.join(CNAMES)} are)", uri=uri)
+            raise UnsupportedOperation(f"blosc compressor {cname!r} is not supported ({', '.join(CNAMES)} are)", uri=uri)
         clevel = config_value(config, "clevel", int, cls.name, uri, default=5)
         shuffle = config_value(config, "shuffle", str, cls.name, uri, default="noshuffle")
         if shuffle not in SHUFFLES:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import MetadataError, UnsupportedError
+from damacy_protocol.errors import MetadataError, UnsupportedOperation
 from damacy_server.zarr.codecs.base import (
     ArrayArrayCodec,
     ArrayBytesCodec,
@@ -93,7 +93,7 @@ def build_chain(codecs: Any, spec: ChunkSpec, uri: str) -> CodecChain:
         cls = registry().get(name)
         if cls is None:
             known = ", ".join(sorted(registry()))
-            raise UnsupportedError(f"codec {name!r} is not supported (supported: {known})", uri=uri)
+            raise UnsupportedOperation(f"codec {name!r} is not supported (supported: {known})", uri=uri)
         codec = cls.from_config(config, current, uri, build_chain) if cls.nested else cls.from_config(config, current, uri)
         if codec.kind == "a2a":
             if a2b is not None:

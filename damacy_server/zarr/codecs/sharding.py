@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import MetadataError, UnsupportedError
+from damacy_protocol.errors import MetadataError, UnsupportedOperation
 from damacy_server.zarr.codecs.base import ArrayBytesCodec, Buffer, ChunkSpec, CorruptData
 
 #: offset and nbytes of an inner chunk that was never written
@@ -63,7 +63,7 @@ class ShardingCodec(ArrayBytesCodec):
         index = build_chain(config["index_codecs"], ChunkSpec((*cps, 2), np.dtype("uint64"), EMPTY), uri)
         index_nbytes = index.fixed_encoded_size
         if index_nbytes is None:
-            raise UnsupportedError(
+            raise UnsupportedOperation(
                 f"shard index codecs {index.describe()} have no fixed size (bytes and crc32c do)", uri=uri
             )
         return cls(inner_shape, cps, inner, index, location, index_nbytes)

@@ -1,0 +1,286 @@
+"""Contract §6: the injected components (readers, metadata, planner, executors).
+
+All are keyword-only plain classes with ``__slots__``; value checks are Python's
+ValueError / TypeError, native construction failures typed DamacyErrors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import damacy
+
+
+def gpu_available() -> bool:
+    """True where ``damacy._native.cuda_init_primary()`` makes a CUDA context current."""
+    try:
+        import damacy._native as native
+
+        native.cuda_init_primary()
+    except Exception:  # RuntimeError (no GPU), or no native module at all
+        return False
+    return True
+
+
+def require_gpu():
+    if not gpu_available():
+        pytest.skip("needs a CUDA GPU (damacy._native.cuda_init_primary() failed)")
+
+
+def metadata():
+    return damacy.ZarrMetadata(reader=damacy.FileMetadataReader(concurrency=4), cache=damacy.MetadataCache())
+
+
+def cpu_limits():
+    return damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, chunks_per_input_buffer=2)
+
+
+# ---- FileReader -------------------------------------------------------------------------
+
+
+def test_file_reader_defaults_construct():
+    damacy.FileReader()
+    damacy.FileReader(workers=1, max_inflight_reads=1, readahead=False)
+
+
+def test_file_reader_is_keyword_only():
+    damacy.FileReader(workers=2)
+    with pytest.raises(TypeError):
+        damacy.FileReader(2)
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, "yes"])
+def test_file_reader_readahead_must_be_bool_message(bad):
+    with pytest.raises(TypeError) as info:
+        damacy.FileReader(workers=1, readahead=bad)
+    assert str(info.value) == "readahead must be a bool"
+    assert not isinstance(info.value, damacy.DamacyError)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1 << 20])
+def test_file_reader_workers_range(bad):
+    with pytest.raises(ValueError, match=r"^workers must be in \[1, \d+\]$"):
+        damacy.FileReader(workers=bad)
+
+
+@pytest.mark.parametrize("bad", [0, 1 << 32])
+def test_file_reader_max_inflight_reads_range(bad):
+    with pytest.raises(ValueError) as info:
+        damacy.FileReader(workers=1, max_inflight_reads=bad)
+    assert str(info.value) == "max_inflight_reads must be in [1, 4294967295]"
+
+
+def test_file_reader_max_inflight_reads_top_accepted():
+    damacy.FileReader(workers=1, max_inflight_reads=(1 << 32) - 1)
+
+
+def test_file_reader_workers_above_online_cpus_invalid_argument(tmp_path):
+    """Natively no more than the online CPU count: InvalidArgument (at the reader or, at the
+    latest, when a pipeline is built with it), carrying its status and stage."""
+    workers = (os.cpu_count() or 1) + 1
+    if workers > 1024:
+        pytest.skip("more online CPUs than MAX_IO_THREADS")
+    with pytest.raises(damacy.InvalidArgument) as info:
+        reader = damacy.FileReader(workers=workers)
+        executor = damacy.CpuExecutor(reader=reader, limits=cpu_limits())
+        planner = damacy.ChunkPlanner(metadata=metadata())
+        with damacy.Pipeline(planner=planner, executor=executor, output=damacy.BatchSpec(1, (4,)), queues=damacy.QueueLimits(4)):
+            pass
+    assert info.value.status == damacy.Status.INVAL
+    assert isinstance(info.value.what, str)
+
+
+def test_file_reader_has_no_public_attributes():
+    r = damacy.FileReader(workers=1)
+    assert damacy.FileReader.__slots__ == ("_native",)
+    with pytest.raises(AttributeError):
+        r.workers = 2
+
+
+# ---- FileMetadataReader -----------------------------------------------------------------
+
+
+def test_file_metadata_reader_defaults_construct():
+    damacy.FileMetadataReader()
+    damacy.FileMetadataReader(concurrency=1, latency=damacy.LatencyModel(baseline_ns=1))
+
+
+def test_file_metadata_reader_is_keyword_only():
+    damacy.FileMetadataReader(concurrency=4)
+    with pytest.raises(TypeError):
+        damacy.FileMetadataReader(4)
+
+
+@pytest.mark.parametrize("bad", [{"baseline_ns": 1}, "fast", 5])
+def test_file_metadata_reader_latency_type_message(bad):
+    with pytest.raises(TypeError) as info:
+        damacy.FileMetadataReader(concurrency=4, latency=bad)
+    assert str(info.value) == "latency must be a LatencyModel"
+
+
+@pytest.mark.parametrize("bad", [0, 4097])
+def test_file_metadata_reader_concurrency_range_message(bad):
+    with pytest.raises(ValueError) as info:
+        damacy.FileMetadataReader(concurrency=bad)
+    assert str(info.value) == "concurrency must be in [1, 4096]"
+
+
+def test_file_metadata_reader_concurrency_top_accepted():
+    damacy.FileMetadataReader(concurrency=4096)
+
+
+def test_file_metadata_reader_has_no_public_attributes():
+    r = damacy.FileMetadataReader(concurrency=2)
+    with pytest.raises(AttributeError):
+        r.concurrency = 4
+
+
+def test_file_metadata_reader_is_shareable():
+    reader = damacy.FileMetadataReader(concurrency=4)
+    a = damacy.ZarrMetadata(reader=reader, cache=damacy.MetadataCache())
+    b = damacy.ZarrMetadata(reader=reader, cache=damacy.MetadataCache(array_entries=16))
+    assert a.reader is reader and b.reader is reader
+
+
+# ---- ZarrMetadata -----------------------------------------------------------------------
+
+
+def test_zarr_metadata_attributes():
+    reader, cache = damacy.FileMetadataReader(concurrency=4), damacy.MetadataCache(array_entries=32)
+    m = damacy.ZarrMetadata(reader=reader, cache=cache)
+    assert m.reader is reader
+    assert m.cache is cache
+
+
+def test_zarr_metadata_is_keyword_only():
+    reader, cache = damacy.FileMetadataReader(), damacy.MetadataCache()
+    with pytest.raises(TypeError):
+        damacy.ZarrMetadata(reader, cache)
+
+
+@pytest.mark.parametrize("missing", ["reader", "cache"])
+def test_zarr_metadata_requires_reader_and_cache(missing):
+    kwargs = {"reader": damacy.FileMetadataReader(), "cache": damacy.MetadataCache()}
+    del kwargs[missing]
+    with pytest.raises(TypeError):
+        damacy.ZarrMetadata(**kwargs)
+
+
+def test_zarr_metadata_has_no_extra_attributes():
+    with pytest.raises(AttributeError):
+        metadata().extra = 1
+
+
+def test_zarr_metadata_shared_by_planners():
+    m = metadata()
+    a, b = damacy.ChunkPlanner(metadata=m), damacy.ChunkPlanner(metadata=m)
+    assert a.metadata is m and b.metadata is m
+
+
+# ---- ChunkPlanner -----------------------------------------------------------------------
+
+
+def test_chunk_planner_attributes():
+    m, limits = metadata(), damacy.PlanLimits(max_chunks=8)
+    p = damacy.ChunkPlanner(metadata=m, limits=limits)
+    assert p.metadata is m
+    assert p.limits == limits
+
+
+def test_chunk_planner_limits_none_means_defaults():
+    assert damacy.ChunkPlanner(metadata=metadata()).limits == damacy.PlanLimits()
+    assert damacy.ChunkPlanner(metadata=metadata(), limits=None).limits == damacy.PlanLimits()
+
+
+def test_chunk_planner_is_keyword_only_and_needs_metadata():
+    m = metadata()
+    with pytest.raises(TypeError):
+        damacy.ChunkPlanner(m)
+    with pytest.raises(TypeError):
+        damacy.ChunkPlanner()
+
+
+def test_chunk_planner_has_no_extra_attributes():
+    with pytest.raises(AttributeError):
+        damacy.ChunkPlanner(metadata=metadata()).extra = 1
+
+
+# ---- CpuExecutor ------------------------------------------------------------------------
+
+
+def test_cpu_executor_attributes():
+    reader, limits = damacy.FileReader(workers=2), cpu_limits()
+    e = damacy.CpuExecutor(reader=reader, limits=limits)
+    assert e.reader is reader
+    assert e.limits == limits
+
+
+def test_cpu_executor_is_keyword_only():
+    reader, limits = damacy.FileReader(workers=1), cpu_limits()
+    with pytest.raises(TypeError):
+        damacy.CpuExecutor(reader, limits)
+
+
+@pytest.mark.parametrize("missing", ["reader", "limits"])
+def test_cpu_executor_requires_reader_and_limits(missing):
+    kwargs = {"reader": damacy.FileReader(workers=1), "limits": cpu_limits()}
+    del kwargs[missing]
+    with pytest.raises(TypeError):
+        damacy.CpuExecutor(**kwargs)
+
+
+def test_cpu_executor_has_no_extra_attributes():
+    with pytest.raises(AttributeError):
+        damacy.CpuExecutor(reader=damacy.FileReader(workers=1), limits=cpu_limits()).extra = 1
+
+
+# ---- CudaExecutor -----------------------------------------------------------------------
+
+
+def test_cuda_executor_is_keyword_only():
+    reader, limits = damacy.FileReader(workers=1), damacy.CudaLimits(max_gpu_memory_bytes=1 << 30)
+    with pytest.raises(TypeError):
+        damacy.CudaExecutor(reader, limits)
+
+
+def test_cuda_executor_refuses_without_a_gpu():
+    """A CPU-only build "reports that CUDA support was not built" (type unspecified); a CUDA
+    build on a host without a device cannot construct one either."""
+    if gpu_available():
+        pytest.skip("a CUDA GPU is present")
+    reader, limits, cls = damacy.FileReader(workers=1), damacy.CudaLimits(max_gpu_memory_bytes=1 << 30), damacy.CudaExecutor
+    with pytest.raises(Exception):  # noqa: B017 - the type is unspecified
+        cls(reader=reader, limits=limits, device=0)
+
+
+def test_cuda_executor_attributes_on_a_gpu():
+    require_gpu()
+    reader, limits = damacy.FileReader(workers=1), damacy.CudaLimits(max_gpu_memory_bytes=1 << 30)
+    e = damacy.CudaExecutor(reader=reader, limits=limits, device=0)
+    assert e.reader is reader
+    assert e.limits == limits
+    assert e.device == 0
+    with pytest.raises(AttributeError):
+        e.extra = 1
+
+
+def test_cuda_executor_device_none_captures_current_context():
+    require_gpu()  # gpu_available() made the primary context current
+    e = damacy.CudaExecutor(reader=damacy.FileReader(workers=1), limits=damacy.CudaLimits(max_gpu_memory_bytes=1 << 30))
+    assert e.device is None
+
+
+@pytest.mark.parametrize("strategy", ["auto", "disabled", "enum"])
+def test_cuda_executor_numa_strategy_forms(strategy):
+    require_gpu()
+    if strategy == "enum":
+        strategy = damacy.NumaStrategy.DISABLED
+    damacy.CudaExecutor(
+        reader=damacy.FileReader(workers=1),
+        limits=damacy.CudaLimits(max_gpu_memory_bytes=1 << 30),
+        device=0,
+        numa_strategy=strategy,
+        enable_gds=False,
+    )
