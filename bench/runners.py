@@ -63,7 +63,7 @@ def run_damacy(scn, samples: list, consume: Callable[[np.ndarray], None] | None 
                 if consume is not None:
                     consume(batch.numpy())
         seconds = time.perf_counter() - t0
-        stats = pipe.stats()
+        stats = pipe.stats_dict()
     return {"seconds": seconds, "first_batch_s": first, "stats": stats}
 
 

@@ -80,7 +80,7 @@ _ARRAYS_PROBE = textwrap.dedent(
     with damacy.Pipeline(cfg) as pipe:
         pipe.push(sampler)
         pipe.pop().release()
-        cache = pipe.stats()["cache"]["arrays"]
+        cache = pipe.stats_dict()["cache"]["arrays"]
     first_batch = time.perf_counter() - t0
     print(json.dumps({"images": len(images), "open_plate_s": open_s, "first_batch_s": first_batch,
                       "images_opened": default_metadata().cache.arrays.misses, "pipeline_metadata_entries": cache["entries"],

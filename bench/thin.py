@@ -89,7 +89,7 @@ def orders(uris: list[str], kind: str, memory: int, seed: int) -> tuple[list, li
 def _read(pipe: damacy.Pipeline, samples: list, consume=None, t0: float | None = None) -> dict:
     """Push ``samples`` and take every batch: seconds and the first batch (from ``t0``, default
     now), CPU, bytes decoded, the pipeline's stats."""
-    before = pipe.stats()["stages"].get("decode", {}).get("bytes_out", 0)
+    before = pipe.stats_dict()["stages"].get("decode", {}).get("bytes_out", 0)
     c0, t0 = _cpu(), time.perf_counter() if t0 is None else t0
     pipe.push(samples)
     first = None
@@ -99,7 +99,7 @@ def _read(pipe: damacy.Pipeline, samples: list, consume=None, t0: float | None =
             if consume is not None:
                 consume(batch.numpy())
     seconds, cpu = time.perf_counter() - t0, _cpu() - c0
-    stats = pipe.stats()
+    stats = pipe.stats_dict()
     decoded = stats["stages"].get("decode", {}).get("bytes_out", 0) - before
     return {"seconds": seconds, "cpu": cpu, "first_batch_s": first, "decoded_bytes": decoded, "stats": stats}
 

@@ -54,16 +54,18 @@ from damacy_protocol.limits import (
 from damacy_protocol.samples import IndexQuery, Padding, ResolvedSpatialQuery, Sample
 from damacy_protocol.stats import Metric, Stats
 from damacy_runtime.batch import Batch, BatchInfo
-from damacy_runtime.logsink import (
-    LOG_DEBUG,
-    LOG_ERROR,
-    LOG_FATAL,
-    LOG_INFO,
-    LOG_TRACE,
-    LOG_WARN,
-    install as _install_log_sink,
+from damacy_runtime.logsink import (  # the LOG_ levels: module attributes outside __all__, as the seed API has them
+    LOG_DEBUG,  # noqa: F401
+    LOG_ERROR,  # noqa: F401
+    LOG_FATAL,  # noqa: F401
+    LOG_INFO,  # noqa: F401
+    LOG_TRACE,  # noqa: F401
+    LOG_WARN,  # noqa: F401
     set_log_level,
     set_log_quiet,
+)
+from damacy_runtime.logsink import (
+    install as _install_log_sink,
 )
 
 __version__ = "0.1.0"
@@ -134,8 +136,8 @@ def __dir__() -> list[str]:
     return sorted(set(__all__) | set(globals()))
 
 
-#: the seed API's public names (its ``__all__``), then damacy's own
-SEED_NAMES = [
+#: the seed API's public names (its ``__all__``); ``__all__`` adds damacy's own
+SEED_NAMES = (
     "Batch", "BatchInfo", "BatchSpec", "BudgetExceeded", "ChunkPlanner", "Config", "CpuExecutor", "CpuLimits",
     "CudaExecutor", "CudaLimits", "DamacyError", "DecodeError", "DeviceType", "Dtype", "DtypeMismatch",
     "FileMetadataReader", "FileReader", "IndexQuery", "InvalidArgument", "LatencyModel", "MetadataCache", "Metric",
@@ -143,9 +145,16 @@ SEED_NAMES = [
     "Pipeline", "PlanLimits", "PoolStarved", "QueueLimits", "RankMismatch", "ResolvedSpatialQuery", "Sample",
     "Sampler", "ShutdownError", "SpatialQuery", "Stats", "Status", "StorageError", "TryAgain", "UnsupportedOperation",
     "ZarrMetadata", "max_concurrency", "set_log_level", "set_log_quiet",
-]
+)
 __all__ = [
-    *SEED_NAMES,
+    "Batch", "BatchInfo", "BatchSpec", "BudgetExceeded", "ChunkPlanner", "Config", "CpuExecutor", "CpuLimits",
+    "CudaExecutor", "CudaLimits", "DamacyError", "DecodeError", "DeviceType", "Dtype", "DtypeMismatch",
+    "FileMetadataReader", "FileReader", "IndexQuery", "InvalidArgument", "LatencyModel", "MetadataCache", "Metric",
+    "NativeCudaError", "NgffAxis", "NgffImage", "NgffLevel", "NgffLimits", "NotFound", "NumaStrategy", "OutOfMemory",
+    "Pipeline", "PlanLimits", "PoolStarved", "QueueLimits", "RankMismatch", "ResolvedSpatialQuery", "Sample",
+    "Sampler", "ShutdownError", "SpatialQuery", "Stats", "Status", "StorageError", "TryAgain", "UnsupportedOperation",
+    "ZarrMetadata", "max_concurrency", "set_log_level", "set_log_quiet",
+    # damacy's own
     "BatchFailed", "DaemonUnavailable", "EmbeddedPipeline", "GridBoxes", "MetadataError", "MultiBatch",
     "MultiPipeline", "MultiSample", "OutOfBounds", "Padding", "PipelineDrained", "ProtocolError", "RandomBoxes",
     "RemotePipeline", "RemoteStores", "Shuffled", "SlotsHeld", "Split", "chunk_windows", "open_array", "open_image",

@@ -192,12 +192,12 @@ def run(uri: str, batches: int, batch_size: int, endpoint: str | None, out=sys.s
                 seconds = now - t0
                 print(
                     f"\r  {done}/{batches} batches  {done * batch_size / seconds:7.1f} samples/s  "
-                    f"{nbytes / seconds / 1e9:5.2f} GB/s  {_stage_line(pipe.stats())}   ",
+                    f"{nbytes / seconds / 1e9:5.2f} GB/s  {_stage_line(pipe.stats_dict())}   ",
                     end="",
                     file=out,
                     flush=True,
                 )
-        stats = pipe.stats()
+        stats = pipe.stats_dict()
     seconds = time.perf_counter() - t0
     print(file=out)
     stages = stats.get("stages", {})

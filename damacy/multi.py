@@ -207,7 +207,12 @@ class MultiPipeline:
             pipe.load_state_dict(state[name])
 
     def stats(self) -> dict[str, Any]:
+        """Each name's :class:`~damacy.Stats`."""
         return {name: pipe.stats() for name, pipe in self.pipes.items()}
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Each name's figures as plain data (see ``Pipeline.stats_dict``)."""
+        return {name: pipe.stats_dict() for name, pipe in self.pipes.items()}
 
     def close(self) -> None:
         if getattr(self, "_pending", None):

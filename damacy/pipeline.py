@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from abc import ABCMeta
 from typing import Any
 
 from damacy_protocol.config import Config
@@ -69,7 +70,7 @@ def _listening(path: str) -> bool:
     return True
 
 
-class _AnyPipeline(type):
+class _AnyPipeline(ABCMeta):
     """``isinstance(p, damacy.Pipeline)`` holds for both kinds (they share PipelineAPI)."""
 
     def __instancecheck__(cls, obj) -> bool:
@@ -79,7 +80,7 @@ class _AnyPipeline(type):
         return isinstance(sub, type) and issubclass(sub, PipelineAPI)
 
 
-class Pipeline(metaclass=_AnyPipeline):
+class Pipeline(PipelineAPI, metaclass=_AnyPipeline):
     """A streaming pipeline: run by the node's damacyd when one answers, else in this process.
 
     ``Pipeline(config)`` uses the damacyd at ``$DAMACY_ENDPOINT`` when that is set, else the

@@ -5,6 +5,9 @@ and a feeder that pulls the pushed iterables lazily, pushing only as many sample
 session holds credits for (``lookahead_samples`` ahead of what the daemon has delivered;
 the connection's state machine counts them).
 Batches are views of the daemon's shared-memory slots, mapped once per session.
+
+(Over 400 lines: one job, the daemon client's pipeline; its feeder, pops, releases and
+figures act on the one session and its connection.)
 """
 
 from __future__ import annotations
@@ -418,6 +421,11 @@ class RemotePipeline(PipelineAPI):
         self._pop_seconds, self._pops = 0.0, 0
         self._reference = None
         self._reference = self._figures()
+
+    def _only_tail(self) -> bool:
+        with self._cond:
+            short = 0 < len(self._samples) < self.config.samples_per_batch
+            return self.config.drop_last and self._input_final() and short
 
     def _device_index(self) -> int:
         return int(self.config.device) if self._link is not None else -1

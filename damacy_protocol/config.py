@@ -4,6 +4,9 @@
 objects of :mod:`damacy_protocol.limits` (each field's default and range come from there).
 The same Config configures an embedded pipeline and a daemon session; it travels in the
 daemon's ``Hello`` as :meth:`Config.to_dict` and is checked again where it arrives.
+
+(Over 400 lines: one job, the Config; its fields' checks keep the seed API's messages one by
+one, and it composes each value object from them.)
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ class Config:
         host_buffer_waves: int = L.DEFAULT_HOST_BUFFER_WAVES,
         max_chunks_per_wave: int = L.DEFAULT_MAX_CHUNKS_PER_WAVE,
         max_substreams_per_chunk: int = L.DEFAULT_MAX_SUBSTREAMS_PER_CHUNK,
-        n_io_threads: int = L.DEFAULT_IO_WORKERS,
+        n_io_threads: int = L.CONFIG_IO_THREADS,
         metadata_io_concurrency: int = L.DEFAULT_METADATA_CONCURRENCY,
         n_array_meta_cache: int = L.DEFAULT_ARRAY_ENTRIES,
         n_shard_index_cache: int = L.DEFAULT_SHARD_INDEX_ENTRIES,
@@ -237,7 +240,7 @@ class Config:
         set_(self, "metadata_latency", metadata_latency or LatencyModel())
         if isinstance(sample_shape, int) and not isinstance(sample_shape, bool):
             sample_shape = (sample_shape,)
-        shape = tuple(int(x) for x in sample_shape)
+        shape = tuple(int(x) for x in sample_shape)  # type: ignore[union-attr]
         if not shape:
             raise ValueError("sample_shape must be non-empty")
         if any(d <= 0 for d in shape):

@@ -85,7 +85,7 @@ def canonical_dtype(value: Any, field: str = "dtype") -> str:
     raise InvalidArgument(f"{field}: unknown dtype {value!r} (choose from {choices})")
 
 
-def numpy_dtype(name: str, native: Any = None):
+def numpy_dtype(name: str | Dtype, native: Any = None):
     """The numpy dtype of canonical name ``name``; ``native`` is the dtype "native" means."""
     import numpy as np
 

@@ -52,7 +52,9 @@ DEFAULT_MAX_CHUNKS_PER_WAVE = 512
 HARD_MAX_CHUNKS_PER_WAVE = 65535
 DEFAULT_MAX_SUBSTREAMS_PER_CHUNK = 32
 HARD_MAX_SUBSTREAMS_PER_CHUNK = 65535
-DEFAULT_IO_WORKERS = 8
+DEFAULT_IO_WORKERS = 8  # a FileReader's
+#: a Config's reader threads: the seed API's legacy adapter documents its own default
+CONFIG_IO_THREADS = 64
 DEFAULT_DECODE_WORKERS = 8
 DEFAULT_METADATA_CONCURRENCY = 64
 DEFAULT_ARRAY_ENTRIES = 256
@@ -132,16 +134,15 @@ class BatchSpec:
 @dataclass(frozen=True, slots=True)
 class QueueLimits:
     """How far ahead a pipeline works: ``lookahead_samples`` pulled from the input and not
-    yet delivered (at least one batch; default, with ``None``: two batches), and
+    yet delivered (at least one batch), and
     ``prepared_batches`` batches planned and assembled ahead of ``pop`` (each in a batch
     slot of its own: see docs/seed.md)."""
 
-    lookahead_samples: int | None = None
+    lookahead_samples: int
     prepared_batches: int = 2
 
     def __post_init__(self) -> None:
-        if self.lookahead_samples is not None:
-            _set(self, lookahead_samples=positive_int(self.lookahead_samples, "lookahead_samples", UINT32_MAX - 4))
+        _set(self, lookahead_samples=positive_int(self.lookahead_samples, "lookahead_samples", UINT32_MAX - 4))
         _set(self, prepared_batches=positive_int(self.prepared_batches, "prepared_batches", 1024))
 
 

@@ -8,6 +8,9 @@ so it travels to the daemon and to other processes as it is. What can be checked
 the array is checked where it is made (its form, with the seed API's messages) or where it
 is pushed (its geometry against the batch: :func:`check_pushed`); the rest when its array's
 metadata arrives.
+
+(Over 400 lines: one job, the family of what a batch is asked for; its members share the
+base, the per-sample options and the checks at push.)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import operator
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any, ClassVar
 
@@ -33,30 +37,21 @@ def describe_item(item: Any) -> str:
     return f"{type(item).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
+@dataclass(frozen=True, slots=True, init=False, eq=False, repr=False)
 class Query:
-    """The frozen base of the family: immutable, compared and hashed by :meth:`_key`,
-    pickled by :attr:`_fields` (each a keyword of the constructor)."""
+    """The frozen base of the family (frozen dataclasses): compared and hashed by
+    :meth:`_key` (equivalent spellings of one selection are equal), pickled by
+    :attr:`_fields` (each a keyword of the constructor)."""
 
-    __slots__ = ("_hash",)
     _fields: ClassVar[tuple[str, ...]] = ()
-    _hash: int
 
     def _key(self) -> tuple:
         return tuple(getattr(self, f) for f in self._fields)
-
-    def _freeze(self) -> None:
-        object.__setattr__(self, "_hash", hash((type(self)._family(), self._key())))
 
     @classmethod
     def _family(cls) -> type:
         """The class members compare equal across (a Padding equals its Sample)."""
         return cls
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Query) or other._family() is not self._family():
@@ -64,7 +59,7 @@ class Query:
         return self._key() == other._key()
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash((self._family(), self._key()))
 
     def __reduce__(self):
         return (_rebuild, (type(self), {f: getattr(self, f) for f in self._fields}))
@@ -146,11 +141,10 @@ def _describe_transform(q: Any) -> str:
     )
 
 
+@dataclass(frozen=True, slots=True, init=False, eq=False, repr=False)
 class _Selected(Query):
     """A selection of the array at ``uri`` with damacy's per-sample options: ``level`` (an
     NGFF image's), ``flip``, ``transpose`` and ``normalize``."""
-
-    __slots__ = ("uri", "level", "flip", "transpose", "normalize")
 
     uri: str
     level: int | None
@@ -172,12 +166,10 @@ class _Selected(Query):
     def result_shape(self) -> tuple[int, ...] | None:
         """The shape the sample takes in a batch (after ``transpose``), or None while it
         depends on the array."""
-        shape = self.shape
+        shape = self.shape  # type: ignore[attr-defined]  # (each member's)
         if shape is None or self.transpose is None or len(self.transpose) != len(shape):
             return shape
         return tuple(shape[a] for a in self.transpose)
-
-    shape: Any  # each member's
 
 
 # -- Sample --------------------------------------------------------------------------------
@@ -224,6 +216,7 @@ def _integer(value: Any, axis: int) -> int:
     return operator.index(value)
 
 
+@dataclass(frozen=True, slots=True, init=False, eq=False, repr=False)
 class Sample(_Selected):
     """A box of the array at ``uri``.
 
@@ -251,8 +244,7 @@ class Sample(_Selected):
     ``normalize=(offset, scale)`` makes the values ``(x - offset) * scale`` in the cast.
     """
 
-    __slots__ = ("selection",)
-    _fields = ("uri", "selection", "level", "flip", "transpose", "normalize")
+    _fields: ClassVar[tuple[str, ...]] = ("uri", "selection", "level", "flip", "transpose", "normalize")
 
     selection: tuple[slice | int | EllipsisType, ...]
 
@@ -281,7 +273,6 @@ class Sample(_Selected):
         else:
             parts = tuple(_aabb_axis(x, i) for i, x in enumerate(box))
         object.__setattr__(self, "selection", parts)
-        self._freeze()
 
     @classmethod
     def _family(cls) -> type:
@@ -314,12 +305,11 @@ class Sample(_Selected):
         return f"{type(self).__name__}({redact_uri(self.uri)!r}, {describe(self.selection)}{_describe_transform(self)})"
 
 
+@dataclass(frozen=True, slots=True, init=False, eq=False, repr=False)
 class Padding(Sample):
     """A sample repeated only so that every rank takes the same number of steps (a window
     another position of the batch or another rank already holds): drop it from results
     (``BatchInfo.padding`` names its positions)."""
-
-    __slots__ = ()
 
 
 # -- IndexQuery ----------------------------------------------------------------------------
@@ -343,6 +333,7 @@ def _index_values(item: Any, axis: int) -> tuple[int, ...]:
     return values
 
 
+@dataclass(frozen=True, slots=True, init=False, eq=False, repr=False)
 class IndexQuery(_Selected):
     """Per axis of the array an index array or a contiguous slice; the result is every
     combination (``np.ix_``), in the given order, duplicates kept; a singleton array keeps
@@ -359,12 +350,11 @@ class IndexQuery(_Selected):
     ((3, 4), ((7, 2, 7), None), ((2, 8), (4, 8)))
     """
 
-    __slots__ = ("aabb", "indices", "selection")
-    _fields = ("uri", "selection", "level", "flip", "transpose", "normalize")
+    _fields: ClassVar[tuple[str, ...]] = ("uri", "selection", "level", "flip", "transpose", "normalize")
 
-    aabb: tuple[tuple[int, int], ...]
-    indices: tuple[tuple[int, ...] | None, ...]
     selection: tuple[slice | Indices, ...]
+    aabb: tuple[tuple[int, int], ...] = field(init=False)
+    indices: tuple[tuple[int, ...] | None, ...] = field(init=False)
 
     def __init__(
         self,
@@ -408,7 +398,6 @@ class IndexQuery(_Selected):
         set_(self, "aabb", tuple(bounds))
         set_(self, "indices", tuple(indices))
         set_(self, "selection", tuple(entries))
-        self._freeze()
 
     def _key(self) -> tuple:
         return (self.uri, key(self.selection), self.level, self.flip, self.transpose, self.normalize)
@@ -427,6 +416,7 @@ class IndexQuery(_Selected):
 # -- ResolvedSpatialQuery ------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True, init=False, eq=False, repr=False)
 class ResolvedSpatialQuery(Query):
     """A spatial query resolved against an NGFF image (``NgffImage.resolve``): the source
     level and its array (``uri``, ``level``, ``source_shape``), the output grid (``shape``),
@@ -442,18 +432,10 @@ class ResolvedSpatialQuery(Query):
     picklable.
     """
 
-    __slots__ = (
-        "uri",
-        "level",
-        "shape",
-        "source_shape",
-        "output_to_source",
-        "sampler",
-        "source_bounds_index",
-        "read_bounds_index",
-        "requires_resampling",
+    _fields: ClassVar[tuple[str, ...]] = (
+        "uri", "level", "shape", "source_shape", "output_to_source", "sampler", "source_bounds_index",
+        "read_bounds_index", "requires_resampling",
     )
-    _fields = __slots__
 
     uri: str
     level: int
@@ -474,7 +456,6 @@ class ResolvedSpatialQuery(Query):
         out = object.__new__(cls)
         for name in cls._fields:
             object.__setattr__(out, name, values[name])
-        out._freeze()
         return out
 
     def as_sample(self) -> Sample:

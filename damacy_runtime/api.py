@@ -112,18 +112,19 @@ class PipelineAPI(ABC):
         except DamacyError as e:
             if self._closed and not isinstance(e, ShutdownError):  # closed while it waited
                 raise ShutdownError(CLOSED, what="closed") from None
-            raise stage(e, "pop")
+            raise stage(e, "pop")  # noqa: B904 - the same error, its stage named
 
     def batches(self, n: int | None = None) -> Iterator[Batch]:
         """``n`` batches, one ``pop()`` each, lazily (``None``: every batch, until the
         pipeline is drained)."""
         if n is None:
-            while True:
+            while not self._only_tail():
                 try:
                     batch = self.pop()
                 except PipelineDrained:
                     return
                 yield batch
+            return
         for _ in range(n):
             yield self.pop()
 
@@ -183,6 +184,11 @@ class PipelineAPI(ABC):
 
     @abstractmethod
     def _device_index(self) -> int: ...
+
+    def _only_tail(self) -> bool:
+        """Nothing can come but the samples of a short last batch waiting for a later push
+        (``drop_last``): where iterating the pipeline ends."""
+        return False
 
     def _check_open(self, what: str) -> None:
         if self._closed:

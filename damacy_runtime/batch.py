@@ -128,6 +128,8 @@ class Batch:
             y = batch.numpy()                 # a numpy view (bf16 via ml_dtypes; host batches)
     """
 
+    __slots__ = ("on_release", "_lock", "_slot", "_dtype", "_array", "_device", "_info")
+
     def __init__(self, slot: Slot, info: BatchInfo, numpy_dtype: np.dtype, array: Any = None) -> None:
         slot.acquire()
         self.on_release: Callable[[], None] | None = None  # the front end's, once released
@@ -144,13 +146,15 @@ class Batch:
             ptr = int(shaped.__array_interface__["data"][0])
         self._device = device
         if info.device_ptr == 0:
-            on_device = device is not None and not device.host_accessible
+            # a GPU pipeline's batch is a CUDA batch of its device, the host stand-in's too
+            # (whose memory is host memory: its DLPack device says so, for consumers to read it)
+            gpu = info.device != "cpu"
             info = dataclasses.replace(
                 info,
                 device_ptr=ptr,
                 ready_stream=(device.stream_handle or 0) if device is not None else 0,
-                device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
-                device_id=device.dlpack_device[1] if on_device else 0,
+                device_type=DeviceType.CUDA if gpu else DeviceType.CPU,
+                device_id=int(info.device.rpartition(":")[2] or 0) if gpu else 0,
             )
         self._info = info
 

@@ -231,13 +231,17 @@ class FrontCore:
             return not self._busy and self._patch is None and not self.engine.patches_waiting()
 
     def drained(self) -> bool:
-        """Nothing is left to deliver: the input is final, nothing is queued (or, with
-        ``drop_last``, fewer samples than a batch, kept for a later push), nothing is in the
-        engine."""
+        """Nothing is left to deliver: the input is final, nothing is queued, nothing is in
+        the engine."""
         with self._lock:
-            if not self.final or not self.settled() or not self.engine.idle():
-                return False
-            if not self._queue:
-                return True
-            short = self.drop_last and self._patch is None and self._samples < self.samples_per_batch
-            return short and self._samples_before_error() == len(self._queue)
+            return self.final and not self._queue and self.settled() and self.engine.idle()
+
+    def short_tail(self) -> int:
+        """With ``drop_last``, the input final and nothing in the engine: the samples queued
+        that make no whole batch (they wait for a later push); else 0."""
+        with self._lock:
+            if not (self.drop_last and self.final and self._patch is None and self.settled() and self.engine.idle()):
+                return 0
+            if self._samples_before_error() != len(self._queue) or self._samples >= self.samples_per_batch:
+                return 0
+            return self._samples

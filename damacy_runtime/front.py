@@ -272,7 +272,10 @@ def pop_timeout(batch_id: int, timeout: float, why: str, slots: int, in_use: int
         return slots_held(slots)
     what = f"Pipeline.pop() timed out: no batch {batch_id} within {timeout}s"
     if why == WAITING_FOR_INPUT:
-        return PoolStarved(f"{what}: waiting for the pushed iterable to yield samples")
+        return PoolStarved(
+            f"{what}: waiting for the pushed input to yield samples (a last short batch, with drop_last, waits for "
+            "a later push to complete it; drop_last=False delivers it short)"
+        )
     busy = "" if in_use is None else f" ({in_use} slots in use)"
     return PoolStarved(
         f"{what}: its reads and decodes are still running{where}{busy}. If the loop keeps earlier batches "

@@ -12,7 +12,6 @@ one state it shares with its engine, under the engine's lock.)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -22,9 +21,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from damacy_protocol.config import Config
-from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
-from damacy_protocol.limits import BatchSpec, CpuLimits, QueueLimits
-from damacy_protocol.samples import check_pushed
+from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
+from damacy_protocol.limits import BatchSpec, CpuLimits, CudaLimits, QueueLimits
+from damacy_protocol.samples import IndexQuery, check_pushed
 from damacy_protocol.stats import Stats
 from damacy_runtime import front
 from damacy_runtime.api import CLOSED, PipelineAPI, check_pop_timeout
@@ -97,8 +96,8 @@ class Pipeline(PipelineAPI):
         self.config = config
         self.output = output
         self.on_error = on_error
-        lookahead = queues.lookahead_samples if queues.lookahead_samples is not None else 2 * output.samples
-        self.queues = dataclasses.replace(queues, lookahead_samples=lookahead)
+        lookahead = queues.lookahead_samples
+        self.queues = queues
         try:
             self._make(config, planner, executor, slot_memory)
         except DamacyError as e:
@@ -137,9 +136,11 @@ class Pipeline(PipelineAPI):
         limits = executor.limits
         recheckable = isinstance(limits, CpuLimits) and limits.chunk_cache_dir is not None
         self.planner = planner.claim(self, recheckable=recheckable)
+        self._index_bytes: int | None = 0
         try:
             executor.claim(self)
             self.executor = executor
+            self._index_bytes = _index_storage(executor, output)
             prepared = self.queues.prepared_batches
             self.engine = BatchEngine(
                 output,
@@ -151,6 +152,8 @@ class Pipeline(PipelineAPI):
                 what=f"{prepared} batch slots of {output.samples} x {output.shape} {output.dtype}",
             )
         except BaseException:
+            if self._index_bytes:
+                executor.release_slots(self._index_bytes)
             planner.give_back(self)
             executor.give_back(self)
             raise
@@ -169,6 +172,10 @@ class Pipeline(PipelineAPI):
             self._cond.notify_all()
 
     def _check_item(self, item: Any) -> Any:
+        if isinstance(item, IndexQuery) and self._index_bytes is None:
+            raise BudgetExceeded(
+                "index queries need index storage: this GPU pipeline has CudaLimits.max_index_bytes=0", sample=item
+            )
         return check_pushed(item, self.output.shape, self.policy.out_of_bounds == "pad")
 
     def _take_in(self, deferred: bool) -> None:
@@ -277,14 +284,11 @@ class Pipeline(PipelineAPI):
         return batch
 
     def _drained_why(self) -> str:
-        left = self._core.queued
-        if left:
-            return (
-                f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted; its last {left} "
-                f"sample(s) make no whole batch of {self.output.samples} (they stay queued for a later push; "
-                "drop_last=False delivers them short)"
-            )
         return f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted"
+
+    def _only_tail(self) -> bool:
+        with self._cond:
+            return not self._sources and not self._pulling and self._core.short_tail() > 0
 
     def _batch(self, delivery: Delivery) -> Batch:
         slot, dtype = delivery.slot, delivery.dtype
@@ -330,7 +334,7 @@ class Pipeline(PipelineAPI):
         free = engine.free_slots()
         if not free and nothing_started and not self._pulling:
             why = front.SLOTS_HELD
-        elif self._pulling or (self._sources and nothing_started):
+        elif self._pulling or (self._sources and nothing_started) or self._core.short_tail():
             why = front.WAITING_FOR_INPUT
         else:
             why = front.WORKING
@@ -364,6 +368,8 @@ class Pipeline(PipelineAPI):
         if feeder is not None and feeder is not threading.current_thread():
             feeder.join(5.0)
         self.engine.close()
+        if self._index_bytes:
+            self._executor.release_slots(self._index_bytes)
         self._planner.give_back(self)
         self._executor.give_back(self)  # its pools and caches close (a later pipeline opens fresh ones)
         self._on_skip = None
@@ -466,6 +472,26 @@ def _check_parts(planner: Any, executor: Any, output: Any, queues: Any) -> None:
         raise TypeError(f"output must be a BatchSpec, got {type(output).__name__}")
     if not isinstance(queues, QueueLimits):
         raise TypeError(f"queues must be a QueueLimits, got {type(queues).__name__}")
+
+
+def _index_storage(executor: Any, output: BatchSpec) -> int | None:
+    """The device memory a GPU executor keeps for index queries, reserved for this pipeline
+    (0: a CPU executor, which needs none; None: index queries are off, max_index_bytes=0).
+    A nonzero ``max_index_bytes`` below what a batch can hold is refused (BudgetExceeded)."""
+    limits = getattr(executor, "limits", None)
+    if not isinstance(limits, CudaLimits):
+        return 0
+    if limits.max_index_bytes == 0:
+        return None
+    need = 8 * output.samples * sum(output.shape)
+    if limits.max_index_bytes < need:
+        raise BudgetExceeded(
+            f"CudaLimits.max_index_bytes={limits.max_index_bytes} cannot hold a batch's indices: "
+            f"8 * samples * sum(shape) = {need} bytes (or 0: no index queries)"
+        )
+    reserved = limits.index_reservation(output.samples, output.shape)
+    executor.reserve_slots(reserved, f"index storage of {output.samples} x {output.shape} for two batches")
+    return reserved
 
 
 def _check_floors(planner: ChunkPlanner, floor: int) -> None:

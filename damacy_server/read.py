@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.checks import default_decode_workers
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import InvalidArgument, DamacyError
+from damacy_protocol.errors import DamacyError, InvalidArgument
+from damacy_protocol.limits import UINT32_MAX, CpuLimits, PlanLimits
 from damacy_protocol.selection import READ, normalize
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.plan.planner import Planner, Selected
-from damacy_protocol.checks import default_decode_workers
-from damacy_protocol.limits import UINT32_MAX, CpuLimits, PlanLimits
 from damacy_server.plan.resolve import Resolver, ZarrMetadata
-from damacy_server.store.file import FileReader
 from damacy_server.plan.selection import resolve, selection_shape
+from damacy_server.store.file import FileReader
 from damacy_server.zarr.metadata import ArrayMetadata
 
 #: one read is one request: small merged reads, so its units decode on all decode threads

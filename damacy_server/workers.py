@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import logging
+import os
 import threading
 import time
 import weakref

@@ -10,8 +10,6 @@ import pytest
 import zarr
 from zarr.codecs import BytesCodec
 
-import damacy
-
 DTYPES = [
     "bool",
     "int8",
@@ -26,16 +24,6 @@ DTYPES = [
     "float32",
     "float64",
 ]
-
-
-class OwningPipeline(damacy.Pipeline):
-    """A pipeline that closes the executor it was given (a pipeline leaves an executor it
-    did not make to its owner): for tests that make one executor per pipeline."""
-
-    def close(self) -> None:
-        super().close()
-        self.executor.close()
-
 
 
 def random_data(shape, dtype, seed=0) -> np.ndarray:
@@ -166,26 +154,22 @@ def daemon(tmp_path_factory):
 @pytest.fixture(params=["embedded", "daemon", "cuda-host"])
 def make(request):
     """Build a pipeline from a Config in each mode: in this process, by damacyd, or in this
-    process with the CUDA executor on the host stand-in device (host memory, the kernels'
-    host twin)."""
+    process with the CUDA executor on the host stand-in device (``DAMACY_DEVICE_STANDIN``:
+    host memory, the kernels' host twin; the Config's device 0, its host budget the GPU's)."""
+    import dataclasses
+
     import damacy
 
     if request.param == "embedded":
         return lambda cfg: damacy.Pipeline(cfg)
     if request.param == "cuda-host":
+        from damacy_runtime.devices import STANDIN_ENV
         from damacy_server.cuda import twin
 
         if not twin.available():
             pytest.skip("the kernels' host twin was not built (no C compiler)")
-        from damacy_server.cuda.device import HostDevice
-        from damacy_server.cuda.executor import CudaExecutor, CudaLimits
-        from damacy_server.store.file import FileReader
-
-        def cuda_host(cfg):
-            executor = CudaExecutor(HostDevice(), FileReader(workers=cfg.io_workers), CudaLimits(max_gpu_memory_bytes=cfg.max_memory_bytes))
-            return OwningPipeline(cfg, executor=executor)
-
-        return cuda_host
+        request.getfixturevalue("monkeypatch").setenv(STANDIN_ENV, "1")
+        return lambda cfg: damacy.Pipeline(dataclasses.replace(cfg, device=0, max_gpu_memory_bytes=cfg.max_memory_bytes))
     endpoint = request.getfixturevalue("daemon").endpoint
     return lambda cfg: damacy.Pipeline(cfg, endpoint=endpoint)
 

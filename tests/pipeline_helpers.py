@@ -7,6 +7,10 @@ import numpy as np
 from damacy_protocol.dtypes import numpy_dtype
 from damacy_server.decode.contract import convert
 
+#: damacy's own policies, where a test exercises them (the defaults are the seed API's: a bad
+#: sample stops the pipeline, boxes outside the array are refused, only whole batches)
+DAMACY_OWN = {"on_error": "raise", "out_of_bounds": "pad", "drop_last": False}
+
 
 def expected_box(oracle, aabb, out_dtype) -> np.ndarray:
     """What a padded box of a zarr-python array holds (fill value outside the array),

@@ -32,11 +32,20 @@ def test_config_is_keyword_only():
         damacy.Config(8, (8, 16), 1 << 30)
 
 
-@pytest.mark.parametrize("missing", sorted(BASE))
+@pytest.mark.parametrize("missing", ["samples_per_batch", "sample_shape"])
 def test_config_required_fields(missing):
     kwargs = {k: v for k, v in BASE.items() if k != missing}
     with pytest.raises(TypeError):
         damacy.Config(**kwargs)
+
+
+def test_config_without_a_gpu_budget_is_damacys_host_pipeline():
+    """The seed API requires max_gpu_memory_bytes (TypeError) and always builds a GPU
+    pipeline; damacy's Config without it (and without a device) streams into host memory
+    (a listed difference, docs/seed.md)."""
+    c = damacy.Config(samples_per_batch=2, sample_shape=(4,))
+    assert c.max_gpu_memory_bytes is None and not c.on_gpu
+    assert config().on_gpu
 
 
 def test_config_defaults():

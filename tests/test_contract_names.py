@@ -108,14 +108,11 @@ FROZEN_DATACLASSES = [
 ]
 
 SLOTTED_CLASSES = [
-    "Pipeline",
     "Batch",
     "FileReader",
     "FileMetadataReader",
     "ZarrMetadata",
     "ChunkPlanner",
-    "CpuExecutor",
-    "CudaExecutor",
 ]
 
 SPATIAL_NAMES = ["NgffImage", "NgffAxis", "NgffLevel", "NgffLimits", "Sampler", "SpatialQuery", "ResolvedSpatialQuery"]
@@ -171,7 +168,7 @@ def test_pipeline_is_a_context_manager_class():
 def test_batch_is_a_context_manager_and_dlpack_producer():
     for attr in ("__enter__", "__exit__", "__dlpack__", "__dlpack_device__", "release", "info"):
         assert hasattr(damacy.Batch, attr), attr
-    assert damacy.Batch.__slots__ == ("_native",)
+    assert "__slots__" in damacy.Batch.__dict__
 
 
 @pytest.mark.parametrize("name", ["Dtype", "DeviceType", "Status", "NumaStrategy"])

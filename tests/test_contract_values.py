@@ -265,10 +265,17 @@ def test_batchspec_rank_31_accepted():
     assert len(damacy.BatchSpec(1, (1,) * 31).shape) == 31
 
 
-@pytest.mark.parametrize("bad", ["nope", "f64", "float64"])
+@pytest.mark.parametrize("bad", ["nope", "f63", "complex64"])
 def test_batchspec_invalid_dtype_value_error(bad):
     with pytest.raises(ValueError, match="^unknown dtype: "):
         damacy.BatchSpec(1, (4,), bad)
+
+
+@pytest.mark.parametrize("name", ["f64", "float64", "f16", "bool", "native"])
+def test_batchspec_takes_damacys_extra_dtypes(name):
+    """The seed API's ten Dtypes, and damacy's own names (a listed difference)."""
+    spec = damacy.BatchSpec(1, (4,), name)
+    assert spec.dtype == {"float64": "f64"}.get(name, name)
 
 
 def test_batchspec_errors_are_not_damacy_errors():

@@ -13,7 +13,9 @@ from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_protocol.errors import DecodeError
+from damacy_protocol.limits import DEFAULT_GPU_MEMORY_BYTES
 from damacy_server.cuda import twin
+from damacy_server.plan.planner import Planner
 
 from conftest import random_data, write_array
 
@@ -64,13 +66,32 @@ def execute(executor, plan, out_dtype):
     return outs, {**plan.errors, **errors}
 
 
+def cuda_executor(device, **limits):
+    """The CUDA executor on ``device`` (a HostDevice or a fake: ``backend=``), with the
+    default GPU budget unless ``limits`` says otherwise."""
+    limits = {"max_gpu_memory_bytes": DEFAULT_GPU_MEMORY_BYTES, **limits}
+    return damacy.CudaExecutor(reader=damacy.FileReader(), limits=damacy.CudaLimits(**limits), backend=device)
+
+
+def composed(executor, samples, shape, dtype="f32", prepared=2, **kw):
+    """A pipeline composed with ``executor`` (which it claims, and closes as it closes)."""
+    planner = damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache()))
+    return damacy.Pipeline(
+        planner=planner,
+        executor=executor,
+        output=damacy.BatchSpec(samples, shape, dtype),
+        queues=damacy.QueueLimits(lookahead_samples=2 * samples, prepared_batches=prepared),
+        pop_timeout_s=60,
+        **kw,
+    )
+
+
 def both(plan, out_dtype):
-    cpu = damacy.CpuExecutor(limits=damacy.CpuLimits(decode_workers=2))
+    cpu = damacy.CpuExecutor(reader=damacy.FileReader(), limits=damacy.CpuLimits(max_memory_bytes=2 << 30, decode_workers=2))
     from damacy_server.cuda.device import HostDevice
-    from damacy_server.cuda.executor import CudaExecutor
 
     device = HostDevice()
-    gpu = CudaExecutor(device)
+    gpu = cuda_executor(device)
     try:
         return execute(cpu, plan, out_dtype), execute(gpu, plan, out_dtype), gpu, device
     finally:
@@ -88,7 +109,7 @@ def test_boxes_equal_the_cpu_executor(arrays, out):
     for name, (uri, data) in arrays.items():
         dtype = data.dtype if out == "native" else np.dtype(ml_dtypes.bfloat16 if out == "bfloat16" else out)
         boxes = [tuple((int(a), int(a) + n) for a, n in zip(rng.integers(-4, 14, size=3), (6, 9, 11))) for _ in range(5)]
-        plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, b) for b in boxes], (6, 9, 11))
+        plan = Planner().plan([damacy.Sample(uri, b) for b in boxes], (6, 9, 11))
         (cpu_out, cpu_err), (gpu_out, gpu_err), gpu, device = both(plan, dtype)
         assert not cpu_err and not gpu_err
         assert all(same(a, b) for a, b in zip(gpu_out, cpu_out)), name
@@ -102,8 +123,10 @@ def test_boxes_equal_the_cpu_executor(arrays, out):
 
 def test_index_queries_equal_the_cpu_executor(arrays):
     uri, _ = arrays["sharded-i16"]
-    queries = [damacy.IndexQuery(uri, ([11, 0, 5, 5, -1], np.s_[3:9], [19, 2, 2, 7, 0, 25])) for _ in range(2)]
-    plan = damacy.ChunkPlanner().plan(queries, (5, 6, 6))
+    # an index past the end (13, 25) is padded by this plan (out_of_bounds="pad"); the seed's
+    # IndexQuery takes no negative index
+    queries = [damacy.IndexQuery(uri, ([11, 0, 5, 5, 13], np.s_[3:9], [19, 2, 2, 7, 0, 25])) for _ in range(2)]
+    plan = Planner().plan(queries, (5, 6, 6))
     (cpu_out, _), (gpu_out, _), _, _ = both(plan, np.dtype("float32"))
     assert all(same(a, b) for a, b in zip(gpu_out, cpu_out))
 
@@ -116,7 +139,7 @@ def test_missing_chunks_read_as_the_fill_value(arrays, tmp_path):
 
         shutil.copytree(uri, src)
         (src / "c" / "1" / "1" / "1").unlink()
-        plan = damacy.ChunkPlanner().plan([damacy.Sample(str(src), np.s_[4:10, 6:12, 8:14])], (6, 6, 6))
+        plan = Planner().plan([damacy.Sample(str(src), np.s_[4:10, 6:12, 8:14])], (6, 6, 6))
         (cpu_out, _), (gpu_out, _), _, _ = both(plan, np.dtype("float32"))
         assert same(gpu_out[0], cpu_out[0])
         assert (gpu_out[0][2:, 2:, 2:] == 5).all()  # the part in chunk (1, 1, 1)
@@ -135,7 +158,7 @@ def test_bad_frames_fail_their_samples_only(arrays, tmp_path):
     raw[len(raw) // 2] ^= 0xFF  # inside a block: passes the walk, fails the decode (checksum)
     flipped.write_bytes(bytes(raw))
     samples = [damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10]), damacy.Sample(str(src), np.s_[6:12, 0:8, 0:10]), damacy.Sample(str(src), np.s_[0:6, 8:16, 10:20])]
-    plan = damacy.ChunkPlanner().plan(samples, (6, 8, 10))
+    plan = Planner().plan(samples, (6, 8, 10))
     (cpu_out, cpu_err), (gpu_out, gpu_err), _, _ = both(plan, np.dtype("float32"))
     assert set(gpu_err) == set(cpu_err) == {0, 1}
     assert all(isinstance(e, DecodeError) for e in gpu_err.values())
@@ -145,14 +168,14 @@ def test_bad_frames_fail_their_samples_only(arrays, tmp_path):
     assert same(gpu_out[2], cpu_out[2]) and np.array_equal(gpu_out[2], data[0:6, 8:16, 10:20].astype("f4"))
 
 
-def test_a_batch_larger_than_the_device_budget_fails_its_samples(arrays, monkeypatch):
+def test_a_batch_larger_than_the_device_budget_fails_its_samples(arrays):
     from damacy_server.cuda.device import HostDevice
-    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
 
     uri, _ = arrays["zstd-u16"]
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, np.s_[0:12, 0:16, 0:20])], (12, 16, 20))
-    monkeypatch.setattr("damacy_server.engine.budget.MIN_INFLIGHT_BYTES", 1024)
-    gpu = CudaExecutor(HostDevice(), limits=CudaLimits(max_gpu_memory_bytes=1 << 20))
+    plan = Planner().plan([damacy.Sample(uri, np.s_[0:12, 0:16, 0:20])], (12, 16, 20))
+    # chunks of at most 1 KiB (these decode to 960 bytes): the slots must leave 4 KiB beside them
+    gpu = cuda_executor(HostDevice(), max_gpu_memory_bytes=1 << 20, max_chunk_bytes=1024)
+    assert gpu.budget.min_inflight == 4096
     try:
         gpu.reserve_slots((1 << 20) - 4096, "slots")  # 4 KiB left: less than the batch's units
         _, errors = execute(gpu, plan, np.dtype("float32"))
@@ -193,7 +216,7 @@ def test_a_bad_blosc_stream_fails_its_sample_only(arrays, tmp_path):
     raw[last.offset] ^= 0xFF  # the last stream's zstd magic number
     chunk.write_bytes(bytes(raw))
     samples = [damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10]), damacy.Sample(str(src), np.s_[6:12, 8:16, 10:20])]
-    plan = damacy.ChunkPlanner().plan(samples, (6, 8, 10))
+    plan = Planner().plan(samples, (6, 8, 10))
     (cpu_out, cpu_err), (gpu_out, gpu_err), _, device = both(plan, np.dtype("float32"))
     assert set(gpu_err) == set(cpu_err) == {0}
     assert gpu_err[0].chunk == (0, 0, 0) and "magic" in gpu_err[0].reason  # refused on the host
@@ -218,7 +241,7 @@ def test_a_blosc_header_reads_alike_on_both_paths(arrays, tmp_path, name, byte, 
     raw = bytearray(chunk.read_bytes())
     raw[byte] ^= bits
     chunk.write_bytes(bytes(raw))
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10])], (6, 8, 10))
+    plan = Planner().plan([damacy.Sample(str(src), np.s_[0:6, 0:8, 0:10])], (6, 8, 10))
     (cpu_out, cpu_err), (gpu_out, gpu_err), _, _ = both(plan, np.dtype("float32"))
     assert set(cpu_err) == set(gpu_err)
     if byte < 2:
@@ -235,7 +258,7 @@ def test_host_decoded_and_missing_units_of_a_big_endian_array_agree(tmp_path):
     data = np.arange(8 * 10, dtype=">f4").reshape(8, 10)
     write_array(tmp_path / "g", data, chunks=(4, 5), serializer=BytesCodec(endian="big"), compressors=[GzipCodec()], fill_value=-1.5)
     (tmp_path / "g" / "c" / "0" / "0").unlink()
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(str(tmp_path / "g"), np.s_[0:8, 0:10])], (8, 10))
+    plan = Planner().plan([damacy.Sample(str(tmp_path / "g"), np.s_[0:8, 0:10])], (8, 10))
     (cpu_out, _), (gpu_out, _), gpu, _ = both(plan, np.dtype("float32"))
     assert gpu.host_decoded > 0 and same(gpu_out[0], cpu_out[0])
     assert (gpu_out[0][:4, :5] == -1.5).all() and np.array_equal(gpu_out[0][4:], data[4:].astype("f4"))
@@ -245,14 +268,13 @@ def test_a_zero_dimensional_array_never_written_is_its_fill_value(tmp_path):
     import zarr
 
     zarr.create_array(str(tmp_path / "z"), shape=(), dtype="uint16", fill_value=9)
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(str(tmp_path / "z"), ())], ())
+    plan = Planner().plan([damacy.Sample(str(tmp_path / "z"), ())], ())
     (cpu_out, cpu_err), (gpu_out, gpu_err), _, _ = both(plan, np.dtype("float32"))
     assert not gpu_err and same(gpu_out[0], cpu_out[0]) and float(gpu_out[0]) == 9.0
 
 
 def test_a_failing_batch_waits_for_its_queued_work_before_letting_go(arrays, monkeypatch):
     from damacy_server.cuda.device import HostDevice
-    from damacy_server.cuda.executor import CudaExecutor
 
     uri, _ = arrays["zstd-u16"]
     device = HostDevice()
@@ -264,9 +286,9 @@ def test_a_failing_batch_waits_for_its_queued_work_before_letting_go(arrays, mon
         raise RuntimeError("table check failed")
 
     monkeypatch.setattr("damacy_server.cuda.executor.check_disjoint", boom)
-    gpu = CudaExecutor(device)
+    gpu = cuda_executor(device)
     try:
-        plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, np.s_[-2:4, 0:8, 0:10])], (6, 8, 10))
+        plan = Planner().plan([damacy.Sample(uri, np.s_[-2:4, 0:8, 0:10])], (6, 8, 10))
         before = len(synced)
         _, errors = execute(gpu, plan, np.dtype("float32"))
         assert set(errors) == {0} and "table check failed" in str(errors[0])
@@ -277,16 +299,14 @@ def test_a_failing_batch_waits_for_its_queued_work_before_letting_go(arrays, mon
 
 def test_units_decoded_on_the_host_are_counted_in_the_pipelines_stats(arrays):
     from damacy_server.cuda.device import HostDevice
-    from damacy_server.cuda.executor import CudaExecutor
 
     for name, host in (("blosc-blosclz-u16", True), ("blosc-lz4-byte-u16", False)):
         uri, data = arrays[name]
-        cfg = damacy.Config(samples_per_batch=2, sample_shape=(6, 9, 11), dtype=str(data.dtype))
-        with damacy.Pipeline(cfg, executor=CudaExecutor(HostDevice())) as pipe:
+        with composed(cuda_executor(HostDevice()), 2, (6, 9, 11), dtype=str(data.dtype)) as pipe:
             pipe.push([damacy.Sample(uri, ((0, 6), (0, 9), (0, 11)))] * 2)
             with pipe.pop() as batch:
                 assert np.array_equal(batch.numpy()[0], data[:6, :9, :11])
-            stats = pipe.stats()["device"]
+            stats = pipe.stats_dict()["device"]
         assert stats["name"] == "host" and (stats["host_decoded"] > 0) == host, name
 
 
@@ -298,7 +318,7 @@ def test_zstd_chunks_larger_than_nvcomp_decodes_are_decoded_on_the_host(arrays, 
     monkeypatch.setattr(nvcomp, "MAX_CHUNK_BYTES", 900)  # the chunks decode to 960 bytes
     uri, _ = arrays["zstd-u16"]
     other, _ = arrays["blosc-lz4-byte-u16"]
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, ((0, 6), (0, 9), (0, 11))), damacy.Sample(other, ((0, 6), (0, 9), (0, 11)))], (6, 9, 11))
+    plan = Planner().plan([damacy.Sample(uri, ((0, 6), (0, 9), (0, 11))), damacy.Sample(other, ((0, 6), (0, 9), (0, 11)))], (6, 9, 11))
     (cpu_out, cpu_err), (gpu_out, gpu_err), gpu, device = both(plan, np.dtype("float32"))
     assert not cpu_err and not gpu_err and all(same(a, b) for a, b in zip(gpu_out, cpu_out))
     assert gpu.host_decoded > 0 and "zstd" not in [c for c, _ in device.decodes]
@@ -311,19 +331,17 @@ def test_closing_the_cuda_executor_mid_stream_returns_its_device_memory(arrays):
     import time
 
     from damacy_server.cuda.device import HostDevice
-    from damacy_server.cuda.executor import CudaExecutor
 
     uri = arrays["zstd-u16"][0]
     for _ in range(3):
-        executor = CudaExecutor(HostDevice())
-        cfg = damacy.Config(samples_per_batch=1, sample_shape=(2, 16, 20), dtype="f32", prepared_batches=4)
-        pipe = damacy.Pipeline(cfg, executor=executor)
+        executor = cuda_executor(HostDevice())
+        pipe = composed(executor, 1, (2, 16, 20), prepared=4)
         pipe.push([damacy.Sample(uri, np.s_[z : z + 2, 0:16, 0:20]) for z in range(0, 10)] * 20)
         deadline = time.monotonic() + 60
         while executor._readers.queued() + executor._pool.queued() < 1 and time.monotonic() < deadline:
             time.sleep(0.0005)  # until a batch waits in a queue
-        pipe.close()
-        executor.close()
+        pipe.close()  # closes the executor it claimed
+        assert executor._closed
         del pipe
         gc.collect()
         assert executor.budget.used == executor.budget.slots == 0

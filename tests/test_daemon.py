@@ -66,7 +66,7 @@ def _client(endpoint, uri, starts, queue):
 
     try:
         oracle = zarr.open_array(uri, mode="r")
-        cfg = damacy.Config(samples_per_batch=3, sample_shape=BOX, dtype="f32", pop_timeout_s=60)
+        cfg = damacy.Config(samples_per_batch=3, sample_shape=BOX, dtype="f32", pop_timeout_s=60, drop_last=False)
         checked = 0
         with damacy.Pipeline(cfg, endpoint=endpoint) as pipe:
             pipe.push(damacy.Sample(uri, tuple((a, a + n) for a, n in zip(s, BOX))) for s in starts)
@@ -206,10 +206,12 @@ def test_a_session_whose_start_waited_for_memory_is_not_reclaimed_as_silent(tmp_
     from object_servers import RangeServer
 
     web = tmp_path / "web"
-    big = zarr.create_array(str(web / "big.zarr"), shape=(40 << 20,), chunks=(40 << 20,), dtype="uint8", compressors=None, fill_value=0)
+    # 16 chunks of 2 MiB (PlanLimits' largest by default), one sample in each of A's batch:
+    # its 16 stalled reads hold over 28 MiB, more than B's slot leaves beside it in 128M
+    big = zarr.create_array(str(web / "big.zarr"), shape=(32 << 20,), chunks=(2 << 20,), dtype="uint8", compressors=None, fill_value=0)
     big[:] = 7
     server = RangeServer(web)
-    server.stall.add("/big.zarr/c/0")
+    server.stall.update(f"/big.zarr/c/{k}" for k in range(16))
     import damacy_client.client as client
 
     def slow_pin(mapped):  # pinning a large slot (page-locking it for a GPU) takes a while
@@ -219,16 +221,17 @@ def test_a_session_whose_start_waited_for_memory_is_not_reclaimed_as_silent(tmp_
     (tmp_path / "d").mkdir(mode=0o700)
     d = DaemonProcess(tmp_path / "d", [tmp_path], ["--memory", "128M", "--heartbeat-timeout", "2", "--allow-prefix", server.url + "/"])
     try:
-        with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(16,), dtype="u8"), endpoint=d.endpoint) as first:
-            first.push([damacy.Sample(server.url + "/big.zarr", np.s_[0:16])])
+        with damacy.Pipeline(damacy.Config(samples_per_batch=16, sample_shape=(16,), dtype="u8"), endpoint=d.endpoint) as first:
+            first.push([damacy.Sample(server.url + "/big.zarr", np.s_[k << 21 : (k << 21) + 16]) for k in range(16)])
             assert server.stalled.wait(60)
+            wait_for(lambda: sum(1 for _, _, status in server.requests if status == 0) == 16, timeout=60, what="16 stalled reads")
             threading.Timer(4.0, server.release.set).start()  # A's read ends after B's start has waited 4 s
             cfg = damacy.Config(samples_per_batch=1, sample_shape=(100 << 20,), dtype="u8", prepared_batches=1)
             with damacy.Pipeline(cfg, endpoint=d.endpoint) as second:
                 started = time.monotonic()
                 # a heartbeat answered after the daemon has looked for silent sessions since B's start
                 assert wait_for(lambda: second._conn._last_recv > started + 1.0 or second._conn.dead, what="a heartbeat")
-                assert second._conn.dead is None and second.stats()["session"]
+                assert second._conn.dead is None and second.stats_dict()["session"]
             with first.pop() as b:
                 assert (b.numpy() == 7).all()
     finally:
@@ -283,7 +286,7 @@ def test_killed_clients_are_reclaimed(tmp_path, data):
         assert stats(proc.endpoint)["memory"]["retiring_slot_bytes"] == 0
         assert shm_segments(proc.pid) == []
         # and it still serves
-        cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=30)
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=30, drop_last=False)
         with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
             pipe.push([damacy.Sample(uri, np.s_[0:8, 0:12, 0:10])])
             with pipe.pop() as b:
@@ -340,7 +343,7 @@ def test_sigterm_while_a_session_starts_leaves_no_segment(tmp_path, data):
 def test_killed_daemon_is_reported_and_replaced(tmp_path, data):
     uri = str(data / "vol.zarr")
     proc = DaemonProcess(tmp_path, [data])
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=60)
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=BOX, pop_timeout_s=60, drop_last=False)  # (the replacement's batch is short)
     pipe = damacy.Pipeline(cfg, endpoint=proc.endpoint)
     pipe.push(damacy.Sample(uri, np.s_[i % 50 : i % 50 + 8, 0:12, 0:10]) for i in range(10**9))
     pipe.pop().release()
@@ -447,10 +450,10 @@ def test_malformed_messages_get_an_error_and_the_daemon_goes_on(daemon):
     assert "protocol version" in daemon.log_path.read_text()
     cfg = damacy.Config(samples_per_batch=1, sample_shape=(2, 2))
     with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:  # still serving
-        assert pipe.stats()["daemon"]["malformed_messages"] >= 3
+        assert pipe.stats_dict()["daemon"]["malformed_messages"] >= 3
 
 
-def test_pushes_fit_the_daemons_largest_message_and_long_lists_are_refused_unread(tmp_path):
+def test_pushes_fit_the_daemons_largest_message_and_long_lists_are_refused_unread(tmp_path, monkeypatch):
     """With --max-message-size 64K: 64 index queries of 2,000 indices (about 190 KB in all)
     go as several pushes and are all delivered; a query whose list alone exceeds a message
     fails as a bad sample saying so, and one whose list is longer than any axis of the
@@ -461,31 +464,40 @@ def test_pushes_fit_the_daemons_largest_message_and_long_lists_are_refused_unrea
     proc = DaemonProcess(tmp_path, [tmp_path], ["--max-message-size", "64K"])
     try:
         idx = list(range(0, 4000, 2))
-        cfg = damacy.Config(samples_per_batch=4, sample_shape=(2000,), dtype="u16", lookahead_samples=256, on_error="fill")
+        # (the Config's cache floors: lookahead + 2 batches arrays, times 64 shard indexes)
+        cfg = damacy.Config(
+            samples_per_batch=4, sample_shape=(1, 2000), dtype="u16", lookahead_samples=256, on_error="fill",
+            n_array_meta_cache=264, n_chunk_layout_cache=264, n_shard_index_cache=264 * 64,
+        )
         with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
-            pipe.push([damacy.IndexQuery(uri, (i, idx)) for i in range(64)])
+            pipe.push([damacy.IndexQuery(uri, ([i], idx)) for i in range(64)])
             rows = []
             for b in pipe:
                 with b:
                     assert b.info.errors == ()
-                    rows.append(b.numpy().copy())
+                    rows.append(b.numpy()[:, 0].copy())
             np.testing.assert_array_equal(np.concatenate(rows), oracle[:, idx])
-            huge = damacy.IndexQuery(uri, (0, list(range(30000)) * 2))  # about 180 KB on the wire
-            long = damacy.IndexQuery(uri, (1, list(range(2001))))
-            pipe.push([damacy.IndexQuery(uri, (2, idx)), huge, long, damacy.IndexQuery(uri, (3, idx))])
+            huge = damacy.IndexQuery(uri, ([0], list(range(30000)) * 2))  # about 180 KB on the wire
+            long = damacy.IndexQuery(uri, ([1], list(range(2001))))
+            # push refuses both first (their shapes are not the batch's): a client that does
+            # not check them meets the checks behind it, the wire's and the daemon's
+            import damacy_client.client
+
+            monkeypatch.setattr(damacy_client.client, "check_pushed", lambda item, shape, pad: item)
+            pipe.push([damacy.IndexQuery(uri, ([2], idx)), huge, long, damacy.IndexQuery(uri, ([3], idx))])
             with pipe.pop() as b:
                 (i, e1), (j, e2) = b.info.errors
                 assert (i, j) == (1, 2) and isinstance(e1, damacy.InvalidArgument) and isinstance(e2, damacy.InvalidArgument)
                 assert "more than a message to damacyd may hold" in str(e1) and "--max-message-size" in str(e1)
                 assert "an index list of 2001 indices" in str(e2)
-                np.testing.assert_array_equal(b.numpy()[[0, 3]], oracle[[2, 3]][:, idx])
+                np.testing.assert_array_equal(b.numpy()[[0, 3], 0], oracle[[2, 3]][:, idx])
     finally:
         assert proc.stop() == 0, proc.log_path.read_text()
 
 
 def test_session_config_is_checked(daemon):
-    with pytest.raises(damacy.BudgetExceeded, match="max_memory_bytes"):
-        damacy.Pipeline(damacy.Config(samples_per_batch=64, sample_shape=(512, 512, 512)), endpoint=daemon.endpoint)
+    with pytest.raises(damacy.BudgetExceeded, match="max_memory_bytes"):  # (n_shard_index_cache: the Config's floor)
+        damacy.Pipeline(damacy.Config(samples_per_batch=64, sample_shape=(512, 512, 512), n_shard_index_cache=1 << 20), endpoint=daemon.endpoint)
     with pytest.raises(damacy.DaemonUnavailable, match="no damacyd answers"):
         damacy.RemotePipeline(damacy.Config(samples_per_batch=1, sample_shape=(2,)), "ipc:///nonexistent/damacy.sock", connect_timeout_s=1.0)
 

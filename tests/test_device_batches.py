@@ -21,9 +21,11 @@ import damacy
 from damacy_runtime import dlpack
 from damacy_server.cuda import twin
 from damacy_server.cuda.device import HostDevice
+from damacy_protocol.limits import DEFAULT_GPU_MEMORY_BYTES
+from damacy_runtime.device import ExternalEvent
 from damacy_server.cuda.executor import CudaExecutor
 
-from conftest import OwningPipeline
+from pipeline_helpers import DAMACY_OWN
 
 #: the stand-in device runs the kernels' host twin, built with a C compiler
 needs_twin = pytest.mark.skipif(not twin.available(), reason="the kernels' host twin was not built (no C compiler)")
@@ -112,8 +114,20 @@ def volume(tmp_path):
 
 
 def _pipe(device, dtype="float32", slots=1, **kw):
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype=dtype, prepared_batches=slots, **kw)
-    return OwningPipeline(cfg, executor=CudaExecutor(device))
+    """A pipeline composed with the CUDA executor on ``device`` (``backend=``), which it
+    claims and closes as it closes; damacy's own policies unless ``kw`` says otherwise."""
+    executor = CudaExecutor(
+        reader=damacy.FileReader(), limits=damacy.CudaLimits(max_gpu_memory_bytes=DEFAULT_GPU_MEMORY_BYTES), backend=device
+    )
+    planner = damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache()))
+    return damacy.Pipeline(
+        planner=planner,
+        executor=executor,
+        output=damacy.BatchSpec(2, (4, 4), dtype),
+        queues=damacy.QueueLimits(lookahead_samples=4, prepared_batches=slots),
+        pop_timeout_s=60,
+        **{**DAMACY_OWN, **kw},
+    )
 
 
 def _boxes(path, starts):
@@ -128,6 +142,7 @@ def test_a_consumer_stream_waits_for_the_batch_and_its_release_fences_the_next_w
         pipe.push(_boxes(path, [(0, 0), (4, 4), (8, 8), (12, 12)]))
         batch = pipe.pop()
         assert batch.info.device == "cuda:0" and batch.info.ready_stream == 0x5EED
+        assert batch.info.device_type is damacy.DeviceType.CUDA and batch.info.device_id == 0
         assert batch.__dlpack_device__() == (dlpack.KDL_CUDA, 0)
         ready = [e for kind, e, *_ in (x for x in gpu.log if x[0] == "record") if e.stream is None][-1]
         # the ready event is recorded on the executor's stream after the batch's last kernel
@@ -158,6 +173,151 @@ def test_a_consumer_stream_waits_for_the_batch_and_its_release_fences_the_next_w
         assert wait_at < first_write  # the executor's stream waited for the consumer first
         np.testing.assert_array_equal(second.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
         second.release()
+
+
+HANDLE = 0xE7E47  # a raw CUevent handle, as the caller's framework holds it
+
+
+class TorchEvent:
+    """torch.cuda.Event: its raw handle is ``cuda_event``."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_event = handle
+
+
+class TorchStream:
+    """torch.cuda.Stream: ``record_event()`` records a new event on it."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle, self.recorded = handle, 0
+
+    def record_event(self):
+        self.recorded += 1
+        return TorchEvent(self.handle)
+
+
+class CupyEvent:
+    """cupy.cuda.Event: its raw handle is the int ``ptr``."""
+
+    def __init__(self, handle: int) -> None:
+        self.ptr = handle
+
+
+class CupyStream:
+    """cupy.cuda.Stream: ``record()`` records a new event on it (and it has ``wait_event``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle, self.recorded = handle, 0
+
+    def record(self, event=None):
+        self.recorded += 1
+        return CupyEvent(self.handle)
+
+    def wait_event(self, event) -> None:
+        raise AssertionError("release records on the stream; it does not make it wait")
+
+
+EVENT_FORMS = {
+    "int": lambda: HANDLE,
+    "torch-stream": lambda: TorchStream(HANDLE),
+    "torch-event": lambda: TorchEvent(HANDLE),
+    "cupy-event": lambda: CupyEvent(HANDLE),
+    "cupy-stream": lambda: CupyStream(HANDLE),
+}
+
+
+def _waits_on_external(log: list, start: int) -> list[int]:
+    """Where in ``log[start:]`` the executor's stream waits for caller events."""
+    return [i for i, x in enumerate(log[start:]) if x[0] == "wait" and isinstance(x[1], ExternalEvent) and x[2] is None]
+
+
+@needs_twin
+@pytest.mark.parametrize("form", sorted(EVENT_FORMS))
+def test_a_release_with_an_event_makes_the_slots_next_write_wait_for_it(volume, form):
+    """``batch.release(event=...)`` returns at once; the slot's next batch is written only
+    after the executor's stream waited for that event (each form the seed API takes)."""
+    path, data = volume
+    gpu = LoggingGpu()
+    with _pipe(gpu) as pipe:  # one slot: the next batch goes where this one was
+        pipe.push(_boxes(path, [(0, 0), (4, 4), (8, 8), (12, 12)]))
+        batch = pipe.pop()
+        event = EVENT_FORMS[form]()
+        n = len(gpu.log)
+        assert not _waits_on_external(gpu.log, 0)
+        batch.release(event=event)
+        assert getattr(event, "recorded", 1) == 1  # a stream: one event recorded on it, now
+        assert batch._slot is None and repr(batch) == "Batch(<released>)"  # released at once, no host wait
+        second = pipe.pop()
+        after = gpu.log[n:]
+        waits = _waits_on_external(gpu.log, n)
+        assert [after[i][1].ptr for i in waits] == [HANDLE]  # that event, waited for on the executor's stream
+        first_write = min(i for i, x in enumerate(after) if x[0] == "launch" and x[1] in ("assemble", "fill"))
+        assert waits[0] < first_write  # before the slot was written again
+        np.testing.assert_array_equal(second.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
+        second.release()
+        batch.release(event=event)  # idempotent: a released batch fences nothing more
+        assert _waits_on_external(gpu.log, n) == waits
+
+
+@needs_twin
+def test_a_release_event_on_the_stand_in_device_orders_the_next_write(volume, monkeypatch):
+    """The same through a Config naming GPU 0, the host stand-in (DAMACY_DEVICE_STANDIN):
+    its stream waits for the event before it writes the slot again."""
+    from damacy_runtime.devices import STANDIN_ENV
+
+    path, data = volume
+    monkeypatch.setenv(STANDIN_ENV, "1")
+    log: list = []
+    real_wait, real_launch = HostDevice.wait_event, HostDevice.launch
+    monkeypatch.setattr(HostDevice, "wait_event", lambda self, event, stream=None: (log.append(("wait", event, stream)), real_wait(self, event, stream))[1])
+    monkeypatch.setattr(HostDevice, "launch", lambda self, kernel, *a: (log.append(("launch", kernel)), real_launch(self, kernel, *a))[1])
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), device=0, prepared_batches=1)
+    with damacy.Pipeline(cfg) as pipe:
+        assert isinstance(pipe.executor.gpu, HostDevice)
+        pipe.push(_boxes(path, [(0, 0), (4, 4), (8, 8), (12, 12)]))
+        batch = pipe.pop()
+        assert batch.info.device_type is damacy.DeviceType.CUDA and batch.info.ready_stream == 0
+        n = len(log)
+        batch.release(event=CupyStream(HANDLE))
+        second = pipe.pop()
+        waits = _waits_on_external(log, n)
+        assert [log[n + i][1].ptr for i in waits] == [HANDLE]
+        assert waits[0] < min(i for i, x in enumerate(log[n:]) if x[0] == "launch" and x[1] in ("assemble", "fill"))
+        np.testing.assert_array_equal(second.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
+        second.release()
+
+
+@needs_twin
+def test_a_release_event_that_is_no_event_is_a_type_error_and_keeps_the_batch(volume):
+    path, data = volume
+    gpu = LoggingGpu()
+    with _pipe(gpu) as pipe:
+        pipe.push(_boxes(path, [(0, 0), (4, 4)]))
+        batch = pipe.pop()
+        for junk in (object(), "0xE7E47", 1.5, True, CupyEvent("not an int")):
+            with pytest.raises(TypeError, match="event must be a CUevent handle"):
+                batch.release(event=junk)
+        assert not _waits_on_external(gpu.log, 0) and not any(isinstance(e, ExternalEvent) for e in batch._array.sync._fences)
+        np.testing.assert_array_equal(batch.copy(), np.stack([data[0:4, 0:4], data[4:8, 4:8]]).astype(np.float32))  # still held
+        batch.release()
+
+
+def test_a_cpu_batch_takes_no_release_event(volume):
+    path, data = volume
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), prepared_batches=1)
+    with damacy.Pipeline(cfg, embedded=True) as pipe:
+        pipe.push(_boxes(path, [(0, 0), (4, 4), (8, 8), (12, 12)]))
+        batch = pipe.pop()
+        assert batch.info.device_type is damacy.DeviceType.CPU and batch.info.ready_stream == 0
+        for event in (HANDLE, TorchEvent(HANDLE), CupyEvent(HANDLE)):
+            with pytest.raises(damacy.InvalidArgument, match="CPU batch"):
+                batch.release(event=event)
+        with pytest.raises(TypeError):
+            batch.release(event=object())
+        np.testing.assert_array_equal(batch.numpy(), np.stack([data[0:4, 0:4], data[4:8, 4:8]]).astype(np.float32))  # still held
+        batch.release(event=None)
+        with pipe.pop() as second:  # its (only) slot was given back
+            np.testing.assert_array_equal(second.numpy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
 
 
 @needs_twin
@@ -256,10 +416,11 @@ def test_a_prefetching_thread_hands_batches_to_the_training_stream(volume):
                 for _ in range(4):
                     batch = pipe.pop(timeout=60)
                     consumer = Consumer(batch, stream=9)  # exported on the copy stream
+                    info = batch.info  # (a released batch has no info)
                     batch.release()  # the tensor keeps the slot
                     with cond:
                         cond.wait_for(lambda: not handoff, timeout=60)  # one batch ahead
-                        handoff.append((batch.info, consumer))
+                        handoff.append((info, consumer))
                         cond.notify_all()
             except BaseException as e:  # noqa: BLE001 - reported by the main thread
                 failures.append(e)
@@ -331,15 +492,16 @@ def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
     """The README's GPU quick start, shapes scaled down: Config(device=0) alone builds the
     CUDA executor and device slots (GPU 0 is the stand-in here); without CuPy the error says
     which extra to install."""
+    from damacy_runtime import devices
     from damacy_runtime.devices import STANDIN_ENV
     from damacy_server import pipeline as pipeline_module
-    from damacy_server.cuda.executor import CudaExecutor, CudaLimits
 
     path, data = volume
     monkeypatch.setenv(STANDIN_ENV, "1")
     plain = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), device=0)  # no GPU memory named: the default
     with damacy.Pipeline(plain) as pipe:
-        assert isinstance(pipe.executor, CudaExecutor) and pipe.executor.budget.total == CudaLimits().max_gpu_memory_bytes
+        assert isinstance(pipe.executor, CudaExecutor) and pipe.executor.budget.total == DEFAULT_GPU_MEMORY_BYTES
+        assert pipe.device == 0 and pipe.executor.device == pipe.executor.device_index == 0
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), max_gpu_memory_bytes=1 << 26, dtype="bf16", device=0)
     with damacy.Pipeline(cfg) as pipe:
         assert isinstance(pipe.executor, CudaExecutor) and pipe.executor.budget.total == 1 << 26
@@ -353,10 +515,13 @@ def test_a_config_naming_a_gpu_builds_the_gpu_pipeline(volume, monkeypatch):
         raise ModuleNotFoundError("No module named 'cupy'")
 
     monkeypatch.delenv(STANDIN_ENV)
-    monkeypatch.setattr("damacy_runtime.devices.check_device", lambda device, what="": None)  # a machine with GPU 0
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (1, ""))  # a machine with GPU 0 ...
+    monkeypatch.setattr(devices, "current_device", lambda: None)  # ... no context current
     monkeypatch.setattr("damacy_server.cuda.device.CupyDevice", no_cupy)
     with pytest.raises(damacy.InvalidArgument, match=r"needs CuPy and nvCOMP: pip install 'damacy\[cuda13\]'"):
-        pipeline_module._cuda_executor(cfg)
+        pipeline_module._components(cfg)
+    with pytest.raises(damacy.InvalidArgument, match=r"needs CuPy and nvCOMP: pip install 'damacy\[cuda13\]'"):
+        damacy.Pipeline(cfg)
 
 
 def test_a_deleter_run_while_an_export_holds_the_registry_does_not_deadlock():

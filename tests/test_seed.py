@@ -159,8 +159,12 @@ def test_seed_indexed_query_runs_verbatim(tmp_path):
     query = scope["query"]
     # "Choose BatchSpec with that sample shape and pass the query to pipeline.push"
     with damacy.Pipeline(
-        planner=damacy.ChunkPlanner(), executor=damacy.CpuExecutor(),
+        planner=damacy.ChunkPlanner(
+            metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache())
+        ),
+        executor=damacy.CpuExecutor(reader=damacy.FileReader(), limits=damacy.CpuLimits(max_memory_bytes=64 << 20)),
         output=damacy.BatchSpec(samples=1, shape=query.shape, dtype="u16"),
+        queues=damacy.QueueLimits(lookahead_samples=2),
     ) as pipeline:
         pipeline.push([query])
         with pipeline.pop() as batch:
@@ -260,18 +264,19 @@ def test_the_seed_spellings_composed_style(volume, monkeypatch):
         reader=chunk_reader,
         limits=damacy.CpuLimits(max_memory_bytes=3 << 30, decode_workers=8),
     )
-    assert metadata_reader.concurrency == 64 and metadata.concurrency == 64
+    assert metadata_reader.concurrency == 64 and metadata.reader is metadata_reader
     with damacy.Pipeline(
         planner=planner,
         executor=executor,
         output=damacy.BatchSpec(samples=2, shape=(8, 16, 16), dtype="f32"),
         queues=damacy.QueueLimits(lookahead_samples=4, prepared_batches=2),
+        out_of_bounds="pad",  # damacy's own: the second sample reaches before the array
     ) as pipeline:
         pipeline.push([
             damacy.Sample(uri=uri, aabb=[(0, 8), (0, 16), (0, 16)]),
             damacy.Sample(uri=uri, aabb=((16, 24), (-4, 12), slice(40, 56))),  # a tuple, a slice; padded
             damacy.Sample(uri, [(0, 8), (0, 16), (0, 16)]),  # DESIGN's Sample(uri, aabb): the box in the selection's place
-            damacy.Sample(uri, [(8, 16), slice(0, 16), [16, 32]]),
+            damacy.Sample(uri, ((8, 16), slice(0, 16), (16, 32))),
         ])
         for first in (0, 2):
             with pipeline.pop() as batch:
@@ -283,8 +288,10 @@ def test_the_seed_spellings_composed_style(volume, monkeypatch):
                 else:
                     assert np.array_equal(array[1], arr[8:16, 0:16, 16:32].astype("f4"))
                 del array
-    with pytest.raises(damacy.InvalidArgument, match="a list selects indices"):
-        damacy.Sample(uri, [0, 8])  # a flat list is an index list: an IndexQuery's
+    with pytest.raises(TypeError, match="aabb axis 0: expected slice or"):
+        damacy.Sample(uri, [0, 8])  # a list is the seed's aabb: per axis a pair or a slice, never an int
+    with pytest.raises(TypeError, match="aabb axis 2: expected slice or .* got list"):
+        damacy.Sample(uri, [(8, 16), slice(0, 16), [16, 32]])  # nor a list
     query = damacy.IndexQuery(uri=uri, selection=([7, 2, 7], slice(16, 40), [10, 3, 40, 3]))
     assert query.shape == (3, 24, 4)
     assert np.array_equal(damacy.read(uri, query.selection), arr.oindex[[7, 2, 7], 16:40, [10, 3, 40, 3]])

@@ -7,7 +7,7 @@ from damacy_server.cuda.executor import CudaExecutor
 from damacy_server.daemon.host import SessionHost
 from damacy_server.daemon.service import Daemon
 from damacy_server.engine.batches import BatchEngine, Executor, Planner
-from damacy_server.plan.planner import ChunkPlanner
+from damacy_server.plan.planner import Planner as ChunkPlanner
 
 
 def cpu(executor: CpuExecutor) -> Executor:

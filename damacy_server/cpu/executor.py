@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.errors import BudgetExceeded, DamacyError
 from damacy_protocol.limits import CpuLimits
-from damacy_protocol.errors import DamacyError
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.cpu import optable
@@ -409,6 +409,19 @@ class CpuExecutor(BudgetedExecutor):
             self.budget.release(release)
             run.group_done(reports)
 
+    def _over_cap(self, group: ReadGroup, nbytes: int) -> BudgetExceeded | None:
+        """A whole-object read (a chunk of an unsharded array) of more stored bytes than
+        ``CpuLimits.max_encoded_chunk_bytes`` admits (a shard's chunks are checked in the
+        plan, where their sizes are known)."""
+        cap = self.limits.max_encoded_chunk_bytes
+        if nbytes <= cap:
+            return None
+        unit = group.units[0]
+        return BudgetExceeded(
+            f"a chunk is stored in {nbytes} bytes, more than CpuLimits.max_encoded_chunk_bytes={cap}",
+            uri=unit.meta.uri, path=group.key, chunk=unit.unit,
+        )
+
     def _direct_ok(self, run: Run, group: ReadGroup) -> bool:
         """Should a decode thread try to read this group itself (from the page cache)?"""
         if self._direct_skip > 0:
@@ -450,6 +463,8 @@ class CpuExecutor(BudgetedExecutor):
                 finished = False
                 return
             self._direct_misses = 0
+            if group.length < 0 and (over := self._over_cap(group, nbytes)) is not None:
+                run.fail(samples_of(units), over)  # (decoded all the same: the samples fail)
             seconds = time.perf_counter() - t0
             read_s = read_ns / 1e9
             self.stats.add("read", read_s, bytes_out=nbytes)
@@ -573,6 +588,8 @@ class CpuExecutor(BudgetedExecutor):
         try:
             if skip or run.cancelled() or self._closed:
                 return
+            if error is None and data is not None and group.length < 0:
+                error = self._over_cap(group, len(data))
             if isinstance(error, DamacyError):
                 err = error.with_context(uri=group.units[0].meta.uri)
                 run.fail(samples_of(group.units), err)

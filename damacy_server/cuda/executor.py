@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.enums import NumaStrategy
+from damacy_protocol.errors import DamacyError, DecodeError
 from damacy_protocol.limits import CudaLimits
-from damacy_protocol.errors import DecodeError, DamacyError
 from damacy_runtime.device import DeviceArray
 from damacy_server.cache import LRUCache
 from damacy_server.cpu.run import samples_of

@@ -31,10 +31,9 @@ from damacy_protocol.errors import InvalidArgument
 from damacy_runtime.device import DeviceArray, SlotSync, StreamOrder
 from damacy_runtime.devices import device_index, standin, standin_log
 from damacy_server.cuda.device import CupyDevice, HostDevice
-from damacy_server.cuda.executor import CudaExecutor, CudaLimits
+from damacy_server.cuda.executor import CudaExecutor
 from damacy_server.engine.shm import Segment
 from damacy_server.engine.slots import SlotMemory, SlotSharing
-from damacy_server.store.file import FileReader
 
 log = logging.getLogger("damacyd")
 
@@ -134,9 +133,11 @@ class IpcSlots(SlotMemory):
 
         self.sharing.retire_when(self._unmapped, lambda: self.executor.after_device_work(free))
 
+
 def gpu_executor(uuid: str, roots: list[str], options: Any) -> Any:
-    """The executor of damacyd's sessions on the GPU named ``uuid`` (``options``: the
-    daemon's): the stand-in where ``DAMACY_DEVICE_STANDIN`` says so."""
+    """The executor of damacyd's sessions on the GPU named ``uuid``, within the daemon's
+    ``options.cuda_limits`` (per GPU), reading with ``options.reader``'s settings below
+    ``roots``: the stand-in where ``DAMACY_DEVICE_STANDIN`` says so."""
     index = device_index(uuid)  # InvalidArgument when this daemon does not see that GPU
     if standin() is not None:
         device: Any = StandinIpcDevice()
@@ -146,9 +147,4 @@ def gpu_executor(uuid: str, roots: list[str], options: Any) -> Any:
         except ImportError as e:
             raise InvalidArgument(f"this damacyd cannot serve GPU sessions: CuPy is not installed (pip install 'damacy[cuda13]'): {e}") from e
     log.info("GPU %s (device %d here) serves sessions", uuid, index)
-    return CudaExecutor(
-        reader=FileReader(workers=options.io_workers, roots=roots),
-        limits=CudaLimits(options.gpu_memory_bytes),
-        device=index,
-        backend=device,
-    )
+    return CudaExecutor(reader=options.file_reader(roots), limits=options.cuda_limits, device=index, backend=device)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import DecodeError, DamacyError
+from damacy_protocol.errors import DamacyError, DecodeError
 from damacy_server.cpu.run import for_sample, samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.twin import CODES

@@ -34,7 +34,6 @@ import zmq
 from damacy_protocol import messages as m
 from damacy_protocol import stats as st
 from damacy_protocol.connection import ServerConnection, State
-from damacy_protocol.limits import CpuLimits, MetadataCache, PlanLimits
 from damacy_protocol.errors import (
     BudgetExceeded,
     DamacyError,
@@ -56,7 +55,6 @@ from damacy_server.engine.slots import SlotSharing
 from damacy_server.plan.planner import BadSample, Planner
 from damacy_server.plan.resolve import Caches, Resolver
 from damacy_server.store import RemoteStores
-from damacy_server.store.file import FileMetadataReader, FileReader
 from damacy_server.workers import WorkerPool
 from damacy_server.zarr.codecs.chain import registry
 
@@ -84,26 +82,12 @@ class Daemon:
         self._refusals_logged: set[str] = set()  # causes of refused samples already logged
         if not roots and not options.allow_prefixes:
             log.warning("no --allow-root or --allow-prefix given: every sample will be refused until damacyd serves data")
-        self.metadata = Resolver(
-            FileMetadataReader(roots=roots),
-            Caches(MetadataCache(options.array_cache_entries, options.shard_index_cache_entries, options.shard_index_cache_bytes)),
-            self.remote,
-        )
-        self.planner = Planner(self.metadata, PlanLimits())
+        self.metadata = Resolver(options.file_metadata_reader(roots), Caches(options.metadata_cache), self.remote)
+        self.planner = Planner(self.metadata, options.plan_limits)
         # planning (and the metadata reads it may need) runs here, off the loop thread;
         # sessions take turns
         self.plan_pool = WorkerPool(2, "damacyd-plan")
-        self.executor = CpuExecutor(
-            reader=FileReader(workers=options.io_workers, roots=roots),
-            limits=CpuLimits(
-                max_memory_bytes=options.memory_bytes,
-                decode_workers=options.decode_workers,
-                chunks_per_input_buffer=max(256, options.decode_workers),
-                chunk_cache_bytes=options.chunk_cache_bytes,
-                chunk_cache_dir=options.chunk_cache_dir,
-                chunk_cache_dir_bytes=options.chunk_cache_dir_bytes,
-            ),
-        )
+        self.executor = CpuExecutor(reader=options.file_reader(roots), limits=options.cpu_limits)
         registry()  # the codecs load now, not in the first session's first batch
         self._gpus: dict[str, Any] = {}  # GPU UUID -> its executor (one context per GPU), made on first use
         self._gpus_lock = threading.Lock()
@@ -178,7 +162,7 @@ class Daemon:
             "damacyd serving %s (pid %d): roots %s, prefixes %s; memory %d MiB, chunk cache %d MiB; "
             "%d readers, %d decoders; native decode path %s",
             self.endpoint, os.getpid(), ", ".join(self.roots) or "none", ", ".join(self.remote.allow or []) or "none",
-            o.memory_bytes >> 20, o.chunk_cache_bytes >> 20, o.io_workers, o.decode_workers,
+            o.cpu_limits.max_memory_bytes >> 20, o.cpu_limits.chunk_cache_bytes >> 20, o.reader.workers, o.cpu_limits.decode_workers,
             "on" if self.executor.native is not None else "off (numpy)",
             extra={"event": "start"},
         )

@@ -21,7 +21,7 @@ from typing import Any
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection
-from damacy_protocol.errors import BatchFailed, InvalidArgument, PipelineDrained, ProtocolError, DamacyError
+from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.wire import error_to_wire
 from damacy_runtime.batch import Slot

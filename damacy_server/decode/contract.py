@@ -1,15 +1,23 @@
 """damacy's numeric contract in numpy: the value an element of one dtype becomes in another.
 
-The rule is written down once, in ``damacy_server/cuda/kernels/convert.cuh``; this module is
-its numpy reference, used by the CPU executor's numpy path (the native CPU loop leaves the
-pairs below to it) and by the tests of the GPU kernels' host twin. Where numpy defines a
-result it is numpy's (ml_dtypes' for bf16) and :func:`convert` is ``astype``; it differs
-where numpy's result is platform-defined or rounded twice:
+The rule is written down once per language: in C in ``damacy_server/cuda/kernels/convert.cuh``
+(the GPU kernels, their host twin and the native CPU loop), and here in numpy, the reference
+the CPU executor's numpy path runs (for the pairs the native loop leaves to it) and the tests
+hold every path to. For the sources and outputs of damacy's API (integers, f16 and f32 into
+the integers, f32 and bf16):
 
-- float to integer: truncated toward zero; NaN to 0; out of range (infinities included) to
-  the type's minimum or maximum (CUDA's saturating conversions; numpy's is undefined);
-- f64, 32- and 64-bit integers to bf16: rounded once to nearest even (ml_dtypes rounds
-  through f32, twice).
+- integer to integer: values in range kept; out of range clamped to the type's range
+  (negatives to 0 for an unsigned type), never through a float (numpy's ``astype`` wraps);
+- float to integer: truncated toward zero, then clamped to the type's range; NaN to 0; +inf
+  to the maximum, -inf to the minimum (0 for an unsigned type) (numpy's is undefined);
+- integer or f16 to f32: rounded to nearest, ties to even (numpy's);
+- to bf16: through f32, rounded as above and then to bf16, ties to even; for 32- and 64-bit
+  integers that is two roundings (ml_dtypes' ``astype`` rounds them once, through f64).
+
+damacy reads f64 sources and writes f16, f64 and bool outputs besides; there the result is
+numpy's (ml_dtypes' for bf16), but for f64 to an integer (as float to integer above) and f64
+to bf16: rounded once to nearest even, not through f32 (ml_dtypes rounds it twice).
+:func:`differs` names the pairs where :func:`convert` is not ``astype``.
 
 Intensity normalisation, ``(x - offset) * scale`` fused into the cast (:func:`normalize`),
 is defined for float outputs only. It computes in f32 (f64 for an f64 output): ``x``,
@@ -42,10 +50,14 @@ def _is_bf16(dtype: np.dtype) -> bool:
 
 
 def differs(src: np.dtype, dst: np.dtype) -> bool:
-    """Whether the contract differs from numpy's ``astype`` for this pair (either byte order)."""
+    """Whether the contract differs from numpy's ``astype`` for this pair (either byte order):
+    float to integer, integer to a narrower integer range, 32- and 64-bit integers and f64 to
+    bf16. A same-range or widening integer pair is a plain ``astype``."""
     src, dst = np.dtype(src).newbyteorder("="), np.dtype(dst).newbyteorder("=")
-    if src.kind == "f" and dst.kind in "iu":
-        return True
+    if dst.kind in "iu":
+        if src.kind == "f":
+            return True
+        return src.kind in "iu" and _narrows(src, dst)
     return _is_bf16(dst) and (src == np.float64 or (src.kind in "iu" and src.itemsize >= 4))
 
 
@@ -58,12 +70,13 @@ def convert(arr, dtype) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         if not differs(arr.dtype, dtype):
             return arr.astype(dtype)
-        flat = arr.reshape(-1)
         if dtype.kind in "iu":
-            return _saturate(flat, dtype).reshape(arr.shape)
-        if flat.dtype.kind in "iu":
-            flat = _int_to_f64_odd(flat)
-        return _f64_to_f32_odd(flat.astype(np.float64)).astype(dtype).reshape(arr.shape)
+            if arr.dtype.kind in "iu":
+                return _clamp(arr, dtype)
+            return _saturate(arr.reshape(-1), dtype).reshape(arr.shape)
+        if arr.dtype.kind in "iu":  # to bf16 through f32: two roundings
+            return arr.astype(np.float32).astype(dtype)
+        return _f64_to_f32_odd(arr.reshape(-1)).astype(dtype).reshape(arr.shape)  # f64: once
 
 
 def is_float(dtype) -> bool:
@@ -91,6 +104,20 @@ def normalize(arr, dtype, offset: float, scale: float) -> np.ndarray:
         x = arr.astype(ct)
         y = (x - ct.type(offset)) * ct.type(scale)
         return y.astype(np.dtype(dtype).newbyteorder("="))
+
+
+def _narrows(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether integer type ``src`` holds values outside integer type ``dst``'s range."""
+    s, d = np.iinfo(src), np.iinfo(dst)
+    return s.min < d.min or s.max > d.max
+
+
+def _clamp(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """An integer array clamped to integer ``dtype``'s range, in its own type (both bounds
+    are values of it), then cast: no float in between."""
+    s, d = np.iinfo(arr.dtype), np.iinfo(dtype)
+    lo, hi = arr.dtype.type(max(s.min, d.min)), arr.dtype.type(min(s.max, d.max))
+    return np.clip(arr, lo, hi).astype(dtype)
 
 
 def _saturate(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -121,25 +148,6 @@ def _f64_to_f32_odd(a: np.ndarray) -> np.ndarray:
     return bits.view(np.float32)
 
 
-def _int_to_f64_odd(v: np.ndarray) -> np.ndarray:
-    """An integer array as f64 rounded to odd (exact below 2**53)."""
-    if v.dtype.itemsize < 8:
-        return v.astype(np.float64)
-    negative = v < 0 if v.dtype.kind == "i" else np.zeros(v.shape, dtype=bool)
-    m = v.astype(np.uint64)
-    m = np.where(negative, np.uint64(0) - m, m)  # |v| (2**63 for the minimum)
-    d = m.astype(np.float64)
-    top = d >= 2.0**64
-    back = np.where(top, 0.0, d).astype(np.uint64)
-    bits = d.view(np.uint64).copy()
-    lost = (top | (back != m)) & ((bits & np.uint64(1)) == 0)
-    down = top | (back > m)
-    bits[lost & down] -= np.uint64(1)
-    bits[lost & ~down] += np.uint64(1)
-    d = bits.view(np.float64)
-    return np.where(negative, -d, d)
-
-
 def edge_values(dtype: np.dtype) -> np.ndarray:
     """The values a conversion rule can get wrong, for tests and the hardware check: bounds,
     rounding midpoints, NaN payloads, signed zeros, subnormals, infinities."""
@@ -147,7 +155,9 @@ def edge_values(dtype: np.dtype) -> np.ndarray:
         return np.array([False, True])
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        vals = {0, 1, info.max, info.min, info.max - 1, info.min + 1, 127, 128, 255, 256, 32767, 32768, 65504, 65519, 65520, 65535, 65536}
+        vals = {0, 1, -1, -2, info.max, info.min, info.max - 1, info.min + 1, 65504, 65519, 65520}
+        for b in (7, 8, 15, 16, 31, 32, 63, 64):  # every integer type's bounds and their neighbours
+            vals.update({2**b - 1, 2**b, 2**b + 1, -(2**b) - 1, -(2**b), -(2**b) + 1})
         for p in (24, 31, 32, 53, 54, 62, 63):
             for d in (-1, 0, 1, 2**(p - 8) if p > 8 else 1, 2**(p - 9) if p > 9 else 1, 3 * 2**(p - 9) if p > 9 else 3):
                 vals.update({2**p + d, -(2**p + d), 2**p - d, -(2**p - d)})

@@ -72,7 +72,7 @@ class Planner(Protocol):
     def plan(
         self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad", *,
         capacity: int | None = None, cache: LRUCache | None = None, accept: Callable[[Any], Any] | None = None,
-        dtype: np.dtype | None = None,
+        dtype: np.dtype | None = None, caps: tuple[int | None, int | None] | None = None,
     ) -> BatchPlan: ...
 
 

@@ -57,7 +57,7 @@ class Figures:
             if name == "pop_wait":
                 with self._lock:
                     seconds, best, count = self._pop
-                metrics[name] = Metric(name, seconds * 1e3, best, 0.0, 0.0, count)
+                metrics[name] = Metric(name, seconds * 1e3, best, 0.0, 0.0, int(count))
             elif source is None:
                 metrics[name] = Metric(name, 0.0, NO_OBSERVATION_MS, 0.0, 0.0, 0)
             else:

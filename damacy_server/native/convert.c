@@ -1,7 +1,7 @@
-/* Element conversions, numpy's rounding (f16 and bf16 bits as damacy's numeric contract
- * defines them: the same code the GPU kernels run, ../cuda/kernels/convert.cuh): for every
- * pair offered, a row copy, a gather from an index list and a scatter to one, plain or
- * normalising, and the tables that name them. */
+/* Element conversions under damacy's numeric contract (../cuda/kernels/convert.cuh, whose
+ * code the GPU kernels run: f16 and bf16 bits, integers clamped to the output's range): for
+ * every pair offered, a row copy, a gather from an index list and a scatter to one, plain
+ * or normalising, and the tables that name them. */
 #include "native.h"
 
 #include <string.h>
@@ -83,7 +83,9 @@ static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p
         }                                                                              \
     }
 
-/* the plain rows: numpy's cast (EXPR, then the C conversion to DT) */
+/* the plain rows: EXPR, then the C conversion to DT (for integer outputs of an integer
+ * EXPR's result is in DT's range; for float outputs from integers and f32, a conversion
+ * rounded once to nearest even) */
 #define SETUP_PLAIN (void)nm
 #define PLAIN_VALUE(T, EXPR, x) ((T)(EXPR(x)))
 #define ROW(NAME, LOAD, SRC_SIZE, DT, EXPR) ROW_FAMILY(NAME, LOAD, SRC_SIZE, DT, SETUP_PLAIN, PLAIN_VALUE, DT, EXPR)
@@ -91,7 +93,13 @@ static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p
 #define AS_IS(v) (v)
 #define AS_BOOL(v) ((v) != 0)
 #define AS_HALF(v) float_to_half((float)(v))
-#define AS_BF16(v) float_to_bf16((float)(v))
+#define AS_BF16(v) float_to_bf16((float)(v)) /* through f32: from 32- and 64-bit integers two roundings */
+
+/* integer to integer: x (of the source's C type T, the range of type S, signed or not: CLAMP)
+ * clamped to type D's range in T's own arithmetic (convert.cuh's DAMACY_CLAMP_SIGNED and
+ * _UNSIGNED: at most a max and a min, which vectorise; none where S's range is within D's) */
+#define CLAMP_FN(SRC, T, S, CLAMP, DST, D)                                             \
+    static inline T SRC##_clamp_##DST(T x) { return CLAMP(T, x, S, D); }
 
 /* every source to: f32, f64, bool, integers (integer and bool sources only), f16, bf16 */
 #define ROWS_FOR(SRC, LOAD, SIZE)                                                      \
@@ -100,26 +108,29 @@ static inline uint8_t load_bool(const char *p, int swap) { (void)swap; return *p
     ROW(SRC##_to_b1, LOAD, SIZE, uint8_t, AS_BOOL)                                     \
     ROW(SRC##_to_f2, LOAD, SIZE, uint16_t, AS_HALF)                                    \
     ROW(SRC##_to_bf, LOAD, SIZE, uint16_t, AS_BF16)
-#define INT_ROWS_FOR(SRC, LOAD, SIZE)                                                  \
+#define INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, DST, DT, D)                              \
+    CLAMP_FN(SRC, T, S, CLAMP, DST, D)                                                 \
+    ROW(SRC##_to_##DST, LOAD, SIZE, DT, SRC##_clamp_##DST)
+#define INT_ROWS_FOR(SRC, T, S, CLAMP, LOAD, SIZE)                                     \
     ROWS_FOR(SRC, LOAD, SIZE)                                                          \
-    ROW(SRC##_to_i1, LOAD, SIZE, int8_t, AS_IS)                                        \
-    ROW(SRC##_to_u1, LOAD, SIZE, uint8_t, AS_IS)                                       \
-    ROW(SRC##_to_i2, LOAD, SIZE, int16_t, AS_IS)                                       \
-    ROW(SRC##_to_u2, LOAD, SIZE, uint16_t, AS_IS)                                      \
-    ROW(SRC##_to_i4, LOAD, SIZE, int32_t, AS_IS)                                       \
-    ROW(SRC##_to_u4, LOAD, SIZE, uint32_t, AS_IS)                                      \
-    ROW(SRC##_to_i8, LOAD, SIZE, int64_t, AS_IS)                                       \
-    ROW(SRC##_to_u8, LOAD, SIZE, uint64_t, AS_IS)
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, i1, int8_t, I1)                              \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, u1, uint8_t, U1)                             \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, i2, int16_t, I2)                             \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, u2, uint16_t, U2)                            \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, i4, int32_t, I4)                             \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, u4, uint32_t, U4)                            \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, i8, int64_t, I8)                             \
+    INT_ROW(SRC, T, S, CLAMP, LOAD, SIZE, u8, uint64_t, U8)
 
-INT_ROWS_FOR(b1, load_bool, 1)
-INT_ROWS_FOR(i1, load_int8_t, 1)
-INT_ROWS_FOR(u1, load_uint8_t, 1)
-INT_ROWS_FOR(i2, load_int16_t, 2)
-INT_ROWS_FOR(u2, load_uint16_t, 2)
-INT_ROWS_FOR(i4, load_int32_t, 4)
-INT_ROWS_FOR(u4, load_uint32_t, 4)
-INT_ROWS_FOR(i8, load_int64_t, 8)
-INT_ROWS_FOR(u8, load_uint64_t, 8)
+INT_ROWS_FOR(b1, uint8_t, B1, DAMACY_CLAMP_UNSIGNED, load_bool, 1)
+INT_ROWS_FOR(i1, int8_t, I1, DAMACY_CLAMP_SIGNED, load_int8_t, 1)
+INT_ROWS_FOR(u1, uint8_t, U1, DAMACY_CLAMP_UNSIGNED, load_uint8_t, 1)
+INT_ROWS_FOR(i2, int16_t, I2, DAMACY_CLAMP_SIGNED, load_int16_t, 2)
+INT_ROWS_FOR(u2, uint16_t, U2, DAMACY_CLAMP_UNSIGNED, load_uint16_t, 2)
+INT_ROWS_FOR(i4, int32_t, I4, DAMACY_CLAMP_SIGNED, load_int32_t, 4)
+INT_ROWS_FOR(u4, uint32_t, U4, DAMACY_CLAMP_UNSIGNED, load_uint32_t, 4)
+INT_ROWS_FOR(i8, int64_t, I8, DAMACY_CLAMP_SIGNED, load_int64_t, 8)
+INT_ROWS_FOR(u8, uint64_t, U8, DAMACY_CLAMP_UNSIGNED, load_uint64_t, 8)
 ROWS_FOR(f2, load_half, 2)
 ROWS_FOR(f4, load_float, 4)
 ROWS_FOR(f8, load_double, 8)
@@ -155,8 +166,8 @@ NROWS_FOR(f2, load_half, 2)
 NROWS_FOR(f4, load_float, 4)
 NROWS_FOR(f8, load_double, 8)
 
-/* [src][dst]: a row copy, a gather from an index list and a scatter to one; NONE where
- * numpy's semantics differ or are undefined (left to numpy) */
+/* [src][dst]: a row copy, a gather from an index list and a scatter to one; NONE: left to
+ * the numpy path (damacy_server/decode/contract.py, the same rules) */
 #define K(S, D) {S##_to_##D, S##_to_##D##_g, S##_to_##D##_s}
 #define NONE {NULL, NULL, NULL}
 #define INT_TABLE(S) \
@@ -164,16 +175,12 @@ NROWS_FOR(f8, load_double, 8)
 const conv_t dm_conv[T_COUNT][T_COUNT] = {
     /* bool: numpy copies a bool's byte to bool and ml_dtypes takes it as a number for bf16 */
     {NONE, K(b1, i1), K(b1, u1), K(b1, i2), K(b1, u2), K(b1, i4), K(b1, u4), K(b1, i8), K(b1, u8), K(b1, f2), K(b1, f4), K(b1, f8), NONE},
-    INT_TABLE(i1), INT_TABLE(u1), INT_TABLE(i2), INT_TABLE(u2),
-    /* wide integers: not to bf16 (ml_dtypes may round differently past 2**24) */
-    {K(i4, b1), K(i4, i1), K(i4, u1), K(i4, i2), K(i4, u2), K(i4, i4), K(i4, u4), K(i4, i8), K(i4, u8), K(i4, f2), K(i4, f4), K(i4, f8), NONE},
-    {K(u4, b1), K(u4, i1), K(u4, u1), K(u4, i2), K(u4, u2), K(u4, i4), K(u4, u4), K(u4, i8), K(u4, u8), K(u4, f2), K(u4, f4), K(u4, f8), NONE},
-    {K(i8, b1), K(i8, i1), K(i8, u1), K(i8, i2), K(i8, u2), K(i8, i4), K(i8, u4), K(i8, i8), K(i8, u8), K(i8, f2), K(i8, f4), K(i8, f8), NONE},
-    {K(u8, b1), K(u8, i1), K(u8, u1), K(u8, i2), K(u8, u2), K(u8, i4), K(u8, u4), K(u8, i8), K(u8, u8), K(u8, f2), K(u8, f4), K(u8, f8), NONE},
-    /* floats: not to integers (numpy's results there are platform-defined) */
+    INT_TABLE(i1), INT_TABLE(u1), INT_TABLE(i2), INT_TABLE(u2), INT_TABLE(i4), INT_TABLE(u4), INT_TABLE(i8), INT_TABLE(u8),
+    /* floats: not to integers (truncated and saturated by the numpy path: a C conversion of
+     * an out-of-range float is undefined) */
     /* f16 to f64 through f32 would quieten signalling NaNs numpy keeps */
     {K(f2, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f2, f2), K(f2, f4), NONE, K(f2, bf)},
-    /* f64 to f16/bf16 would round twice through f32 */
+    /* f64 to f16/bf16 would round twice through f32 (the contract rounds it once) */
     {K(f4, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f4, f2), K(f4, f4), K(f4, f8), K(f4, bf)},
     {K(f8, b1), NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE, K(f8, f4), K(f8, f8), NONE},
 };

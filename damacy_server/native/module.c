@@ -8,8 +8,8 @@
  *     the destination start and the extent;
  *   - per sample the destination's address and strides (elements of the output dtype).
  * zstd is reached through the system's libzstd (dlopen, no build-time dependency). Every
- * element conversion follows numpy's rules for the pairs offered here; pairs with other
- * semantics (float to integer, wide integers to bf16/f16 from f64) are left to numpy.
+ * element conversion follows damacy's numeric contract (convert.c); the pairs not offered
+ * here (float to integer, f64 to bf16/f16) are left to its numpy reference.
  */
 #include "native.h"
 

@@ -70,8 +70,8 @@ typedef void (*row_fn)(const char *src, char *dst, Py_ssize_t n, int swap, const
 typedef void (*gather_fn)(const char *src, const int64_t *index, char *dst, Py_ssize_t n, int swap, const double *nm);
 typedef void (*scatter_fn)(const char *src, int64_t src_start, const int64_t *src_index, char *dst,
                            const int64_t *dst_index, Py_ssize_t n, int swap, const double *nm);
-/* [src][dst]: a row copy, a gather from an index list and a scatter to one; NULL where
- * numpy's semantics differ or are undefined (left to numpy) */
+/* [src][dst]: a row copy, a gather from an index list and a scatter to one; NULL: left to
+ * the numpy path (damacy_server/decode/contract.py, the same rules) */
 typedef struct {
     row_fn row;
     gather_fn gather;

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, RankMismatch
+from damacy_protocol.limits import PlanLimits
 from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
-from damacy_protocol.limits import PlanLimits
 from damacy_server.plan.reads import ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
@@ -391,6 +391,9 @@ class Planner:
                     self._check_chunk_size(meta, caps)
                 fixed = accept(meta) if accept is not None else None
                 if isinstance(sample, (Sample, IndexQuery)):
+                    named = len(sample.selection)
+                    if named != meta.ndim and not any(e is Ellipsis for e in sample.selection):
+                        raise RankMismatch(f"names {named} axes, the array has {meta.ndim} (shape {meta.shape})")
                     axes, drop = resolve(sample.selection, meta.shape, out_of_bounds)
                 else:
                     axes, drop = sample_axes(sample, meta, out_of_bounds), []
@@ -400,9 +403,6 @@ class Planner:
                 out = shape if transform is None or transform[1] is None else tuple(result[a] for a in transform[1])
                 if not same_shape(out, sample_shape):
                     what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
-                    named = len(sample.selection) if isinstance(sample, (Sample, IndexQuery)) else meta.ndim
-                    if named != meta.ndim and Ellipsis not in getattr(sample, "selection", ()):
-                        raise RankMismatch(f"names {named} axes, the array has {meta.ndim} (shape {meta.shape})")
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
                 norm = sample.normalize
                 if norm is not None:  # written as the batch's dtype (native: the one the first array fixed)

@@ -9,7 +9,6 @@ asked to read.
 
 from __future__ import annotations
 
-
 from damacy_protocol.limits import PlanLimits
 from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote

@@ -24,8 +24,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from damacy_protocol.errors import DamacyError, DecodeError, InvalidArgument, MetadataError, NotFound, StorageError
 from damacy_protocol.limits import MetadataCache
-from damacy_protocol.errors import DecodeError, InvalidArgument, MetadataError, NotFound, DamacyError, StorageError
 from damacy_server.cache import LRUCache
 from damacy_server.plan.versions import Generations, Seen, differs, node_version
 from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri

@@ -20,6 +20,8 @@ MISSING = "missing"
 class Store(ABC):
     """Synchronous access to one storage backend; safe to call from many threads at once."""
 
+    __slots__ = ()
+
     @abstractmethod
     def read(self, key: str) -> bytes | None:
         """The whole object, or ``None`` when it does not exist."""

@@ -27,6 +27,7 @@ import stat
 import time
 from collections.abc import Sequence
 
+from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_protocol.limits import (
     DEFAULT_IO_WORKERS,
     DEFAULT_METADATA_CONCURRENCY,
@@ -35,7 +36,6 @@ from damacy_protocol.limits import (
     LatencyModel,
     positive_int,
 )
-from damacy_protocol.errors import InvalidArgument, StorageError
 from damacy_server import native
 from damacy_server.store.base import MISSING, ByteRange, Store
 
@@ -64,7 +64,11 @@ class FileStore(Store):
     reads files on behalf of its clients.
     """
 
+    __slots__ = ("roots", "_allowed", "_root_fds", "_roots_blob", "_flags")
+
     def __init__(self, roots: list[str] | None = None) -> None:
+        if not hasattr(self, "_flags"):
+            self._flags = _FLAGS  # open flags (``native.NO_READAHEAD`` among them: readahead off)
         self.roots = None if roots is None else [os.path.realpath(r) for r in roots]
         self._allowed: dict[str, float] = {}  # paths check_allowed found inside, until when
         self._root_fds: list[int] = []
@@ -106,9 +110,6 @@ class FileStore(Store):
         if not self.roots:
             return InvalidArgument("this damacyd serves no paths (start it with --allow-root DIR)", path=path)
         return InvalidArgument(f"{path} is outside the daemon's allowed roots ({', '.join(self.roots)})", path=path)
-
-    #: open flags (``native.NO_READAHEAD`` among them: a reader with readahead off)
-    _flags = _FLAGS
 
     def open(self, key: str) -> tuple[int, int] | None:
         """(descriptor open for reading, size) of a regular file, ``None`` when there is no
@@ -339,6 +340,8 @@ class FileMetadataReader(FileStore):
     planners and image loads may share it. ``roots`` (damacy's): read only below these
     folders (a daemon's ``--allow-root``)."""
 
+    __slots__ = ("concurrency", "latency")
+
     def __init__(self, *, concurrency: int = DEFAULT_METADATA_CONCURRENCY, latency: LatencyModel | None = None, roots: list[str] | None = None) -> None:
         if latency is None:
             latency = LatencyModel()
@@ -361,6 +364,8 @@ class FileReader(FileStore):
     advice fails the read (:class:`StorageError`). ``roots`` as for
     :class:`FileMetadataReader`."""
 
+    __slots__ = ("workers", "max_inflight_reads", "readahead")
+
     def __init__(
         self,
         *,
@@ -374,6 +379,5 @@ class FileReader(FileStore):
         self.workers = positive_int(workers, "workers", MAX_IO_THREADS)
         self.max_inflight_reads = positive_int(max_inflight_reads, "max_inflight_reads")
         self.readahead = readahead
-        if not readahead:
-            self._flags = _FLAGS | native.NO_READAHEAD
+        self._flags = _FLAGS if readahead else _FLAGS | native.NO_READAHEAD
         super().__init__(roots)

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, NotFound, DamacyError, StorageError, UnsupportedOperation
+from damacy_protocol.errors import DamacyError, InvalidArgument, NotFound, StorageError, UnsupportedOperation
 from damacy_server.store.base import ByteRange, Store, join_segments
 from damacy_server.store.failures import first_line
 

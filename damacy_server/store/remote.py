@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-from damacy_protocol.errors import InvalidArgument, DamacyError, StorageError, UnsupportedOperation
+from damacy_protocol.errors import DamacyError, InvalidArgument, StorageError, UnsupportedOperation
 from damacy_server.store.base import MISSING, ByteRange, Store, join_segments
 from damacy_server.store.failures import first_line, http_status, storage_error, unanswered
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import InvalidArgument, MetadataError, DamacyError, UnsupportedOperation
+from damacy_protocol.errors import DamacyError, InvalidArgument, MetadataError, UnsupportedOperation
 
 
 def multiscale_path(group: dict[str, Any], uri: str, level: int = 0) -> str | None:

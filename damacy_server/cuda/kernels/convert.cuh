@@ -2,23 +2,34 @@
  * damacy's numeric contract: the value an element of one dtype becomes in another, the same
  * on every path (numpy reference: damacy_server/contract.py; CPU native loop; GPU).
  *
- * Where numpy defines the result, it is numpy's (ml_dtypes' for bf16); where numpy's is
- * undefined or rounds twice, damacy defines it:
+ * The rules for the sources and outputs of damacy's API (integers, f16 and f32 into the
+ * integers, f32 and bf16):
  *
- *   float -> integer   truncated toward zero; NaN -> 0; below the type's range -> its
- *                      minimum, above -> its maximum (-inf and +inf included). This is
- *                      what CUDA's saturating conversions do; numpy's result is
- *                      platform-defined there.
- *   integer -> integer two's complement wrap-around (numpy's).
- *   integer -> float   rounded once, to nearest even.
+ *   integer -> integer values in range are kept; out of range clamped to the type's range
+ *                      (a negative to 0 for an unsigned type), in integer arithmetic, never
+ *                      through a float (numpy's astype wraps instead).
+ *   float -> integer   truncated toward zero, then clamped to the type's range; NaN -> 0;
+ *                      +inf -> the maximum, -inf -> the minimum (0 for an unsigned type).
+ *                      What CUDA's saturating conversions do; numpy's is platform-defined.
+ *   integer, f16 -> f32 rounded to nearest, ties to even (f32 kept as it is).
+ *   -> bf16            through f32: the value rounded to f32 as above, then to bf16 to
+ *                      nearest even (for 32- and 64-bit integers two roundings; ml_dtypes
+ *                      rounds those once, through f64); every NaN becomes the quiet NaN
+ *                      0x7fc0 with its sign.
+ *
+ * And for the dtypes damacy reads or writes beyond those (f64 sources, f16, f64 and bool
+ * outputs), as numpy does where it defines the result:
+ *
+ *   f64 -> integer     as float -> integer above.
+ *   f64 -> bf16        rounded once, to nearest even (not through f32: ml_dtypes rounds it
+ *                      twice).
  *   f64 -> f32         rounded to nearest even; beyond the range -> +-inf; NaN keeps its
  *                      sign and its top 22 payload bits and becomes quiet.
+ *   integer -> f64     rounded once, to nearest even.
  *   f32/f16 -> f64     exact; a NaN from f32 becomes quiet, a NaN from f16 keeps its bits.
- *   -> f16             rounded once to nearest even (also from f64, which numpy does too);
- *                      a NaN keeps its sign and its top 10 payload bits (at least one set).
- *   -> bf16            rounded once to nearest even (also from f64 and wide integers, which
- *                      ml_dtypes rounds twice, through f32); every NaN becomes the quiet NaN
- *                      0x7fc0 with its sign.
+ *   -> f16             rounded once to nearest even (also from f64 and integers, which
+ *                      numpy does too); a NaN keeps its sign and its top 10 payload bits
+ *                      (at least one set).
  *   -> bool            nonzero (NaN included) -> 1.
  *
  * Intensity normalisation, (x - offset) * scale fused into the conversion, writes float
@@ -170,24 +181,6 @@ DAMACY_FN uint16_t f64_to_bf16(double d) { /* rounded once */
     return f32_to_bf16(f64_to_f32_odd(d));
 }
 
-/* |v| of a 64-bit integer to f64 rounded to odd (exact below 2**53) */
-DAMACY_FN double u64_to_f64_odd(uint64_t m) {
-    double d = (double)m; /* an integer to a float: defined, to nearest even */
-    if (d >= 18446744073709551616.0) { /* rounded up to 2**64: step down to odd */
-        return bits_f64(f64_bits(d) - 1u);
-    }
-    uint64_t back = (uint64_t)d; /* d < 2**64: in range */
-    if (back == m || (f64_bits(d) & 1u)) return d;
-    return bits_f64(back > m ? f64_bits(d) - 1u : f64_bits(d) + 1u);
-}
-
-DAMACY_FN uint16_t u64_to_bf16(uint64_t m) { return f64_to_bf16(u64_to_f64_odd(m)); }
-DAMACY_FN uint16_t i64_to_bf16(int64_t v) {
-    uint64_t m = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
-    uint16_t h = u64_to_bf16(m);
-    return v < 0 ? (uint16_t)(h | 0x8000u) : h;
-}
-
 /* ---- float -> integer: saturating --------------------------------------------------- */
 #define DAMACY_SAT(NAME, T, LO, HI)                                                        \
     DAMACY_FN T NAME(double v) {                                                           \
@@ -216,15 +209,59 @@ DAMACY_FN uint64_t sat_u8(double v) {
     return (uint64_t)v;
 }
 
-/* ---- integer -> integer: wrap-around ------------------------------------------------ */
-DAMACY_FN int8_t wrap_i1(uint64_t v) { uint8_t u = (uint8_t)v; int8_t r; DAMACY_MEMCPY(&r, &u, 1); return r; }
-DAMACY_FN uint8_t wrap_u1(uint64_t v) { return (uint8_t)v; }
-DAMACY_FN int16_t wrap_i2(uint64_t v) { uint16_t u = (uint16_t)v; int16_t r; DAMACY_MEMCPY(&r, &u, 2); return r; }
-DAMACY_FN uint16_t wrap_u2(uint64_t v) { return (uint16_t)v; }
-DAMACY_FN int32_t wrap_i4(uint64_t v) { uint32_t u = (uint32_t)v; int32_t r; DAMACY_MEMCPY(&r, &u, 4); return r; }
-DAMACY_FN uint32_t wrap_u4(uint64_t v) { return (uint32_t)v; }
-DAMACY_FN int64_t wrap_i8(uint64_t v) { int64_t r; DAMACY_MEMCPY(&r, &v, 8); return r; }
-DAMACY_FN uint64_t wrap_u8(uint64_t v) { return v; }
+/* ---- integer -> integer: clamped --------------------------------------------------- */
+/* Each integer type's bounds: the minima as long long, the maxima as unsigned long long, so
+ * that comparing two minima or two maxima is exact (every minimum is <= 0, every maximum
+ * >= 0). DAMACY_CLAMP_LO(S, D) and DAMACY_CLAMP_HI(S, D) bound type D's range within type
+ * S's, so both are values of S. DAMACY_CLAMP_SIGNED(T, x, S, D) clamps x, of the signed C
+ * type T whose range is S's, to D's range in T's own arithmetic (no wider type, no float,
+ * no comparison of mixed signedness), and the result converts to D exactly;
+ * DAMACY_CLAMP_UNSIGNED the same for an unsigned T (never below any type's minimum). A
+ * bound that is S's own is not tested (a constant false guard the compiler drops): a pair
+ * whose range S is within D's is a plain copy. The native CPU loop (../../native/convert.c)
+ * clamps each source in its own type (a max and a min: vectorised); store_value below
+ * clamps the 64-bit form of a loaded integer (int64_t when signed, uint64_t when not). */
+#define DAMACY_MIN_B1 0ll
+#define DAMACY_MAX_B1 1ull
+#define DAMACY_MIN_I1 (-128ll)
+#define DAMACY_MAX_I1 127ull
+#define DAMACY_MIN_U1 0ll
+#define DAMACY_MAX_U1 255ull
+#define DAMACY_MIN_I2 (-32768ll)
+#define DAMACY_MAX_I2 32767ull
+#define DAMACY_MIN_U2 0ll
+#define DAMACY_MAX_U2 65535ull
+#define DAMACY_MIN_I4 (-2147483647ll - 1)
+#define DAMACY_MAX_I4 2147483647ull
+#define DAMACY_MIN_U4 0ll
+#define DAMACY_MAX_U4 4294967295ull
+#define DAMACY_MIN_I8 (-9223372036854775807ll - 1)
+#define DAMACY_MAX_I8 9223372036854775807ull
+#define DAMACY_MIN_U8 0ll
+#define DAMACY_MAX_U8 18446744073709551615ull
+#define DAMACY_CLAMP_LO(S, D) (DAMACY_MIN_##D > DAMACY_MIN_##S ? DAMACY_MIN_##D : DAMACY_MIN_##S)
+#define DAMACY_CLAMP_HI(S, D) (DAMACY_MAX_##D < DAMACY_MAX_##S ? DAMACY_MAX_##D : DAMACY_MAX_##S)
+#define DAMACY_CLAMP_UNSIGNED(T, x, S, D) \
+    ((DAMACY_MAX_##D < DAMACY_MAX_##S && (x) > (T)DAMACY_CLAMP_HI(S, D)) ? (T)DAMACY_CLAMP_HI(S, D) : (x))
+#define DAMACY_CLAMP_SIGNED(T, x, S, D)                                                              \
+    ((DAMACY_MIN_##D > DAMACY_MIN_##S && (x) < (T)DAMACY_CLAMP_LO(S, D)) ? (T)DAMACY_CLAMP_LO(S, D) \
+                                                                        : DAMACY_CLAMP_UNSIGNED(T, x, S, D))
+
+/* a loaded integer (its 64-bit form, sign-extended when signed) clamped to type D's range,
+ * as the 64-bit form of the result */
+DAMACY_FN int64_t as_i64(uint64_t v) { int64_t r; DAMACY_MEMCPY(&r, &v, 8); return r; }
+#define DAMACY_CLAMP_VALUE(v, D)                                                              \
+    ((v).is_signed ? (uint64_t)DAMACY_CLAMP_SIGNED(int64_t, as_i64((v).i), I8, D) : DAMACY_CLAMP_UNSIGNED(uint64_t, (v).i, U8, D))
+
+/* an integer in the type's range, from its 64-bit form: its low bytes */
+DAMACY_FN int8_t narrow_i1(uint64_t v) { uint8_t u = (uint8_t)v; int8_t r; DAMACY_MEMCPY(&r, &u, 1); return r; }
+DAMACY_FN uint8_t narrow_u1(uint64_t v) { return (uint8_t)v; }
+DAMACY_FN int16_t narrow_i2(uint64_t v) { uint16_t u = (uint16_t)v; int16_t r; DAMACY_MEMCPY(&r, &u, 2); return r; }
+DAMACY_FN uint16_t narrow_u2(uint64_t v) { return (uint16_t)v; }
+DAMACY_FN int32_t narrow_i4(uint64_t v) { uint32_t u = (uint32_t)v; int32_t r; DAMACY_MEMCPY(&r, &u, 4); return r; }
+DAMACY_FN uint32_t narrow_u4(uint64_t v) { return (uint32_t)v; }
+DAMACY_FN int64_t narrow_i8(uint64_t v) { return as_i64(v); }
+DAMACY_FN uint64_t narrow_u8(uint64_t v) { return v; }
 
 /* ---- one source element ------------------------------------------------------------- */
 /* A loaded element: integers (and bools) as their two's complement bits widened to 64 (a
@@ -332,9 +369,8 @@ DAMACY_FN void store_value(char *q, int dt, damacy_value v) {
         uint16_t h;
         if (v.kind == 1) h = f32_to_bf16(f16_to_f32((uint16_t)v.bits));
         else if (v.kind == 2) h = f32_to_bf16(bits_f32(v.bits));
-        else if (v.kind == 3) h = f64_to_bf16(v.f);
-        else if (v.is_signed) { int64_t s; DAMACY_MEMCPY(&s, &v.i, 8); h = i64_to_bf16(s); }
-        else h = u64_to_bf16(v.i);
+        else if (v.kind == 3) h = f64_to_bf16(v.f); /* f64: rounded once */
+        else h = f32_to_bf16(value_f32(v)); /* an integer: through f32, two roundings */
         DAMACY_MEMCPY(q, &h, 2);
         return;
     }
@@ -343,14 +379,14 @@ DAMACY_FN void store_value(char *q, int dt, damacy_value v) {
     /* integer outputs */
     if (v.kind == 0) {
         switch (dt) {
-        case DT_I1: { int8_t r = wrap_i1(v.i); DAMACY_MEMCPY(q, &r, 1); return; }
-        case DT_U1: { uint8_t r = wrap_u1(v.i); DAMACY_MEMCPY(q, &r, 1); return; }
-        case DT_I2: { int16_t r = wrap_i2(v.i); DAMACY_MEMCPY(q, &r, 2); return; }
-        case DT_U2: { uint16_t r = wrap_u2(v.i); DAMACY_MEMCPY(q, &r, 2); return; }
-        case DT_I4: { int32_t r = wrap_i4(v.i); DAMACY_MEMCPY(q, &r, 4); return; }
-        case DT_U4: { uint32_t r = wrap_u4(v.i); DAMACY_MEMCPY(q, &r, 4); return; }
-        case DT_I8: { int64_t r = wrap_i8(v.i); DAMACY_MEMCPY(q, &r, 8); return; }
-        case DT_U8: { uint64_t r = wrap_u8(v.i); DAMACY_MEMCPY(q, &r, 8); return; }
+        case DT_I1: { int8_t r = narrow_i1(DAMACY_CLAMP_VALUE(v, I1)); DAMACY_MEMCPY(q, &r, 1); return; }
+        case DT_U1: { uint8_t r = narrow_u1(DAMACY_CLAMP_VALUE(v, U1)); DAMACY_MEMCPY(q, &r, 1); return; }
+        case DT_I2: { int16_t r = narrow_i2(DAMACY_CLAMP_VALUE(v, I2)); DAMACY_MEMCPY(q, &r, 2); return; }
+        case DT_U2: { uint16_t r = narrow_u2(DAMACY_CLAMP_VALUE(v, U2)); DAMACY_MEMCPY(q, &r, 2); return; }
+        case DT_I4: { int32_t r = narrow_i4(DAMACY_CLAMP_VALUE(v, I4)); DAMACY_MEMCPY(q, &r, 4); return; }
+        case DT_U4: { uint32_t r = narrow_u4(DAMACY_CLAMP_VALUE(v, U4)); DAMACY_MEMCPY(q, &r, 4); return; }
+        case DT_I8: { int64_t r = narrow_i8(DAMACY_CLAMP_VALUE(v, I8)); DAMACY_MEMCPY(q, &r, 8); return; }
+        case DT_U8: { uint64_t r = narrow_u8(DAMACY_CLAMP_VALUE(v, U8)); DAMACY_MEMCPY(q, &r, 8); return; }
         default: return;
         }
     }
