@@ -90,7 +90,7 @@ def run_damacy(uris: list[str], tasks: int):
     import damacy.ray
 
     tiles = damacy.GridBoxes(uris, CHUNKS)
-    cfg = damacy.Config(samples_per_batch=4, sample_shape=CHUNKS, dtype="u16", io_workers=1, decode_workers=1)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=CHUNKS, dtype="u16", n_io_threads=1, decode_workers=1, drop_last=False)
     return damacy.ray.read(
         tiles, cfg, embedded=True, rows_per_task=len(tiles) // tasks, override_num_blocks=tasks
     ), "data"

@@ -47,6 +47,7 @@ def damacy_config(scn, **kw) -> damacy.Config:
         lookahead_samples=kw.pop("lookahead_samples", 3 * scn.samples_per_batch),
         prepared_batches=kw.pop("prepared_batches", 3),
         pop_timeout_s=600,
+        drop_last=kw.pop("drop_last", False),  # every sample, as the other readers read them
         **kw,
     )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
-from damacy_protocol.errors import InvalidArgument, PipelineDrained
+from damacy_protocol.errors import InvalidArgument, PipelineDrained, PoolStarved
 from damacy_protocol.samples import IndexQuery, Sample
 from damacy_runtime.batch import Batch
 
@@ -164,7 +164,7 @@ class MultiPipeline:
             except PipelineDrained:
                 self._let_go()
                 raise
-            except TimeoutError:  # nothing delivered (SlotsHeld too): the next pop asks again
+            except PoolStarved:  # timed out, nothing delivered (SlotsHeld too): the next pop asks again
                 raise
             except Exception as e:  # batch k of this name is spent (a sample's error, a failed
                 self._pending[name] = e  # batch, the iterable's): every name's k goes with it

@@ -74,10 +74,10 @@ class _AnyPipeline(ABCMeta):
     """``isinstance(p, damacy.Pipeline)`` holds for both kinds (they share PipelineAPI)."""
 
     def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, PipelineAPI)
+        return PipelineAPI in type(obj).__mro__
 
-    def __subclasscheck__(cls, sub) -> bool:
-        return isinstance(sub, type) and issubclass(sub, PipelineAPI)
+    def __subclasscheck__(cls, sub) -> bool:  # (by the MRO: ABCMeta's check would ask this class again)
+        return isinstance(sub, type) and PipelineAPI in sub.__mro__
 
 
 class Pipeline(PipelineAPI, metaclass=_AnyPipeline):

@@ -81,7 +81,8 @@ class Loader(IterableDataset):
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        """Batches in an epoch (the last may be short, or dropped with ``drop_last``)."""
+        """Batches in an epoch: whole ones (``drop_last``, the Config's default: a short
+        last batch is left out), or with the last one short (``drop_last=False``)."""
         n = self.config.samples_per_batch
         return len(self.sampler) // n if self.config.drop_last else (len(self.sampler) + n - 1) // n
 
@@ -118,7 +119,7 @@ class Loader(IterableDataset):
             self._restore = None
         pipe.push(self.sampler)
         self._yielded, self._finished, self._pipe_epoch = True, False, self.epoch
-        for batch in pipe.batches(len(self)):
+        for batch in pipe.batches():  # until the epoch is drained (after a restore: its rest)
             x = torch.from_dlpack(batch)
             batch_info = batch.info
             batch.release()  # the tensor holds the slot now; the batch counts as seen
@@ -128,7 +129,10 @@ class Loader(IterableDataset):
                 x = x.to(self.device, non_blocking=True)
             yield (x, batch_info) if self.with_info else x
             x = batch_info = None  # the caller's now: this frame must not keep its slot while the next pops
-        self._finished = True
+        # with drop_last, the samples of a short last batch stay queued in the pipeline (a
+        # later push would complete that batch with the next epoch's): the next iteration
+        # starts over, as after an epoch left half read
+        self._finished = not (self.config.drop_last and len(self.sampler) % self.config.samples_per_batch)
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

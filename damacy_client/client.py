@@ -217,7 +217,7 @@ class RemotePipeline(PipelineAPI):
         """Everything this client will push (for now) was sent (call with the lock held)."""
         return self._final_sent and not self._sources
 
-    def _pop(self, timeout: float | None) -> Batch:
+    def _pop(self, timeout: float | None, end_at_tail: bool = False) -> Batch | None:
         """The next batch in push order (see :meth:`PipelineAPI.pop`). The next batch is
         requested as soon as this one is handed out, so a pop whose batch is ready costs no
         round trip to the daemon."""
@@ -227,12 +227,12 @@ class RemotePipeline(PipelineAPI):
         deadline = front.deadline(timeout)
         started = front.now()
         try:
-            return self._pop_batch(deadline, timeout)
+            return self._pop_batch(deadline, timeout, end_at_tail)
         finally:
             self._pop_seconds += front.now() - started
             self._pops += 1
 
-    def _pop_batch(self, deadline: float | None, timeout: float | None) -> Batch:
+    def _pop_batch(self, deadline: float | None, timeout: float | None, end_at_tail: bool) -> Batch | None:
         with self._cond:
             error = self._due_source_error()
         if error is not None:
@@ -256,10 +256,13 @@ class RemotePipeline(PipelineAPI):
                 call.event.wait(0.05 if left is None else min(left, 0.05))
                 continue
             try:
-                answered = call.event.wait(front.time_left(deadline))
+                answered = self._wait(call, deadline, end_at_tail)
             except BaseException:  # interrupted (Ctrl-C): the batch it asked for is the next pop's
                 self._next_call = call
                 raise
+            if answered is None:  # iterating, and only a short last batch waits for a push
+                self._next_call = call
+                return None
             if not answered:
                 self._next_call = call  # its answer will serve the next pop
                 raise self._waiting_for(timeout)
@@ -280,6 +283,8 @@ class RemotePipeline(PipelineAPI):
                 self._cond.notify_all()
             consumed = list(by_seq.values())
             if isinstance(err, PipelineDrained):
+                if self._deferred is not None:  # an input error found ahead goes first
+                    self._raise_deferred("pop")
                 with self._cond:
                     error = self._due_source_error(drained=True)
                     err.skipped = (*self._unlisted, *self._skipped_of(reply.errors))
@@ -303,6 +308,22 @@ class RemotePipeline(PipelineAPI):
         self._handed(batch)
         self._next_call = self._request_pop()
         return batch
+
+    def _wait(self, call: Call, deadline: float | None, end_at_tail: bool) -> bool | None:
+        """Wait for ``call``'s answer until ``deadline``: True when it came, False when the
+        time ran out, None when (``end_at_tail``) nothing can come but a short last batch
+        waiting for a later push. An input error found ahead meanwhile is raised."""
+        while True:
+            left = front.time_left(deadline)
+            if call.event.wait(0.1 if left is None else min(left, 0.1)):
+                return True
+            if self._deferred is not None:
+                self._next_call = call
+                self._raise_deferred("pop")
+            if end_at_tail and self._only_tail():
+                return None
+            if left is not None and left <= 0.1:
+                return call.event.is_set()
 
     def _stale_drain(self, call: Call) -> bool:
         """A "drained" answer that predates input this client has pushed, or will push, since

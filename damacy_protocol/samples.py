@@ -507,5 +507,9 @@ def check_pushed(item: Any, shape: tuple[int, ...], pad: bool) -> Any:
         )
     got = item.result_shape()
     if got is not None and tuple(got) != tuple(shape):
-        raise InvalidArgument(f"its shape {tuple(got)} is not the batch's sample shape {tuple(shape)}", sample=item)
+        raise InvalidArgument(
+            f"its shape {tuple(got)} is not the batch's sample shape {tuple(shape)} (an integer selects a point and "
+            "drops its axis: np.s_[3, 0:7, 10:18] is a 2-d sample of a volume)",
+            sample=item,
+        )
     return item

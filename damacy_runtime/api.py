@@ -100,6 +100,13 @@ class PipelineAPI(ABC):
         (naming the sample) is raised at the pop that would have held it: with
         ``on_error="stop"`` the pipeline stops there, and every later pop raises it again
         (``push``: :class:`ShutdownError`); with ``"raise"`` the next pop goes on."""
+        batch = self._checked_pop(timeout, end_at_tail=False)
+        assert batch is not None
+        return batch
+
+    def _checked_pop(self, timeout: float | None, end_at_tail: bool) -> Batch | None:
+        """:meth:`pop`; with ``end_at_tail``, None once nothing can come but a short last
+        batch waiting for a later push (how iterating ends)."""
         self._check_process()
         self._check_open("pop")
         if self._terminal is not None:
@@ -108,7 +115,7 @@ class PipelineAPI(ABC):
         if timeout is None:
             timeout = self.pop_timeout_s
         try:
-            return self._pop(timeout)
+            return self._pop(timeout, end_at_tail)
         except DamacyError as e:
             if self._closed and not isinstance(e, ShutdownError):  # closed while it waited
                 raise ShutdownError(CLOSED, what="closed") from None
@@ -118,13 +125,14 @@ class PipelineAPI(ABC):
         """``n`` batches, one ``pop()`` each, lazily (``None``: every batch, until the
         pipeline is drained)."""
         if n is None:
-            while not self._only_tail():
+            while True:
                 try:
-                    batch = self.pop()
+                    batch = self._checked_pop(None, end_at_tail=True)
                 except PipelineDrained:
                     return
+                if batch is None:
+                    return
                 yield batch
-            return
         for _ in range(n):
             yield self.pop()
 
@@ -171,7 +179,7 @@ class PipelineAPI(ABC):
     def _push(self, samples: Iterable[Any]) -> None: ...
 
     @abstractmethod
-    def _pop(self, timeout: float | None) -> Batch: ...
+    def _pop(self, timeout: float | None, end_at_tail: bool = False) -> Batch | None: ...
 
     @abstractmethod
     def _close(self) -> None: ...
@@ -185,10 +193,6 @@ class PipelineAPI(ABC):
     @abstractmethod
     def _device_index(self) -> int: ...
 
-    def _only_tail(self) -> bool:
-        """Nothing can come but the samples of a short last batch waiting for a later push
-        (``drop_last``): where iterating the pipeline ends."""
-        return False
 
     def _check_open(self, what: str) -> None:
         if self._closed:

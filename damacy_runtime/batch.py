@@ -270,7 +270,7 @@ class Batch:
         its stream when it is deleted.)"""
         handle = cuda_event_handle(event)
         if handle is not None:
-            if not self.on_device:
+            if self._device is None:  # (a GPU pipeline's batch, the host stand-in's too, takes one)
                 raise InvalidArgument("a CPU batch is released without an event (event=None)")
             array = self._array
             if isinstance(array, DeviceArray) and array.sync is not None:

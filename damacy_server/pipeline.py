@@ -220,6 +220,7 @@ class Pipeline(PipelineAPI):
                     return not self._closed  # (the next round looks again)
                 if self._closed:
                     return False
+            core.pump()  # first: a batch taken in starts even while the input stalls below
             self._take_in(deferred=True)
             core.pump()
             dropped = core.take_dropped()
@@ -244,7 +245,7 @@ class Pipeline(PipelineAPI):
         """Would :meth:`pop` return (or raise) at once?"""
         return self.engine.ready()
 
-    def _pop(self, timeout: float | None) -> Batch:
+    def _pop(self, timeout: float | None, end_at_tail: bool = False) -> Batch | None:
         deadline = front.deadline(timeout)
         started = front.now()
         with self._cond:
@@ -266,6 +267,8 @@ class Pipeline(PipelineAPI):
                     drained = PipelineDrained(self._drained_why())
                     drained.skipped = tuple(self.engine.take_skipped())
                     raise drained
+                if end_at_tail and self._only_tail():
+                    return None
                 if self._all_slots_held():  # nothing can come until the caller lets a batch go
                     raise front.slots_held(self.engine.slot_count)
                 left = front.time_left(deadline)
@@ -287,6 +290,7 @@ class Pipeline(PipelineAPI):
         return f"all {self.engine.delivered_ids} batches were delivered and the input is exhausted"
 
     def _only_tail(self) -> bool:
+        """Nothing can come but a short last batch waiting for a later push (drop_last)."""
         with self._cond:
             return not self._sources and not self._pulling and self._core.short_tail() > 0
 
@@ -523,8 +527,11 @@ def _components(config: Config) -> tuple[ChunkPlanner, Any]:
     chunks = FileReader(workers=config.n_io_threads)
     if not config.on_gpu:
         return planner, CpuExecutor(reader=chunks, limits=config.cpu_limits)
+    from damacy_runtime.devices import check_device
     from damacy_server.cuda.executor import CudaExecutor
 
+    if config.device is not None:
+        check_device(config.device, "Config.device")  # (its message names the field)
     executor = CudaExecutor(
         reader=chunks,
         limits=config.cuda_limits,

@@ -6,6 +6,7 @@ instead of ``object`` to hand it to a Trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import damacy
@@ -24,8 +25,10 @@ class ZarrDataModule:
         """Samplers read rank and world size from torchrun's environment (RANK, WORLD_SIZE)."""
         cfg = damacy.Config(samples_per_batch=self.batch, sample_shape=self.sample_shape, dtype="f32")
         self.train = Loader(cfg, damacy.RandomBoxes(self.train_uris, self.sample_shape, seed=self.seed, samples_per_epoch=self.samples_per_epoch))
-        # every voxel once across ranks; padding windows are marked in the batch's info
-        self.val = Loader(cfg, damacy.GridBoxes(self.val_uris, self.sample_shape), with_info=True)
+        # every voxel once across ranks (drop_last=False: the last batch short rather than
+        # left out); padding windows are marked in the batch's info
+        val_cfg = dataclasses.replace(cfg, drop_last=False)
+        self.val = Loader(val_cfg, damacy.GridBoxes(self.val_uris, self.sample_shape), with_info=True)
 
     def train_dataloader(self) -> Loader:
         return self.train

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from damacy_protocol.config import Config
 from damacy_protocol.dtypes import numpy_dtype
 from damacy_server.decode.contract import convert
 
@@ -39,3 +42,45 @@ def same(got: np.ndarray, want: np.ndarray) -> bool:
     if got.dtype.kind == "f" or got.dtype.name == "bfloat16":
         return bool(np.array_equal(got.astype("f8"), want.astype("f8"), equal_nan=True))
     return bool(np.array_equal(got, want))
+
+
+# -- a pipeline composed from a Config's values with parts of a test's own ------------------
+# (a Config and components together are refused: tests that gave ``damacy.Pipeline(cfg,
+# executor=...)`` an executor with other limits compose the pipeline the documented way,
+# with the Config's settings for every part they do not give)
+
+
+def planner_for(cfg: Config, *, reader: Any = None, remote: Any = None) -> Any:
+    """The planner a Config pipeline makes (``reader``: a FileMetadataReader of the test's;
+    ``remote``: object-store options)."""
+    import damacy
+
+    reader = reader if reader is not None else damacy.FileMetadataReader(concurrency=cfg.metadata_io_concurrency)
+    metadata = damacy.ZarrMetadata(reader=reader, cache=cfg.metadata_cache, remote=remote)
+    return damacy.ChunkPlanner(metadata=metadata, limits=cfg.plan_limits)
+
+
+def cpu_executor_for(cfg: Config, **limits: Any) -> Any:
+    """The CPU executor a Config pipeline makes, with ``limits`` (CpuLimits fields) changed."""
+    import dataclasses
+
+    import damacy
+
+    return damacy.CpuExecutor(reader=damacy.FileReader(workers=cfg.n_io_threads), limits=dataclasses.replace(cfg.cpu_limits, **limits))
+
+
+def composed(cfg: Config, *, executor: Any = None, planner: Any = None) -> Any:
+    """``damacy.Pipeline(cfg)`` with ``executor`` and/or ``planner`` in place of its own (its
+    policies, queues and pop timeout the Config's)."""
+    import damacy
+
+    return damacy.Pipeline(
+        planner=planner if planner is not None else planner_for(cfg),
+        executor=executor if executor is not None else cpu_executor_for(cfg),
+        output=cfg.output,
+        queues=cfg.queues,
+        pop_timeout_s=cfg.pop_timeout_s,
+        on_error=cfg.on_error,
+        out_of_bounds=cfg.out_of_bounds,
+        drop_last=cfg.drop_last,
+    )

@@ -62,7 +62,7 @@ def rss(pid: int, field: str = "VmRSS") -> int:
 
 def daemon_sessions(endpoint: str) -> int:
     with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(1,)), endpoint=endpoint) as p:
-        return len([s for s in p.stats()["sessions"] if not s["control"]]) - 1  # not this one
+        return len([s for s in p.stats_dict()["sessions"] if not s["control"]]) - 1  # not this one
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_eight_clients_against_a_small_memory_budget_stay_within_it(volume, tmp_
         outs = [c.communicate(timeout=280)[0].strip() for c in clients]
         assert [c.returncode for c in clients] == [0] * 8 and outs == ["48"] * 8  # every sample of every client: no deadlock
         with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(1,)), endpoint=proc.endpoint) as p:
-            memory = p.stats()["memory"]
+            memory = p.stats_dict()["memory"]
         assert 0 < memory["peak_bytes"] <= budget  # what the budget lent at its most
         peak = rss(proc.pid, "VmHWM")
         overhead = 64 << 20  # stated in the README: threads' stacks and arenas, decoders' buffers, Python's objects

@@ -66,21 +66,21 @@ def execute(executor, plan, out_dtype):
     return outs, {**plan.errors, **errors}
 
 
-def cuda_executor(device, **limits):
+def cuda_executor(device, reader=None, **limits):
     """The CUDA executor on ``device`` (a HostDevice or a fake: ``backend=``), with the
     default GPU budget unless ``limits`` says otherwise."""
     limits = {"max_gpu_memory_bytes": DEFAULT_GPU_MEMORY_BYTES, **limits}
-    return damacy.CudaExecutor(reader=damacy.FileReader(), limits=damacy.CudaLimits(**limits), backend=device)
+    return damacy.CudaExecutor(reader=reader or damacy.FileReader(), limits=damacy.CudaLimits(**limits), backend=device)
 
 
-def composed(executor, samples, shape, dtype="f32", prepared=2, **kw):
+def composed(executor, samples, shape, dtype="f32", prepared=2, lookahead=None, **kw):
     """A pipeline composed with ``executor`` (which it claims, and closes as it closes)."""
     planner = damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache()))
     return damacy.Pipeline(
         planner=planner,
         executor=executor,
         output=damacy.BatchSpec(samples, shape, dtype),
-        queues=damacy.QueueLimits(lookahead_samples=2 * samples, prepared_batches=prepared),
+        queues=damacy.QueueLimits(lookahead_samples=lookahead or 2 * samples, prepared_batches=prepared),
         pop_timeout_s=60,
         **kw,
     )
@@ -334,14 +334,167 @@ def test_closing_the_cuda_executor_mid_stream_returns_its_device_memory(arrays):
 
     uri = arrays["zstd-u16"][0]
     for _ in range(3):
-        executor = cuda_executor(HostDevice())
-        pipe = composed(executor, 1, (2, 16, 20), prepared=4)
+        # two reader threads, four batches in flight: batches wait in the readers' queue
+        executor = cuda_executor(HostDevice(), reader=damacy.FileReader(workers=2))
+        pipe = composed(executor, 1, (2, 16, 20), prepared=4, lookahead=8)
         pipe.push([damacy.Sample(uri, np.s_[z : z + 2, 0:16, 0:20]) for z in range(0, 10)] * 20)
         deadline = time.monotonic() + 60
         while executor._readers.queued() + executor._pool.queued() < 1 and time.monotonic() < deadline:
             time.sleep(0.0005)  # until a batch waits in a queue
+        assert time.monotonic() < deadline, "no batch waited in the executor's queues"
         pipe.close()  # closes the executor it claimed
         assert executor._closed
         del pipe
         gc.collect()
         assert executor.budget.used == executor.budget.slots == 0
+
+
+# -- making a CUDA executor: the device it binds, what it refuses ------------------------------
+
+
+def test_a_cuda_executor_without_a_cuda_device_is_refused_saying_why(monkeypatch):
+    from damacy_runtime import devices
+
+    monkeypatch.delenv(devices.STANDIN_ENV, raising=False)
+    reader, limits = damacy.FileReader(), damacy.CudaLimits(max_gpu_memory_bytes=1 << 20)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (0, "the CUDA driver reports no device"))
+    for device in (None, 0):
+        with pytest.raises(damacy.InvalidArgument, match=r"no CUDA device is available \(the CUDA driver reports no device\)"):
+            damacy.CudaExecutor(reader=reader, limits=limits, device=device)
+    monkeypatch.undo()
+    monkeypatch.delenv(devices.STANDIN_ENV, raising=False)
+    count, why = devices.cuda_devices()
+    if count == 0:  # this machine, as it is
+        with pytest.raises(damacy.InvalidArgument, match=r"no CUDA device is available") as refused:
+            damacy.CudaExecutor(reader=reader, limits=limits)
+        assert why in str(refused.value)
+
+
+def test_a_cuda_executor_takes_its_arguments_by_keyword_and_its_backend_as_gpu(monkeypatch):
+    from damacy_server.cuda.device import HostDevice
+
+    reader, limits = damacy.FileReader(), damacy.CudaLimits(max_gpu_memory_bytes=1 << 24)
+    with pytest.raises(TypeError):
+        damacy.CudaExecutor(HostDevice())  # the device object goes in backend=
+    with pytest.raises(TypeError, match="limits must be a CudaLimits"):
+        damacy.CudaExecutor(reader=reader, limits=damacy.CpuLimits(max_memory_bytes=1 << 24), backend=HostDevice())
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'max_gpu_memory_bytes'"):
+        damacy.CudaLimits()
+    backend = HostDevice()
+    gpu = damacy.CudaExecutor(reader=reader, limits=limits, backend=backend)
+    try:
+        assert gpu.gpu is backend and gpu.device is None and gpu.device_index == 0
+        assert gpu.reader is reader and gpu.limits is limits and gpu.budget.total == 1 << 24
+    finally:
+        gpu.close()
+    monkeypatch.setenv("DAMACY_DEVICE_STANDIN", "1")  # GPU 0 is the stand-in: device=0 binds it
+    gpu = damacy.CudaExecutor(reader=reader, limits=limits, device=0)
+    try:
+        assert isinstance(gpu.gpu, HostDevice) and gpu.device == gpu.device_index == 0
+    finally:
+        gpu.close()
+    with pytest.raises(damacy.InvalidArgument, match="this machine has 1 CUDA device"):
+        damacy.CudaExecutor(reader=reader, limits=limits, device=1)
+
+
+def test_gpudirect_storage_is_refused(monkeypatch):
+    from damacy_server.cuda.device import HostDevice
+
+    reader, limits = damacy.FileReader(), damacy.CudaLimits(max_gpu_memory_bytes=1 << 24)
+    monkeypatch.delenv("DAMACY_GDS_ENABLE", raising=False)
+    with pytest.raises(damacy.InvalidArgument, match=r"GPUDirect Storage \(enable_gds\) is not available"):
+        damacy.CudaExecutor(reader=reader, limits=limits, enable_gds=True, backend=HostDevice())
+    monkeypatch.setenv("DAMACY_GDS_ENABLE", "1")  # None defers to the environment
+    with pytest.raises(damacy.InvalidArgument, match="enable_gds"):
+        damacy.CudaExecutor(reader=reader, limits=limits, backend=HostDevice())
+    gpu = damacy.CudaExecutor(reader=reader, limits=limits, enable_gds=False, backend=HostDevice())  # False wins
+    gpu.close()
+    monkeypatch.setenv("DAMACY_DEVICE_STANDIN", "1")
+    with pytest.raises(damacy.InvalidArgument, match="enable_gds"):
+        damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(2,), device=0, enable_gds=True))
+
+
+def test_max_index_bytes_zero_turns_index_queries_off_at_push_and_too_little_is_refused_when_made(arrays, monkeypatch):
+    from damacy_server.cuda.device import HostDevice
+
+    uri, data = arrays["sharded-i16"]
+    monkeypatch.setenv("DAMACY_DEVICE_STANDIN", "1")
+    off = damacy.Config(samples_per_batch=2, sample_shape=(3, 4, 5), dtype="i16", device=0, max_index_bytes=0)
+    with damacy.Pipeline(off) as pipe:
+        with pytest.raises(damacy.BudgetExceeded, match="max_index_bytes=0"):
+            pipe.push([damacy.IndexQuery(uri, ([0, 2, 4], slice(0, 4), range(5)))])
+        pipe.push([damacy.Sample(uri, np.s_[0:3, 0:4, 0:5]), damacy.Sample(uri, np.s_[3:6, 4:8, 5:10])])  # it keeps running
+        with pipe.pop() as batch:
+            assert np.array_equal(batch.numpy(), np.stack([data[0:3, 0:4, 0:5], data[3:6, 4:8, 5:10]]))
+    # a batch's indices: 8 bytes * 2 samples * (3 + 4 + 5) = 192
+    for cfg in (
+        damacy.Config(samples_per_batch=2, sample_shape=(3, 4, 5), device=0, max_index_bytes=191),
+        damacy.Config(samples_per_batch=2, sample_shape=(3, 4, 5), max_gpu_memory_bytes=1 << 26, device=0, max_index_bytes=1),
+    ):
+        with pytest.raises(damacy.BudgetExceeded, match=r"max_index_bytes=(191|1) cannot hold a batch's indices: .* = 192 bytes"):
+            damacy.Pipeline(cfg)
+    executor = cuda_executor(HostDevice(), max_index_bytes=191)
+    with pytest.raises(damacy.BudgetExceeded, match="192 bytes"):
+        composed(executor, 2, (3, 4, 5))
+    with composed(executor, 2, (3, 4, 4)) as pipe:  # 8 * 2 * 11 = 176: fits, and the executor was given back
+        queries = [damacy.IndexQuery(uri, ([0, 2, 4], slice(0, 4), range(0, 8, 2))) for _ in range(2)]
+        pipe.push(queries)
+        with pipe.pop() as batch:
+            want = data[[0, 2, 4]][:, 0:4][:, :, 0:8:2].astype("f4")
+            assert np.array_equal(batch.numpy(), np.stack([want, want]))
+
+
+def test_cuda_init_primary_makes_device_0_current_for_a_config_without_a_device(arrays, monkeypatch):
+    """The seed API's way for a program without a framework: a Config with a GPU budget and
+    no device binds the CUDA context current in the calling thread (each test runs it in a
+    thread of its own: the current context is the thread's)."""
+    from damacy_runtime import devices
+
+    uri, data = arrays["zstd-u16"]
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(6, 8, 10), max_gpu_memory_bytes=1 << 26, dtype="u16")
+
+    def in_a_thread(fn):
+        out: list = []
+
+        def run():
+            try:
+                out.append(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 - returned to the test
+                out.append(("error", e))
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(60)
+        kind, value = out[0]
+        if kind == "error":
+            raise value
+        return value
+
+    monkeypatch.delenv(devices.STANDIN_ENV, raising=False)
+    if devices.cuda_devices()[0] == 0:  # this machine, without the stand-in
+        with pytest.raises(RuntimeError, match="no CUDA device to make current"):
+            in_a_thread(damacy._native.cuda_init_primary)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (0, "the CUDA driver reports no device"))
+    with pytest.raises(RuntimeError, match="no CUDA device to make current: the CUDA driver reports no device"):
+        in_a_thread(damacy._native.cuda_init_primary)
+    monkeypatch.undo()
+
+    monkeypatch.setenv(devices.STANDIN_ENV, "1")
+    with pytest.raises(damacy.InvalidArgument, match="no CUcontext is current"):
+        in_a_thread(lambda: damacy.Pipeline(cfg))  # no context current: refused
+
+    def made_current():
+        damacy._native.cuda_init_primary()
+        assert devices.current_device() == 0
+        with damacy.Pipeline(cfg) as pipe:
+            assert isinstance(pipe.executor, damacy.CudaExecutor) and pipe.executor.device is None
+            assert pipe.executor.device_index == 0 and pipe.device == 0
+            pipe.push([damacy.Sample(uri, np.s_[0:6, 0:8, 0:10])])
+            with pipe.pop() as batch:
+                assert batch.info.device_type is damacy.DeviceType.CUDA and batch.info.device == "cuda:0"
+                return batch.copy()
+
+    got = in_a_thread(made_current)
+    assert np.array_equal(got[0], data[0:6, 0:8, 0:10])
+    with pytest.raises(RuntimeError, match="CUDA device 1 does not exist here"):
+        in_a_thread(lambda: damacy._native.cuda_init_primary(1))

@@ -100,23 +100,81 @@ def _nearest_even(x: Fraction, finite: np.ndarray, values: list[Fraction], float
     return best[1]
 
 
-@pytest.mark.parametrize("src", [np.dtype("float64"), np.dtype("int64"), np.dtype("uint64"), np.dtype("int32")], ids=str)
-def test_bf16_is_rounded_once(src):
+INTEGERS = [np.dtype(t) for t in ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]]
+
+
+@pytest.mark.parametrize("src", INTEGERS, ids=str)
+def test_integer_to_integer_clamps(src):
+    """Values in range are kept, the others clamp to the output's range (negatives to 0 for
+    unsigned outputs): numpy's astype wraps instead."""
+    values = edge_values(src)
+    big = values.astype(src.newbyteorder(">"))
+    for dst in INTEGERS:
+        lo, hi = int(np.iinfo(dst).min), int(np.iinfo(dst).max)
+        want = np.array([min(max(v, lo), hi) for v in values.tolist()], dtype=dst)
+        for arr in (values, big):
+            assert same_bits(contract.convert(arr, dst), want), (arr.dtype, dst)
+            assert same_bits(twin.convert(arr, dst), want), (arr.dtype, dst)
+    assert contract.convert(np.array([-1, 12, 256], dtype="int16"), np.uint8).tolist() == [0, 12, 255]
+    assert twin.convert(np.array([-1, 12, 256], dtype="int16"), np.uint8).tolist() == [0, 12, 255]
+
+
+def test_the_documented_float_example():
+    v = np.array([-1.9, 12.9, np.nan, np.inf], dtype="float32")
+    assert contract.convert(v, np.int16).tolist() == twin.convert(v, np.int16).tolist() == [-1, 12, 0, 32767]
+
+
+@pytest.mark.parametrize("src", [np.dtype("int32"), np.dtype("uint32"), np.dtype("int64"), np.dtype("uint64")], ids=str)
+def test_integers_to_bf16_round_through_f32(src):
+    """Against exact arithmetic: the value rounded to f32 (nearest, ties to even), then that
+    rounded to bf16 (the same): two roundings, which differ from one where f32's rounding
+    lands on a bf16 midpoint (ml_dtypes' astype rounds once)."""
+    rng = np.random.default_rng(2)
+    hi = 62 if src.itemsize == 8 else 30
+    draws = [int(rng.integers(2**24, 2**hi)) | 1 for _ in range(400)]
+    # just above a bf16 midpoint, within half an f32 ulp of it: f32 makes a tie of it
+    for e in range(24, hi):
+        mid = 2**e + 2 ** (e - 8)
+        draws += [mid + 1, mid + 2 ** (e - 24) // 2, 2**e + 3 * 2 ** (e - 8) + 1]
+    arr = np.array(draws, dtype=src)
+    if src.kind == "i":
+        arr = np.concatenate([arr, -arr])
+    got = contract.convert(arr, BF16).view(np.uint16)
+    assert np.array_equal(got, twin.convert(arr, BF16).view(np.uint16))
+    f32 = [_round_fraction(Fraction(x), 24) for x in arr.tolist()]
+    want = np.array([float(_round_fraction(f, 8)) for f in f32], dtype=np.float32).astype(BF16).view(np.uint16)
+    assert np.array_equal(got, want), arr[got != want]
+    once = np.array([float(_round_fraction(Fraction(x), 8)) for x in arr.tolist()], dtype=np.float32).astype(BF16).view(np.uint16)
+    assert (once != want).any()  # the values reach the cases where two roundings differ from one
+
+
+def _round_fraction(x: Fraction, precision: int) -> Fraction:
+    """A nonzero rational, far inside f32's exponent range, rounded to ``precision``
+    significand bits, ties to even."""
+    a = abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1
+    ulp = Fraction(2) ** (e - precision + 1)
+    k, rem = divmod(a / ulp, 1)
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and k % 2 == 1):
+        k += 1
+    return k * ulp if x > 0 else -k * ulp
+
+
+def test_f64_to_bf16_is_rounded_once():
     """Against exact arithmetic: the nearest bf16, ties to even, for values between bf16's
-    neighbours (where rounding through f32 can go wrong)."""
+    neighbours (where rounding through f32 would go wrong): f64 is damacy's own source type,
+    rounded once."""
     patterns = np.arange(0, 0x7F80, dtype=np.uint16)  # non-negative finite bf16
     values = [Fraction(float(v)) for v in patterns.view(BF16).astype(np.float64)]
     rng = np.random.default_rng(1)
-    if src.kind == "f":
-        lo = rng.integers(0x0080, 0x7F7F, size=400)
-        xs = [values[i] + (values[i + 1] - values[i]) * Fraction(int(rng.integers(0, 2**20)), 2**20) for i in lo]
-        xs += [(values[i] + values[i + 1]) / 2 for i in lo[:50]]  # exact midpoints: ties
-        # just off a midpoint, closer than f32 can tell: rounding through f32 makes a tie of it
-        xs += [(values[i] + values[i + 1]) / 2 + sign * (values[i + 1] - values[i]) / 2**20 for i in lo[50:150] for sign in (1, -1)]
-        arr = np.array([float(x) for x in xs], dtype=np.float64)
-    else:
-        hi = 62 if src.itemsize == 8 else 30
-        arr = np.array([int(rng.integers(2**24, 2**hi)) | 1 for _ in range(400)], dtype=src)
+    lo = rng.integers(0x0080, 0x7F7F, size=400)
+    xs = [values[i] + (values[i + 1] - values[i]) * Fraction(int(rng.integers(0, 2**20)), 2**20) for i in lo]
+    xs += [(values[i] + values[i + 1]) / 2 for i in lo[:50]]  # exact midpoints: ties
+    # just off a midpoint, closer than f32 can tell: rounding through f32 makes a tie of it
+    xs += [(values[i] + values[i + 1]) / 2 + sign * (values[i + 1] - values[i]) / 2**20 for i in lo[50:150] for sign in (1, -1)]
+    arr = np.array([float(x) for x in xs], dtype=np.float64)
     got = contract.convert(arr, BF16).view(np.uint16)
     assert np.array_equal(got, twin.convert(arr, BF16).view(np.uint16))
     floats = np.array([float(v) for v in values])

@@ -869,3 +869,288 @@ def test_a_bad_storage_option_is_refused_at_start(tmp_path):
     for option, words in [("no_such_option=1", "no_such_option"), ("max_retries=abc", "'abc'")]:
         run = subprocess.run([*base, "--storage-option", "s3://bkt", option], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+# -- the limits: the value objects' fields, one flag each ----------------------------------
+
+#: (arguments, the flag named, the field its value object's check names)
+BAD_LIMITS = [
+    (["--array-entries", "0"], "--array-entries", "array_entries"),
+    (["--shard-index-entries", "-1"], "--shard-index-entries", "shard_index_entries"),
+    (["--shard-index-bytes", "0"], "--shard-index-bytes", "shard_index_bytes"),
+    (["--metadata-concurrency", "5000"], "--metadata-concurrency", "concurrency"),
+    (["--max-chunks", "16385"], "--max-chunks", "max_chunks"),
+    (["--max-chunk-bytes", "4G"], "--max-chunk-bytes", "max_chunk_bytes"),
+    (["--max-shards-per-sample", "0"], "--max-shards-per-sample", "max_shards_per_sample"),
+    (["--max-plan-bytes", "0"], "--max-plan-bytes", "max_plan_bytes"),
+    (["--io-workers", "0"], "--io-workers", "workers"),
+    (["--io-workers", "1025"], "--io-workers", "workers"),
+    (["--max-inflight-reads", "0"], "--max-inflight-reads", "max_inflight_reads"),
+    (["--memory", "0"], "--memory", "max_memory_bytes"),
+    (["--decode-workers", "0"], "--decode-workers", "decode_workers"),
+    (["--max-encoded-chunk-bytes", "0"], "--max-encoded-chunk-bytes", "max_encoded_chunk_bytes"),
+    (["--max-decoded-chunk-bytes", "4G"], "--max-decoded-chunk-bytes", "max_decoded_chunk_bytes"),
+    (["--chunks-per-input-buffer", "16385"], "--chunks-per-input-buffer", "chunks_per_input_buffer"),
+    (["--chunks-per-input-buffer", "4", "--decode-workers", "8"], "--chunks-per-input-buffer", "decode_workers"),
+    (["--max-inflight-requests", "0"], "--max-inflight-requests", "max_inflight_requests"),
+    (["--chunk-cache-dir-bytes", "0"], "--chunk-cache-dir-bytes", "chunk_cache_dir_bytes"),
+    (["--gpu-memory", "0"], "--gpu-memory", "max_gpu_memory_bytes"),
+    (["--max-index-bytes", "64G"], "--max-index-bytes", "max_index_bytes"),
+    (["--chunk-layout-entries", "0"], "--chunk-layout-entries", "chunk_layout_entries"),
+    (["--gpu-max-chunk-bytes", "0"], "--gpu-max-chunk-bytes", "max_chunk_bytes"),
+    (["--gpu-max-read-bytes", "0"], "--gpu-max-read-bytes", "max_read_bytes"),
+    (["--host-buffer-waves", "1"], "--host-buffer-waves", "host_buffer_waves"),
+    (["--host-buffer-waves", "9"], "--host-buffer-waves", "host_buffer_waves"),
+    (["--max-chunks-per-wave", "65536"], "--max-chunks-per-wave", "max_chunks_per_wave"),
+    (["--max-substreams-per-chunk", "0"], "--max-substreams-per-chunk", "max_substreams_per_chunk"),
+]
+
+
+@pytest.mark.parametrize("args,flag,field", BAD_LIMITS, ids=[" ".join(a) for a, _, _ in BAD_LIMITS])
+def test_a_limit_its_value_object_refuses_is_a_usage_error_naming_the_flag(args, flag, field):
+    from click.testing import CliRunner
+
+    from damacy_server.daemon.cli import main
+
+    result = CliRunner().invoke(main, ["--endpoint", "ipc:///nonexistent/damacyd.sock", *args])
+    assert result.exit_code == 2, result.output
+    assert f"'{flag}'" in result.output and field in result.output and "Traceback" not in result.output, result.output
+
+
+def test_a_bad_limit_stops_the_real_damacyd_before_it_serves(tmp_path):
+    base = [*damacyd_command(), "--endpoint", f"ipc://{tmp_path}/x.sock", "--allow-root", str(tmp_path)]
+    for extra, words in [
+        (["--max-chunks", "0"], "Invalid value for '--max-chunks': PlanLimits: max_chunks must be in [1, 16384]"),
+        (["--array-entries", "0"], "Invalid value for '--array-entries': MetadataCache: array_entries must be in"),
+        (["--host-buffer-waves", "1"], "'--host-buffer-waves': CudaLimits: host_buffer_waves must be at least 2"),
+        (["--io-workers", "-3"], "'--io-workers': FileReader: workers must be in [1, 1024]"),
+    ]:
+        run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr, (extra, run.stderr)
+    assert not (tmp_path / "x.sock").exists()
+
+
+def test_every_limit_of_the_daemon_has_a_flag_named_after_its_field():
+    import dataclasses
+
+    from damacy_server.daemon.cli import main
+    from damacy_server.daemon.options import FLAGS, PARTS
+
+    flags = {opt for p in main.params for opt in p.opts}
+    for part, tp in PARTS.items():
+        names = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else list(tp.__slots__)
+        for name in names:
+            if (part, name) == ("metadata_reader", "latency"):
+                continue  # synthetic latency for benchmarks: no limit
+            flag = FLAGS[(part, name)]
+            assert flag in flags, flag
+            # named after the field, but where two objects share a name (the GPU's), a
+            # switch turning a default off, and the flags that keep their documented names
+            assert flag in ("--memory", "--chunk-cache", "--gpu-memory", "--io-workers", "--metadata-concurrency") or (
+                flag.lstrip("-").removeprefix("no-").removeprefix("gpu-").replace("-", "_") == name
+            ), (flag, name)
+
+
+def test_the_daemons_defaults_are_the_value_objects_but_where_options_says():
+    from damacy_protocol import limits as L
+    from damacy_server.daemon.cli import build_options, main
+    from damacy_server.daemon.options import DAEMON_MAX_MEMORY_BYTES, DAEMON_METADATA_CACHE
+
+    o = build_options(main.make_context("damacyd", ["--endpoint", "ipc:///nonexistent/damacyd.sock"]).params)
+    assert o.plan_limits == L.PlanLimits()
+    assert o.cpu_limits == L.CpuLimits(max_memory_bytes=DAEMON_MAX_MEMORY_BYTES) and DAEMON_MAX_MEMORY_BYTES == 8 << 30
+    assert o.cpu_limits.decode_workers == L.DEFAULT_DECODE_WORKERS  # not the machine's CPUs
+    assert o.cuda_limits == L.CudaLimits(L.DEFAULT_GPU_MEMORY_BYTES) and o.cuda_limits.max_gpu_memory_bytes == 1 << 30
+    assert o.metadata_cache == DAEMON_METADATA_CACHE == L.MetadataCache(1024, 65536, 1 << 30)
+    assert (o.reader.workers, o.reader.max_inflight_reads, o.reader.readahead) == (L.DEFAULT_IO_WORKERS, 4096, True)
+    assert o.metadata_reader.concurrency == L.DEFAULT_METADATA_CONCURRENCY
+    # the same as DaemonOptions made in Python; one flag raises a chunk's size everywhere
+    from damacy_server.daemon.options import DaemonOptions
+
+    assert DaemonOptions(endpoint="x").cpu_limits == o.cpu_limits
+    big = build_options(main.make_context("damacyd", ["--endpoint", "ipc:///x.sock", "--max-chunk-bytes", "8M", "--decode-workers", "300"]).params)
+    assert big.plan_limits.max_chunk_bytes == big.cpu_limits.max_decoded_chunk_bytes == big.cuda_limits.max_chunk_bytes == 8 << 20
+    assert big.cpu_limits.chunks_per_input_buffer == 300  # at least one chunk per decode worker
+
+
+def test_every_flag_reaches_the_daemons_planner_readers_and_executors(tmp_path, monkeypatch):
+    from damacy_protocol import limits as L
+    from damacy_runtime.devices import STANDIN_ENV, STANDIN_UUID
+    from damacy_server.daemon.cli import build_options, main
+    from damacy_server.daemon.service import Daemon
+
+    monkeypatch.setenv(STANDIN_ENV, "1")  # the GPU executor on the host stand-in
+    args = [
+        "--endpoint", f"ipc://{tmp_path}/d.sock", "--allow-root", str(tmp_path),
+        "--array-entries", "11", "--shard-index-entries", "12", "--shard-index-bytes", "13M", "--metadata-concurrency", "7",
+        "--max-chunks", "100", "--max-chunk-bytes", "3M", "--max-shards-per-sample", "5", "--max-plan-bytes", "9M",
+        "--max-gap-bytes", "1K", "--max-read-bytes", "2M", "--remote-max-gap-bytes", "3K", "--remote-max-read-bytes", "4M",
+        "--io-workers", "3", "--max-inflight-reads", "99", "--no-readahead",
+        "--memory", "300M", "--decode-workers", "5", "--max-encoded-chunk-bytes", "5M", "--max-decoded-chunk-bytes", "1M",
+        "--chunks-per-input-buffer", "64", "--chunk-cache", "7M", "--no-native", "--max-inflight-requests", "33",
+        "--chunk-cache-dir", str(tmp_path / "disk"), "--chunk-cache-dir-bytes", "1G",
+        "--gpu-memory", "96M", "--max-index-bytes", "0", "--chunk-layout-entries", "17", "--gpu-max-chunk-bytes", "512K",
+        "--gpu-max-read-bytes", "2M", "--host-buffer-waves", "3", "--max-chunks-per-wave", "100", "--max-substreams-per-chunk", "4",
+    ]
+    daemon = Daemon(build_options(main.make_context("damacyd", args).params))
+    try:
+        assert daemon.planner.limits == L.PlanLimits(100, 3 << 20, 5, 9 << 20, 1 << 10, 2 << 20, 3 << 10, 4 << 20)
+        assert daemon.metadata.cache.limits == L.MetadataCache(11, 12, 13 << 20) and daemon.metadata.concurrency == 7
+        assert daemon.metadata.reads.store.roots == [os.path.realpath(tmp_path)]  # read below the roots only
+        cpu = daemon.executor
+        assert cpu.limits == L.CpuLimits(
+            300 << 20, 5, 5 << 20, 1 << 20, 64, 7 << 20, native=False, max_inflight_requests=33,
+            chunk_cache_dir=str(tmp_path / "disk"), chunk_cache_dir_bytes=1 << 30,
+        )
+        assert cpu.budget.total == 300 << 20 and cpu.chunk_cache is not None and cpu.disk_tier is not None and cpu.native is None
+        reader = cpu.reader
+        assert (reader.workers, reader.max_inflight_reads, reader.readahead, reader.roots) == (3, 99, False, [os.path.realpath(tmp_path)])
+        gpu = daemon.gpu_executor(STANDIN_UUID)
+        assert gpu.limits == L.CudaLimits(96 << 20, 0, 17, 512 << 10, 2 << 20, 3, 100, 4)
+        assert gpu.budget.total == 96 << 20 and gpu.device == 0
+        assert (gpu.reader.workers, gpu.reader.readahead, gpu.reader.roots) == (3, False, [os.path.realpath(tmp_path)])
+    finally:
+        daemon.shutdown()
+
+
+def test_the_limits_given_as_flags_hold_in_a_real_damacyd(tmp_path):
+    """Each flag, seen from the client: its BudgetExceeded (or InvalidArgument) naming the
+    value object's field, the caches' sizes in ``damacy stats --json``, the memory budget."""
+    values = random_data((32, 4096), "uint16", seed=21)
+    for k in range(4):  # more arrays than the array cache holds
+        write_array(tmp_path / f"a{k}.zarr", values[:16, :64], chunks=(8, 16))
+    write_array(tmp_path / "big.zarr", values[:, :1024], chunks=(32, 1024))  # 64 KiB decoded chunks
+    write_array(tmp_path / "bigger.zarr", values, chunks=(32, 4096))  # 256 KiB
+    # 8 shards of 4 rows, inner chunks (4, 8): more shard indexes than the cache holds
+    write_array(tmp_path / "sharded.zarr", values[:, :32], chunks=(4, 8), shards=(4, 32))
+    proc = DaemonProcess(tmp_path, [tmp_path], [
+        "--memory", "300M", "--array-entries", "2", "--shard-index-entries", "3", "--max-chunk-bytes", "128K",
+        "--max-decoded-chunk-bytes", "32K", "--max-chunks", "8", "--max-shards-per-sample", "2",
+    ])
+    try:
+        s = stats(proc.endpoint)
+        assert s["memory"]["budget_bytes"] == 300 << 20  # --memory
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=(8, 8), dtype="u16", on_error="fill", pop_timeout_s=60)
+        samples = [damacy.Sample(str(tmp_path / f"a{k}.zarr"), [(0, 8), (0, 8)]) for k in range(4)]
+        samples += [damacy.Sample(str(tmp_path / "sharded.zarr"), [(r, r + 8), (0, 8)]) for r in range(0, 32, 8)]
+        samples += [
+            damacy.Sample(str(tmp_path / "big.zarr"), [(0, 8), (0, 8)]),  # 64 KiB: over the executor's 32K
+            damacy.Sample(str(tmp_path / "bigger.zarr"), [(0, 8), (0, 8)]),  # 256 KiB: over the planner's 128K
+            damacy.Sample(str(tmp_path / "sharded.zarr"), [(2, 10), (0, 8)]),  # 3 shards
+        ]
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push(samples)
+            errors = []
+            for _ in samples:
+                with pipe.pop() as b:
+                    errors.append(b.info.errors[0][1] if b.info.errors else None)
+        assert errors[:8] == [None] * 8
+        big, bigger, shards = errors[8:]
+        assert type(big) is damacy.BudgetExceeded and "CpuLimits.max_decoded_chunk_bytes" in str(big) and "32768" in str(big), big
+        assert type(bigger) is damacy.BudgetExceeded and "PlanLimits.max_chunk_bytes=131072" in str(bigger), bigger
+        assert type(shards) is damacy.InvalidArgument and "PlanLimits.max_shards_per_sample=2" in str(shards), shards
+        s = stats(proc.endpoint)
+        arrays, indexes = s["cache"]["arrays"], s["cache"]["shard_indexes"]
+        assert arrays["entries"] == 2 and arrays["evictions"] >= 4, arrays  # --array-entries
+        assert indexes["entries"] == 3 and indexes["evictions"] >= 5, indexes  # --shard-index-entries
+        # --max-chunks: a batch of 8 samples of two chunks each uses 16
+        cfg = damacy.Config(samples_per_batch=8, sample_shape=(8, 8), dtype="u16", pop_timeout_s=60)
+        with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
+            pipe.push([damacy.Sample(str(tmp_path / "a0.zarr"), [(0, 8), (12, 20)])] * 8)
+            with pytest.raises(damacy.BudgetExceeded, match=r"uses 16 chunks .*PlanLimits\.max_chunks=8") as info:
+                pipe.pop()
+            assert info.value.status is damacy.Status.BUDGET and info.value.what == "pop"
+    finally:
+        assert proc.stop() == 0, proc.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def odd_arrays(data):
+    """Arrays whose samples fail, each in its own way (under the daemon fixture's roots)."""
+    import zarr
+
+    root = data / "odd"
+    root.mkdir(exist_ok=True)
+    write_array(root / "good.zarr", random_data((8, 8), "uint16", seed=5), chunks=(4, 4))
+    zarr.create_array(str(root / "complex.zarr"), shape=(8, 8), chunks=(8, 8), dtype="complex64")[:] = 1
+    write_array(root / "codec.zarr", random_data((8, 8), "uint16", seed=6), chunks=(8, 8), compressors=[ZstdCodec()])
+    meta = json.loads((root / "codec.zarr" / "zarr.json").read_text())
+    meta["codecs"][-1] = {"name": "lz4hc-unknown", "configuration": {}}
+    (root / "codec.zarr" / "zarr.json").write_text(json.dumps(meta))
+    write_array(root / "volume.zarr", random_data((2, 8, 8), "uint16", seed=7), chunks=(2, 8, 8))
+    return root
+
+
+def test_errors_cross_the_wire_as_their_own_classes(daemon, odd_arrays):
+    root = odd_arrays
+    box = [(0, 4), (0, 4)]
+    cases = [
+        (damacy.Sample(str(root / "missing.zarr"), box), damacy.NotFound, "no Zarr array"),
+        (damacy.Sample(str(root / "complex.zarr"), box), damacy.DtypeMismatch, "complex64"),
+        (damacy.Sample(str(root / "codec.zarr"), box), damacy.UnsupportedOperation, "lz4hc-unknown"),
+        (damacy.Sample(str(root / "volume.zarr"), box), damacy.RankMismatch, ""),  # two axes of three
+        (damacy.Sample(str(root / "good.zarr"), [(6, 10), (0, 4)]), damacy.OutOfBounds, "leaves the array"),
+    ]
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4), dtype="u16", on_error="raise", pop_timeout_s=60)
+    with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:
+        assert type(pipe).__name__ == "RemotePipeline"
+        pipe.push([sample for sample, _, _ in cases] + [damacy.Sample(str(root / "good.zarr"), box)])
+        for sample, cls, words in cases:
+            with pytest.raises(damacy.DamacyError) as info:
+                pipe.pop()
+            err = info.value
+            assert type(err) is cls and err.status is cls.status and err.what == "pop" and words in str(err), (cls, err)
+            assert err.uri == sample.uri
+        with pipe.pop() as b:  # "raise": the next pop goes on
+            assert b.info.errors == () and b.numpy().shape == (1, 4, 4)
+        with pytest.raises(damacy.PipelineDrained) as drained:  # what the daemon answers a pop past the end
+            pipe.pop()
+        assert isinstance(drained.value, damacy.PoolStarved) and drained.value.status is damacy.Status.SHUTDOWN
+    with pytest.raises(damacy.ShutdownError, match="closed"):
+        pipe.pop()
+
+
+def test_a_missing_array_stops_a_daemon_pipeline_with_not_found(daemon, odd_arrays):
+    """The default on_error="stop": the pop that would hold the bad sample raises NotFound,
+    every later pop raises it again, push raises ShutdownError; Stats come as damacy.Stats."""
+    root = odd_arrays
+    good, missing = str(root / "good.zarr"), str(root / "missing.zarr")
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4), dtype="u16", pop_timeout_s=60)
+    with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:
+        pipe.push([damacy.Sample(good, [(0, 4), (0, 4)]), damacy.Sample(missing, [(0, 4), (0, 4)]), damacy.Sample(good, [(4, 8), (4, 8)])])
+        with pipe.pop() as b:
+            assert b.info.errors == ()
+        figures = pipe.stats()
+        assert isinstance(figures, damacy.Stats) and isinstance(figures.decode, damacy.Metric)
+        assert figures.batches_emitted == 1 and figures.array_meta_hits + figures.array_meta_misses >= 1
+        assert figures.host_bytes_committed > 0  # the session's slots
+        assert pipe.stats_dict()["session"]["batches"] == 1
+        for _ in range(2):  # terminal: the same error at every pop
+            with pytest.raises(damacy.NotFound, match="no Zarr array") as info:
+                pipe.pop()
+            assert info.value.status is damacy.Status.NOTFOUND and info.value.what == "pop" and info.value.uri == missing
+        with pytest.raises(damacy.ShutdownError, match="stopped after an error at pop") as info:
+            pipe.push([damacy.Sample(good, [(0, 4), (0, 4)])])
+        assert info.value.status is damacy.Status.SHUTDOWN
+
+
+def test_a_session_config_arrives_as_a_dict_and_is_checked_there(daemon):
+    """The Hello carries Config.to_dict(); the daemon rebuilds it with Config.from_dict and
+    refuses one it does not take, saying which field."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    try:
+        good = damacy.Config(samples_per_batch=1, sample_shape=(4,)).to_dict()
+        for config, words in [
+            ({**good, "samples_per_batch": 0}, "samples_per_batch must be >= 1 (got 0)"),
+            ({**good, "io_workers": 4}, "no field(s) ['io_workers']"),
+            ({**good, "max_gpu_memory_bytes": 1 << 26}, "names its device"),  # a GPU Config without device=
+        ]:
+            sock.send(m.encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=config)))
+            assert sock.poll(60_000), "no reply"
+            reply = m.decode_daemon(sock.recv())
+            assert isinstance(reply, m.Failed) and reply.error.kind == "InvalidArgument" and words in reply.error.reason, reply
+    finally:
+        sock.close(0)

@@ -132,7 +132,7 @@ def test_slots_are_freed_only_once_the_client_no_longer_maps_them(daemon, volume
         consumer = Consumer(batch, stream=5)  # a tensor still reads the slot
         batch.release()
         held.close()
-        wait_for(lambda: len(watcher.stats()["sessions"]) == 1, what="the closed session to end")
+        wait_for(lambda: len(watcher.stats_dict()["sessions"]) == 1, what="the closed session to end")
         assert len(frees()) == 1  # not freed: this process still maps it
         consumer.drop()
 
@@ -167,10 +167,10 @@ def test_a_dead_clients_gpu_slots_are_reclaimed_and_others_carry_on(daemon, volu
     try:
         assert child.stdout.readline().strip() == "holding"
         with damacy.Pipeline(cfg(prepared_batches=1), endpoint=daemon.endpoint) as pipe:
-            assert len(pipe.stats()["sessions"]) == 2
+            assert len(pipe.stats_dict()["sessions"]) == 2
             child.send_signal(signal.SIGKILL)
             child.wait(30)
-            wait_for(lambda: len(pipe.stats()["sessions"]) == 1, what="the dead client's session to end")
+            wait_for(lambda: len(pipe.stats_dict()["sessions"]) == 1, what="the dead client's session to end")
             pipe.push(boxes(path, [(8, 8), (12, 12)]))
             with pipe.pop() as batch:
                 np.testing.assert_array_equal(batch.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
@@ -204,3 +204,40 @@ def test_the_daemon_dying_makes_a_gpu_client_raise_daemon_unavailable(tmp_path, 
             pipe.pop(timeout=30)
     finally:
         pipe.close()
+
+
+def test_the_gpu_flags_reach_each_gpus_executor(tmp_path, volume, standin):
+    """--gpu-memory bounds a GPU's sessions (their slots beside one read of the largest
+    chunk), --gpu-max-chunk-bytes the chunks they decode there; host sessions keep the host's."""
+    root, path, data = volume
+    d = DaemonProcess(tmp_path, [root], ["--gpu-memory", "1M", "--gpu-max-chunk-bytes", "64"], name="limits.sock")
+    try:
+        wide = damacy.Config(samples_per_batch=2, sample_shape=(256, 256), dtype="float32", device=0, prepared_batches=2)
+        with pytest.raises(damacy.BudgetExceeded, match="1048576"):  # two slots of 512 KiB leave no room to read
+            damacy.Pipeline(wide, endpoint=d.endpoint)
+        with damacy.Pipeline(cfg(), endpoint=d.endpoint) as pipe:  # its chunks decode to 128 bytes
+            pipe.push(boxes(path, [(0, 0), (4, 4)]))
+            with pytest.raises(damacy.BudgetExceeded, match=r"decode to 128 bytes, more than the executor admits \(64: .*CudaLimits\.max_chunk_bytes"):
+                pipe.pop()
+        host = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), dtype="float32", pop_timeout_s=60)
+        with damacy.Pipeline(host, endpoint=d.endpoint) as pipe:
+            pipe.push(boxes(path, [(0, 0), (4, 4)]))
+            with pipe.pop() as b:
+                np.testing.assert_array_equal(b.copy(), np.stack([data[0:4, 0:4], data[4:8, 4:8]]).astype(np.float32))
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()
+
+
+def test_a_gpu_holds_the_value_objects_gigabyte_unless_told_and_a_gpu_config_names_its_device(tmp_path, volume, standin):
+    root, _, _ = volume
+    d = DaemonProcess(tmp_path, [root], [], name="default.sock")
+    try:
+        # two slots of 520 MiB: more than CudaLimits' default budget (DEFAULT_GPU_MEMORY_BYTES)
+        big = damacy.Config(samples_per_batch=1, sample_shape=(130, 1024, 1024), dtype="float32", device=0, prepared_batches=2)
+        with pytest.raises(damacy.BudgetExceeded, match=str(1 << 30)):
+            damacy.Pipeline(big, endpoint=d.endpoint)
+        # the daemon has no CUDA context of the client's: a GPU Config names its device
+        with pytest.raises(damacy.InvalidArgument, match=r"names its device \(Config\(device=k\)\)"):
+            damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(4, 4), max_gpu_memory_bytes=1 << 26), endpoint=d.endpoint)
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()

@@ -82,7 +82,11 @@ def test_a_session_holds_at_most_the_daemons_lookahead(tmp_path):
     write_array(tmp_path / "v.zarr", data, chunks=(16, 8, 8))
     daemon = DaemonProcess(tmp_path, [tmp_path], ["--max-lookahead-samples", "8"])
     try:
-        cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 8, 8), dtype="u16", lookahead_samples=100_000)
+        floor = 100_000 + 2 * 2  # the Config's cache floors: its lookahead plus two batches
+        cfg = damacy.Config(
+            samples_per_batch=2, sample_shape=(1, 8, 8), dtype="u16", lookahead_samples=100_000,
+            n_array_meta_cache=floor, n_chunk_layout_cache=floor, n_shard_index_cache=64 * floor,
+        )
         with damacy.Pipeline(cfg, endpoint=daemon.endpoint) as pipe:
             assert pipe._conn.welcome.credits == 8
             pipe.push(damacy.Sample(str(tmp_path / "v.zarr"), np.s_[z : z + 1, 0:8, 0:8]) for z in range(64))

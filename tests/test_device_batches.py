@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import damacy
+from damacy_protocol.limits import DEFAULT_GPU_MEMORY_BYTES
 from damacy_runtime import dlpack
+from damacy_runtime.device import ExternalEvent
 from damacy_server.cuda import twin
 from damacy_server.cuda.device import HostDevice
-from damacy_protocol.limits import DEFAULT_GPU_MEMORY_BYTES
-from damacy_runtime.device import ExternalEvent
 from damacy_server.cuda.executor import CudaExecutor
 
 from pipeline_helpers import DAMACY_OWN

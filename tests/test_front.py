@@ -25,7 +25,8 @@ def test_sources_pull_lazily_in_push_order_and_hand_back_errors():
     sources.add(gen())
     sources.add(["a", "b"])
     assert pulled == []  # nothing runs until a pull
-    assert sources.pull(2) == ([0, 1], None) and pulled == [0, 1]
+    # (a full pull pulls the next sample ahead, to know whether its iterable has ended)
+    assert sources.pull(2) == ([0, 1], None) and pulled == [0, 1, 2]
     out, err = sources.pull(5)
     assert out == [2] and isinstance(err, RuntimeError)  # cut short at the failure
     assert sources.pull(5) == (["a", "b"], None) and not sources  # the broken iterable was dropped
@@ -50,22 +51,26 @@ def test_a_refused_sample_cuts_the_pull_but_not_its_iterable():
 
 def test_push_refuses_what_is_not_an_iterable_of_samples():
     for bad in ("/data/a.zarr", b"x", 7):
-        with pytest.raises(InvalidArgument, match="iterable of samples"):
+        with pytest.raises(TypeError, match="iterable of samples"):
             front.Sources.check(bad)
 
 
 def test_batch_info_and_timeout_messages():
     cfg = Config(samples_per_batch=4, sample_shape=(2, 3), dtype="native")
-    info = front.batch_info(cfg, 3, "uint16", 7, ["s0", "s1", "s2"])
-    assert info.shape == (3, 2, 3) and info.dtype == "uint16" and info.batch_id == 7 and info.samples == ("s0", "s1", "s2")
-    assert front.batch_info(Config(samples_per_batch=4, sample_shape=(2,)), 4, "uint16", 0, []).dtype == "f32"
+    info = front.batch_info(cfg.output, 3, "uint16", 7, ["s0", "s1", "s2"])
+    assert info.shape == (3, 2, 3) and info.dtype == damacy.Dtype.U16 and info.batch_id == 7 and info.samples == ("s0", "s1", "s2")
+    assert front.batch_info(Config(samples_per_batch=4, sample_shape=(2,)).output, 4, "uint16", 0, []).dtype == damacy.Dtype.F32
     held = front.pop_timeout(3, 0.5, front.SLOTS_HELD, 2)
-    assert isinstance(held, damacy.SlotsHeld) and isinstance(held, TimeoutError)
+    assert isinstance(held, damacy.SlotsHeld) and isinstance(held, damacy.PoolStarved)
     assert str(held).startswith("all 2 batch slots are held by batches that were not released, or by arrays exported")
     assert "batch.copy()" in str(held) and "within" not in str(held)
     late = front.pop_timeout(3, 0.5, front.WAITING_FOR_INPUT, 2)
-    assert type(late) is TimeoutError and "yield samples" in str(late)
-    assert str(front.pop_timeout(3, 0.5, front.WORKING, 2, 1, " in damacyd")) == "no batch 3 within 0.5s: its reads and decodes are still running in damacyd (1 slots in use)"
+    assert type(late) is damacy.PoolStarved and "yield samples" in str(late)
+    assert str(front.pop_timeout(3, 0.5, front.WORKING, 2, 1, " in damacyd")) == (
+        "Pipeline.pop() timed out: no batch 3 within 0.5s: its reads and decodes are still running in damacyd (1 slots in use). "
+        "If the loop keeps earlier batches (or tensors made from them), their memory cannot be filled again: release them, "
+        "or copy what must be kept"
+    )
     assert front.deadline(None) is None and front.deadline(float("inf")) is None and front.time_left(None) is None
 
 
@@ -130,7 +135,7 @@ def test_the_core_starts_a_batch_when_a_slot_is_free_and_keeps_to_the_lookahead(
     assert core.room() == 3
 
 
-def test_the_core_starts_the_rest_of_a_final_input_or_leaves_it_out_under_drop_last():
+def test_the_core_starts_the_rest_of_a_final_input_or_keeps_it_for_a_later_push_under_drop_last():
     from damacy_runtime.core import FrontCore
 
     for drop_last, want in ((False, [("start", ["a", "b"]), ("start", ["c"])]), (True, [("start", ["a", "b"])])):
@@ -139,8 +144,14 @@ def test_the_core_starts_the_rest_of_a_final_input_or_leaves_it_out_under_drop_l
         core.add(["a", "b", "c"], final=True)
         core.pump()
         assert engine.log == want
-        assert core.take_discarded() == (["c"] if drop_last else [])
-        assert core.outstanding == (2 if drop_last else 3)
+        assert core.take_discarded() == []  # nothing is left out
+        assert core.outstanding == 3 and core.queued == (1 if drop_last else 0)
+        if drop_last:  # the short batch waits, queued: a later push completes it
+            engine.busy = 0
+            assert core.short_tail() == 1 and not core.drained()
+            core.add(["d"], final=True)
+            core.pump()
+            assert engine.log[-1] == ("start", ["c", "d"]) and core.queued == 0
 
 
 def test_the_core_refills_skipped_samples_from_the_queue_in_order():

@@ -106,9 +106,11 @@ def open_rule(request, monkeypatch):
     return request.param
 
 
-def rooted_metadata(root: Path) -> damacy.ZarrMetadata:
-    """What a daemon reads through: a metadata reader confined to ``root``."""
-    return damacy.ZarrMetadata(reader=damacy.FileMetadataReader(roots=[str(root)]))
+def rooted_metadata(root: Path):
+    """What a daemon reads through (its Resolver, with caches): a metadata reader confined to ``root``."""
+    from damacy_server.plan.resolve import Caches, Resolver
+
+    return Resolver(damacy.FileMetadataReader(roots=[str(root)]), Caches(damacy.MetadataCache()))
 
 
 def swap_for_outside_link(store: Path, outside_store: Path) -> None:

@@ -52,7 +52,7 @@ def test_metrics_carry_the_figures_of_the_stream_that_ran(tmp_path):
         uri = str(tmp_path / "a.zarr")
         samples = [damacy.Sample(uri, np.s_[r : r + 8, c : c + 16]) for r in range(0, 32, 8) for c in range(0, 48, 16)]
         samples.insert(5, damacy.Sample(str(outside / "b.zarr"), np.s_[0:8, 0:16]))  # refused: outside the root
-        cfg = damacy.Config(samples_per_batch=3, sample_shape=(8, 16), dtype="uint16", on_error="fill", pop_timeout_s=60)
+        cfg = damacy.Config(samples_per_batch=3, sample_shape=(8, 16), dtype="uint16", on_error="fill", pop_timeout_s=60, drop_last=False)
         got_batches = got_samples = 0
         with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
             pipe.push(samples)
@@ -60,7 +60,7 @@ def test_metrics_carry_the_figures_of_the_stream_that_ran(tmp_path):
                 with batch:
                     got_batches += 1
                     got_samples += len(batch.info.samples)
-            me = pipe.stats()["session"]["session"]
+            me = pipe.stats_dict()["session"]["session"]
             during = scrape(url)
         assert (got_batches, got_samples) == (5, 13)
         key = (("pid", str(__import__("os").getpid())), ("rank", ""), ("session", me))
@@ -128,7 +128,7 @@ def test_a_client_holding_every_slot_shows_as_slot_waits(tmp_path):
         cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 8), dtype="uint16", prepared_batches=1, pop_timeout_s=60)
         with damacy.Pipeline(cfg, endpoint=proc.endpoint) as pipe:
             pipe.push([damacy.Sample(str(tmp_path / "a.zarr"), np.s_[r : r + 8, 0:8]) for r in (0, 8)] * 4)
-            me = pipe.stats()["session"]["session"]
+            me = pipe.stats_dict()["session"]["session"]
             key = (("pid", str(__import__("os").getpid())), ("rank", ""), ("session", me))
             wait_for(lambda: scrape(url).get(("damacy_session_queued_samples", key), 0) > 0, what="samples queued behind the first batch")
             assert scrape(url)[("damacy_session_slot_waits_total", key)] == 0  # the slot is busy, not the client's

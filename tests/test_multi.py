@@ -23,7 +23,9 @@ def arrays(tmp_path_factory):
     return uris, {name: zarr.open_array(uri, mode="r")[...] for name, uri in uris.items()}
 
 
-def _configs(on_error="raise", **kw):
+def _configs(on_error="raise", drop_last=False, **kw):
+    # (damacy's own policies: a bad sample raised at its pop, the last batch short)
+    kw["drop_last"] = drop_last
     return {
         "image": damacy.Config(samples_per_batch=3, sample_shape=(8, 16, 16), dtype="f32", on_error=on_error, **kw),
         "label": damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", on_error=on_error, **kw),
@@ -133,13 +135,13 @@ def test_padding_of_a_group_marks_every_part(arrays):
 def test_a_timed_out_name_keeps_the_others_in_step_and_state_carries_the_sampler(arrays):
     uris, data = arrays
     cfgs = _configs()
-    cfgs["label"] = damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", prepared_batches=1)
+    cfgs["label"] = damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", prepared_batches=1, on_error="raise", drop_last=False)
     sampler = damacy.RandomBoxes([uris], (8, 16, 16), seed=5, samples_per_epoch=9, scales={"label": 0.5}, rank=0, world_size=1)
     drawn = list(sampler)
     with damacy.MultiPipeline(cfgs) as pipe:
         pipe.push(sampler)
         first = pipe.pop()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(damacy.SlotsHeld):
             pipe.pop(timeout=1)  # the label's only slot is held by batch 0
         first.release()
         with pipe.pop() as second:
@@ -189,11 +191,11 @@ def test_a_state_taken_while_one_name_is_a_batch_ahead_resumes_every_name_in_ste
     samples = [damacy.MultiSample.at(uris, b, scales={"label": 0.5}) for b in boxes]
     samples[4] = damacy.MultiSample(dict(samples[4].parts, image=damacy.Sample(uris["image"] + ".gone", boxes[4])))  # batch 1
     cfgs = _configs()
-    cfgs["label"] = damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", prepared_batches=1)
+    cfgs["label"] = damacy.Config(samples_per_batch=3, sample_shape=(4, 8, 8), dtype="u8", prepared_batches=1, on_error="raise", drop_last=False)
     with damacy.MultiPipeline(cfgs) as pipe:
         pipe.push(samples)
         first = pipe.pop()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(damacy.SlotsHeld):
             pipe.pop(timeout=1)
         first.release()
         state = pipe.state_dict()

@@ -163,6 +163,50 @@ def test_half_and_bfloat_rounding_edges():
         assert np.array_equal(out.view("u2"), want.view("u2")), name
 
 
+INTEGERS = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+@pytest.mark.parametrize("src", INTEGERS)
+def test_integer_casts_clamp_in_rows_gathers_and_scatters(src, order):
+    """Integer to integer clamps to the output's range (numpy's astype would wrap), and an
+    integer to bf16 rounds through f32, in all three loop kinds: a row, a gather from an
+    index list and a scatter to one."""
+    import ml_dtypes
+
+    from damacy_server.decode import contract
+    from damacy_server.native import _assemble
+
+    src = np.dtype(src).newbyteorder(order)
+    info = np.iinfo(src)
+    vals = {int(info.min), int(info.max), -1, 0, 1, 12, 256, -300}
+    for b in (7, 8, 15, 16, 31, 32, 63, 64):
+        vals.update({2**b - 1, 2**b, 2**b + 1, -(2**b) - 1, -(2**b), -(2**b) + 1})
+    vals.update({2**24 + 2**16 + 1, -(2**24 + 2**16 + 1)})  # a bf16 tie once rounded to f32
+    values = np.array(sorted(v for v in vals if info.min <= v <= info.max), dtype=src)
+    n = len(values)
+    rev = np.arange(n - 1, -1, -1, dtype=np.int64)
+    # target 0: a row; 1: a gather (source positions from the pool); 2: a scatter (destinations)
+    ops = np.array([[0, 0, 0, 0, n], [0, 1, -1, 0, n], [0, 2, 0, -1, n]], dtype=np.int64)
+    shape = np.array([n], dtype=np.int64)
+    swap = int(not src.isnative and src.itemsize > 1)
+    for dst in [np.dtype(t) for t in INTEGERS] + [np.dtype(ml_dtypes.bfloat16)]:
+        code = native.dtype_code(dst)
+        assert _assemble.supports(native.dtype_code(src), code), (src, dst)
+        outs = [np.zeros(n, dtype=dst) for _ in range(3)]
+        failed = _assemble.run(values.tobytes(), 0, _SPAN(values.nbytes), ops.tobytes(), 0, native.targets(outs, 1).tobytes(), shape.tobytes(),
+                               native.dtype_code(src), code, swap, 0, values.nbytes, rev.tobytes())[0]
+        assert failed == []
+        if dst.kind in "iu":
+            lo, hi = int(np.iinfo(dst).min), int(np.iinfo(dst).max)
+            want = np.array([min(max(v, lo), hi) for v in values.tolist()], dtype=dst)
+        else:
+            want = values.astype(np.float32).astype(dst)  # through f32, each rounding to nearest even
+        assert np.array_equal(want.view(np.uint8), contract.convert(values, dst).view(np.uint8)), (src, dst)
+        for k, got in enumerate([outs[0], outs[1][::-1].copy(), outs[2][::-1].copy()]):
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (src, dst, k, values[got != want], got[got != want])
+
+
 def test_checksummed_frames_are_decoded_whole_and_verified(tmp_path):
     data = np.arange(16 * 64 * 64, dtype="u2").reshape(16, 64, 64)
     write_array(tmp_path / "c", data, chunks=(16, 64, 64), compressors=[ZstdCodec(level=3, checksum=True)])

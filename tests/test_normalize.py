@@ -16,6 +16,7 @@ from damacy_server.cuda import twin
 from damacy_server.decode import contract
 
 from conftest import padded_selection, random_data, write_array
+from pipeline_helpers import composed, cpu_executor_for
 
 NORMS = [(0.0, 1.0), (1000.0, 1 / 3), (-2.5, 0.1), (0.1, 7.0), (3e4, -1e-3)]
 FLOAT_OUT = ["float16", "float32", "float64", "bfloat16"]
@@ -151,7 +152,7 @@ def test_pipelines_write_normalised_samples_in_every_mode(volumes, make, dtype):
         for k, box in enumerate(BOXES):
             norm = None if k == 2 else NORMS[k + 1]
             samples.append(damacy.Sample(uri, box, normalize=norm, flip=(1,) if k == 3 else ()))
-        cfg = damacy.Config(samples_per_batch=2, sample_shape=(6, 10, 12), dtype=dtype)
+        cfg = damacy.Config(samples_per_batch=2, sample_shape=(6, 10, 12), dtype=dtype, out_of_bounds="pad")
         with make(cfg) as pipe:
             pipe.push(samples)
             got = np.concatenate([b.copy() for b in pipe])
@@ -169,24 +170,24 @@ def test_both_cpu_paths_normalise_alike_with_missing_chunks_and_the_chunk_cache(
     data[8:, :8] = 0  # a chunk never written (zarr-python leaves it out: the fill value)
     write_array(tmp_path / "a.zarr", data, chunks=(8, 8), compressors=[ZstdCodec()], fill_value=0)
     uri = str(tmp_path / "a.zarr")
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=native))
     samples = [damacy.Sample(uri, np.s_[0:16, 0:16], normalize=(100.0, 0.01)), damacy.Sample(uri, np.s_[4:20, 0:16], normalize=(-3.0, 2.0))]
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(16, 16), dtype="float32")
-    with damacy.Pipeline(cfg, executor=executor) as pipe:
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(16, 16), dtype="float32", out_of_bounds="pad")
+    executor = cpu_executor_for(cfg, max_memory_bytes=64 << 20, decode_workers=2, native=native)
+    with composed(cfg, executor=executor) as pipe:
         for _ in range(2):  # the second time from the chunk cache
             pipe.push(samples)
             with pipe.pop() as b:
                 got = b.copy()
             for k, s in enumerate(samples):
                 _assert_same(got[k], contract.normalize(padded_selection(data, s.selection), np.float32, *s.normalize))
-        native_units = pipe.stats()["stages"].get("native", {}).get("count", 0)
+        native_units = pipe.stats_dict()["stages"].get("native", {}).get("count", 0)
     executor.close()
     assert (native_units > 0) == native
 
 
 def test_index_queries_and_fills_on_error_are_normalised(volumes):
     uri, data, _ = volumes["u16"]
-    q = damacy.IndexQuery(uri, ([3, 1, 19], slice(2, 29, 3), [0, 23, 5]), normalize=(500.0, 0.5))
+    q = damacy.IndexQuery(uri, ([3, 1, 19], range(2, 29, 3), [0, 23, 5]), normalize=(500.0, 0.5))
     want = contract.normalize(data[np.ix_([3, 1, 19], range(2, 29, 3), [0, 23, 5])], np.float32, 500.0, 0.5)
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(3, 9, 3), dtype="float32", on_error="fill")
     with damacy.Pipeline(cfg) as pipe:
@@ -213,16 +214,18 @@ def test_index_lists_on_both_sides_take_the_normalising_gather_and_scatter(volum
     scattered positions (the native scatter rows), a flip makes strided gathers."""
     uri, data, _ = volumes["u16"]
     sel = ([7, 2, 2, 15], [19, 1, 20, 2, 13, 0, 23])
-    queries = [damacy.IndexQuery(uri, (3,) + sel, normalize=(100.0, 0.5)), damacy.IndexQuery(uri, (9,) + sel, normalize=(7.0, -2.0), flip=(0, 1))]
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=True))
-    with damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(4, 7), dtype="float32"), executor=executor) as pipe:
+    # (an IndexQuery keeps every axis: the first one of one position)
+    queries = [damacy.IndexQuery(uri, ([3],) + sel, normalize=(100.0, 0.5)), damacy.IndexQuery(uri, ([9],) + sel, normalize=(7.0, -2.0), flip=(1, 2))]
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(1, 4, 7), dtype="float32")
+    executor = cpu_executor_for(cfg, max_memory_bytes=64 << 20, decode_workers=2, native=True)
+    with composed(cfg, executor=executor) as pipe:
         pipe.push(queries)
         with pipe.pop() as b:
             got = b.copy()
-        assert pipe.stats()["stages"]["native"]["count"] > 0
+        assert pipe.stats_dict()["stages"]["native"]["count"] > 0
     executor.close()
     for k, q in enumerate(queries):
-        box = data[q.selection[0]][np.ix_(*sel)]
+        box = data[np.ix_(list(q.indices[0]), *sel)]
         _assert_same(got[k], contract.normalize(np.flip(box, q.flip) if q.flip else box, np.float32, *q.normalize))
 
 
@@ -317,12 +320,12 @@ def test_casts_the_native_loop_offers_only_normalised_take_it_when_every_sample_
     for plain_too, native_expected in ((False, True), (True, False)):
         samples = [damacy.Sample(uri, np.s_[0:8, 0:12], normalize=(1.5, 0.25)),
                    damacy.Sample(uri, np.s_[5:13, 9:21], normalize=None if plain_too else (-2.0, 3.0))]
-        executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=True))
-        with damacy.Pipeline(cfg, executor=executor) as pipe:
+        executor = cpu_executor_for(cfg, max_memory_bytes=64 << 20, decode_workers=2, native=True)
+        with composed(cfg, executor=executor) as pipe:
             pipe.push(samples)
             with pipe.pop() as b:
                 got = b.copy()
-            native_units = pipe.stats()["stages"].get("native", {}).get("count", 0)
+            native_units = pipe.stats_dict()["stages"].get("native", {}).get("count", 0)
         executor.close()
         assert (native_units > 0) == native_expected
         for k, s in enumerate(samples):
@@ -340,5 +343,5 @@ def test_a_native_batch_normalises_as_the_dtype_its_first_array_fixed(tmp_path, 
     with make(cfg) as pipe:
         pipe.push([damacy.Sample(str(tmp_path / "f"), np.s_[0:4]), damacy.Sample(str(tmp_path / "u"), np.s_[0:4], normalize=(10.0, 0.5))])
         with pipe.pop() as batch:
-            assert batch.info.dtype == "float32" and not batch.info.errors
+            assert batch.info.dtype == damacy.Dtype.F32 and not batch.info.errors
             np.testing.assert_array_equal(batch.copy()[1], np.array([0.0, 0.5, 1.0, 1.5], dtype="float32"))

@@ -19,7 +19,7 @@ from damacy_server.decode.contract import convert
 
 from conftest import padded_selection, random_data, write_array
 from daemon_helpers import wait_for
-from pipeline_helpers import expected_box, out_dtype, same
+from pipeline_helpers import DAMACY_OWN, expected_box, out_dtype, same
 
 LE = BytesCodec(endian="little")
 SHAPE = (30, 40, 50)
@@ -84,7 +84,7 @@ def test_random_boxes_with_padding(store, data, make):
         starts = [data.draw(st.integers(-n // 2 - 4, n)) for n in arr.shape]
         samples.append(damacy.Sample(uri, tuple((a, a + s) for a, s in zip(starts, shape))))
     dtype = data.draw(st.sampled_from(["f32", "f64", "bf16"]))
-    with make(config(n=4, shape=shape, dtype=dtype)) as p:
+    with make(config(n=4, shape=shape, dtype=dtype, **DAMACY_OWN)) as p:
         p.push(samples)
         got = 0
         for batch in p.batches():
@@ -100,12 +100,12 @@ def test_every_output_dtype_and_mixed_sources(store, dtype, make):
     for k, (uri, _) in enumerate(store[1].values()):
         samples.append(damacy.Sample(uri, np.s_[k : k + 6, 3 : 10, 40:48]))
         samples.append(damacy.Sample(uri, np.s_[-2:4, 35:42, 45:53]))  # pads
-    with make(config(n=3, dtype=dtype)) as p:
+    with make(config(n=3, dtype=dtype, **DAMACY_OWN)) as p:
         p.push(samples)
         seen = 0
         for batch in p.batches():
             with batch:
-                assert batch.info.dtype == dtype and batch.numpy().dtype == out_dtype(dtype)
+                assert str(batch.info.dtype) == dtype and batch.numpy().dtype == out_dtype(dtype)
                 check_batch(batch, by_uri(store), dtype)
                 seen += len(batch)
     assert seen == len(samples)
@@ -122,7 +122,7 @@ def test_native_dtype_is_the_first_arrays_for_the_whole_pipeline(store, make):
         errors = {}
         for batch in p.batches():
             with batch:
-                assert batch.info.dtype == "uint16" and batch.numpy().dtype == np.uint16
+                assert batch.info.dtype == damacy.Dtype.U16 and batch.numpy().dtype == np.uint16
                 for j, err in batch.info.errors:
                     errors[batch.info.samples[j].uri] = str(err)
                 for j, sample in enumerate(batch.info.samples):
@@ -145,14 +145,15 @@ def test_native_dtype_is_the_first_batchs_when_batches_plan_side_by_side(store):
     import threading
 
     from damacy_server.engine.batches import BatchEngine
-    from damacy_server.engine.slots import OutputSpec
+    from damacy_server.engine.slots import Policy
+    from damacy_server.plan.planner import Planner as PlanMachinery
     from damacy_server.workers import WorkerPool
 
     u16, i8 = store[1]["u16"][0], store[1]["i8-blosc"][0]
     box = np.s_[0:6, 3:10, 40:48]
     second = threading.Event()
 
-    class Planner(damacy.ChunkPlanner):
+    class Planner(PlanMachinery):
         def plan(self, samples, *args, **kw):
             if samples[0].uri == u16:
                 second.wait(1)  # unordered, batch 1 plans meanwhile and its int8 comes first
@@ -160,9 +161,10 @@ def test_native_dtype_is_the_first_batchs_when_batches_plan_side_by_side(store):
                 second.set()
             return super().plan(samples, *args, **kw)
 
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    executor = damacy.CpuExecutor(reader=damacy.FileReader(), limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
     pool = WorkerPool(2, "plan")
-    engine = BatchEngine(OutputSpec(1, (6, 7, 8), None, "fill"), Planner(), executor, 2, plan_pool=pool)
+    output = damacy.BatchSpec(1, (6, 7, 8), "native")
+    engine = BatchEngine(output, Policy(on_error="fill", out_of_bounds="pad"), Planner(), executor, 2, plan_pool=pool)
     try:
         engine.start([damacy.Sample(u16, box)])
         engine.start([damacy.Sample(i8, box)])
@@ -184,11 +186,12 @@ def test_index_queries_with_duplicates_and_reversed_order(store, make):
     uri, arr = store[1]["f32-sharded"]
     uri2, arr2 = store[1]["u16"]
     queries = [
-        damacy.IndexQuery(uri, ([29, 3, 3, 0, -1, 12], slice(5, 12), [49, 48, 47, 0, 0, 25, 1, 2])),
+        # 30: past the end of axis 0, padded (an IndexQuery's indices are nonnegative)
+        damacy.IndexQuery(uri, ([29, 3, 3, 0, 30, 12], slice(5, 12), [49, 48, 47, 0, 0, 25, 1, 2])),
         damacy.IndexQuery(uri2, ([0, 1, 2, 3, 4, 5], [39, 20, 20, 1, 0, 7, 8], slice(0, 8))),
         damacy.IndexQuery(uri, (slice(0, 6), slice(33, 40), [7, 6, 5, 4, 3, 2, 1, 0])),
     ]
-    with make(config(n=2, shape=(6, 7, 8))) as p:
+    with make(config(n=2, shape=(6, 7, 8), **DAMACY_OWN)) as p:
         p.push(queries)
         for batch in p.batches():
             with batch:
@@ -197,14 +200,18 @@ def test_index_queries_with_duplicates_and_reversed_order(store, make):
 
 def test_index_query_out_of_range_is_refused_or_padded(store, make):
     uri, arr = store[1]["u16"]
-    with make(config(n=1, shape=(2, 7, 8), out_of_bounds="error")) as p:
+    # out_of_bounds="error" (the default), on_error="raise": the stream goes on after the error
+    with make(config(n=1, shape=(2, 7, 8), on_error="raise")) as p:
         p.push([damacy.IndexQuery(uri, ([0, 30], slice(0, 7), slice(0, 8)))])
         with pytest.raises(damacy.OutOfBounds, match="index 30 is outside the array"):
             p.pop()
-        p.push([damacy.IndexQuery(uri, ([-1, 0], slice(0, 7), slice(0, 8)))])
-        with pytest.raises(damacy.OutOfBounds, match="index -1 is outside the array.*not counted from the end"):
+        p.push([damacy.IndexQuery(uri, ([29, 0], slice(34, 41), slice(0, 8)))])
+        with pytest.raises(damacy.OutOfBounds, match="axis 1: 34:41 leaves the array"):
             p.pop()
-    with make(config(n=1, shape=(2, 7, 8), dtype="native")) as p:  # "pad": the fill value
+    # a negative index is refused where the query is made: never counted from the end
+    with pytest.raises(ValueError, match="indices must be nonnegative"):
+        damacy.IndexQuery(uri, ([-1, 0], slice(0, 7), slice(0, 8)))
+    with make(config(n=1, shape=(2, 7, 8), dtype="native", out_of_bounds="pad")) as p:  # "pad": the fill value
         p.push([damacy.IndexQuery(uri, ([30, 0], slice(0, 7), slice(0, 8)))])
         with p.pop() as b:
             assert np.array_equal(b.numpy()[0, 0], np.full((7, 8), 7, arr.dtype))  # its fill value
@@ -213,9 +220,14 @@ def test_index_query_out_of_range_is_refused_or_padded(store, make):
 
 def test_out_of_bounds_error_policy(store, make):
     uri, _ = store[1]["u16"]
-    with make(config(n=2, out_of_bounds="error")) as p:
-        p.push([damacy.Sample(uri, np.s_[-1:5, 0:7, 0:8]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
-        with pytest.raises(damacy.OutOfBounds, match=r"axis 0: -1:5 leaves the array") as info:
+    with make(config(n=2)) as p:  # out_of_bounds="error": the default
+        # a box that starts before the array is refused where it is pushed
+        with pytest.raises(damacy.InvalidArgument, match=r"axis 0: the box starts at -1, before the array") as info:
+            p.push([damacy.Sample(uri, np.s_[-1:5, 0:7, 0:8]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        assert "Sample(" in str(info.value)
+        # one that ends past it fails at its pop, naming the sample
+        p.push([damacy.Sample(uri, np.s_[25:31, 0:7, 0:8]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        with pytest.raises(damacy.OutOfBounds, match=r"axis 0: 25:31 leaves the array") as info:
             p.pop()
         assert "Sample(" in str(info.value)
 
@@ -226,7 +238,8 @@ def test_seed_style_composition(store):
         planner=damacy.ChunkPlanner(
             metadata=damacy.ZarrMetadata(
                 reader=damacy.FileMetadataReader(),
-                cache=damacy.MetadataCache(array_entries=16, shard_index_entries=64),
+                # the seed's floors: (lookahead_samples + samples) * max_shards_per_sample = 384
+                cache=damacy.MetadataCache(array_entries=16, shard_index_entries=512),
             ),
             limits=damacy.PlanLimits(),
         ),
@@ -236,16 +249,19 @@ def test_seed_style_composition(store):
         ),
         output=damacy.BatchSpec(samples=2, shape=(6, 7, 8), dtype="f32"),
         queues=damacy.QueueLimits(lookahead_samples=4, prepared_batches=2),
+        drop_last=False,  # damacy's: the short last batch is delivered
     )
     with pipe:
         pipe.push(damacy.Sample(uri, np.s_[i : i + 6, i : i + 7, 2 * i : 2 * i + 8]) for i in range(5))
         sizes = []
-        for b in pipe.batches(10):
-            with b:
-                check_batch(b, by_uri(store), "f32")
-                sizes.append(len(b))
+        with pytest.raises(damacy.PipelineDrained):  # batches(n) pops n: the fourth pop finds none
+            for b in pipe.batches(10):
+                with b:
+                    check_batch(b, by_uri(store), "f32")
+                    sizes.append(len(b))
         assert sizes == [2, 2, 1]
-        stats = pipe.stats()
+        assert isinstance(pipe.stats(), damacy.Stats)
+        stats = pipe.stats_dict()
     for stage in ("plan", "read", "decode"):
         assert stats["stages"][stage]["count"] > 0 and stats["stages"][stage]["seconds"] > 0
     # the native loop decodes and assembles in one pass, timed under "native" and "decode"
@@ -258,7 +274,9 @@ def test_seed_style_composition(store):
 def test_two_dimensional_samples_from_a_volume(store, make):
     uri, arr = store[1]["u16"]
     with make(config(n=2, shape=(7, 8), dtype="u16")) as p:
-        p.push([damacy.Sample(uri, np.s_[3:4, 0:7, 10:18]), damacy.Sample(uri, np.s_[4:11, 5:6, 0:8])])
+        p.push([damacy.Sample(uri, np.s_[3, 0:7, 10:18]), damacy.Sample(uri, np.s_[4:11, 5, 0:8])])  # a point drops its axis
+        with pytest.raises(damacy.InvalidArgument, match=r"its shape \(1, 7, 8\) is not the batch's"):
+            p.push([damacy.Sample(uri, np.s_[3:4, 0:7, 10:18])])  # a length-1 range keeps it, as the seed API's aabb
         with p.pop() as b:
             x = b.numpy()
             assert np.array_equal(x[0], arr[3, 0:7, 10:18]) and np.array_equal(x[1], arr[4:11, 5, 0:8])
@@ -345,21 +363,14 @@ def test_exit_with_one_pushed_and_nothing_popped(store, make):
             p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
 
     _returns(push_and_exit)
-    with pytest.raises(damacy.PipelineDrained, match="closed"):
+    with pytest.raises(damacy.ShutdownError, match="closed"):
         pipes[0].pop()
 
 
 def test_last_partial_batch_and_drop_last(store, make):
     uri, _ = store[1]["u16"]
     samples = [damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(10)]
-    with make(config(n=4)) as p:
-        p.push(samples)
-        sizes = []
-        for b in p.batches():
-            sizes.append(len(b))
-            b.release()
-    assert sizes == [4, 4, 2]
-    with make(config(n=4, drop_last=True)) as p:
+    with make(config(n=4, drop_last=False)) as p:  # damacy's: the last batch comes short
         p.push(samples)
         sizes = []
         for b in p.batches():
@@ -367,13 +378,28 @@ def test_last_partial_batch_and_drop_last(store, make):
             b.release()
         with pytest.raises(damacy.PipelineDrained):
             p.pop()
+    assert sizes == [4, 4, 2]
+    # drop_last=True, the default: whole batches only; iterating ends where the samples of a
+    # short last batch are left, which wait for a later push to complete their batch
+    with make(config(n=4, pop_timeout_s=2)) as p:
+        p.push(samples)
+        sizes = []
+        for b in p.batches():
+            sizes.append(len(b))
+            b.release()
+        with pytest.raises(damacy.PoolStarved):
+            p.pop()
+        p.push(samples[:2])
+        with p.pop() as b:
+            assert b.info.samples == (*samples[8:], *samples[:2])
     assert sizes == [4, 4]
 
 
 def test_drained_and_empty_pops_raise_at_once(store, make):
     uri, _ = store[1]["u16"]
     # no pop timeout: a pop that waited for a batch instead of saying so would never return
-    with make(config(pop_timeout_s=None)) as p:
+    # (one sample a batch: every batch is whole, under the default drop_last=True)
+    with make(config(n=1, pop_timeout_s=None)) as p:
         err = _pop_outcome(p, None)
         assert isinstance(err, damacy.PipelineDrained) and "nothing was pushed" in str(err), repr(err)
         p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
@@ -415,12 +441,18 @@ def test_pop_timeout_names_what_it_waited_for(store, make):
     gate = threading.Event()
 
     def slow():
+        # push pulls a first window (the lookahead: a batch, and one sample ahead) itself:
+        # the input stalls after it
+        for i in range(5):
+            yield damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8])
         gate.wait(60)
-        yield damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])
+        for i in range(5, 8):
+            yield damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8])
 
-    with make(config()) as p:
+    with make(config(n=4, lookahead_samples=4)) as p:
         p.push(slow())
-        with pytest.raises(TimeoutError, match="batch 0.*iterable"):
+        p.pop(timeout=60).release()
+        with pytest.raises(damacy.PoolStarved, match="batch 1.*waiting for the pushed input"):
             p.pop(timeout=0.3)
         gate.set()
         p.pop(timeout=60).release()
@@ -439,7 +471,7 @@ def test_pop_says_at_once_that_every_slot_is_held_whatever_the_timeout(store, ma
         first = p.pop()
         for timeout in (None, 300.0, float("inf")):
             err = _pop_outcome(p, timeout)
-            assert isinstance(err, damacy.SlotsHeld) and isinstance(err, TimeoutError), repr(err)
+            assert isinstance(err, damacy.SlotsHeld) and isinstance(err, damacy.PoolStarved), repr(err)
             text = str(err)
             assert "all 1 batch slots are held by batches that were not released, or by arrays exported" in text
             assert "batch.copy()" in text and "within" not in text
@@ -448,7 +480,7 @@ def test_pop_says_at_once_that_every_slot_is_held_whatever_the_timeout(store, ma
         assert isinstance(_pop_outcome(p, 300.0), damacy.SlotsHeld)
         del kept
         p.pop(timeout=30).release()  # the slot is free again: the stream goes on
-    with make(config(n=2, prepared_batches=1, lookahead_samples=2)) as p:
+    with make(config(n=2, prepared_batches=1, lookahead_samples=2, drop_last=False)) as p:
         p.push([damacy.Sample(uri, np.s_[i : i + 6, 0:7, 0:8]) for i in range(3)])
         p.pop(timeout=30).release()
         last = p.pop(timeout=30)  # the short last batch: the input is known to be exhausted
@@ -507,11 +539,11 @@ def test_a_batch_ends_where_the_input_raised_before_a_later_push(store, make):
                     starts = [s.selection[0].start for s in b.info.samples]
                     assert np.array_equal(b.numpy()[:, 0], np.stack([arr[i, 0:7, 0:8] for i in starts]).astype("f4"))
                     got.append(starts)
+            except damacy.PipelineDrained:  # (a DamacyError is a RuntimeError: caught first)
+                break
             except RuntimeError as e:
                 assert "sampler broke" in str(e)
                 got.append("raised")
-            except damacy.PipelineDrained:
-                break
     assert got == [[0, 1, 2, 3], [4, 5], "raised", [20, 21, 22, 23], [24, 25, 26, 27]]
 
 
@@ -536,9 +568,26 @@ def stream(good, corrupt, missing):
     return [good[0], corrupt, good[1], missing, good[2]]
 
 
-def test_on_error_raise(damaged, make):
+def test_on_error_stop_is_the_default(damaged, make):
+    """on_error="stop" (the default): a bad sample's error is raised at the pop that would
+    have held it, and the pipeline stops there: every later pop raises it again, push raises
+    ShutdownError."""
     oracle, good, corrupt, missing = damaged
     with make(config(n=2, shape=(6, 7, 8))) as p:
+        p.push(stream(good, corrupt, missing))
+        with pytest.raises(damacy.DecodeError) as e1:
+            p.pop()
+        assert "12:18" in str(e1.value) and "chunk [2, 0, 0]" in str(e1.value) and "zstd" in str(e1.value)
+        for _ in range(2):
+            with pytest.raises(damacy.DecodeError, match="chunk \\[2, 0, 0\\]"):
+                p.pop()
+        with pytest.raises(damacy.ShutdownError):
+            p.push([good[2]])
+
+
+def test_on_error_raise(damaged, make):
+    oracle, good, corrupt, missing = damaged
+    with make(config(n=2, shape=(6, 7, 8), on_error="raise", drop_last=False)) as p:
         p.push(stream(good, corrupt, missing))
         with pytest.raises(damacy.DecodeError) as e1:
             p.pop()
@@ -559,15 +608,16 @@ def test_a_raised_batch_names_all_its_failures_and_samples(damaged, make):
     consumed are done with, so the end of the stream says drained even while the last batch
     is held."""
     oracle, good, corrupt, missing = damaged
-    short = damacy.Sample(corrupt.uri, np.s_[0:3, 0:7, 0:8])  # the wrong shape for the batch
-    with make(config(n=3, shape=(6, 7, 8), prepared_batches=1)) as p:
-        p.push([missing, good[0], short, good[1]])
+    # past the array's end (24 planes): fails at its pop (a wrong shape is refused at push now)
+    beyond = damacy.Sample(corrupt.uri, np.s_[20:26, 0:7, 0:8])
+    with make(config(n=3, shape=(6, 7, 8), prepared_batches=1, on_error="raise", drop_last=False)) as p:
+        p.push([missing, good[0], beyond, good[1]])
         with pytest.raises(damacy.NotFound) as e:
             p.pop()
         err = e.value
-        assert err.batch_samples == (missing, good[0], short)
-        assert [(s, type(x)) for s, x in err.batch_errors] == [(missing, damacy.NotFound), (short, damacy.InvalidArgument)]
-        assert err.batch_errors[0][1] is err and "3, 7, 8" in str(err.batch_errors[1][1])
+        assert err.batch_samples == (missing, good[0], beyond)
+        assert [(s, type(x)) for s, x in err.batch_errors] == [(missing, damacy.NotFound), (beyond, damacy.OutOfBounds)]
+        assert err.batch_errors[0][1] is err and "20:26 leaves the array" in str(err.batch_errors[1][1])
         with p.pop() as b:  # held while the stream ends: nothing else is outstanding
             assert b.info.samples == (good[1],)
             assert np.array_equal(b.numpy()[0], oracle[6:12].astype("f4"))
@@ -575,39 +625,43 @@ def test_a_raised_batch_names_all_its_failures_and_samples(damaged, make):
                 p.pop()
 
 
-@pytest.mark.parametrize("on_error", ["raise", "fill", "skip"])
-def test_a_pushed_item_that_is_no_sample_is_a_bad_sample(damaged, make, on_error):
-    """It fails as a bad sample under the error policy, in every mode; the samples of its
-    batch are delivered (they were lost with the batch) and the stream goes on."""
+@pytest.mark.parametrize("on_error", ["stop", "raise", "fill", "skip"])
+def test_a_pushed_item_that_is_no_sample_is_refused(damaged, make, on_error):
+    """Whatever the error policy, in every mode: in the window a push pulls, push raises
+    InvalidArgument naming it; in a later window, the next pop does. Its iterable is dropped
+    with the samples pulled with it (never delivered), and the stream goes on with what is
+    pushed next."""
     oracle, good, _, _ = damaged
-    with make(config(n=2, shape=(6, 7, 8), on_error=on_error, lookahead_samples=2)) as p:
-        p.push([good[0], "junk", good[1], good[2]])
-        delivered, errors = [], []
-        while True:
-            try:
-                b = p.pop()
-            except damacy.InvalidArgument as e:
-                errors.append(e)
-                delivered.extend(s for s in e.batch_samples if s != "junk")
-                continue
-            except damacy.PipelineDrained:
-                break
+    junk = "push takes Sample, IndexQuery and ResolvedSpatialQuery items, got str 'junk'"
+
+    def drain(p):
+        delivered = []
+        for b in p.batches():
             with b:
                 for j, s in enumerate(b.info.samples):
-                    if s == "junk":
-                        assert (b.numpy()[j] == 0).all()  # no array, no fill value: zeros
-                        continue
                     delivered.append(s)
                     assert np.array_equal(b.numpy()[j], oracle[s.aabb[0][0] : s.aabb[0][1]].astype("f4"))
-                errors.extend(e for _, e in b.info.errors)
-                errors.extend(e for _, e in b.info.skipped)
-    assert delivered == good
-    assert len(errors) == 1 and "expected a Sample or an IndexQuery, got str 'junk'" in str(errors[0])
+                assert b.info.errors == () and b.info.skipped == ()
+        return delivered
+
+    with make(config(n=2, shape=(6, 7, 8), on_error=on_error, lookahead_samples=2, drop_last=False)) as p:
+        with pytest.raises(damacy.InvalidArgument, match=junk):
+            p.push([good[0], "junk", good[1], good[2]])
+        p.push(good)
+        assert drain(p) == good
+    with make(config(n=2, shape=(6, 7, 8), on_error=on_error, lookahead_samples=2, drop_last=False)) as p:
+        p.push([good[0], good[1], good[2], "junk", good[0]])  # the first window: good[0], good[1]
+        with p.pop() as b:
+            assert b.info.samples == tuple(good[:2])
+        with pytest.raises(damacy.InvalidArgument, match=junk):
+            p.pop()
+        p.push([good[2]])  # good[2] went with the iterable that held the junk
+        assert drain(p) == [good[2]]
 
 
 def test_on_error_fill(damaged, make):
     oracle, good, corrupt, missing = damaged
-    with make(config(n=2, shape=(6, 7, 8), on_error="fill")) as p:
+    with make(config(n=2, shape=(6, 7, 8), on_error="fill", drop_last=False)) as p:
         p.push(stream(good, corrupt, missing))
         b0, b1 = p.pop(), p.pop()
         b0c, b1c = b0.numpy().copy(), b1.numpy().copy()
@@ -622,13 +676,13 @@ def test_on_error_fill(damaged, make):
         assert (b1c[1] == 0).all()  # no array, no fill value: zeros
         assert b2.info.errors == () and len(b2) == 1
         b2.release()
-        assert p.stats()["sample_errors"] == 2
+        assert p.stats_dict()["sample_errors"] == 2
 
 
 def test_on_error_skip(damaged, make):
     oracle, good, corrupt, missing = damaged
     # one batch in flight at a time, so "the next sample" is well defined
-    with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:
+    with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2, drop_last=False)) as p:
         p.push(stream(good, corrupt, missing))
         samples, sizes = [], []
         for b in p.batches():
@@ -667,7 +721,7 @@ def test_every_skipped_sample_is_listed_once(damaged, make):
     tail of bad samples)."""
     oracle, good, corrupt, missing = damaged
     kind = {id(missing): damacy.NotFound, id(corrupt): damacy.DecodeError}
-    with make(config(n=3, shape=(6, 7, 8), on_error="skip", lookahead_samples=6)) as p:
+    with make(config(n=3, shape=(6, 7, 8), on_error="skip", lookahead_samples=6, drop_last=False)) as p:
         for stream in ([good[0], *[missing, corrupt] * 6], [good[1], missing, good[2], corrupt, missing]):
             p.push(stream)
             _, got, listed = _drain_skipping(p, oracle)
@@ -693,7 +747,7 @@ def test_skip_with_drop_last_hands_out_full_batches_only(damaged, make):
 
 def test_skip_when_every_sample_fails(damaged, make):
     _, good, corrupt, missing = damaged
-    with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2)) as p:
+    with make(config(n=2, shape=(6, 7, 8), on_error="skip", lookahead_samples=2, drop_last=False)) as p:
         p.push([corrupt, missing, missing])
         with pytest.raises(damacy.PipelineDrained):
             p.pop()
@@ -709,7 +763,7 @@ def test_native_skip_takes_the_dtype_of_the_samples_that_fill_the_holes(damaged,
     """dtype="native": a first batch whose first samples all fail before any array is read
     takes its dtype from the samples that replace them, as every later batch does."""
     oracle, good, _, missing = damaged
-    with make(config(n=2, shape=(6, 7, 8), dtype="native", on_error="skip", lookahead_samples=2)) as p:
+    with make(config(n=2, shape=(6, 7, 8), dtype="native", on_error="skip", lookahead_samples=2, drop_last=False)) as p:
         p.push([missing, missing, good[0], good[1], good[2]])
         got = []
         for b in p.batches():
@@ -728,7 +782,7 @@ def test_native_skip_takes_the_dtype_of_the_samples_that_fill_the_holes(damaged,
     [
         (dict(samples_per_batch=0, sample_shape=(4,)), "samples_per_batch"),
         (dict(samples_per_batch=2, sample_shape=(4, -1)), "sample_shape"),
-        (dict(samples_per_batch=2, sample_shape=(4, 0, 3)), r"sample_shape \(4, 0, 3\) holds no element"),  # no slot of 0 bytes
+        (dict(samples_per_batch=2, sample_shape=(4, 0, 3)), r"sample_shape entries must be > 0 \(got \(4, 0, 3\)\)"),  # no slot of 0 bytes
         (dict(samples_per_batch=2, sample_shape=(4,), dtype="f128"), "dtype"),
         (dict(samples_per_batch=2, sample_shape=(4,), on_error="ignore"), "on_error"),
         (dict(samples_per_batch=2, sample_shape=(4,), out_of_bounds="clip"), "out_of_bounds"),
@@ -740,7 +794,7 @@ def test_native_skip_takes_the_dtype_of_the_samples_that_fill_the_holes(damaged,
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
-    with pytest.raises(damacy.InvalidArgument, match=field):
+    with pytest.raises(ValueError, match=field):  # the seed's checks raise the built-in errors
         damacy.Config(**kwargs)
 
 
@@ -753,27 +807,35 @@ def test_budget_too_small_for_slots():
 
 
 def test_bad_samples_are_refused_at_construction(tmp_path):
-    with pytest.raises(damacy.InvalidArgument, match="step"):
+    # their form where they are made (the seed's built-in errors), their geometry at push
+    with pytest.raises(ValueError, match="step"):
         damacy.Sample(tmp_path / "a", np.s_[0:10:2])
-    with pytest.raises(damacy.InvalidArgument, match="before start"):
-        damacy.Sample(tmp_path / "a", ((5, 2),))
-    with pytest.raises(damacy.InvalidArgument, match="cannot select with 'x'"):
+    with pytest.raises(TypeError, match="selection axis 0: expected a slice or an iterable of indices, got str"):
         damacy.IndexQuery(tmp_path / "a", ("x",))
+    with damacy.Pipeline(config(n=1, shape=(3,))) as p:
+        with pytest.raises(damacy.InvalidArgument, match=r"axis 0: the box \[5, 2\) is empty or reversed"):
+            p.push([damacy.Sample(tmp_path / "a", ((5, 2),))])
     s = damacy.Sample(tmp_path / "a", np.s_[0:4, 2:6])
     assert s == damacy.Sample(str(tmp_path / "a"), ((0, 4), (2, 6))) and hash(s) == hash(damacy.Sample(str(tmp_path / "a"), ((0, 4), (2, 6))))
     assert s.shape == (4, 4)
     q = damacy.IndexQuery(tmp_path / "a", ([3, 1, 1], slice(0, 5), np.array([7, 0])))
-    assert q.shape == (3, 5, 2) and q == damacy.IndexQuery(str(tmp_path / "a"), ([3, 1, 1], (0, 5), [7, 0]))
-    assert q.shape_for((10, 10, 10, 4)) == (3, 5, 2, 4)
+    # (a tuple is an index array in an IndexQuery: the slice spelled otherwise is slice(None, 5))
+    assert q.shape == (3, 5, 2) and q == damacy.IndexQuery(str(tmp_path / "a"), ([3, 1, 1], slice(None, 5), [7, 0]))
+    assert q.indices == ((3, 1, 1), None, (7, 0)) and q.aabb == ((1, 4), (0, 5), (0, 8))
 
 
 def test_sample_of_wrong_shape_is_a_sample_error(store, make):
-    uri, _ = store[1]["u16"]
+    uri, arr = store[1]["u16"]
     with make(config(n=2, on_error="fill")) as p:
-        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:9]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        # a shape known without the array is refused at push (the iterable is dropped)
+        with pytest.raises(damacy.InvalidArgument, match=r"its shape \(6, 7, 9\) is not the batch's sample shape \(6, 7, 8\)"):
+            p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 0:9]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
+        # one that depends on the array (an open stop: 40:50) is a sample error at pop
+        p.push([damacy.Sample(uri, np.s_[0:6, 0:7, 40:]), damacy.Sample(uri, np.s_[0:6, 0:7, 0:8])])
         with p.pop() as b:
             (i, err), = b.info.errors
             assert i == 0 and isinstance(err, damacy.InvalidArgument) and "shape" in str(err)
+            assert np.array_equal(b.numpy()[1], arr[0:6, 0:7, 0:8].astype("f4"))
 
 
 # -- memory ---------------------------------------------------------------------------
@@ -785,7 +847,7 @@ def test_memory_stays_under_budget_while_streaming(tmp_path):
     uri = str(tmp_path / "m")
     rng = np.random.default_rng(0)
     budget = 24 << 20
-    cfg = config(n=4, shape=(32, 32, 32), max_memory_bytes=budget, lookahead_samples=8, prepared_batches=2, decode_workers=2)
+    cfg = config(n=4, shape=(32, 32, 32), max_memory_bytes=budget, lookahead_samples=8, prepared_batches=2, decode_workers=2, out_of_bounds="pad")
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -794,7 +856,7 @@ def test_memory_stays_under_budget_while_streaming(tmp_path):
             p.push(damacy.Sample(uri, tuple((int(a), int(a) + 32) for a in rng.integers(-8, 40, size=3))) for _ in range(200))
             for batch in p.batches(50):
                 batch.release()
-            stats = p.stats()
+            stats = p.stats_dict()
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
@@ -819,7 +881,7 @@ def test_dlpack_shares_the_slot_and_keeps_it_occupied(store, make):
         with pytest.raises(BufferError):
             batch.numpy()
         # x still uses the only slot: the next batch cannot be assembled yet
-        with pytest.raises(TimeoutError):
+        with pytest.raises(damacy.PoolStarved):
             p.pop(timeout=0.5)
         expected = arr[0:6, 0:7, 0:8].astype("f4")
         assert np.array_equal(x[0], expected)  # not overwritten
@@ -950,13 +1012,13 @@ def test_random_index_queries(store, data):
         uri, arr = data.draw(st.sampled_from(arrays))
         sel = []
         for n, k in zip(arr.shape, shape):
-            if data.draw(st.booleans()):
-                sel.append(data.draw(st.lists(st.integers(-n, n - 1), min_size=k, max_size=k)))
+            if data.draw(st.booleans()):  # indices are nonnegative: those past the end are padded
+                sel.append(data.draw(st.lists(st.integers(0, 2 * n - 1), min_size=k, max_size=k)))
             else:
                 a = data.draw(st.integers(0, n - k))
                 sel.append(slice(a, a + k))
         queries.append(damacy.IndexQuery(uri, tuple(sel)))
-    with damacy.Pipeline(config(n=2, shape=shape, dtype="f64")) as p:
+    with damacy.Pipeline(config(n=2, shape=shape, dtype="f64", **DAMACY_OWN)) as p:
         p.push(queries)
         got = 0
         for batch in p.batches():
@@ -1045,7 +1107,8 @@ def test_a_pop_interrupted_while_it_waits_loses_no_batch(store, daemon):
             return getattr(self.event, name)
 
     with damacy.Pipeline(config(n=2, shape=(1, 7, 8), lookahead_samples=2), endpoint=daemon.endpoint) as p:
-        p.push(_gated(uri, 6, gate, at=2))  # batch 1 cannot be made before the interrupt
+        # batch 1 cannot be made before the interrupt (push itself pulls samples 0 to 2)
+        p.push(_gated(uri, 6, gate, at=3))
         with p.pop() as b:
             assert b.info.batch_id == 0
         call = p._next_call  # the request for batch 1, sent as batch 0 was handed out
@@ -1065,7 +1128,8 @@ def test_close_from_another_thread_ends_a_waiting_pop(store, make):
     uri, _ = store[1]["u16"]
     gate = threading.Event()
     p = make(config(n=2, shape=(1, 7, 8), lookahead_samples=2, pop_timeout_s=None))
-    p.push(_gated(uri, 4, gate, at=0))  # no batch can come
+    p.push(_gated(uri, 4, gate, at=3))  # push itself pulls samples 0 to 2: batch 0 comes, batch 1 cannot
+    p.pop().release()
     outcome = []
 
     def pop():
@@ -1081,7 +1145,7 @@ def test_close_from_another_thread_ends_a_waiting_pop(store, make):
     p.close()
     assert wait_for(lambda: not t.is_alive(), what="the pop to end after close")
     gate.set()
-    assert len(outcome) == 1 and isinstance(outcome[0], damacy.PipelineDrained) and "closed" in str(outcome[0]), outcome
+    assert len(outcome) == 1 and isinstance(outcome[0], damacy.ShutdownError) and "closed" in str(outcome[0]), outcome
 
 
 def test_a_pipeline_dropped_without_close_is_collected_and_closed(store, make):

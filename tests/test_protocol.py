@@ -11,11 +11,11 @@ from damacy_protocol.config import Config
 from damacy_protocol.connection import ALLOWED, NEXT, ClientConnection, ServerConnection, State
 from damacy_protocol.errors import (
     ERRORS,
+    DamacyError,
     DecodeError,
     ErrorKind,
     PipelineDrained,
     ProtocolError,
-    SampleError,
     UnexpectedReply,
     UnknownSession,
 )
@@ -26,7 +26,7 @@ def handshake():
     client, server = ClientConnection(), ServerConnection()
     hello = server.receive(client.hello(pid=123, rank=0, config=Config(samples_per_batch=2, sample_shape=(4,))))
     assert isinstance(hello, m.Hello) and hello.version == m.PROTOCOL_VERSION and hello.pid == 123
-    assert hello.config == Config(samples_per_batch=2, sample_shape=(4,))
+    assert Config.from_dict(hello.config) == Config(samples_per_batch=2, sample_shape=(4,))  # (it travels as its dict)
     data = server.welcome(m.Welcome(reply_to=hello.id, version=m.PROTOCOL_VERSION, session="s", slots=[m.SlotInfo("damacy-1-a-0", 64)], credits=4))
     welcome, _ = client.receive(data)
     assert isinstance(welcome, m.Welcome) and client.state is State.WELCOMED
@@ -110,9 +110,14 @@ def test_an_older_peers_hello_gets_the_version_error_not_a_schema_error():
     with pytest.raises(ProtocolError, match="client speaks protocol version 2, this daemon"):
         server.receive(old)
     assert server.state is State.FAILED
+    # a Config travels as its dict, checked where it arrives by Config.from_dict (the daemon's
+    # session refuses it saying so: tests/test_daemon.py), naming the field
     bad = msgspec.msgpack.encode({"type": "hello", "id": 1, "version": m.PROTOCOL_VERSION, "pid": 1, "rank": None, "config": {"samples_per_batch": 0, "sample_shape": [4]}})
-    with pytest.raises(ProtocolError, match=r">= 1 - at `\$\.config\.samples_per_batch`"):
-        ServerConnection().receive(bad)
+    hello = ServerConnection().receive(bad)
+    with pytest.raises(ValueError, match=r"samples_per_batch must be >= 1 \(got 0\)"):
+        Config.from_dict(hello.config)
+    with pytest.raises(ValueError, match=r"no field\(s\) \['io_workers'\]"):  # a field of another version
+        Config.from_dict({"samples_per_batch": 1, "sample_shape": [4], "io_workers": 2})
 
 
 def _push(client, seqs):
@@ -168,16 +173,33 @@ def test_errors_travel_as_data():
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(error_to_wire(err, seq=5)), type=m.WireError)
     back = error_from_wire(wire)
     assert type(back) is DecodeError and str(back) == str(err) and wire.seq == 5
-    assert type(error_from_wire(error_to_wire(TimeoutError("late")))) is TimeoutError
+    # a timeout is PoolStarved (the seed's status SHUTDOWN) and crosses as itself; an
+    # exception that is no damacy error crosses as a DamacyError saying what it was
+    starved = error_from_wire(error_to_wire(damacy.PoolStarved("late")))
+    assert type(starved) is damacy.PoolStarved and starved.status is damacy.Status.SHUTDOWN
+    other = error_from_wire(error_to_wire(TimeoutError("late")))
+    assert type(other) is DamacyError and "late" in str(other)
     # a kind the wire does not know is a malformed message, named as such
     unknown = msgspec.msgpack.encode({"kind": "SomethingNew", "reason": "x"})
     with pytest.raises(msgspec.ValidationError, match="kind"):
         msgspec.msgpack.decode(unknown, type=m.WireError)
     # every class damacy raises travels as itself (a subclass defined elsewhere as its ancestor)
     for kind, cls in ERRORS.items():
-        err = cls("why") if not issubclass(cls, SampleError) else cls("why", uri="/a")
-        assert error_to_wire(err).kind is kind and type(error_from_wire(error_to_wire(err))) is cls
-    assert error_to_wire(damacy.SlotsHeld("held")).kind is ErrorKind.DAMACY_ERROR
+        err = cls("why", uri="/a")  # every error may carry a sample's context
+        err.what = "pop"
+        back = error_from_wire(error_to_wire(err))
+        assert error_to_wire(err).kind is kind and type(back) is cls
+        assert back.status is err.status and back.what == "pop" and back.uri == "/a" and back.reason == "why"
+    # the seed's classes among them, each with its status
+    for cls, status in [
+        (damacy.ShutdownError, damacy.Status.SHUTDOWN), (damacy.PoolStarved, damacy.Status.SHUTDOWN),
+        (damacy.PipelineDrained, damacy.Status.SHUTDOWN), (damacy.SlotsHeld, damacy.Status.SHUTDOWN),
+        (damacy.DtypeMismatch, damacy.Status.DTYPE), (damacy.RankMismatch, damacy.Status.RANK),
+        (damacy.UnsupportedOperation, damacy.Status.UNSUPPORTED), (damacy.BudgetExceeded, damacy.Status.BUDGET),
+    ]:
+        back = error_from_wire(error_to_wire(cls("why")))
+        assert type(back) is cls and back.status is status, (cls, back.status)
+    assert error_to_wire(damacy.SlotsHeld("held")).kind is ErrorKind.SLOTS_HELD
     assert error_to_wire(ValueError("odd")).kind is ErrorKind.DAMACY_ERROR
 
 

@@ -32,7 +32,7 @@ LOOP = textwrap.dedent(
     sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=12, samples_per_epoch=26, rank=0, world_size=1)
     if window:  # chunk-aware: stopped and resumed mid-window
         sampler = damacy.RandomBoxes(uris, (6, 10, 10), seed=12, samples_per_epoch=26, rank=0, world_size=1, window=window)
-    cfg = damacy.Config(samples_per_batch=4, sample_shape=(6, 10, 10), dtype="u16", prepared_batches=3)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(6, 10, 10), dtype="u16", prepared_batches=3, drop_last=False)
     pipe = damacy.Pipeline(cfg, endpoint=endpoint) if endpoint else damacy.Pipeline(cfg)
     epochs = 2
     if resume is not None:
@@ -44,7 +44,7 @@ LOOP = textwrap.dedent(
         for epoch in range(sampler.epoch, epochs):
             sampler.set_epoch(epoch)
             pipe.push(sampler)
-            for k, batch in enumerate(pipe.batches(-(-len(sampler) // 4))):
+            for k, batch in enumerate(pipe.batches()):  # until this epoch's samples are drained
                 with batch:
                     seen.append(np.array(np.from_dlpack(batch)))
                 if resume is None and epoch == 1 and k + 1 == stop_after:
@@ -147,7 +147,8 @@ def test_the_next_epoch_queued_while_one_is_pulled_leaves_it_as_pushed(tmp_path,
         sampler.set_epoch(e)
         want[e] = [s.selection[0].start for s in sampler.epoch_samples()]
     assert want[0] != want[1]
-    cfg = damacy.Config(samples_per_batch=50, sample_shape=(1, 1), dtype="i32", lookahead_samples=50)
+    # (the Config's cache floor: the lookahead and two batches, times 64 shard indexes each)
+    cfg = damacy.Config(samples_per_batch=50, sample_shape=(1, 1), dtype="i32", lookahead_samples=50, n_shard_index_cache=150 * 64)
     with damacy.Pipeline(cfg) as pipe:
         sampler.set_epoch(0)
         pipe.push(sampler)
@@ -239,7 +240,7 @@ def test_elastic_resume_through_pipelines(tmp_path):
     data = random_data((40, 36), "uint16", seed=8)
     write_array(tmp_path / "g.zarr", data, chunks=(10, 12), compressors=[ZstdCodec()])
     uri = str(tmp_path / "g.zarr")
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 12), dtype="u16")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 12), dtype="u16", drop_last=False)  # every window
 
     def grid(rank, world):
         return damacy.GridBoxes([uri], (8, 12), step=(4, 12), rank=rank, world_size=world)
@@ -302,7 +303,7 @@ def test_state_before_the_first_push_and_refused_with_skip(tmp_path, make):
         pipe.load_state_dict({"version": 1, "push": 0, "offset": 3, "source_state": None, "batches": 1})
         assert pipe.state_dict()["offset"] == 3  # saved again before anything was read: the same place
     with make(damacy.Config(samples_per_batch=2, sample_shape=(1, 10), dtype="u8", on_error="skip")) as pipe:
-        with pytest.raises(damacy.InvalidArgument, match='needs on_error="raise" or "fill"'):
+        with pytest.raises(damacy.InvalidArgument, match='needs on_error="stop", "raise" or "fill"'):
             pipe.state_dict()
 
 

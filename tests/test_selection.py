@@ -7,6 +7,8 @@ array coordinates: a negative one is before the array, not counted from the end)
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
@@ -78,17 +80,60 @@ def test_read(array, sel, boxed, inside):
             damacy.read(uri, sel)
 
 
+def seed_index_selection(sel, shape):
+    """``sel`` as an IndexQuery writes it (the seed API's form): per axis a slice with a stop
+    and step one, or a list of positions (a strided slice, an integer as a one-position
+    list keeping its axis); ``...`` and open bounds spelled out. Positions are the same
+    array coordinates, so the region is the same (with the integers' axes kept)."""
+    entries = list(sel if isinstance(sel, tuple) else (sel,))
+    if any(e is Ellipsis for e in entries):
+        i = next(k for k, e in enumerate(entries) if e is Ellipsis)
+        entries[i : i + 1] = [slice(None)] * (len(shape) - len(entries) + 1)
+    entries += [slice(None)] * (len(shape) - len(entries))
+    out = []
+    for e, n in zip(entries, shape):
+        if type(e) is tuple:
+            e = slice(*e)
+        if isinstance(e, slice):
+            start, stop = 0 if e.start is None else e.start, n if e.stop is None else e.stop
+            out.append(slice(start, stop) if e.step in (None, 1) else list(range(start, stop, e.step)))
+        elif isinstance(e, (int, np.integer)):
+            out.append([int(e)])
+        else:
+            out.append([int(v) for v in e])
+    return tuple(out)
+
+
 @pytest.mark.parametrize("kind", ["Sample", "IndexQuery"])
 def test_pipelines(array, make, kind):
+    # a Sample takes damacy's numpy selection (a tuple); an IndexQuery the seed API's form
+    # (seed_index_selection), whose negative positions it refuses; both read the same region
     uri, data = array
     for sel, boxed, _ in TABLE:
         if kind == "Sample" and not boxed:
-            with pytest.raises(damacy.InvalidArgument, match="a Sample is a box"):
+            with pytest.raises((TypeError, ValueError), match="expected slice or \\(start, stop\\) tuple|slice step must be 1"):
                 damacy.Sample(uri, sel)
             continue
-        sample = damacy.Sample(uri, sel) if kind == "Sample" else damacy.IndexQuery(uri, sel)
-        want = padded_selection(data, sel, FILL)
-        with make(damacy.Config(samples_per_batch=1, sample_shape=want.shape, dtype="native", pop_timeout_s=30)) as p:
+        if kind == "Sample":
+            want = padded_selection(data, sel, FILL)
+            names_all = any(e is Ellipsis for e in sel) or len(sel) == len(SHAPE)
+            sample = damacy.Sample(uri, sel if names_all else (*sel, ...))
+            if not names_all:  # a sample names every axis of its array (or holds ...)
+                cfg = damacy.Config(samples_per_batch=1, sample_shape=want.shape, dtype="native", pop_timeout_s=30)
+                with make(cfg) as p:
+                    p.push([damacy.Sample(uri, sel)])
+                    with pytest.raises(damacy.RankMismatch):
+                        p.pop()
+        else:
+            seed = seed_index_selection(sel, SHAPE)
+            if any(isinstance(e, list) and min(e) < 0 or isinstance(e, slice) and e.start < 0 for e in seed):
+                with pytest.raises(ValueError, match="nonnegative|invalid slice bounds"):
+                    damacy.IndexQuery(uri, seed)
+                continue
+            sample = damacy.IndexQuery(uri, seed)
+            want = padded_selection(data, seed, FILL)
+        cfg = damacy.Config(samples_per_batch=1, sample_shape=want.shape, dtype="native", pop_timeout_s=30, out_of_bounds="pad")
+        with make(cfg) as p:
             p.push([sample])
             with p.pop() as b:
                 assert b.numpy().shape == (1, *want.shape), sel
@@ -98,43 +143,57 @@ def test_pipelines(array, make, kind):
 def test_the_same_sample_means_the_same_region_in_read(array):
     uri, data = array
     for sel, boxed, _ in TABLE:
-        for sample in [damacy.IndexQuery(uri, sel)] + ([damacy.Sample(uri, sel)] if boxed else []):
+        seed = seed_index_selection(sel, SHAPE)
+        queries = [] if any(isinstance(e, list) and min(e) < 0 or isinstance(e, slice) and e.start < 0 for e in seed) else [(damacy.IndexQuery(uri, seed), seed)]
+        for sample, region in queries + ([(damacy.Sample(uri, sel), sel)] if boxed else []):
             # a sample's own selection reads back the same region
             got = damacy.read(uri, sample.selection, out_of_bounds="pad")
-            assert np.array_equal(got, padded_selection(data, sel, FILL)), sample
+            assert np.array_equal(got, padded_selection(data, region, FILL)), sample
 
 
 def test_shapes_and_equality(array):
     uri, _ = array
     assert damacy.Sample(uri, np.s_[5, 1:5, -2:7]).shape == (4, 9)
     assert damacy.Sample(uri, np.s_[..., 1:5]).shape is None  # depends on the array
-    q = damacy.IndexQuery(uri, ([3, 1, 1], 4, np.s_[0:9:2]))
-    assert q.shape == (3, 5) and q.shape_for(SHAPE) == (3, 5)
-    assert damacy.IndexQuery(uri, (..., [1, 2])).shape_for(SHAPE) == (12, 10, 2)
+    # an IndexQuery names every axis (a one-position list keeps its axis; a range is strided)
+    q = damacy.IndexQuery(uri, ([3, 1, 1], [4], range(0, 9, 2)))
+    assert q.shape == (3, 1, 5) and q.indices == ((3, 1, 1), (4,), (0, 2, 4, 6, 8))
+    with pytest.raises(TypeError, match="got ellipsis"):
+        damacy.IndexQuery(uri, (..., [1, 2]))
     assert damacy.Sample(uri, ((0, 4), 2)) == damacy.Sample(uri, np.s_[0:4, 2])
-    assert damacy.IndexQuery(uri, ((0, 4),)) != damacy.IndexQuery(uri, ([0, 4],))  # range vs list
-    assert repr(damacy.IndexQuery(uri, ([0, 4], 3, ...))) == f"IndexQuery({uri!r}, [[0, 4], 3, ...])"
+    assert damacy.IndexQuery(uri, (slice(0, 4),)) != damacy.IndexQuery(uri, ([0, 4],))  # range vs list
+    assert damacy.IndexQuery(uri, ((0, 4),)) == damacy.IndexQuery(uri, ([0, 4],))  # a tuple is an index array
+    assert repr(damacy.IndexQuery(uri, ([0, 4], [3], slice(0, 9)))) == f"IndexQuery({uri!r}, [[0, 4], [3], 0:9])"
 
 
 @pytest.mark.parametrize(
-    "sel,words",
+    "sel,error,words,kinds",
     [
-        (([0, 4], (0, 4)), "a list selects indices"),
-        (np.s_[0:8:2], "no step"),
-        (((0, 1, 2),), "a range is (start, stop)"),
-        ((np.zeros(4, bool),), "a boolean mask needs the array's shape"),
-        (np.s_[4:2], "stop 2 is before start 4"),
-        (np.s_[..., 1, ...], "one '...'"),
+        (([0, 4], (0, 4)), TypeError, "aabb axis 0: expected slice or (start, stop) tuple; got list", "S"),
+        (np.s_[0:8:2], ValueError, "slice step must be 1 or omitted (got step=2)", "S"),
+        ((np.s_[0:8:2],), ValueError, "selection axis 0: slice step must be one", "I"),
+        (((0, 1, 2),), TypeError, "aabb axis 0: expected slice or (start, stop) tuple; got tuple", "S"),
+        ((np.zeros(4, bool),), TypeError, "an index array holds integers, got a bool array", "I"),
+        ((np.s_[4:2],), ValueError, "selection axis 0: invalid slice bounds", "I"),
+        (np.s_[..., 1, ...], damacy.InvalidArgument, "one '...'", "S"),
+        (np.s_[..., 1, ...], TypeError, "selection axis 0: expected a slice or an iterable of indices, got ellipsis", "I"),
     ],
 )
-def test_refusals_say_what_to_use(array, sel, words):
+def test_refusals_say_what_to_use(array, sel, error, words, kinds):
     uri, _ = array
-    kinds = [damacy.Sample] if words in ("a list selects indices", "no step") else [damacy.Sample, damacy.IndexQuery]
-    if "boolean" in words:
-        kinds = [damacy.IndexQuery]
-    for kind in kinds:
-        with pytest.raises(damacy.InvalidArgument, match=words.replace("(", r"\(").replace(")", r"\)")):
+    for kind in [{"S": damacy.Sample, "I": damacy.IndexQuery}[k] for k in kinds]:
+        with pytest.raises(error, match=re.escape(words)):
             kind(uri, sel)
+
+
+def test_a_reversed_box_is_refused_at_push_and_a_tuple_is_an_index_array(array):
+    uri, data = array
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(2, 10, 9), dtype="native")
+    with damacy.Pipeline(cfg) as p:
+        with pytest.raises(damacy.InvalidArgument, match=re.escape("the box [4, 2) is empty or reversed")):
+            p.push([damacy.Sample(uri, np.s_[4:2, :, :])])
+        q = damacy.IndexQuery(uri, ((0, 1, 2),))
+        assert q.indices == ((0, 1, 2),) and q.shape == (3,)
 
 
 def test_a_stride_is_checked_by_the_positions_it_selects(array):
@@ -143,7 +202,8 @@ def test_a_stride_is_checked_by_the_positions_it_selects(array):
     with pytest.raises(damacy.OutOfBounds, match="0:14:3"):
         damacy.read(uri, np.s_[0:14:3])  # 12 is outside
     assert damacy.read(uri, np.s_[15:], out_of_bounds="pad").shape == (0, 10, 9)  # nothing past the end
-    assert damacy.IndexQuery(uri, np.s_[15:]).shape_for(SHAPE) == (0, 10, 9)
+    with pytest.raises(ValueError, match="slice stop is required"):  # an IndexQuery's slice has a stop
+        damacy.IndexQuery(uri, (np.s_[15:], slice(0, 10), slice(0, 9)))
     with pytest.raises(damacy.OutOfBounds, match="15:"):
         damacy.read(uri, np.s_[15:])
 
@@ -200,7 +260,7 @@ def test_an_array_as_long_as_zarr_metadata_allows_reads_its_last_rows_and_pads_p
     a = zarr.create_array(str(tmp_path / "a"), shape=(n, 8), chunks=(4, 8), dtype="uint16", fill_value=FILL)
     a[n - 6 : n] = np.arange(48, dtype="uint16").reshape(6, 8)
     uri = str(tmp_path / "a")
-    cfg = damacy.Config(samples_per_batch=3, sample_shape=(4, 8), dtype="u16")
+    cfg = damacy.Config(samples_per_batch=3, sample_shape=(4, 8), dtype="u16", out_of_bounds="pad")
     with damacy.Pipeline(cfg) as p:
         p.push([damacy.Sample(uri, np.s_[n - 4 : n, :]), damacy.Sample(uri, np.s_[0:4, :]), damacy.Sample(uri, np.s_[n - 2 : n + 2, :])])
         with p.pop() as b:
@@ -220,7 +280,7 @@ def test_an_array_of_more_axes_than_native_code_takes_is_planned_by_numpy(tmp_pa
     write_array(tmp_path / "a", data, chunks=(2, 1, 2, 1, 2, 1, 2, 1, 3), fill_value=FILL)
     uri = str(tmp_path / "a")
     boxes = [np.s_[0:2, :, :, :, :, :, :, :, 1:3], np.s_[2:4, :, :, :, :, :, :, :, 2:4]]
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, *shape[1:8], 2), dtype="u16")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, *shape[1:8], 2), dtype="u16", out_of_bounds="pad")
     with damacy.Pipeline(cfg) as p:
         p.push([damacy.Sample(uri, b) for b in boxes])
         with p.pop() as b:
@@ -244,7 +304,9 @@ def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):
         damacy.IndexQuery(uri, (np.array([7, 1, 3, 2]), slice(2, 6), slice(5, 9))),
         damacy.Sample(uri, np.s_[-2:2, 6:10, 5:9]),  # pads
     ]
-    plan = damacy.ChunkPlanner().plan(samples, (4, 4, 4))
+    from damacy_server.plan.planner import Planner
+
+    plan = Planner().plan(samples, (4, 4, 4))
     table = plan.groups[0].units[0].table
     assert {u.table is table for g in plan.groups for u in g.units} == {True}
     for unit_rows in np.split(table.rows, np.flatnonzero(np.diff(table.rows[:, 0])) + 1):
@@ -252,7 +314,7 @@ def test_boxes_and_index_lists_of_one_array_keep_sample_order(tmp_path):
     assert sorted(set(table.rows[:, 1].tolist())) == [0, 1, 2]
     z = zarr.open_array(uri, mode="r")
     want = [z[0:4, 2:6, 1:5], z.oindex[[7, 1, 3, 2], 2:6, 5:9], padded_selection(data, np.s_[-2:2, 6:10, 5:9], FILL)]
-    with damacy.Pipeline(damacy.Config(samples_per_batch=3, sample_shape=(4, 4, 4), dtype="i16")) as p:
+    with damacy.Pipeline(damacy.Config(samples_per_batch=3, sample_shape=(4, 4, 4), dtype="i16", out_of_bounds="pad")) as p:
         p.push(samples)
         with p.pop() as batch:
             for got, w in zip(batch.numpy(), want):
@@ -284,7 +346,7 @@ def test_a_relative_path_with_a_colon_is_a_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_array(tmp_path / "run-10:00.zarr", np.arange(4, dtype="u1"), chunks=(4,))
     np.testing.assert_array_equal(damacy.read("run-10:00.zarr"), np.arange(4, dtype="u1"))
-    with pytest.raises(damacy.UnsupportedError, match="'foo'://"):
+    with pytest.raises(damacy.UnsupportedOperation, match="'foo'://"):
         damacy.read("foo://bucket/a.zarr")
 
 

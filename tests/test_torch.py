@@ -29,7 +29,7 @@ def _loader(uri, **kw):
     from damacy.torch import Loader
 
     sampler = damacy.RandomBoxes([uri], (8, 16, 12), seed=2, samples_per_epoch=22, rank=0, world_size=1)
-    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 16, 12), dtype="f32")
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 16, 12), dtype="f32", drop_last=False)  # 22 samples: a short last batch
     return Loader(cfg, sampler, **kw), sampler
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from zarr.codecs import ZstdCodec
 import damacy
 
 from conftest import padded_selection, random_data, write_array
+from pipeline_helpers import composed, cpu_executor_for
 
 FLIPS = [(), (0,), (2,), (0, 1, 2), (1, 2)]
 ORDERS = list(itertools.permutations(range(3)))
@@ -51,7 +53,7 @@ def test_flips_and_permutations_equal_numpy_in_every_mode(volume, make, dtype):
     for order in ORDERS:
         cases = [c for c in _cases() if c[2] == order]
         shape = tuple((8, 10, 12)[a] for a in order)
-        cfg = damacy.Config(samples_per_batch=3, sample_shape=shape, dtype=dtype)
+        cfg = damacy.Config(samples_per_batch=3, sample_shape=shape, dtype=dtype, out_of_bounds="pad", drop_last=False)
         samples = [damacy.Sample(uri, box, flip=flip, transpose=order) for box, flip, order in cases]
         with make(cfg) as pipe:
             got = _run(pipe, samples)
@@ -64,12 +66,12 @@ def test_flips_and_permutations_equal_numpy_in_every_mode(volume, make, dtype):
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_both_cpu_paths_make_the_same_transforms(volume, native):
     uri, data = volume
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=native))
     cases = [c for c in _cases() if c[2] == (2, 0, 1)]
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(12, 8, 10), dtype="f32")
-    with damacy.Pipeline(cfg, executor=executor) as pipe:
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(12, 8, 10), dtype="f32", out_of_bounds="pad", drop_last=False)
+    executor = cpu_executor_for(cfg, max_memory_bytes=64 << 20, decode_workers=2, native=native)
+    with composed(cfg, executor=executor) as pipe:
         got = _run(pipe, [damacy.Sample(uri, box, flip=flip, transpose=order) for box, flip, order in cases])
-        native_units = pipe.stats()["stages"].get("native", {}).get("count", 0)
+        native_units = pipe.stats_dict()["stages"].get("native", {}).get("count", 0)
     executor.close()
     assert (native_units > 0) == native  # the native path made them (strided and reversed rows), or numpy did
     for k, (box, flip, order) in enumerate(cases):
@@ -78,7 +80,7 @@ def test_both_cpu_paths_make_the_same_transforms(volume, native):
 
 def test_index_queries_take_transforms_too(volume):
     uri, data = volume
-    sel = ([3, 1, 1, 19], slice(2, 29, 3), [0, 23, 5])
+    sel = ([3, 1, 1, 19], range(2, 29, 3), [0, 23, 5])
     q = damacy.IndexQuery(uri, sel, flip=(0, 2), transpose=(2, 0, 1))
     want = data[np.ix_([3, 1, 1, 19], range(2, 29, 3), [0, 23, 5])]
     for dtype in ("native", "f32"):  # numpy's path, and the native one (index lists both sides)
@@ -100,10 +102,14 @@ def test_transforms_are_checked_and_travel(volume):
         damacy.Sample(uri, np.s_[0:2], flip=(-1,))
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, 3, 4), dtype="native", on_error="fill")
     with damacy.Pipeline(cfg) as pipe:
-        pipe.push([damacy.Sample(uri, np.s_[0:2, 0:3, 0:4], flip=(3,)), damacy.Sample(uri, np.s_[0:2, 0:3, 0:4], transpose=(1, 0, 2))])
+        # a shape known at push (the box transposed) is checked there
+        with pytest.raises(damacy.InvalidArgument, match=re.escape("its shape (3, 2, 4) is not the batch's sample shape (2, 3, 4)")):
+            pipe.push([damacy.Sample(uri, np.s_[0:2, 0:3, 0:4], transpose=(1, 0, 2))])
+        # one that depends on the array, at pop
+        pipe.push([damacy.Sample(uri, np.s_[0:2, 0:3, 0:4], flip=(3,)), damacy.Sample(uri, np.s_[0:2, ...], transpose=(1, 0, 2))])
         errors = dict(pipe.pop().info.errors)
     assert "flip names axis 3, the selection has 3 axes" in str(errors[0])
-    assert "(3, 2, 4) transposed, the batch holds samples of shape (2, 3, 4)" in str(errors[1])
+    assert "(30, 2, 24) transposed, the batch holds samples of shape (2, 3, 4)" in str(errors[1])
 
 
 def test_random_boxes_draw_transforms_from_the_seed(volume):

@@ -93,7 +93,7 @@ def test_cells_cover_the_chunks_of_every_sample():
         damacy.Sample("/w/v0.zarr", np.s_[0:1, 0:128, 0:128]),
         damacy.Sample("/w/v0.zarr", np.s_[15:17, 0:128, 0:128]),  # starts in the same cell, reaches the next
         damacy.Sample("/w/v0.zarr", np.s_[-4:2, 60:70, 0:10]),  # reaches outside (clipped) and into the next chunk
-        damacy.IndexQuery("/w/v1.zarr", (slice(40, 41), [127, 3], 7)),
+        damacy.IndexQuery("/w/v1.zarr", (slice(40, 41), [127, 3], [7])),
     ]
     cells = idx.cells(samples)
     assert cells.of == [0, 0, 0, 1]
@@ -164,7 +164,7 @@ def test_window_orders_take_every_form_of_selection():
     forms = [
         [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1]) for z in range(64)],  # axes not named: whole
         [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1, ...]) for z in range(64)],
-        [damacy.IndexQuery("/w/v0.zarr", (slice(z, z + 1), ..., [3, 70])) for z in range(64)],
+        [damacy.IndexQuery("/w/v0.zarr", (slice(z, z + 1), slice(0, 128), [3, 70])) for z in range(64)],
         [damacy.Sample("/w/v0.zarr", np.s_[z : z + 1, 0:128, 0:128]) for z in range(64)],
     ]
     orders = []
@@ -176,8 +176,8 @@ def test_window_orders_take_every_form_of_selection():
         orders.append([at[repr(x)] for x in got])
         assert s.shuffle_quality(8)["windows"] == 4  # a window per chunk slab, whatever the spelling
     assert orders[0] == orders[1] == orders[2] == orders[3]
-    empty = damacy.IndexQuery("/w/v0.zarr", (slice(0, 1), [], slice(0, 4)))  # reads nothing: a cell still
-    assert list(damacy.Shuffled([empty], seed=0, window=CELL, chunks_of=chunks_of)) == [empty]
+    with pytest.raises(ValueError, match="index array is empty"):  # a query that reads nothing is refused
+        damacy.IndexQuery("/w/v0.zarr", (slice(0, 1), [], slice(0, 4)))
 
 
 def test_shuffled_and_grid_take_a_window():
@@ -301,7 +301,7 @@ def _decodes(tmp_path, window, depth=1, cells=2):
         for batch in pipe.batches(len(sampler) // 4):
             with batch:
                 got.append(np.array(np.from_dlpack(batch)))
-        decoded = pipe.stats()["stages"]["decode"]["count"]
+        decoded = pipe.stats_dict()["stages"]["decode"]["count"]
     import zarr
 
     samples = list(sampler)
@@ -414,8 +414,8 @@ def test_splits_refuse_what_would_cross_them():
     for sel in (np.s_[0:4], np.s_[0:4, ...], np.s_[0:4, 0:8]):
         assert across.owner(damacy.Sample("/w/v0.zarr", sel)) is None
     assert across.owner(damacy.Sample("/w/v0.zarr", np.s_[0:4, ..., 0:64])) == left
-    assert across.owner(damacy.IndexQuery("/w/v0.zarr", (..., [3, 63]))) == left
-    assert across.owner(damacy.IndexQuery("/w/v0.zarr", (..., [3, 64]))) is None
+    assert across.owner(damacy.IndexQuery("/w/v0.zarr", (slice(0, 4), slice(0, 128), [3, 63]))) == left
+    assert across.owner(damacy.IndexQuery("/w/v0.zarr", (slice(0, 4), slice(0, 128), [3, 64]))) is None
     old = damacy.Split.from_state({**across.state_dict(), "params": {}})  # saved without the shapes
     with pytest.raises(damacy.InvalidArgument, match="axis 1: the selection reaches the array's end"):
         old.owner(damacy.Sample("/w/v0.zarr", np.s_[0:4]))

@@ -8,21 +8,26 @@ given takes the daemon's default (options.py), else the value object's.
 
 from __future__ import annotations
 
-import grp
-import logging
 import os
-import pwd
-import re
-import signal
-import sys
-from typing import Any
 
-import click
-import zmq
+# the daemon does no linear algebra: no BLAS thread pool (its threads spin after start). Set
+# before numpy loads, which the limits' defaults below (the readers') bring in.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from damacy_protocol.errors import DamacyError
-from damacy_runtime.cli_types import Seconds
-from damacy_runtime.endpoint import default_endpoint
+import grp  # noqa: E402
+import logging  # noqa: E402
+import pwd  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import click  # noqa: E402
+import zmq  # noqa: E402
+
+from damacy_protocol.errors import DamacyError  # noqa: E402
+from damacy_runtime.cli_types import Seconds  # noqa: E402
+from damacy_runtime.endpoint import default_endpoint  # noqa: E402
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -179,15 +184,13 @@ def limits_given(params: dict[str, Any]) -> dict[tuple[str, str], Any]:
 @click.option("--metrics", "metrics", default=None, metavar="[HOST:]PORT", help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default).")
 def main(**params: Any) -> None:
     """Serve Zarr batches to every training process on this node."""
+    options = build_options(params)  # a value refused is a usage error, before anything starts
+    endpoint, metrics = options.endpoint, params["metrics"]
     from damacy_server.daemon.logs import setup
 
     setup(params["log_level"], params["log_format"])
-    # the daemon does no linear algebra: no BLAS thread pool (its threads spin after start)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from damacy_server.daemon.service import Daemon
 
-    options = build_options(params)
-    endpoint, metrics = options.endpoint, params["metrics"]
     try:
         daemon = Daemon(options)
     except DamacyError as e:

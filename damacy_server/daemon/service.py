@@ -275,6 +275,8 @@ class Daemon:
                 log.warning("refused a session of pid %d: %s", msg.pid, e,
                             extra={"event": "refused_session", "client_pid": msg.pid, "rank": msg.rank, "error": type(e).__name__})
                 err = e if isinstance(e, DamacyError) else DamacyError(f"cannot start a session: {type(e).__name__}: {e}")
+                with self._sessions_lock:  # before the refusal goes: the client may say hello again at once
+                    self._starting.discard(identity)
                 self.post(identity, conn.refuse(msg.id, err))
                 return
             session.last_seen = time.monotonic()  # its start may have waited long (for memory): silence counts from now

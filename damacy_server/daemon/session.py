@@ -21,6 +21,7 @@ from typing import Any
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection
+from damacy_protocol.dtypes import dtype_name
 from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.wire import error_to_wire
@@ -312,5 +313,5 @@ class Session:
             slot_bytes=self.engine.slot_bytes,
             samples_per_batch=self.config.samples_per_batch,
             sample_shape=list(self.config.sample_shape),
-            dtype=self.config.dtype,
+            dtype=dtype_name(self.config.dtype),
         )

@@ -400,9 +400,9 @@ class Planner:
                 shape = selection_shape(axes)
                 transform = transform_of(sample, shape, drop)
                 result = tuple(n for a, n in enumerate(shape) if a not in drop)
-                out = shape if transform is None or transform[1] is None else tuple(result[a] for a in transform[1])
-                if not same_shape(out, sample_shape):
-                    what = f"selects shape {shape}" + (f", {out} transposed" if out != shape else "")
+                out = result if transform is None or transform[1] is None else tuple(result[a] for a in transform[1])
+                if tuple(out) != tuple(sample_shape):
+                    what = f"selects shape {result}" + (f", {out} transposed" if out != result else "")
                     raise InvalidArgument(f"{what}, the batch holds samples of shape {sample_shape}")
                 norm = sample.normalize
                 if norm is not None:  # written as the batch's dtype (native: the one the first array fixed)
@@ -600,13 +600,6 @@ def sample_view(target: Any, shape: tuple[int, ...], transform: tuple | None) ->
     if drop:  # the axes an integer selects, back as length-1 axes
         view = np.expand_dims(view, tuple(drop)) if isinstance(view, np.ndarray) else view.expand_dims(tuple(drop))
     return view
-
-
-def same_shape(shape: tuple[int, ...], sample_shape: tuple[int, ...]) -> bool:
-    """Equal, or equal once axes of length 1 are dropped (a 2-d slice of a 3-d volume)."""
-    if shape == sample_shape:
-        return True
-    return tuple(n for n in shape if n != 1) == tuple(n for n in sample_shape if n != 1)
 
 
 class BadSample:
