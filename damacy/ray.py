@@ -6,7 +6,7 @@ damacy samples with damacy's engine on each Ray worker.
     import ray, damacy, damacy.ray
 
     windows = damacy.GridBoxes(["s3://bucket/volume.zarr"], (64, 256, 256))
-    cfg = damacy.Config(samples_per_batch=16, sample_shape=(64, 256, 256), dtype="f32")
+    cfg = damacy.Config(samples_per_batch=16, sample_shape=(64, 256, 256), dtype="f32", drop_last=False)
     ds = damacy.ray.read(windows, cfg)               # = ray.data.read_datasource(Datasource(windows, cfg))
     for batch in ds.iter_torch_batches(batch_size=32):
         x, where = batch["data"], batch["index"]     # (32, 64, 256, 256) float32; positions in windows
@@ -20,7 +20,8 @@ before any is read); with ``world_size=1`` the dataset holds the whole epoch, ev
 position once.
 
 Each block is one damacy batch (``config.samples_per_batch`` rows; a task's last may be
-shorter) with the columns
+shorter, so the Config must say ``drop_last=False``: its default, ``True``, would leave the
+last rows of every task out, and is refused) with the columns
 
 - ``data``: the samples, a tensor column of ``config.sample_shape`` and ``config.dtype``
   (per name, ``{name: Config}`` and :class:`~damacy.multi.MultiSample` s: a column per name);
@@ -34,13 +35,13 @@ shorter) with the columns
 
 All of them are numbers, so ``iter_torch_batches`` converts every column. Samples that only
 even out ranks (:class:`~damacy.Padding`) are dropped. ``on_error="skip"`` drops a failing
-sample's row; ``"raise"`` fails the read task, which Ray retries and then reports with the
-sample and its cause.
+sample's row; ``"stop"`` (the Config's default) and ``"raise"`` fail the read task, which
+Ray retries and then reports with the sample and its cause.
 
 Each task runs ``damacy.Pipeline(config)``: the node's damacyd when one answers there (its
 caches shared by every task of the node), else the engine in the task's process;
 ``embedded=True`` or ``endpoint=`` choose, as for a pipeline. A task's engine uses
-``config.io_workers``/``decode_workers`` threads (default: the machine's cores): set them
+``config.n_io_threads``/``decode_workers`` threads: set them
 to the CPUs a task is given (``read(..., num_cpus=k)``) when many tasks share a node.
 """
 
@@ -63,17 +64,17 @@ from ray.data.datasource import ReadTask
 from damacy.multi import MultiPipeline, MultiSample
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
-from damacy_protocol.dtypes import numpy_dtype
+from damacy_protocol.dtypes import dtype_name, itemsize
 from damacy_protocol.errors import InvalidArgument
 from damacy_protocol.samples import IndexQuery, Padding, Sample
 
 log = logging.getLogger("damacy")
 
 
-def _itemsize(dtype: str) -> int:
+def _itemsize(dtype: Any) -> int:
     """Bytes per element of a batch dtype (``native``: not known before the arrays are read;
     4 for the estimate Ray makes of a dataset's size)."""
-    return 4 if dtype == "native" else numpy_dtype(dtype).itemsize
+    return itemsize(dtype) or 4
 
 
 class _Positions:
@@ -163,12 +164,13 @@ class Datasource(ray.data.Datasource):
         else:
             raise InvalidArgument(f"config must be a damacy.Config or {{name: Config}}, got {type(config).__name__}")
         for name, c in configs.items():
-            if c.dtype == "bf16":
+            if dtype_name(c.dtype) == "bf16":
                 raise InvalidArgument(f"{name}: bf16 has no Arrow tensor type; read f32 or f16 and cast in the model")
             if c.drop_last:
                 raise InvalidArgument(
-                    f"{name}: drop_last would drop the last rows of every read task; a dataset reads every sample "
-                    "(drop short batches where they are consumed: iter_batches(drop_last=True))"
+                    f"{name}: drop_last (the Config's default) would drop the last rows of every read task; a dataset "
+                    "reads every sample: give the Config drop_last=False (and drop short batches where they are "
+                    "consumed: iter_batches(drop_last=True))"
                 )
             if c.device is not None:
                 raise InvalidArgument(

@@ -627,7 +627,8 @@ def _padding(s: Any) -> Any:
 class RandomBoxes(_Sampler):
     """``samples_per_epoch`` boxes of ``sample_shape`` per epoch: an array drawn (by
     ``weights``, default equal), then an origin uniform over the positions where the box
-    fits (an axis shorter than the box: origin 0, the rest padded by the pipeline).
+    fits (an axis shorter than the box: origin 0, the rest padded by a pipeline with
+    ``out_of_bounds="pad"``; the default, ``"error"``, fails such a sample).
 
     ``arrays``: uris (their shapes read from their metadata) or {uri: shape}. ``level``: the
     NGFF level the boxes are in (shapes then given, or read at that level).
@@ -943,9 +944,11 @@ class GridBoxes(_Sampler):
     """Windows of ``sample_shape`` every ``step`` (default: the shape, no overlap) along each
     axis of each array, covering every element: with ``edge="shift"`` (default) the last
     window of an axis is moved back to end at the array's end (it overlaps its neighbour);
-    with ``edge="pad"`` it starts on the step and reaches past the end (padded by the
-    pipeline). Windows come array by array in C order; rank ``r`` takes the ``r``-th
-    contiguous block; ranks with one window fewer end with a :class:`Padding` sample.
+    with ``edge="pad"`` it starts on the step and reaches past the end (padded by a
+    pipeline with ``out_of_bounds="pad"``). Windows come array by array in C order; rank
+    ``r`` takes the ``r``-th contiguous block; ranks with one window fewer end with a
+    :class:`Padding` sample. Inference that must see every window reads them with
+    ``drop_last=False`` (the Config's default, ``True``, leaves a short last batch out).
     ``normalize`` as for :class:`RandomBoxes`."""
 
     def __init__(

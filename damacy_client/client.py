@@ -29,8 +29,16 @@ from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
-from damacy_protocol.errors import DamacyError, ErrorKind, PipelineDrained, ProtocolError, ShutdownError, stage
-from damacy_protocol.samples import check_pushed
+from damacy_protocol.errors import (
+    BudgetExceeded,
+    DamacyError,
+    ErrorKind,
+    PipelineDrained,
+    ProtocolError,
+    ShutdownError,
+    stage,
+)
+from damacy_protocol.samples import IndexQuery, check_pushed
 from damacy_protocol.stats import Stats, as_dict, session_stats, since
 from damacy_protocol.wire import error_from_wire, fit_pushes, sample_to_wire
 from damacy_runtime import front, pinning
@@ -62,6 +70,7 @@ class RemotePipeline(PipelineAPI):
         self.on_error = config.on_error
         try:
             config.check_cache_floors()
+            self._index_queries = _index_queries(config)
         except DamacyError as e:
             raise stage(e, "create") from None
         self._reference: Stats | None = None  # the figures at the last stats_reset (subtracted)
@@ -130,6 +139,8 @@ class RemotePipeline(PipelineAPI):
             self._cond.notify_all()
 
     def _check_item(self, item: Any) -> Any:
+        if isinstance(item, IndexQuery) and not self._index_queries:
+            raise BudgetExceeded("index queries need index storage: this GPU Config has max_index_bytes=0", sample=item)
         return check_pushed(item, self.output.shape, self.config.out_of_bounds == "pad")
 
     def _feed(self) -> bool:
@@ -468,3 +479,19 @@ class RemotePipeline(PipelineAPI):
         # slots still read by tensors stay mapped (the daemon frees them once this process is gone)
         if self._feeder is not None and self._feeder is not threading.current_thread():
             self._feeder.join(2.0)
+
+
+def _index_queries(config: Config) -> bool:
+    """Does a session of ``config`` take index queries? A GPU Config's ``max_index_bytes``
+    is 0 (none: refused at push) or holds a batch's indices (else BudgetExceeded now)."""
+    if not config.on_gpu:
+        return True
+    if config.max_index_bytes == 0:
+        return False
+    need = 8 * config.samples_per_batch * sum(config.sample_shape)
+    if config.max_index_bytes < need:
+        raise BudgetExceeded(
+            f"Config.max_index_bytes={config.max_index_bytes} cannot hold a batch's indices: "
+            f"8 * samples_per_batch * sum(sample_shape) = {need} bytes (or 0: no index queries)"
+        )
+    return True

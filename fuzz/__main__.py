@@ -127,7 +127,8 @@ def _serve(endpoint: str, folder: Path, data) -> None:
 
     import damacy
 
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, 3), dtype="uint16", pop_timeout_s=60)
+    # 9 samples in batches of 2: the last one short (drop_last=False), every sample checked
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, 3), dtype="uint16", pop_timeout_s=60, drop_last=False)
     samples = [damacy.Sample(str(folder / "a.zarr"), np.s_[r : r + 2, c : c + 3]) for r in (0, 2, 4) for c in (0, 3, 6)]
     with damacy.Pipeline(cfg, endpoint=endpoint) as pipe:
         pipe.push(samples)
@@ -144,7 +145,7 @@ def _after_wire(daemon: dict, target) -> dict:
     deadline = time.monotonic() + 60
     while True:  # the fuzzed sessions are reclaimed (heartbeat timeout 3 s)
         with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(1,)), endpoint=daemon["endpoint"]) as p:
-            left = len([s for s in p.stats()["sessions"] if not s["control"]]) - 1
+            left = len([s for s in p.stats_dict()["sessions"] if not s["control"]]) - 1
         if left == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -1,7 +1,8 @@
 """The conformance corpus: real Zarr v3 stores by other writers, with expected values.
 
-For every store damacy must return exactly the expected values or refuse with an
-:class:`damacy.UnsupportedError` that names the unsupported feature.
+For every store damacy must return exactly the expected values or refuse with an error that
+names the unsupported feature: :class:`damacy.DtypeMismatch` for a data type it does not read,
+:class:`damacy.UnsupportedOperation` for a codec.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ def _manifest(root):
     return json.loads((root / "EXPECTED.json").read_text())
 
 
-def _expected_refusal(entry) -> str | None:
-    """The word a refusal must contain, or None when damacy must read the store."""
+def _expected_refusal(entry) -> tuple[str, type] | None:
+    """The word a refusal must contain and its error class, or None when damacy must read
+    the store."""
     for pattern, word in REFUSED:
         if pattern.match(str(entry["data_type"])):
-            return word
+            return word, damacy.DtypeMismatch
     for name in re.findall(r"numcodecs\.(\w+)", entry["codecs"]):
         if name not in READ_NUMCODECS:
-            return f"numcodecs.{name}"
+            return f"numcodecs.{name}", damacy.UnsupportedOperation
     return None
 
 
@@ -63,14 +65,14 @@ def read_corpus(root, uri_of=str, read=None, workers=1):
             else:
                 got = read(uri)
                 expected = np.load(root / entry["expected_file"], allow_pickle=False)
-        except damacy.UnsupportedError as e:
-            if must_refuse is not None and must_refuse in str(e):
+        except (damacy.UnsupportedOperation, damacy.DtypeMismatch) as e:
+            if must_refuse is not None and must_refuse[0] in str(e) and isinstance(e, must_refuse[1]):
                 return "refused", store, None
             return "failed", store, f"{store}: refused unexpectedly: {e}"
         except Exception as e:  # noqa: BLE001 - collect every failure, report them together
             return "failed", store, f"{store}: {type(e).__name__}: {e}"
         if must_refuse is not None:
-            return "failed", store, f"{store}: read although it uses {must_refuse}"
+            return "failed", store, f"{store}: read although it uses {must_refuse[0]}"
         tol = entry.get("tolerance")
         ok = got.shape == expected.shape and got.dtype == expected.dtype
         if ok:

@@ -372,7 +372,7 @@ def test_a_second_epoch_reads_the_disk_tier_not_the_store(served, tmp_path_facto
             with batch:
                 got.append(np.array(np.from_dlpack(batch)))
         np.testing.assert_array_equal(np.concatenate(got), np.stack([expected[b] for b in boxes]))
-        return pipe.stats()
+        return pipe.stats_dict()
 
     try:
         with damacy.Pipeline(cfg, endpoint=daemon.endpoint if daemon else None) as pipe:
@@ -380,7 +380,7 @@ def test_a_second_epoch_reads_the_disk_tier_not_the_store(served, tmp_path_facto
             fetched = _data_reads(server)
             assert fetched > 0 and first["stages"].get("disk", {}).get("count", 0) == 0
             # the tier is written off the fetching thread: wait for it
-            wait_for(lambda: pipe.stats()["disk_cache"]["writes"] == fetched, what="every fetched range on disk")
+            wait_for(lambda: pipe.stats_dict()["disk_cache"]["writes"] == fetched, what="every fetched range on disk")
             second = epoch(pipe)
         assert _data_reads(server) == fetched  # nothing fetched again: read from the disk tier
         assert second["stages"]["disk"]["count"] == fetched and second["disk_cache"]["hits"] == fetched

@@ -90,7 +90,7 @@ def test_the_wire_protocol_fuzzed_against_a_real_damacyd(tmp_path):
     data = np.arange(6 * 9, dtype="uint16").reshape(6, 9)
     write_array(tmp_path / "a.zarr", data, chunks=(2, 3), compressors=[ZstdCodec()])
     proc = DaemonProcess(tmp_path, [tmp_path], extra=["--memory", "256M", "--max-message-size", "64K"])
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, 3), dtype="uint16", pop_timeout_s=60)
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, 3), dtype="uint16", pop_timeout_s=60, drop_last=False)  # 9 samples
     samples = [damacy.Sample(str(tmp_path / "a.zarr"), np.s_[r : r + 2, c : c + 3]) for r in (0, 2, 4) for c in (0, 3, 6)]
 
     def serve_correctly() -> None:
@@ -101,7 +101,7 @@ def test_the_wire_protocol_fuzzed_against_a_real_damacyd(tmp_path):
 
     def sessions() -> int:
         with damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(1,)), endpoint=proc.endpoint) as p:
-            return len([s for s in p.stats()["sessions"] if not s["control"]]) - 1  # not this one
+            return len([s for s in p.stats_dict()["sessions"] if not s["control"]]) - 1  # not this one
 
     target = WireTarget(proc.endpoint, proc.pid)
     try:

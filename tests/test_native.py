@@ -8,6 +8,8 @@ from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
 import damacy
 from damacy_server import native
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 
 from conftest import DTYPES, padded_selection, random_data, write_array
 
@@ -18,19 +20,40 @@ SHAPE = (9, 10, 11)
 BOX = (4, 5, 6)
 
 
+def _planner(**limits):
+    """A planner component with fresh metadata settings, its limits ``PlanLimits(**limits)``."""
+    metadata = damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache())
+    return damacy.ChunkPlanner(metadata=metadata, limits=damacy.PlanLimits(**limits))
+
+
+def _executor(**limits):
+    """A CPU executor reading with a default FileReader, its limits ``CpuLimits(**limits)``."""
+    return damacy.CpuExecutor(reader=damacy.FileReader(), limits=damacy.CpuLimits(**limits))
+
+
+def _plan(samples, sample_shape, **limits):
+    """The plan of one batch, by the planning machinery itself (a planner of its own)."""
+    return Planner(Resolver(), damacy.PlanLimits(**limits)).plan(samples, sample_shape)
+
+
+def _queues(samples):
+    """Two batches ahead (what a composed pipeline had by default)."""
+    return damacy.QueueLimits(lookahead_samples=2 * samples)
+
+
 def boxes(n, seed):
     rng = np.random.default_rng(seed)
     return [tuple((int(a), int(a) + b) for a, b in zip(rng.integers(-3, 8, size=3), BOX)) for _ in range(n)]
 
 
 def run(uri, out, use_native, aabbs, cache_bytes=0, executor=None):
-    limits = damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native, chunk_cache_bytes=cache_bytes)
-    executor = executor or damacy.CpuExecutor(limits=limits)
+    executor = executor or _executor(max_memory_bytes=64 << 20, decode_workers=2, native=use_native, chunk_cache_bytes=cache_bytes)
     pipe = damacy.Pipeline(
-        planner=damacy.ChunkPlanner(),
+        planner=_planner(),
         executor=executor,
         output=damacy.BatchSpec(3, BOX, out),
         queues=damacy.QueueLimits(lookahead_samples=3, prepared_batches=1),
+        out_of_bounds="pad",  # the boxes reach out of the array
     )
     got = []
     with pipe:
@@ -38,7 +61,7 @@ def run(uri, out, use_native, aabbs, cache_bytes=0, executor=None):
         for b in pipe.batches():
             with b:
                 got.append(b.numpy().copy())
-        stats = pipe.stats()["stages"]
+        stats = pipe.stats_dict()["stages"]
     return np.concatenate(got), stats["native"]["count"]
 
 
@@ -89,14 +112,14 @@ def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monk
     monkeypatch.setattr(native, "run_decoded", lambda *a: calls.append(len(a[1])) or real(*a))
     for out in ("f32", "native", "bf16"):
         want, _ = run(str(tmp_path / "a"), out, False, aabbs)
-        executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, chunk_cache_bytes=1 << 20))
+        executor = _executor(max_memory_bytes=64 << 20, decode_workers=2, chunk_cache_bytes=1 << 20)
         calls.clear()
         got, native_units = run(str(tmp_path / "a"), out, True, aabbs, executor=executor)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (src, out, codec)
         cache = executor.chunk_cache
         assert native_units > 0 and sum(calls) > 0 and cache.stats()["hits"] >= sum(calls)
         # the numpy path serves the same hits the same way
-        plain = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=False, chunk_cache_bytes=1 << 20))
+        plain = _executor(max_memory_bytes=64 << 20, decode_workers=2, native=False, chunk_cache_bytes=1 << 20)
         got, _ = run(str(tmp_path / "a"), out, False, aabbs, executor=plain)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)) and plain.chunk_cache.stats()["hits"] > 0
         meta = damacy.open_array(tmp_path / "a")
@@ -138,7 +161,7 @@ def test_native_reports_corrupt_and_truncated_chunks(tmp_path):
             (i, err), = b.info.errors
             assert i == 1 and isinstance(err, damacy.DecodeError) and "zstd" in str(err) and "chunk [1, 0, 0]" in str(err)
             assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
-        assert p.stats()["stages"]["native"]["count"] > 0
+        assert p.stats_dict()["stages"]["native"]["count"] > 0
 
 
 def test_half_and_bfloat_rounding_edges():
@@ -220,7 +243,7 @@ def test_checksummed_frames_are_decoded_whole_and_verified(tmp_path):
         with p.pop() as b:
             (_, err), = b.info.errors
             assert isinstance(err, damacy.DecodeError) and "checksum" in str(err).lower()
-        assert p.stats()["stages"]["native"]["count"] == 1
+        assert p.stats_dict()["stages"]["native"]["count"] == 1
 
 
 def test_a_box_at_the_start_of_a_chunk_decodes_only_what_it_needs(tmp_path):
@@ -249,7 +272,7 @@ def test_corrupt_blosc_frames_are_decode_errors(tmp_path):
             (i, err), = b.info.errors
             assert i == 1 and isinstance(err, damacy.DecodeError) and "blosc" in str(err)
             assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
-        assert p.stats()["stages"]["native"]["count"] > 0
+        assert p.stats_dict()["stages"]["native"]["count"] > 0
 
 
 @pytest.mark.parametrize("codec", ["zstd-little", "blosc-little", "raw-big"])
@@ -261,20 +284,22 @@ def test_native_index_queries_equal_numpy(tmp_path, codec):
     uri = str(tmp_path / "q")
     rng = np.random.default_rng(2)
     queries = [
-        damacy.IndexQuery(uri, (rng.integers(-9, 9, size=4).tolist(), slice(2, 7), rng.integers(0, 11, size=6).tolist()))
+        damacy.IndexQuery(uri, (rng.integers(0, 18, size=4).tolist(), slice(2, 7), rng.integers(0, 11, size=6).tolist()))
         for _ in range(6)
     ]
 
     def batches(use_native):
-        executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, native=use_native))
-        pipe = damacy.Pipeline(planner=damacy.ChunkPlanner(), executor=executor, output=damacy.BatchSpec(3, (4, 5, 6), "f32"))
+        executor = _executor(max_memory_bytes=64 << 20, decode_workers=2, native=use_native)
+        pipe = damacy.Pipeline(
+            planner=_planner(), executor=executor, output=damacy.BatchSpec(3, (4, 5, 6), "f32"), queues=_queues(3), out_of_bounds="pad"
+        )
         out = []
         with pipe:
             pipe.push(queries)
             for b in pipe.batches():
                 with b:
                     out.append(b.numpy().copy())
-            used = pipe.stats()["stages"]["native"]["count"]
+            used = pipe.stats_dict()["stages"]["native"]["count"]
         return np.concatenate(out), used
 
     want, used = batches(False)
@@ -284,7 +309,7 @@ def test_native_index_queries_equal_numpy(tmp_path, codec):
     import zarr
 
     full = zarr.open_array(uri, mode="r")[...]
-    for j, q in enumerate(queries):  # negative indices are before the array: padded
+    for j, q in enumerate(queries):  # indices past the end of the array: padded
         sel = tuple(list(s) if isinstance(s, tuple) else s for s in q.selection)
         assert np.array_equal(got[j], padded_selection(full, sel).astype("f4"))
 
@@ -292,9 +317,10 @@ def test_native_index_queries_equal_numpy(tmp_path, codec):
 def _run_one(uri, box, executor=None, out="f32"):
     shape = tuple(b - a for a, b in box)
     pipe = damacy.Pipeline(
-        planner=damacy.ChunkPlanner(),
-        executor=executor or damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=1)),
+        planner=_planner(),
+        executor=executor or _executor(max_memory_bytes=64 << 20, decode_workers=1),
         output=damacy.BatchSpec(1, shape, out),
+        queues=_queues(1),
         on_error="fill",
     )
     with pipe:
@@ -401,7 +427,7 @@ def test_op_tables_out_of_unit_order_and_spans_past_the_data():
 
 
 def test_a_rewritten_array_gets_its_own_kernel(tmp_path):
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=1))
+    executor = _executor(max_memory_bytes=64 << 20, decode_workers=1)
     first = np.arange(64, dtype="u2").reshape(8, 8)
     write_array(tmp_path / "r", first, chunks=(4, 4))
     got, _ = _run_one(str(tmp_path / "r"), ((0, 8), (0, 8)), executor)
@@ -427,9 +453,10 @@ def _sharded(tmp_path, name="d"):
 def _read_all(uri, data, boxes_, executor=None):
     shape = tuple(b - a for a, b in boxes_[0])
     pipe = damacy.Pipeline(
-        planner=damacy.ChunkPlanner(),
-        executor=executor or damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2)),
+        planner=_planner(),
+        executor=executor or _executor(max_memory_bytes=64 << 20, decode_workers=2),
         output=damacy.BatchSpec(2, shape, "f32"),
+        queues=_queues(2),
         on_error="fill",
     )
     with pipe:
@@ -439,7 +466,7 @@ def _read_all(uri, data, boxes_, executor=None):
                 assert not batch.info.errors
                 for j, b in enumerate(boxes_[2 * k : 2 * k + 2]):
                     assert np.array_equal(batch.numpy()[j], data[tuple(slice(a, c) for a, c in b)].astype("f4"))
-        return pipe.stats()["stages"]
+        return pipe.stats_dict()["stages"]
 
 
 BOXES = [((0, 8), (0, 10), (0, 12)), ((4, 12), (5, 15), (6, 18)), ((8, 16), (10, 20), (12, 24)), ((2, 10), (3, 13), (1, 13))]
@@ -463,7 +490,7 @@ def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch
 
     monkeypatch.setattr(native, "run_file", not_cached)
     monkeypatch.setattr(cpu, "DIRECT_MISSES", 3)
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     stages = _read_all(uri, data, BOXES * 3, executor)
     assert stages["direct"]["count"] == 0 and stages["read"]["count"] > 3
     # then it stops trying for a while (groups already handed to decode threads still try)
@@ -480,7 +507,7 @@ def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
 
     uri, data = _sharded(tmp_path)
     meta = damacy.open_array(uri)
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, BOXES[0])], (8, 10, 12))
+    plan = _plan([damacy.Sample(uri, BOXES[0])], (8, 10, 12))
     (group,) = plan.groups
     kernel = native.kernel_for(meta, np.dtype("f4"))
     out = np.zeros((8, 10, 12), dtype="f4")
@@ -556,7 +583,7 @@ def test_truncated_shard_read_directly_falls_back_and_is_reported(tmp_path):
     raw = shard.read_bytes()
     meta = damacy.open_array(uri)
     # cut the file inside the first inner chunk's bytes (the index stays readable at the end)
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, BOXES[0])], (8, 10, 12))
+    plan = _plan([damacy.Sample(uri, BOXES[0])], (8, 10, 12))
     unit = plan.groups[0].units[0]
     index = raw[-(meta.layout.levels[0].index_range()[1]) :]
     shard.write_bytes(raw[: unit.offset + unit.nbytes // 2] + index)
@@ -574,7 +601,7 @@ def test_direct_reads_of_whole_objects_and_empty_files(tmp_path):
     write_array(tmp_path / "w", data, chunks=(4, 6), compressors=[ZstdCodec(level=1)])
     uri = str(tmp_path / "w")
     meta = damacy.open_array(uri)
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, ((0, 4), (0, 6)))], (4, 6))
+    plan = _plan([damacy.Sample(uri, ((0, 4), (0, 6)))], (4, 6))
     (group,) = plan.groups
     assert group.length == -1  # an unsharded chunk is read whole
     kernel = native.kernel_for(meta, np.dtype("f4"))
@@ -605,9 +632,9 @@ def test_every_direct_read_outcome_settles_its_memory_once(tmp_path, monkeypatch
         return real(*args)
 
     monkeypatch.setattr(native, "run_file", flaky)
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     pipe = damacy.Pipeline(
-        planner=damacy.ChunkPlanner(), executor=executor, output=damacy.BatchSpec(2, (8, 10, 12), "f32"), on_error="fill"
+        planner=_planner(), executor=executor, output=damacy.BatchSpec(2, (8, 10, 12), "f32"), queues=_queues(2), on_error="fill"
     )
     errors, good = [], 0
     with pipe:
@@ -644,7 +671,7 @@ def test_a_sparse_direct_read_reads_the_units_and_not_the_holes(tmp_path):
 
     uri, data = _thin_sharded(tmp_path)
     meta = damacy.open_array(uri)
-    plan = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0)).plan([damacy.Sample(uri, PLANE)], (1, 64, 64))
+    plan = _plan([damacy.Sample(uri, PLANE)], (1, 64, 64), max_gap_bytes=0)
     groups = plan.groups
     assert len(groups) == 4 and all(b.offset > a.offset + a.length for a, b in zip(groups, groups[1:]))  # holes
     units = [u for g in groups for u in g.units]
@@ -665,9 +692,10 @@ def test_a_sparse_direct_read_reads_the_units_and_not_the_holes(tmp_path):
 
 def _read_planes(uri, data, executor):
     pipe = damacy.Pipeline(
-        planner=damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0)),
+        planner=_planner(max_gap_bytes=0),
         executor=executor,
         output=damacy.BatchSpec(2, (1, 64, 64), "f32"),
+        queues=_queues(2),
         on_error="raise",
     )
     with pipe:
@@ -676,12 +704,12 @@ def _read_planes(uri, data, executor):
             with batch:
                 assert np.array_equal(batch.numpy(), data[2 * k : 2 * k + 2, None].astype("f4"))
         assert executor.budget.used == executor.budget.slots  # every read's memory returned
-        return pipe.stats()["stages"]
+        return pipe.stats_dict()["stages"]
 
 
 def test_reads_of_one_object_apart_are_decoded_in_one_direct_task(tmp_path):
     uri, data = _thin_sharded(tmp_path)
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     stages = _read_planes(uri, data, executor)
     # 4 batches of 2 planes, each cutting the 4 units of its half of the shard, a read each
     assert stages["native"]["count"] == 16
@@ -699,7 +727,7 @@ def test_reads_made_in_one_task_go_to_the_io_threads_one_by_one_when_not_cached(
         return real(*args)
 
     monkeypatch.setattr(native, "run_file", not_cached_when_sparse)
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     stages = _read_planes(uri, data, executor)
     assert len(sparse_calls) == 4 and stages["direct"]["count"] == 0
     assert stages["read"]["count"] == 16 and stages["native"]["count"] == 16
@@ -711,14 +739,14 @@ def test_a_shard_cut_short_under_a_task_of_reads_fails_the_sample_and_returns_it
     # the sample fails naming the truncation
     uri, data = _thin_sharded(tmp_path)
     shard = tmp_path / "t" / "c" / "0" / "0" / "0"
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
-    planner = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0))
-    pipe = damacy.Pipeline(planner=planner, executor=executor, output=damacy.BatchSpec(1, (1, 64, 64), "f32"), on_error="fill")
+    executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
+    planner = _planner(max_gap_bytes=0)
+    pipe = damacy.Pipeline(planner=planner, executor=executor, output=damacy.BatchSpec(1, (1, 64, 64), "f32"), queues=_queues(1), on_error="fill")
     with pipe:
         pipe.push([damacy.Sample(uri, PLANE)])
         with pipe.pop() as b:
             assert not b.info.errors and np.array_equal(b.numpy()[0], data[:1].astype("f4"))
-        deep = planner.plan([damacy.Sample(uri, ((4, 5), (0, 64), (0, 64)))], (1, 64, 64)).groups
+        deep = pipe.planner.plan([damacy.Sample(uri, ((4, 5), (0, 64), (0, 64)))], (1, 64, 64)).groups
         assert len(deep) == 4
         with open(shard, "r+b") as f:
             f.truncate(deep[-1].offset + deep[-1].length // 2)
@@ -727,7 +755,7 @@ def test_a_shard_cut_short_under_a_task_of_reads_fails_the_sample_and_returns_it
             (_, err), = b.info.errors
         assert executor.budget.used == executor.budget.slots
     assert isinstance(err, damacy.DecodeError) and "truncated" in str(err), err
-    stages = pipe.stats()["stages"]
+    stages = pipe.stats_dict()["stages"]
     assert stages["direct"]["count"] == 1 and stages["read"]["count"] == 1 + 4  # the task's reads, one by one
 
 
@@ -828,7 +856,9 @@ def test_cached_units_are_copied_in_the_destinations_order_for_every_kind_of_sam
     calls = []
     real = native.run_decoded
     monkeypatch.setattr(native, "run_decoded", lambda *a: calls.append(len(a[1])) or real(*a))
-    cfg = damacy.Config(samples_per_batch=len(samples), sample_shape=(4, 16, 16), dtype="f32", chunk_cache_bytes=8 << 20, prepared_batches=1)
+    cfg = damacy.Config(
+        samples_per_batch=len(samples), sample_shape=(4, 16, 16), dtype="f32", chunk_cache_bytes=8 << 20, prepared_batches=1, out_of_bounds="pad"
+    )
     with damacy.Pipeline(cfg) as p:
         for rnd in range(2):  # the second round finds every unit in the cache
             p.push(samples)
@@ -837,7 +867,7 @@ def test_cached_units_are_copied_in_the_destinations_order_for_every_kind_of_sam
                 out = batch.copy()
             for got, w in zip(out, want):
                 assert np.array_equal(got, np.asarray(w, dtype=np.float32)), rnd
-        hits = p.stats()["chunk_cache"]["hits"]
+        hits = p.stats_dict()["chunk_cache"]["hits"]
     assert sum(calls) > 0 and hits >= sum(calls)
 
 
@@ -848,10 +878,10 @@ def test_a_run_sends_the_reads_it_holds_before_it_waits_for_memory(tmp_path):
     import time
 
     uri, data = _thin_sharded(tmp_path)
-    plan = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=0)).plan([damacy.Sample(uri, PLANE)], (1, 64, 64))
+    plan = _plan([damacy.Sample(uri, PLANE)], (1, 64, 64), max_gap_bytes=0)
     assert len(plan.groups) == 4
     need = max(g.reserve_nbytes for g in plan.groups)
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=2 * need, decode_workers=1))
+    executor = _executor(max_memory_bytes=2 * need, decode_workers=1)
     out = np.zeros((1, 64, 64), dtype="f4")
     done, gave_up, errors = threading.Event(), threading.Event(), {}
     deadline = time.monotonic() + 60  # a run that waits for memory only it holds gives up here
@@ -892,7 +922,10 @@ def test_a_prefix_of_a_chunk_with_a_window_past_zstds_default_limit_reads(tmp_pa
     (tmp_path / "w" / "c").mkdir()
     params = zstandard.ZstdCompressionParameters.from_level(1, window_log=28)  # one segment: its window, 136 MiB
     (tmp_path / "w" / "c" / "0").write_bytes(zstandard.ZstdCompressor(compression_params=params).compress(data.tobytes()))
-    cfg = damacy.Config(samples_per_batch=1, sample_shape=(16,), dtype="u8", max_memory_bytes=1 << 30, chunk_cache_bytes=0, pop_timeout_s=60)
+    cfg = damacy.Config(
+        samples_per_batch=1, sample_shape=(16,), dtype="u8", max_memory_bytes=1 << 30, chunk_cache_bytes=0, pop_timeout_s=60,
+        max_chunk_uncompressed_bytes=n,  # the one chunk is the whole array
+    )
     with damacy.Pipeline(cfg) as p:
         p.push([damacy.Sample(uri, ((1000, 1016),))])
         with p.pop() as b:

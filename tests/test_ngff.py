@@ -109,7 +109,7 @@ def test_refusals_say_what_was_found(tmp_path):
     meta = json.loads((tmp_path / "img.zarr" / "zarr.json").read_text())
     meta["attributes"]["ome"]["multiscales"][0]["datasets"][1]["path"] = "gone"
     (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
-    fresh = damacy.ZarrMetadata()  # a fresh cache: the metadata changed
+    fresh = damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache())  # a fresh cache: the metadata changed
     assert "level 1 ('gone') has no array" in str(damacy.open_image(uri, metadata=fresh).levels[1].error)
     with pytest.raises(damacy.NotFound, match="level 1 \\('gone'\\) has no array"):
         damacy.read(uri, level=1, metadata=fresh)
@@ -117,7 +117,7 @@ def test_refusals_say_what_was_found(tmp_path):
     meta["attributes"]["ome"]["multiscales"][0]["datasets"][0]["path"] = "sub"
     (tmp_path / "img.zarr" / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(damacy.InvalidArgument, match="level 0 \\('sub'\\) is a Zarr group; a level must be an array"):
-        damacy.read(uri, metadata=damacy.ZarrMetadata())
+        damacy.read(uri, metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache()))
 
 
 def test_the_conformance_corpus_ngff_example_lists_its_levels(conformance_dir):
@@ -168,7 +168,7 @@ def test_a_level_that_cannot_be_read_fails_only_its_samples(tmp_path, make):
 
     path, data = pyramid(tmp_path / "img.zarr", 3)
     shutil.rmtree(tmp_path / "img.zarr" / "s1")  # level 1 is gone
-    image = damacy.open_image(path, metadata=damacy.ZarrMetadata())
+    image = damacy.open_image(path, metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache()))
     assert [lv.error is None for lv in image.levels] == [True, False, True]
     assert isinstance(image.levels[1].error, damacy.NotFound) and "level 1 ('s1') has no array" in str(image.levels[1].error)
     np.testing.assert_array_equal(damacy.read(path, level=0), data[0])

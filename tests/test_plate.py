@@ -46,7 +46,9 @@ def _plate(root, rows: int, columns: int, fields: int):
 @pytest.mark.parametrize("rows, columns, fields", [pytest.param(10, 10, 100, id="10k"), pytest.param(20, 50, 100, id="100k", marks=pytest.mark.slow)])
 def test_a_plate_of_many_images_is_listed_and_sampled_lazily(tmp_path, rows, columns, fields):
     uri = str(_plate(tmp_path / "plate.zarr", rows, columns, fields))
-    md = damacy.ZarrMetadata()
+    from damacy_server.plan.resolve import Resolver
+
+    md = Resolver()  # metadata with caches of its own, to count what it opens
     plate = damacy.open_plate(uri, metadata=md)
     assert plate.rows == tuple(string.ascii_uppercase[:rows]) and len(plate.columns) == columns
     images = plate.images
@@ -59,20 +61,25 @@ def test_a_plate_of_many_images_is_listed_and_sampled_lazily(tmp_path, rows, col
     before = default_metadata().cache.arrays.misses
     sampler = damacy.RandomBoxes(images, (4, 8, 8), seed=1, samples_per_epoch=10**6, level=0)
     assert default_metadata().cache.arrays.misses == before  # a sampler over the plate reads no image yet
-    cfg = damacy.Config(samples_per_batch=8, sample_shape=(4, 8, 8), dtype="u16", array_cache_entries=64)
+    cfg = damacy.Config(samples_per_batch=8, sample_shape=(4, 8, 8), dtype="u16", n_array_meta_cache=64)
     with damacy.Pipeline(cfg) as pipe:
         pipe.push(sampler)
         batch = pipe.pop()
         with batch:
             got = batch.numpy().copy()
             samples = batch.info.samples
-        stats = pipe.stats()["cache"]["arrays"]
+        stats = pipe.stats_dict()["cache"]["arrays"]
     # the first batch opened what the first block of samples draws (64 at most), not the plate
     opened = default_metadata().cache.arrays.misses - before
     assert 0 < opened <= 2 * 64, opened  # an image and its level
     assert stats["entries"] <= 64  # the pipeline's metadata cache keeps its bound
     for x, s in zip(got, samples):
         assert s.level == 0 and np.array_equal(x, zarr.open_array(f"{s.uri}/0", mode="r")[s.selection]), s
+
+
+def _fresh():
+    """Metadata settings of a fresh cache (nothing read before)."""
+    return damacy.ZarrMetadata(reader=damacy.FileMetadataReader(), cache=damacy.MetadataCache())
 
 
 def _small_plate(root, wells):
@@ -85,7 +92,7 @@ def _small_plate(root, wells):
 
 def test_plate_wells_take_their_row_and_column_from_the_indices(tmp_path):
     uri = _small_plate(tmp_path / "p.zarr", [{"path": "x/y", "rowIndex": 1, "columnIndex": 0}, {"path": "A/2"}])
-    plate = damacy.open_plate(uri, metadata=damacy.ZarrMetadata())
+    plate = damacy.open_plate(uri, metadata=_fresh())
     assert [(w.path, w.row, w.column) for w in plate.wells] == [("x/y", "B", "1"), ("A/2", "A", "2")]  # the second: 0.4's row/column path
 
 
@@ -93,4 +100,4 @@ def test_plate_wells_take_their_row_and_column_from_the_indices(tmp_path):
 def test_a_plate_well_index_that_is_no_index_into_its_rows_or_columns_is_a_metadata_error(tmp_path, row, column):
     uri = _small_plate(tmp_path / "p.zarr", [{"path": "A/1", "rowIndex": row, "columnIndex": column}])
     with pytest.raises(damacy.MetadataError, match=r"NGFF plate well 'A/1': (rowIndex|columnIndex) .* is not an index into the plate's 2 (rows|columns)"):
-        damacy.open_plate(uri, metadata=damacy.ZarrMetadata())
+        damacy.open_plate(uri, metadata=_fresh())

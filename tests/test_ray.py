@@ -45,7 +45,7 @@ def test_grid_windows_every_window_once_exact(cluster, arrays):
     vol, other = list(arrays)[:2]
     windows = damacy.GridBoxes([vol, other], (10, 16, 16), step=(10, 16, 12))
     n = len(windows)
-    cfg = damacy.Config(samples_per_batch=4, sample_shape=(10, 16, 16), dtype="f32", io_workers=1, decode_workers=1)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(10, 16, 16), dtype="f32", n_io_threads=1, decode_workers=1, drop_last=False)
     source = damacy_ray.Datasource(windows, cfg, rows_per_task=8, embedded=True)
     assert source.uris == (vol, other)
     tasks = source.get_read_tasks(64)
@@ -77,7 +77,7 @@ def test_a_sampler_computes_its_positions_in_the_tasks(cluster, arrays):
     vol, other = list(arrays)[:2]
     boxes = damacy.RandomBoxes([vol, other], (8, 12, 12), samples_per_epoch=40, seed=7)
     boxes.set_epoch(3)
-    cfg = damacy.Config(samples_per_batch=5, sample_shape=(8, 12, 12), dtype="u16", io_workers=1, decode_workers=1)
+    cfg = damacy.Config(samples_per_batch=5, sample_shape=(8, 12, 12), dtype="u16", n_io_threads=1, decode_workers=1, drop_last=False)
     rows = _rows(damacy_ray.read(boxes, cfg, rows_per_task=10, embedded=True))
     want = list(boxes)  # epoch 3's boxes: the tasks computed these from their positions
     assert sorted(rows["index"].tolist()) == list(range(40))
@@ -111,7 +111,7 @@ def test_a_sampler_computes_its_positions_in_the_tasks(cluster, arrays):
 
 def test_lists_index_queries_multi_samples_and_a_daemon(cluster, arrays, daemon):
     vol, other, labels = arrays
-    cfg = damacy.Config(samples_per_batch=3, sample_shape=(3, 20, 20), dtype="i32", io_workers=1, decode_workers=1)
+    cfg = damacy.Config(samples_per_batch=3, sample_shape=(3, 20, 20), dtype="i32", n_io_threads=1, decode_workers=1, drop_last=False)
     small = [damacy.Sample(vol, np.s_[z : z + 3, 0:20, 4:24]) for z in range(0, 30, 3)]
     small.insert(4, damacy.IndexQuery(other, ([3, 1, 1], np.s_[0:20], list(range(0, 30, 3)) * 2)))
     source = damacy_ray.Datasource(small, cfg, rows_per_task=3, endpoint=daemon.endpoint)  # through damacyd
@@ -131,10 +131,10 @@ def test_lists_index_queries_multi_samples_and_a_daemon(cluster, arrays, daemon)
     ]
     configs = {
         "image": damacy.Config(
-            samples_per_batch=2, sample_shape=(4, 16, 16), dtype="f32", io_workers=1, decode_workers=1
+            samples_per_batch=2, sample_shape=(4, 16, 16), dtype="f32", n_io_threads=1, decode_workers=1, drop_last=False
         ),
         "labels": damacy.Config(
-            samples_per_batch=2, sample_shape=(4, 16, 16), dtype="u8", io_workers=1, decode_workers=1
+            samples_per_batch=2, sample_shape=(4, 16, 16), dtype="u8", n_io_threads=1, decode_workers=1, drop_last=False
         ),
     }
     rows = _rows(damacy_ray.read(multi, configs, rows_per_task=4, embedded=True))
@@ -152,7 +152,7 @@ def test_a_bad_sample_is_filled_or_named(cluster, arrays, tmp_path):
     samples = [damacy.Sample(vol, np.s_[z : z + 4, 0:8, 0:8]) for z in range(0, 24, 4)]
     samples[3] = damacy.Sample(missing, np.s_[0:4, 0:8, 0:8])
     fill = damacy.Config(
-        samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", on_error="fill", io_workers=1, decode_workers=1
+        samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", on_error="fill", n_io_threads=1, decode_workers=1, drop_last=False
     )
     rows = _rows(damacy_ray.read(samples, fill, embedded=True))
     assert sorted(rows["index"].tolist()) == list(range(6))
@@ -163,7 +163,7 @@ def test_a_bad_sample_is_filled_or_named(cluster, arrays, tmp_path):
         else:
             assert (x == 0).all()
     skip = damacy.Config(
-        samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", on_error="skip", io_workers=1, decode_workers=1
+        samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", on_error="skip", n_io_threads=1, decode_workers=1, drop_last=False
     )
     rows = _rows(damacy_ray.read(samples, skip, embedded=True))
     assert sorted(rows["index"].tolist()) == [0, 1, 2, 4, 5]  # the rest, each where it belongs
@@ -176,7 +176,7 @@ def test_a_bad_sample_is_filled_or_named(cluster, arrays, tmp_path):
     rows = _rows(damacy_ray.read(group, configs, rows_per_task=4, embedded=True))
     assert sorted(rows["index"].tolist()) == [0, 1, 2, 3]
     assert [bool(f) for _, f in sorted(zip(rows["index"].tolist(), rows["filled"]))] == [False, True, False, False]
-    strict = damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", io_workers=1, decode_workers=1)
+    strict = damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), dtype="u16", n_io_threads=1, decode_workers=1, drop_last=False)
     with pytest.raises(Exception, match="missing.zarr"):  # Ray's error carries damacy's: the sample and its cause
         damacy_ray.read(samples, strict, embedded=True, max_retries=0).take_all()
 
@@ -184,11 +184,12 @@ def test_a_bad_sample_is_filled_or_named(cluster, arrays, tmp_path):
 def test_what_a_datasource_refuses(arrays):
     vol = list(arrays)[0]
     s = damacy.Sample(vol, np.s_[0:4, 0:8, 0:8])
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8))
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), drop_last=False)
     for bad, match in [
-        ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), dtype="bf16")), "bf16"),
-        ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), device=0)), "host memory"),
+        ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), dtype="bf16", drop_last=False)), "bf16"),
+        ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), device=0, drop_last=False)), "host memory"),
         ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8), drop_last=True)), "drop_last"),
+        ((s, damacy.Config(samples_per_batch=2, sample_shape=(4, 8, 8))), "drop_last=False"),  # the default
         ((s, {"image": cfg}), "MultiSamples"),
         ((s, "f32"), "damacy.Config"),
     ]:
@@ -215,7 +216,7 @@ def test_the_readme_and_guide_blocks_run(cluster, arrays, tmp_path):
     exec(compile(code.replace("s3://bucket/volume.zarr", str(volume)), "README ray", "exec"), scope)
     assert tuple(scope["x"].shape) == (1, 64, 256, 256) and scope["where"].tolist() == [[0, 0, 0]]
     np.testing.assert_array_equal(scope["x"][0].numpy(), data.astype("f4"))
-    vol, other = list(arrays)[:2]
+    vol, _, labels = list(arrays)  # (two arrays the block's boxes fit in: it reads with out_of_bounds="error")
     code = block("raydata")
     assert '"data/a.zarr", "data/b.zarr"' in code
-    exec(compile(code.replace("data/a.zarr", vol).replace("data/b.zarr", other), "the guide's Ray Data block", "exec"), {})
+    exec(compile(code.replace("data/a.zarr", vol).replace("data/b.zarr", labels), "the guide's Ray Data block", "exec"), {})

@@ -167,6 +167,8 @@ def test_the_gpu_block_runs_on_a_gpu_or_the_stand_in(tmp_path, monkeypatch):
 def test_the_guides_name_every_damacyd_option_and_config_field():
     """The daemon guide's table lists every option damacyd takes, and the pipeline guide's
     every Config field: a flag or field added without its line fails here."""
+    import dataclasses
+
     from damacy_protocol.config import Config
     from damacy_server.daemon.cli import main
 
@@ -175,5 +177,5 @@ def test_the_guides_name_every_damacyd_option_and_config_field():
     missing = [f for f in flags if f"`{f}" not in daemon]
     assert not missing, f"docs/daemon.md does not describe {missing}"
     pipeline = (README.parent / "docs" / "pipeline.md").read_text()
-    fields = [f for f in Config.__struct_fields__ if f"`{f}`" not in pipeline]
+    fields = [f.name for f in dataclasses.fields(Config) if f"`{f.name}`" not in pipeline]
     assert not fields, f"docs/pipeline.md does not describe Config's {fields}"

@@ -42,7 +42,7 @@ from damacy_server.cpu.tasks import NativeTasks
 from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
 from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.plan.planner import BatchPlan, sample_view
-from damacy_server.plan.reads import ReadGroup, shrink
+from damacy_server.plan.reads import Caps, ReadGroup, shrink
 from damacy_server.plan.units import CachedUnits, UnitJob, unit_key
 from damacy_server.plan.versions import known
 from damacy_server.store import is_remote
@@ -65,12 +65,13 @@ DIRECT_BACKOFF = 1024
 SHARE_MIN_BYTES = 128 << 10
 
 
-def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int) -> bool:
+def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int, most_units: int) -> bool:
     """May ``group`` be read and decoded in the same task as the reads in ``bundle``, all of
     them decoding to ``decoded`` bytes? Reads of one object, each a byte range, in order, that
-    together decode to at most TASK_BYTES and span at most RUN_FILE_MAX: the units of a thin
-    sample lie a unit or more apart in their shard (chunks in Morton or C order), a read each,
-    and one task per read would cost more in bookkeeping than the decode of a small unit."""
+    together decode to at most TASK_BYTES, span at most RUN_FILE_MAX and hold at most
+    ``most_units`` units (a read buffer's: ``CpuLimits.chunks_per_input_buffer``): the units of
+    a thin sample lie a unit or more apart in their shard (chunks in Morton or C order), a read
+    each, and one task per read would cost more in bookkeeping than the decode of a small unit."""
     first, last = bundle[0], bundle[-1]
     return (
         group.key == first.key
@@ -79,6 +80,7 @@ def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int) -> bool:
         and group.offset >= last.offset + last.length
         and group.offset + group.length - first.offset <= native.RUN_FILE_MAX
         and decoded <= TASK_BYTES
+        and sum(len(g.units) for g in bundle) + len(group.units) <= most_units
     )
 
 
@@ -146,9 +148,12 @@ class CpuExecutor(BudgetedExecutor):
         return self._io.steps + self._decode.steps
 
     @property
-    def chunk_caps(self) -> tuple[int, int]:
-        """(stored, decoded) bytes a chunk may have here (see :meth:`Planner.plan`)."""
-        return self.limits.max_encoded_chunk_bytes, self.limits.max_decoded_chunk_bytes
+    def caps(self) -> Caps:
+        """What a plan for it may hold (see :meth:`Planner.plan`): chunks of at most
+        ``max_encoded_chunk_bytes`` stored and ``max_decoded_chunk_bytes`` decoded, and reads
+        of at most ``chunks_per_input_buffer`` chunks (a read buffer's)."""
+        lim = self.limits
+        return Caps(lim.max_encoded_chunk_bytes, lim.max_decoded_chunk_bytes, None, lim.chunks_per_input_buffer)
 
     def queue_depths(self) -> dict[str, int]:
         """Tasks waiting for a thread: reads and decodes."""
@@ -212,7 +217,7 @@ class CpuExecutor(BudgetedExecutor):
                     continue
                 if self._direct_ok(run, group):
                     decoded = group.decoded_nbytes
-                    if bundle and not _joins(bundle, group, bundled + decoded):
+                    if bundle and not _joins(bundle, group, bundled + decoded, self.limits.chunks_per_input_buffer):
                         send()
                     bundle.append(group)
                     bundled += decoded

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.enums import NumaStrategy
-from damacy_protocol.errors import DamacyError, DecodeError
+from damacy_protocol.errors import BudgetExceeded, DamacyError, DecodeError
 from damacy_protocol.limits import CudaLimits
 from damacy_runtime.device import DeviceArray
 from damacy_server.cache import LRUCache
@@ -46,6 +46,7 @@ from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
 from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.engine.slots import DeviceSlots
 from damacy_server.plan.planner import BatchPlan, sample_view
+from damacy_server.plan.reads import Caps
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool, close_with
 
@@ -115,6 +116,12 @@ class CudaExecutor(BudgetedExecutor):
         self._readers = WorkerPool(max(2, self.reader.workers // 2), "damacy-cuda-read")
         self._pool = WorkerPool(1, "damacy-cuda")  # one stream
         self._slot_writes = threading.Lock()  # the engine's own writes (fill, move), one at a time
+        # batches whose host buffers (the units read, the staged frames) are held: read ahead
+        # of the device, until their device stage is done (CudaLimits.host_buffer_waves)
+        self._host_waves = threading.BoundedSemaphore(self.limits.host_buffer_waves)
+        #: parsed Blosc headers by chunk (CudaLimits.chunk_layout_entries): a chunk read again
+        #: is split into its streams without parsing it again
+        self.layout_cache: LRUCache = LRUCache(self.limits.chunk_layout_entries)
         self._closed = False
         close_with(self, self._readers, self._pool)  # closed by its owner, or once unreferenced
         self._pin_threads()
@@ -146,9 +153,10 @@ class CudaExecutor(BudgetedExecutor):
         return self._readers.steps + self._pool.steps
 
     @property
-    def chunk_caps(self) -> tuple[None, int]:
-        """(stored, decoded) bytes a chunk may have here (see :meth:`Planner.plan`)."""
-        return None, self.limits.max_chunk_bytes
+    def caps(self) -> Caps:
+        """What a plan for it may hold (see :meth:`Planner.plan`): chunks of at most
+        ``max_chunk_bytes`` decoded, reads of at most ``max_read_bytes``."""
+        return Caps(None, self.limits.max_chunk_bytes, self.limits.max_read_bytes, None)
 
     def _pin_threads(self) -> None:
         """Run the host threads on the CPUs of ``numa_strategy`` (see :func:`numa_cpus`)."""
@@ -203,18 +211,23 @@ class CudaExecutor(BudgetedExecutor):
     def _host_stage(self, plan: BatchPlan, targets: list, on_done, cancelled) -> None:
         """Reads, host checks and the device memory reservation; then the device stage."""
         errors: dict[int, DamacyError] = {}
-        handed_over = False
+        handed_over = waves_held = False
         try:
             if cancelled() or self._closed:
                 return
-            units, host_decoded = read_units(self.reader, plan, errors, self.stats)
+            self._host_waves.acquire()  # at most host_buffer_waves batches read ahead of the device
+            waves_held = True
+            units, host_decoded = read_units(
+                self.reader, plan, errors, self.stats,
+                max_streams=self.limits.max_substreams_per_chunk, layouts=self.layout_cache,
+            )
             self.host_decoded += host_decoded
             need = self._layout(units)
             status = self.budget.reserve(need, lambda: cancelled() or self._closed)
             if status is not Reservation.TAKEN:
                 reason = "the batch's decoded units need more device memory than max_gpu_memory_bytes leaves beside the slots"
                 if status is Reservation.TOO_BIG:
-                    fail(errors, plan, samples_of([u.job for u in units]), DamacyError(f"{reason} ({need} bytes)"))
+                    fail(errors, plan, samples_of([u.job for u in units]), BudgetExceeded(f"{reason} ({need} bytes)"))
                 return
             self._pool.submit(self._device_stage, plan, targets, units, need, errors, on_done, cancelled)
             handed_over = True
@@ -222,6 +235,8 @@ class CudaExecutor(BudgetedExecutor):
             crash(errors, plan, e)
         finally:
             if not handed_over:
+                if waves_held:
+                    self._host_waves.release()
                 on_done(errors)
 
     def _device_stage(self, plan: BatchPlan, targets: list, units: list[Unit], reserved: int, errors, on_done, cancelled) -> None:
@@ -248,6 +263,7 @@ class CudaExecutor(BudgetedExecutor):
         finally:
             keep.clear()
             self.budget.release(reserved)
+            self._host_waves.release()  # this batch's host buffers are done with
             on_done(errors)
 
     def _layout(self, units: list[Unit]) -> int:
@@ -261,12 +277,28 @@ class CudaExecutor(BudgetedExecutor):
             if u.shuffle is not None:
                 u.scratch = pos
                 pos += _aligned(u.job.decoded_nbytes)
-        for codec in CODECS:  # per codec: its staged frames, the decoder's tables and scratch
-            sizes = [size for u in units for _, _, size, c in u.frames if c == codec]
-            if sizes:
-                staged = sum(_aligned(len(f)) for u in units for f, _, _, c in u.frames if c == codec)
+        for codec in CODECS:  # per codec and wave: its staged frames, the decoder's tables and scratch
+            for wave in self._waves(units, codec):
+                sizes = [size for _, _, _, size in wave]
+                staged = sum(_aligned(len(f)) for _, f, _, _ in wave)
                 pos += staged + 6 * _aligned(8 * len(sizes)) + _aligned(self._temp_bytes(codec, len(sizes), max(sizes), sum(sizes)))
         return pos
+
+    def _waves(self, units: list[Unit], codec: str) -> list[list[tuple[Unit, Any, int, int]]]:
+        """The frames of ``codec`` in decode calls of at most ``max_chunks_per_wave`` chunks
+        each (a chunk's frames stay in one call)."""
+        waves: list[list[tuple[Unit, Any, int, int]]] = []
+        chunks = 0
+        for u in units:
+            frames = [(u, f, at, size) for f, at, size, c in u.frames if c == codec]
+            if not frames:
+                continue
+            if not waves or chunks >= self.limits.max_chunks_per_wave:
+                waves.append([])
+                chunks = 0
+            waves[-1].extend(frames)
+            chunks += 1
+        return waves
 
     def _temp_bytes(self, codec: str, n: int, max_bytes: int, total: int) -> int:
         sizing = self.gpu.zstd_temp_bytes if codec == "zstd" else self.gpu.lz4_temp_bytes
@@ -291,9 +323,8 @@ class CudaExecutor(BudgetedExecutor):
                 dev.upload(staged[at_stage : at_stage + len(piece)], base(u) + at)
                 at_stage += _aligned(len(piece))
         pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units) if units else 0
-        for codec in CODECS:  # one batched call per codec, each in its own region of the arena
-            frames = [(u, f, at, size) for u in units for f, at, size, c in u.frames if c == codec]
-            if frames:
+        for codec in CODECS:  # batched calls per codec (waves), each in its own region of the arena
+            for frames in self._waves(units, codec):
                 pos = self._batched(codec, frames, arena, pos, base, errors, plan, keep)
         self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena, keep)
         self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.errors import DamacyError, DecodeError
+from damacy_server.cache import LRUCache
 from damacy_server.cpu.run import for_sample, samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.twin import CODES
@@ -48,10 +49,14 @@ class Unit:
         return sum(len(f) for f, _, _, _ in self.frames)
 
 
-def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, DamacyError], stats: StageStats) -> tuple[list[Unit], int]:
+def read_units(
+    reader: FileReader, plan: BatchPlan, errors: dict[int, DamacyError], stats: StageStats, *,
+    max_streams: int | None = None, layouts: LRUCache | None = None,
+) -> tuple[list[Unit], int]:
     """Every unit's bytes, read on the host and checked there; with how many units were
-    decoded on the host (chains the device does not decode). Failed samples go to
-    ``errors``."""
+    decoded on the host (chains the device does not decode, Blosc chunks of more than
+    ``max_streams`` compressed streams). ``layouts``: parsed Blosc headers by chunk, reused
+    when a chunk is read again. Failed samples go to ``errors``."""
     t0 = time.perf_counter()
     out: list[Unit] = []
     decoded_here: list[int] = []
@@ -74,7 +79,7 @@ def read_units(reader: FileReader, plan: BatchPlan, errors: dict[int, DamacyErro
             piece = None
             if view is not None:
                 piece = view if group.length < 0 else view[job.offset - group.offset : job.offset - group.offset + job.nbytes]
-            out.append(_classify(job, piece, errors, plan, decoded_here))
+            out.append(_classify(job, piece, errors, plan, decoded_here, max_streams, layouts))
     stats.add("read", time.perf_counter() - t0, count=len(plan.groups), bytes_out=nbytes)
     return [u for u in out if u is not None], len(decoded_here)
 
@@ -93,7 +98,10 @@ def _fetch_remote(groups) -> dict[int, object]:
     return out
 
 
-def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here: list[int]) -> Unit | None:
+def _classify(
+    job: UnitJob, piece: memoryview | None, errors, plan, decoded_here: list[int], max_streams: int | None = None,
+    layouts: LRUCache | None = None,
+) -> Unit | None:
     """How a unit reaches the arena. Units of one array all come in one byte order: the
     stored one where the device decodes the chain, native where the host does."""
     meta = job.meta
@@ -120,7 +128,7 @@ def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here
             unit.copies.append((piece, 0))
             return unit
         if stored is not None and names == ("blosc",):
-            unit = _blosc(job, piece, nbytes)
+            unit = _blosc(job, piece, nbytes, max_streams, layouts)
             if unit is not None:
                 return unit
         arr = decode_unit(meta, piece, job.unit, job.key)  # another chain: decoded here
@@ -140,12 +148,20 @@ def _classify(job: UnitJob, piece: memoryview | None, errors, plan, decoded_here
 DEVICE_CODECS = {"zstd": nvcomp.walk_zstd_frame, "lz4": nvcomp.walk_lz4_block}
 
 
-def _blosc(job: UnitJob, piece: memoryview, nbytes: int) -> Unit | None:
+def _blosc(job: UnitJob, piece: memoryview, nbytes: int, max_streams: int | None = None, layouts: LRUCache | None = None) -> Unit | None:
     """A Blosc chunk split on the host: its zstd and LZ4 streams (lz4hc writes LZ4 too)
     decoded on the device with the batch's other frames, its stored streams copied, its
     blocks unshuffled by a kernel. None for compressors nvCOMP is not asked to decode here
-    (blosclz, zlib, snappy: decoded on the host)."""
-    frame = parse_frame(piece)
+    (blosclz, zlib, snappy) and for chunks of more than ``max_streams`` compressed streams:
+    decoded on the host. Its parsed header comes from ``layouts`` when the chunk (the same
+    bytes of the same array) was split before."""
+    meta = job.meta
+    key = (meta.root, meta.generation, job.unit, job.offset, job.nbytes)
+    frame = layouts.get(key) if layouts is not None else None
+    if frame is None:
+        frame = parse_frame(piece)
+        if layouts is not None:
+            layouts.put(key, frame)
     if frame.nbytes != nbytes:
         raise CorruptData(f"blosc: header says {frame.nbytes} decoded bytes, expected {nbytes}")
     unit = Unit(job, "blosc")
@@ -153,6 +169,8 @@ def _blosc(job: UnitJob, piece: memoryview, nbytes: int) -> Unit | None:
         unit.copies.append((piece[HEADER.size : HEADER.size + frame.nbytes], 0))
         return unit
     if frame.compressor not in DEVICE_CODECS and any(not s.raw for s in frame.streams):
+        return None
+    if max_streams is not None and sum(1 for s in frame.streams if not s.raw) > max_streams:
         return None
     shuffled = frame.shuffle != "noshuffle" and not (frame.shuffle == "shuffle" and frame.typesize == 1)
     for s in frame.streams:

@@ -42,6 +42,7 @@ from damacy_server.decode.chunks import cast_fill
 from damacy_server.engine.budget import StageStats
 from damacy_server.engine.slots import HostSlots, Policy, SlotMemory
 from damacy_server.plan.planner import BatchPlan
+from damacy_server.plan.reads import Caps
 
 log = logging.getLogger("damacy")
 
@@ -72,7 +73,7 @@ class Planner(Protocol):
     def plan(
         self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad", *,
         capacity: int | None = None, cache: LRUCache | None = None, accept: Callable[[Any], Any] | None = None,
-        dtype: np.dtype | None = None, caps: tuple[int | None, int | None] | None = None,
+        dtype: np.dtype | None = None, caps: Caps | None = None,
     ) -> BatchPlan: ...
 
 
@@ -291,7 +292,7 @@ class BatchEngine:
                 cache=executor.chunk_cache,
                 accept=self._accept_native if dtype is None else None,
                 dtype=dtype,
-                caps=getattr(executor, "chunk_caps", None),
+                caps=getattr(executor, "caps", None),
             )
         finally:
             if dtype is None:

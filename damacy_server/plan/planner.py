@@ -31,7 +31,7 @@ from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_it
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.decode import contract
-from damacy_server.plan.reads import ReadGroup, fit_reads, merge_reads
+from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
 from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob
@@ -269,7 +269,7 @@ class Planner:
         self.batch_limits = batch_limits
 
     # -- the limits a batch is planned within ----------------------------------------------
-    def _check_chunk_size(self, meta: ArrayMetadata, caps: tuple[int | None, int | None] | None) -> None:
+    def _check_chunk_size(self, meta: ArrayMetadata, caps: Caps | None) -> None:
         """A sample's chunks (read units) decode to at most ``PlanLimits.max_chunk_bytes``,
         and to at most the executor's cap."""
         decoded = math.prod(meta.layout.unit_shape) * meta.dtype.itemsize
@@ -279,10 +279,10 @@ class Planner:
                 f"its chunks ({meta.layout.unit_shape} {meta.dtype.name}) decode to {decoded} bytes, more than "
                 f"PlanLimits.max_chunk_bytes={limit} (Config.max_chunk_uncompressed_bytes): raise it to at least {decoded}"
             )
-        if caps is not None and caps[1] is not None and decoded > caps[1]:
+        if caps is not None and caps.max_decoded is not None and decoded > caps.max_decoded:
             raise BudgetExceeded(
                 f"its chunks ({meta.layout.unit_shape} {meta.dtype.name}) decode to {decoded} bytes, more than the "
-                f"executor admits ({caps[1]}: CpuLimits.max_decoded_chunk_bytes, CudaLimits.max_chunk_bytes)"
+                f"executor admits ({caps.max_decoded}: CpuLimits.max_decoded_chunk_bytes, CudaLimits.max_chunk_bytes)"
             )
 
     def _check_shards(self, meta: ArrayMetadata, rows: np.ndarray, samples: Sequence[Any], errors: dict) -> None:
@@ -351,7 +351,7 @@ class Planner:
         cache: LRUCache | None = None,
         accept: Callable[[ArrayMetadata], np.dtype | None] | None = None,
         dtype: np.dtype | None = None,
-        caps: tuple[int | None, int | None] | None = None,
+        caps: Caps | None = None,
     ) -> BatchPlan:
         """The plan of one batch. With the executor's ``capacity`` (bytes a read may hold in
         flight) merged reads that would not fit are split again; with its chunk ``cache``,
@@ -360,8 +360,8 @@ class Planner:
         ``accept(meta)`` may refuse a sample's array (a DamacyError, that sample's), and
         returns the batch's dtype where it fixes one (``dtype="native"``: the first array's).
         ``dtype``: the batch's (None: the array's own), which a normalised sample needs to
-        be a float type. ``caps``: the executor's (stored, decoded) bytes a chunk may have;
-        a sample reading a larger one fails with BudgetExceeded, as one over
+        be a float type. ``caps``: what the executor admits (:class:`Caps`): a sample reading a
+        chunk larger than its caps fails with BudgetExceeded, as one over
         :class:`PlanLimits`' (the chunks a batch uses, the shards a sample touches)."""
         t0 = time.perf_counter()
         n = len(samples)
@@ -431,8 +431,8 @@ class Planner:
                 self._check_shards(acc.meta, rows, samples, errors)
             hits, hit = _cache_hits(acc.meta, units, cache)
             locs = self._locate(acc.meta, units, hit)
-            if caps is not None and caps[0] is not None:
-                _check_stored(acc.meta, rows, inverse, locs, caps[0], samples, errors)
+            if caps is not None and caps.max_encoded is not None:
+                _check_stored(acc.meta, rows, inverse, locs, caps.max_encoded, samples, errors)
             total += len(rows)
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
@@ -492,7 +492,7 @@ class Planner:
 
         if self.batch_limits:
             self._check_batch(uses, located, samples, errors)
-        groups, merged = merge_reads(present, self.limits)
+        groups, merged = merge_reads(present, self.limits, caps)
         groups = fit_reads(groups, capacity)
         seen = set()
         fills = [f for f in fills if f[0] not in errors and not (f[0] in seen or seen.add(f[0]))]

@@ -9,6 +9,8 @@ asked to read.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from damacy_protocol.limits import PlanLimits
 from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
@@ -45,13 +47,30 @@ class ReadGroup:
         return f"ReadGroup({self.key!r}, offset={self.offset}, length={self.length}, units={len(self.units)})"
 
 
-def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup], int]:
-    """Group units into reads: ranges of one object closer than ``max_gap_bytes`` become one.
-    ``jobs`` come in plan order: the units of one object together, by offset."""
+class Caps(NamedTuple):
+    """What an executor admits, as the plan sees it: the stored and decoded bytes of one
+    chunk (None: no cap), the largest read, and the most chunks one read holds (a CPU
+    executor's read buffer, ``CpuLimits.chunks_per_input_buffer``)."""
+
+    max_encoded: int | None = None
+    max_decoded: int | None = None
+    max_read_bytes: int | None = None
+    max_units_per_read: int | None = None
+
+
+def merge_reads(jobs: list[UnitJob], limits: PlanLimits, caps: Caps | None = None) -> tuple[list[ReadGroup], int]:
+    """Group units into reads: ranges of one object closer than ``max_gap_bytes`` become one,
+    up to ``max_read_bytes`` (and the executor's ``caps``: its largest read, its most chunks
+    per read). ``jobs`` come in plan order: the units of one object together, by offset."""
     groups: list[ReadGroup] = []
     merged = 0
-    local = (limits.max_gap_bytes, limits.max_read_bytes)
-    remote = (limits.remote_max_gap_bytes, limits.remote_max_read_bytes)
+    read_cap = caps.max_read_bytes if caps is not None and caps.max_read_bytes is not None else None
+    most_units = caps.max_units_per_read if caps is not None and caps.max_units_per_read is not None else 1 << 62
+    local = (limits.max_gap_bytes, limits.max_read_bytes if read_cap is None else min(read_cap, limits.max_read_bytes))
+    remote = (
+        limits.remote_max_gap_bytes,
+        limits.remote_max_read_bytes if read_cap is None else min(read_cap, limits.remote_max_read_bytes),
+    )
     current: ReadGroup | None = None
     end = 0
     key, gap, most = None, 0, 0
@@ -64,7 +83,10 @@ def merge_reads(jobs: list[UnitJob], limits: PlanLimits) -> tuple[list[ReadGroup
             key = job.key
             gap, most = remote if is_remote(key) else local
         stop = job.offset + job.nbytes
-        if current is not None and key == current.key and job.offset - end <= gap and stop - current.offset <= most:
+        if (
+            current is not None and key == current.key and job.offset - end <= gap and stop - current.offset <= most
+            and len(current.units) < most_units
+        ):
             if stop > end:
                 end = stop
                 current.length = end - current.offset

@@ -1,0 +1,101 @@
+"""What the seed API's limits that describe its C memory model do in damacy's engine
+(docs/seed.md): each takes effect, on real arrays written by zarr-python, with the values
+read exactly as zarr-python reads them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BloscCodec, ZstdCodec
+
+import damacy
+from damacy_protocol.limits import CudaLimits
+
+
+def _volume(path, *, compressors, chunks=(4, 8, 8), shards=(8, 16, 16), seed=0):
+    data = np.random.default_rng(seed).integers(0, 12, size=(8, 16, 16), dtype=np.uint16)  # compressible
+    arr = zarr.create_array(str(path), shape=data.shape, dtype="uint16", chunks=chunks, shards=shards, compressors=compressors)
+    arr[...] = data
+    return str(path), data
+
+
+def _planner() -> damacy.ChunkPlanner:
+    return damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=damacy.FileMetadataReader(concurrency=2), cache=damacy.MetadataCache()))
+
+
+def _run(executor, uri, boxes, samples=1):
+    output = damacy.BatchSpec(samples, tuple(b - a for a, b in boxes[0]), "u16")
+    with damacy.Pipeline(planner=_planner(), executor=executor, output=output, queues=damacy.QueueLimits(2 * samples)) as p:
+        p.push([damacy.Sample(uri, box) for box in boxes])
+        got = []
+        for batch in p.batches(len(boxes) // samples):
+            with batch:
+                got.append(np.from_dlpack(batch).copy())
+        return got, p.stats()
+
+
+@pytest.mark.parametrize("per_read, reads", [(256, 1), (2, 4)])
+def test_chunks_per_input_buffer_is_the_most_chunks_one_read_holds(tmp_path, per_read, reads):
+    """The 8 chunks of a shard that one box cuts are one merged read, or reads of at most
+    ``chunks_per_input_buffer`` chunks each."""
+    uri, data = _volume(tmp_path / "v.zarr", compressors=[ZstdCodec(level=1)])
+    limits = damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, chunks_per_input_buffer=per_read)
+    executor = damacy.CpuExecutor(reader=damacy.FileReader(workers=2), limits=limits)
+    got, stats = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
+    assert np.array_equal(got[0][0], data)
+    assert stats.reads_issued == reads and stats.chunks_dispatched == 8
+
+
+def _cuda(limits: CudaLimits):
+    from damacy_server.cuda import twin
+    from damacy_server.cuda.device import HostDevice
+    from damacy_server.cuda.executor import CudaExecutor
+
+    if not twin.available():
+        pytest.skip("the kernels' host twin was not built (no C compiler)")
+    device = HostDevice()
+    return CudaExecutor(reader=damacy.FileReader(workers=2), limits=limits, backend=device), device
+
+
+@pytest.mark.parametrize("per_wave, calls", [(512, 1), (3, 3)])
+def test_max_chunks_per_wave_is_the_most_chunks_one_decode_call_takes(tmp_path, per_wave, calls):
+    uri, data = _volume(tmp_path / "v.zarr", compressors=[ZstdCodec(level=1)])
+    executor, device = _cuda(CudaLimits(1 << 30, max_chunks_per_wave=per_wave))
+    got, _ = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
+    assert np.array_equal(got[0][0], data)
+    zstd = [n for codec, n in device.decodes if codec == "zstd"]
+    assert len(zstd) == calls and max(zstd) <= per_wave
+
+
+def test_a_blosc_chunk_of_more_streams_than_max_substreams_per_chunk_is_decoded_on_the_host(tmp_path):
+    """blosc splits a chunk into blocks, each a stream: with at most one stream per chunk on
+    the device, chunks of several are decoded on the host, and read the same."""
+    blosc = BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", blocksize=128)  # 512-byte chunks: 4 blocks
+    uri, data = _volume(tmp_path / "v.zarr", compressors=[blosc])
+    executor, _ = _cuda(CudaLimits(1 << 30, max_substreams_per_chunk=1))
+    got, _ = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
+    assert np.array_equal(got[0][0], data)
+    assert executor.host_decoded == 8
+    executor2, _ = _cuda(CudaLimits(1 << 30))
+    got2, _ = _run(executor2, uri, [[(0, 8), (0, 16), (0, 16)]])
+    assert np.array_equal(got2[0][0], data) and executor2.host_decoded == 0
+
+
+def test_chunk_layout_entries_keep_parsed_blosc_headers(tmp_path):
+    """The second batch of the same chunks splits them from the kept headers (hits), the
+    first parsed them (misses); ``Stats.chunk_layout_*`` count them."""
+    uri, data = _volume(tmp_path / "v.zarr", compressors=[BloscCodec(cname="lz4", clevel=1, shuffle="shuffle")])
+    executor, _ = _cuda(CudaLimits(1 << 30, chunk_layout_entries=64))
+    box = [(0, 8), (0, 16), (0, 16)]
+    got, stats = _run(executor, uri, [box, box])
+    assert all(np.array_equal(g[0], data) for g in got)
+    assert stats.chunk_layout_misses == 8 and stats.chunk_layout_hits == 8
+
+
+def test_a_gpu_executors_max_read_bytes_splits_merged_reads(tmp_path):
+    uri, data = _volume(tmp_path / "v.zarr", compressors=None)  # 512 stored bytes per chunk
+    executor, _ = _cuda(CudaLimits(1 << 30, max_read_bytes=1024))
+    got, stats = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
+    assert np.array_equal(got[0][0], data)
+    assert stats.reads_issued == 4  # 8 chunks of 512 bytes, reads of at most 1024
