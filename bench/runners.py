@@ -155,7 +155,9 @@ def decode_bound(scn, samples: list) -> dict:
     import zstandard
     from numcodecs import blosc
 
-    planner = damacy.ChunkPlanner()
+    from damacy_server.plan.planner import Planner  # the planning machinery (damacy.ChunkPlanner is its settings)
+
+    planner = Planner()
     encoded: list[bytes] = []
     codec = None
     for batch in batches_of(samples, scn.samples_per_batch):

@@ -140,7 +140,7 @@ class Pipeline(PipelineAPI):
         try:
             executor.claim(self)
             self.executor = executor
-            self._index_bytes = _index_storage(executor, output)
+            self._index_bytes, self._release_index = _index_storage(executor, output)
             prepared = self.queues.prepared_batches
             self.engine = BatchEngine(
                 output,
@@ -153,7 +153,7 @@ class Pipeline(PipelineAPI):
             )
         except BaseException:
             if self._index_bytes:
-                executor.release_slots(self._index_bytes)
+                self._release_index(self._index_bytes)
             planner.give_back(self)
             executor.give_back(self)
             raise
@@ -373,7 +373,7 @@ class Pipeline(PipelineAPI):
             feeder.join(5.0)
         self.engine.close()
         if self._index_bytes:
-            self._executor.release_slots(self._index_bytes)
+            self._release_index(self._index_bytes)
         self._planner.give_back(self)
         self._executor.give_back(self)  # its pools and caches close (a later pipeline opens fresh ones)
         self._on_skip = None
@@ -478,15 +478,15 @@ def _check_parts(planner: Any, executor: Any, output: Any, queues: Any) -> None:
         raise TypeError(f"queues must be a QueueLimits, got {type(queues).__name__}")
 
 
-def _index_storage(executor: Any, output: BatchSpec) -> int | None:
+def _index_storage(executor: Any, output: BatchSpec) -> tuple[int | None, Callable[[int], None]]:
     """The device memory a GPU executor keeps for index queries, reserved for this pipeline
     (0: a CPU executor, which needs none; None: index queries are off, max_index_bytes=0).
     A nonzero ``max_index_bytes`` below what a batch can hold is refused (BudgetExceeded)."""
     limits = getattr(executor, "limits", None)
     if not isinstance(limits, CudaLimits):
-        return 0
+        return 0, _nothing
     if limits.max_index_bytes == 0:
-        return None
+        return None, _nothing
     need = 8 * output.samples * sum(output.shape)
     if limits.max_index_bytes < need:
         raise BudgetExceeded(
@@ -494,8 +494,12 @@ def _index_storage(executor: Any, output: BatchSpec) -> int | None:
             f"8 * samples * sum(shape) = {need} bytes (or 0: no index queries)"
         )
     reserved = limits.index_reservation(output.samples, output.shape)
-    executor.reserve_slots(reserved, f"index storage of {output.samples} x {output.shape} for two batches")
-    return reserved
+    release = executor.reserve_slots(reserved, f"index storage of {output.samples} x {output.shape} for two batches")
+    return reserved, release
+
+
+def _nothing(_: int) -> None:
+    pass
 
 
 def _check_floors(planner: ChunkPlanner, floor: int) -> None:

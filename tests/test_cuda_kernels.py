@@ -22,6 +22,8 @@ import damacy
 from damacy_server.cuda import tables, twin
 from damacy_server.decode import contract
 from damacy_server.decode.contract import edge_values
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 from damacy_server.zarr.codecs.blosc import unshuffle_block
 
 from conftest import random_data, write_array
@@ -215,6 +217,11 @@ def arrays(tmp_path_factory):
     return out
 
 
+def _plan(samples, sample_shape):
+    """The plan of one batch, by the planning machinery itself (a planner of its own)."""
+    return Planner(Resolver(), damacy.PlanLimits()).plan(samples, sample_shape)
+
+
 def _assemble_with_twin(plan, out_dtype) -> list[np.ndarray]:
     """What the GPU executor does with a plan: fill, then one assembly launch per table."""
     from damacy_server.decode.chunks import decode_unit
@@ -250,7 +257,7 @@ def test_twin_assembly_equals_the_cpu_path(arrays, out):
         dtype = data.dtype if out == "native" else np.dtype(ml_dtypes.bfloat16 if out == "bfloat16" else out)
         boxes = [tuple((int(a), int(a) + n) for a, n in zip(rng.integers(-3, 14, size=3), (5, 7, 9))) for _ in range(4)]
         for sel in boxes + [np.s_[0:5, 0:7, 0:9]]:
-            plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, sel)], (5, 7, 9))
+            plan = _plan([damacy.Sample(uri, sel)], (5, 7, 9))
             assert not plan.errors
             got = _assemble_with_twin(plan, dtype)[0]
             want = damacy.read(uri, sel, dtype=dtype, out_of_bounds="pad")
@@ -260,14 +267,14 @@ def test_twin_assembly_equals_the_cpu_path(arrays, out):
 def test_twin_assembly_of_index_queries(arrays):
     uri, data = arrays["u16-zstd"]
     q = damacy.IndexQuery(uri, ([11, 0, 5, 5], np.s_[3:9], [19, 2, 2, 7, 0]))
-    plan = damacy.ChunkPlanner().plan([q], (4, 6, 5))
+    plan = _plan([q], (4, 6, 5))
     got = _assemble_with_twin(plan, np.dtype("float32"))[0]
     assert same_bits(got, data[np.ix_([11, 0, 5, 5], range(3, 9), [19, 2, 2, 7, 0])].astype("float32"))
 
 
 def test_a_table_that_points_outside_is_a_fault_in_the_twin(arrays):
     uri, _ = arrays["u16-zstd"]
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, np.s_[0:6, 0:8, 0:10])], (6, 8, 10))
+    plan = _plan([damacy.Sample(uri, np.s_[0:6, 0:8, 0:10])], (6, 8, 10))
     table = plan.groups[0].units[0].table
     rows = table.rows.copy()
     rows[0, 2 + table.ndim] = 5  # destination start 5 on axis 0 with extent 6: past the sample

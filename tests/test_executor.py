@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -12,10 +13,13 @@ from zarr.codecs import ZstdCodec
 
 import damacy
 from damacy_server.engine.budget import MIN_INFLIGHT_BYTES, MemoryBudget, Reservation
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 from damacy_server.plan.selection import SliceCopy
 
 from conftest import random_data, write_array
 from daemon_helpers import wait_for
+from pipeline_helpers import composed, cpu_executor_for
 
 
 @pytest.fixture
@@ -28,13 +32,9 @@ def volume(tmp_path):
 def test_unsorted_index_query_with_a_tight_budget(volume):
     uri, oracle = volume
     sample_bytes = 16 * 64 * 64 * 4
-    cfg = damacy.Config(
-        samples_per_batch=1,
-        sample_shape=(16, 64, 64),
-        prepared_batches=2,
-        max_memory_bytes=2 * sample_bytes + MIN_INFLIGHT_BYTES + (1 << 20),
-        pop_timeout_s=30,
-    )
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(16, 64, 64), prepared_batches=2, pop_timeout_s=30)
+    # the least room beside the slots: one read of the largest chunk admitted
+    cfg = dataclasses.replace(cfg, max_memory_bytes=2 * sample_bytes + cfg.cpu_limits.min_inflight_bytes + (1 << 20))
     z = list(range(31, 15, -1))  # reversed: assembled sorted, reordered in place
     y = [63 - i for i in range(64)]
     with damacy.Pipeline(cfg) as p:
@@ -57,12 +57,13 @@ def test_an_unexpected_error_fails_its_samples_only(volume, monkeypatch):
 
     monkeypatch.setattr(SliceCopy, "apply", flaky)
     monkeypatch.setattr("damacy_server.native.kernel_for", lambda meta, dtype, normalized=False: None)  # the Python path
-    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 64, 64), on_error="fill", pop_timeout_s=30, lookahead_samples=2)
+    # three samples: the last batch is short (drop_last=False delivers it)
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 64, 64), on_error="fill", pop_timeout_s=30, lookahead_samples=2, drop_last=False)
     with damacy.Pipeline(cfg) as p:
         p.push([damacy.Sample(uri, np.s_[0:8, :, :]), damacy.Sample(uri, np.s_[8:16, :, :]), damacy.Sample(uri, np.s_[16:24, :, :])])
         with p.pop() as b:
             (i, err), = b.info.errors
-            assert isinstance(err, damacy.SampleError) and "internal error: RuntimeError: boom" in str(err)
+            assert isinstance(err, damacy.DamacyError) and "internal error: RuntimeError: boom" in str(err)
             ok = 1 - i
             assert np.array_equal(b.numpy()[ok], oracle[8 * ok : 8 * ok + 8].astype("f4"))
         with p.pop() as b:  # the stream goes on
@@ -94,7 +95,8 @@ def test_a_batch_whose_execution_raised_keeps_its_slot_until_its_work_is_reporte
         raise RuntimeError("a bug after queuing")
 
     monkeypatch.setattr(damacy.CpuExecutor, "execute", execute)
-    cfg = damacy.Config(samples_per_batch=1, sample_shape=(8, 64, 64), prepared_batches=1, pop_timeout_s=30)
+    # on_error="raise": the failed batch's pop raises and the next pop goes on
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(8, 64, 64), prepared_batches=1, pop_timeout_s=30, on_error="raise")
     with damacy.Pipeline(cfg) as p:
         p.push([damacy.Sample(uri, np.s_[0:8, :, :]), damacy.Sample(uri, np.s_[8:16, :, :])])
         with pytest.raises(damacy.BatchFailed, match="a bug after queuing"):
@@ -204,7 +206,7 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     data = random_data((8, 64, 64), "uint16", 5)
     write_array(tmp_path / "s", data, chunks=(8, 64, 64), serializer=ShardingCodec(chunk_shape=(8, 32, 32), codecs=[BytesCodec(), ZstdCodec(level=1)]))
     box = damacy.Sample(str(tmp_path / "s"), np.s_[0:8, 0:64, 0:64])  # four units of one shard
-    planner = damacy.ChunkPlanner(limits=damacy.PlanLimits(max_gap_bytes=1 << 30, max_read_bytes=1 << 30))
+    planner = Planner(Resolver(), damacy.PlanLimits(max_gap_bytes=1 << 30, max_read_bytes=1 << 30))
     plain = planner.plan([box], (8, 64, 64))
     (group,) = plain.groups
     units = group.units
@@ -225,28 +227,38 @@ def test_the_planner_takes_cached_units_out_and_fits_reads_to_the_budget(tmp_pat
     assert [u.unit for g in planned.groups for u in g.units] == [u.unit for u in units[1:]]
 
 
-def test_a_pipeline_leaves_a_shared_executor_open_and_each_returns_its_slots(volume):
+def test_an_executor_serves_one_pipeline_then_the_next_and_each_returns_its_slots(volume):
+    # an executor serves one open pipeline at a time (a second is refused), and the next
+    # once that one is closed, with a budget of its own: a slot of the first still held past
+    # its close stays in the first's budget, outside the next one's (as the seed API says of
+    # results retained across restarts), and goes back there once its memory is gone
     uri, oracle = volume
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=256 << 20, decode_workers=2))
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 32, 32), dtype="u16", pop_timeout_s=60)
+    executor = cpu_executor_for(cfg, max_memory_bytes=256 << 20, decode_workers=2)
     samples = [damacy.Sample(uri, np.s_[z : z + 8, 0:32, 0:32]) for z in (0, 8, 16, 24)]
     try:
-        first, second = damacy.Pipeline(cfg, executor=executor), damacy.Pipeline(cfg, executor=executor)
+        first = composed(cfg, executor=executor)
+        with pytest.raises(damacy.InvalidArgument, match="another pipeline that is still open"):
+            composed(cfg, executor=executor)
         first.push(samples)
         held = None
         for batch in first.batches():
             with batch:
                 held = batch.numpy()  # a view of first's slot, kept past its close
         one_slot = first.slot_bytes // 2  # 2 slots of 2 samples
+        first_budget = executor.budget
         first.close()
-        assert executor.budget.slots == second.slot_bytes + one_slot  # the slot still held counts
-        second.push(samples)  # the executor still serves the other pipeline
+        assert first_budget.slots == one_slot  # the slot still held
+        second = composed(cfg, executor=executor)  # the executor serves the next pipeline
+        assert executor.budget is not first_budget and executor.budget.slots == second.slot_bytes
+        second.push(samples)
         got = [b.copy() for b in second.batches()]
         np.testing.assert_array_equal(np.concatenate(got), np.stack([oracle[s.selection] for s in samples]))
         np.testing.assert_array_equal(held, oracle[16:32, 0:32, 0:32].reshape(2, 8, 32, 32))
         del held, batch
         gc.collect()
-        assert executor.budget.slots == second.slot_bytes  # first's back once its memory is gone
+        assert first_budget.slots == first_budget.used == 0  # first's back once its memory is gone
+        assert executor.budget.slots == second.slot_bytes
         second.close()
         assert executor.budget.slots == executor.budget.used == 0
     finally:
@@ -256,7 +268,7 @@ def test_a_pipeline_leaves_a_shared_executor_open_and_each_returns_its_slots(vol
 def test_a_slot_that_cannot_be_allocated_leaves_the_budget_as_it_was(volume, monkeypatch):
     import damacy_server.engine.slots as slots
 
-    executor = damacy.CpuExecutor(limits=damacy.CpuLimits(max_memory_bytes=256 << 20))
+    executor = damacy.CpuExecutor(reader=damacy.FileReader(), limits=damacy.CpuLimits(max_memory_bytes=256 << 20))
     made = []
     real = np.zeros
 
@@ -269,7 +281,7 @@ def test_a_slot_that_cannot_be_allocated_leaves_the_budget_as_it_was(volume, mon
     monkeypatch.setattr(slots.np, "zeros", second_fails)
     try:
         with pytest.raises(MemoryError):
-            damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(8, 32, 32), prepared_batches=2), executor=executor)
+            composed(damacy.Config(samples_per_batch=2, sample_shape=(8, 32, 32), prepared_batches=2), executor=executor)
         gc.collect()
         assert (executor.budget.slots, executor.budget.used) == (0, 0)
     finally:
@@ -282,7 +294,7 @@ def test_closing_mid_stream_returns_every_reservation(tmp_path):
     write_array(tmp_path / "p", random_data((32, 256, 256), "uint16", 4), chunks=(16, 64, 64), compressors=[ZstdCodec(level=1)])
     samples = [damacy.Sample(str(tmp_path / "p"), np.s_[z, 0:256, 0:256]) for z in range(32)] * 2
     for _ in range(3):
-        p = damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(256, 256), prepared_batches=3, decode_workers=1, io_workers=1))
+        p = damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(256, 256), prepared_batches=3, decode_workers=1, n_io_threads=1))
         p.push(samples)
         deadline = time.monotonic() + 60
         while sum(p.executor.queue_depths().values()) < 2 and time.monotonic() < deadline:
@@ -293,19 +305,17 @@ def test_closing_mid_stream_returns_every_reservation(tmp_path):
 
 
 def test_an_executor_given_inline_goes_with_its_pipeline(volume):
-    # the composed form: the pipeline does not close an executor it was given, and nothing
-    # else refers to it: once the pipeline is gone, its workers exit
+    # the composed form: the pipeline claims the executor it was given and closes it as it
+    # closes: its workers exit
     uri, _ = volume
-    pipe = damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(8, 32, 32)), executor=damacy.CpuExecutor())
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(8, 32, 32))
+    pipe = composed(cfg, executor=cpu_executor_for(cfg))
     pipe.push([damacy.Sample(uri, np.s_[0:8, 0:32, 0:32])] * 2)
     for batch in pipe.batches():
         batch.release()
     workers = [*pipe.executor._io._threads, *pipe.executor._decode._threads]
     assert workers and all(t.is_alive() for t in workers)
     pipe.close()
-    assert all(t.is_alive() for t in workers)  # not closed by the pipeline
-    del pipe, batch
-    gc.collect()
     deadline = time.monotonic() + 60
     while any(t.is_alive() for t in workers) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -13,6 +13,8 @@ from zarr.codecs import ZstdCodec
 import damacy
 from damacy_protocol.errors import DecodeError
 from damacy_server.cpu.inflight import InFlight
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 from damacy_server.plan.units import unit_key
 from damacy_server.store.file import FileReader
 
@@ -101,12 +103,24 @@ def volume(tmp_path):
     return str(tmp_path / "v"), data
 
 
+def plan_of(samples, sample_shape, **kwargs):
+    """The plan of one batch, by the planning machinery itself (a planner of its own)."""
+    return Planner(Resolver(), damacy.PlanLimits()).plan(samples, sample_shape, **kwargs)
+
+
+def cpu_executor(reader, **limits):
+    """A CPU executor reading through ``reader``, with ``CpuLimits(**limits)`` (2 GiB of
+    memory unless given)."""
+    limits.setdefault("max_memory_bytes", 2 << 30)
+    return damacy.CpuExecutor(reader=reader, limits=damacy.CpuLimits(**limits))
+
+
 def run_plan(executor, uri, boxes, cancelled=lambda: False):
     """Start a batch for each of ``boxes``; returns (outputs, finished events, errors by box,
     unit references over the batches)."""
     samples = [damacy.Sample(uri, b) for b in boxes]
     shapes = [s.shape for s in samples]
-    plans = [damacy.ChunkPlanner().plan([s], shape, capacity=executor.inflight_capacity) for s, shape in zip(samples, shapes)]
+    plans = [plan_of([s], shape, capacity=executor.inflight_capacity) for s, shape in zip(samples, shapes)]
     outs, events, errors = [], [], {}
     for k, (plan, shape) in enumerate(zip(plans, shapes)):
         out = np.full(shape, -1, dtype="f4")
@@ -132,7 +146,7 @@ def wait_all(events):
 def test_a_unit_in_flight_is_decoded_once(volume, native):
     uri, data = volume
     reader = GatedReader()
-    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2, native=native))
+    executor = cpu_executor(reader, decode_workers=2, native=native)
     try:
         first, done1, err1, refs = run_plan(executor, uri, BOXES)  # the boxes overlap
         units = len(executor.inflight)
@@ -156,7 +170,7 @@ def test_a_unit_in_flight_is_decoded_once(volume, native):
 def test_a_cancelled_owner_leaves_its_waiters_to_read_alone(volume):
     uri, data = volume
     reader = GatedReader()
-    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2))
+    executor = cpu_executor(reader, decode_workers=2)
     stop = threading.Event()
     try:
         _, done1, _, _ = run_plan(executor, uri, BOXES, cancelled=stop.is_set)
@@ -175,12 +189,12 @@ def test_a_cancelled_owner_leaves_its_waiters_to_read_alone(volume):
 def test_an_abandoned_unit_the_budget_cannot_hold_fails_its_waiters(volume, monkeypatch):
     """A waiter reading an abandoned unit alone keeps to the memory budget: a unit more than
     it can ever hold fails, as it failed its owner, rather than being read outside it."""
-    monkeypatch.setattr("damacy_server.engine.budget.MIN_INFLIGHT_BYTES", 0)  # the test's units are KiB
     uri, data = volume
-    executor = damacy.CpuExecutor(FileReader(), damacy.CpuLimits(decode_workers=2, max_memory_bytes=1 << 20))
+    executor = cpu_executor(FileReader(), decode_workers=2, max_memory_bytes=1 << 20)
+    monkeypatch.setattr(executor.budget, "min_inflight", 0)  # the test's units are KiB
     try:
         box = np.s_[0:4, 0:16, 0:16]  # one unit
-        plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, box)], (4, 16, 16))
+        plan = plan_of([damacy.Sample(uri, box)], (4, 16, 16))
         (unit,) = [u for g in plan.groups for u in g.units]
         owner = executor.inflight.claim_or_join(unit_key(unit.meta, unit.unit), None)  # another batch's
         out, done, errors = np.full((4, 16, 16), -1, dtype="f4"), threading.Event(), {}
@@ -209,7 +223,7 @@ def test_waiters_get_the_owners_error_and_fill(volume, tmp_path, native):
     (tmp_path / "v" / "c" / "0" / "0" / "0").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 12)  # corrupt
     (tmp_path / "v" / "c" / "3" / "1" / "1").unlink()  # never written: the fill value (0)
     reader = GatedReader()
-    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2, native=native))
+    executor = cpu_executor(reader, decode_workers=2, native=native)
     boxes = [np.s_[0:4, 0:16, 0:16], np.s_[12:16, 16:32, 16:32], np.s_[4:8, 0:32, 0:32]]
     try:
         first, done1, err1, _ = run_plan(executor, uri, boxes)
@@ -247,7 +261,7 @@ def test_small_units_are_not_shared(volume, monkeypatch):
     monkeypatch.setattr("damacy_server.cpu.executor.SHARE_MIN_BYTES", 1 << 20)
     uri, data = volume
     reader = GatedReader()
-    executor = damacy.CpuExecutor(reader, damacy.CpuLimits(decode_workers=2))
+    executor = cpu_executor(reader, decode_workers=2)
     try:
         first, done1, _, _ = run_plan(executor, uri, BOXES)
         second, done2, _, _ = run_plan(executor, uri, BOXES)
@@ -271,8 +285,7 @@ def test_units_waited_for_are_copied_together_once_they_arrive(volume, native, c
     owner's task (the budget counts it there)."""
     uri, data = volume
     reader = GatedReader()
-    limits = damacy.CpuLimits(decode_workers=1, native=native, chunk_cache_bytes=(64 << 20) if cache else 0)
-    executor = damacy.CpuExecutor(reader, limits)
+    executor = cpu_executor(reader, decode_workers=1, native=native, chunk_cache_bytes=(64 << 20) if cache else 0)
     copies = []
     real = executor._copy_cached
 

@@ -754,8 +754,8 @@ def test_a_shard_cut_short_under_a_task_of_reads_fails_the_sample_and_returns_it
         with pipe.pop() as b:
             (_, err), = b.info.errors
         assert executor.budget.used == executor.budget.slots
+        stages = pipe.stats_dict()["stages"]
     assert isinstance(err, damacy.DecodeError) and "truncated" in str(err), err
-    stages = pipe.stats_dict()["stages"]
     assert stages["direct"]["count"] == 1 and stages["read"]["count"] == 1 + 4  # the task's reads, one by one
 
 

@@ -8,8 +8,15 @@ from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 import damacy
 from damacy_server.cpu import optable
 from damacy_server.decode.chunks import decode_unit
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 
 from conftest import random_data, write_array
+
+
+def plan_of(samples, sample_shape):
+    """The plan of one batch, by the planning machinery itself (a planner of its own)."""
+    return Planner(Resolver(), damacy.PlanLimits()).plan(samples, sample_shape)
 
 
 def test_op_table_reproduces_the_batch(tmp_path):
@@ -24,7 +31,7 @@ def test_op_table_reproduces_the_batch(tmp_path):
     rng = np.random.default_rng(3)
     shape = (6, 7, 9)
     samples = [damacy.Sample(uri, tuple((int(a), int(a) + n) for a, n in zip(rng.integers(-2, 16, 3), shape))) for _ in range(5)]
-    plan = damacy.ChunkPlanner().plan(samples, shape)
+    plan = plan_of(samples, shape)
     units = [u for g in plan.groups for u in g.units]
     table = optable.build(units)
     assert table.ops.shape[1] == 2 + 3 * 3 and sorted(set(table.ops[:, 1].tolist())) == list(range(5))
@@ -33,7 +40,7 @@ def test_op_table_reproduces_the_batch(tmp_path):
     for s, fill in plan.fills:
         out[s] = fill
     optable.apply(table, decoded, out)
-    cfg = damacy.Config(samples_per_batch=5, sample_shape=shape, pop_timeout_s=30)
+    cfg = damacy.Config(samples_per_batch=5, sample_shape=shape, pop_timeout_s=30, out_of_bounds="pad")  # boxes reach out
     with damacy.Pipeline(cfg) as p:
         p.push(samples)
         with p.pop() as b:
@@ -45,7 +52,7 @@ def test_op_table_holds_index_copies_in_the_callers_order(tmp_path):
     write_array(tmp_path / "i", data, chunks=(10, 15, 20), compressors=[ZstdCodec(level=1)])
     uri = str(tmp_path / "i")
     queries = [damacy.IndexQuery(uri, ([19, 3, 3, 0], slice(4, 9), [39, 1, 22, 22, 7]))]
-    plan = damacy.ChunkPlanner().plan(queries, (4, 5, 5))
+    plan = plan_of(queries, (4, 5, 5))
     units = [u for g in plan.groups for u in g.units]
     table = optable.build(units)
     assert (table.ops[:, 2:5] < 0).any() and len(table.pool) > 0  # index lists in the pool
@@ -63,7 +70,7 @@ def test_op_table_of_units_in_any_order_numbers_them_as_given(tmp_path):
     data = random_data((8, 8, 8), "uint16", 6)
     write_array(tmp_path / "u", data, chunks=(4, 4, 4), compressors=[ZstdCodec(level=1)])
     uri = str(tmp_path / "u")
-    plan = damacy.ChunkPlanner().plan([damacy.Sample(uri, ((0, 8), (0, 8), (0, 8)))], (8, 8, 8))
+    plan = plan_of([damacy.Sample(uri, ((0, 8), (0, 8), (0, 8)))], (8, 8, 8))
     units = sorted((u for g in plan.groups for u in g.units), key=lambda u: u.pos)
     assert len(units) == 8
     order = [units[0], units[2], units[1], *units[3:]]  # first and last where a run in order has them

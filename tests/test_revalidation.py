@@ -13,8 +13,8 @@ from numcodecs import Zstd
 from zarr.codecs import ZstdCodec
 
 import damacy
-from damacy_server.plan.planner import ChunkPlanner
-from damacy_server.plan.resolve import ZarrMetadata
+from damacy_server.plan.planner import Planner
+from damacy_server.plan.resolve import Resolver
 from damacy_server.plan.versions import Seen
 from damacy_server.store import FileStore
 
@@ -60,19 +60,19 @@ def test_an_image_recreated_in_place_is_read_anew(tmp_path):
 def test_a_planner_asks_storage_once_for_what_was_cached_before_it(tmp_path):
     uri = str(tmp_path / "a.zarr")
     create(uri, 1)
-    md = ZarrMetadata()
+    md = Resolver()
     md.array(uri)  # cached by an earlier run
     sample = damacy.Sample(uri, np.s_[0:4, 0:12, 0:10])
-    planner = ChunkPlanner(md, fresh_after=time.monotonic())
+    planner = Planner(md, fresh_after=time.monotonic())
     for _ in range(3):
         plan = planner.plan([sample, sample], (4, 12, 10))
         assert not plan.errors
     assert (md.rechecked, md.changed) == (1, 0)  # once, for both samples and all batches
     old = md.array(uri)
     create(uri, 2, shape=(12, 24, 20))
-    ChunkPlanner(md).plan([sample], (4, 12, 10))  # no recheck: the cached metadata as it is
+    Planner(md).plan([sample], (4, 12, 10))  # no recheck: the cached metadata as it is
     assert md.array(uri) is old and md.changed == 0
-    plan = ChunkPlanner(md, fresh_after=time.monotonic()).plan([sample], (4, 12, 10))
+    plan = Planner(md, fresh_after=time.monotonic()).plan([sample], (4, 12, 10))
     new = md.array(uri)
     assert not plan.errors and md.changed >= 1 and new.shape == (12, 24, 20)
     # what caches hold of its data is named by its version: the old array's entries are others
@@ -83,12 +83,12 @@ def test_a_planner_asks_storage_once_for_what_was_cached_before_it(tmp_path):
 def test_an_array_read_again_unchanged_keeps_its_name_in_the_caches(tmp_path):
     uri = str(tmp_path / "a.zarr")
     create(uri, 1)
-    md = ZarrMetadata()
+    md = Resolver()
     first = md.array(uri)
     md.forget(md.store_of(uri)[1])  # (as an eviction from the metadata cache would)
     again = md.array(uri)
     assert again is not first and again.generation == first.generation != 0
-    assert ZarrMetadata(recheckable=False).array(uri).generation == 0  # no versions asked
+    assert Resolver(recheckable=False).array(uri).generation == 0  # no versions asked
 
 
 def test_a_load_that_began_before_a_recheck_does_not_replace_what_it_read(tmp_path):
@@ -97,7 +97,7 @@ def test_a_load_that_began_before_a_recheck_does_not_replace_what_it_read(tmp_pa
     one; the first, finishing last, keeps the newer entry, not what it read."""
     uri = str(tmp_path / "a.zarr")
     create(uri, 1)
-    md = ZarrMetadata()
+    md = Resolver()
     store, root = md.store_of(uri)
     stale = md._load(store, root, uri, docs := [])  # read, not yet kept
     began = time.monotonic() - 1.0  # its reading began before what follows
@@ -121,7 +121,7 @@ def test_a_version_that_could_not_be_asked_is_asked_again(tmp_path, monkeypatch)
     array anew."""
     uri = str(tmp_path / "a.zarr")
     first = create(uri, 1)
-    md = ZarrMetadata()
+    md = Resolver()
     real, fails = FileStore.version, [1]
 
     def flaky(self, key):
@@ -140,7 +140,7 @@ def test_read_checks_the_level_a_scale_picks_and_refuses_a_bad_level_first(tmp_p
     from test_ngff import pyramid
 
     uri, data = pyramid(tmp_path / "img.zarr", 3, levels=2)
-    md = ZarrMetadata()
+    md = Resolver()
     assert np.array_equal(damacy.read(uri, scale=[2.0, 1.0, 1.0], metadata=md), data[1])
     level1 = np.full((2, 8, 16, 16), 7, dtype="uint16")
     zarr.create_array(f"{uri}/s1", shape=level1.shape, chunks=(1, 4, 8, 8), dtype="uint16", overwrite=True)[...] = level1
@@ -177,19 +177,19 @@ def test_image_levels_are_checked_however_they_were_cached(tmp_path):
     path = tmp_path / "img.zarr"
     uri = str(path)
     # a level described by the image's consolidated metadata, then named by its own path
-    md = ZarrMetadata()
+    md = Resolver()
     first = ngff(path, 1, consolidate=True)
     assert np.array_equal(damacy.read(uri, level=0, metadata=md), first[0])
     second = ngff(path, 2, consolidate=True)
     assert np.array_equal(damacy.read(uri + "/s0", metadata=md), second[0])
     # a level cached by its own path, then its image (not cached) read by level
-    md = ZarrMetadata()
+    md = Resolver()
     assert np.array_equal(damacy.read(uri + "/s0", metadata=md), second[0])
     third = ngff(path, 3, size=16)
     assert np.array_equal(damacy.read(uri, level=0, metadata=md), third[0])
     # a level written again alone: the image read without a level (its level 0), by level,
     # and the image's description of its levels
-    md = ZarrMetadata()
+    md = Resolver()
     assert np.array_equal(damacy.read(uri, metadata=md), third[0])
     assert np.array_equal(damacy.read(uri, level=1, metadata=md), third[1])
     level0 = np.random.default_rng(9).integers(0, 9, size=(8, 8), dtype="uint16")
@@ -209,7 +209,7 @@ def test_a_v2_image_is_checked_by_its_attributes_and_consolidated_metadata(tmp_p
     import shutil
 
     uri = str(tmp_path / "img.zarr")
-    md = ZarrMetadata()
+    md = Resolver()
     first = ngff(tmp_path / "img.zarr", 1, fmt=2, consolidate=True)
     assert np.array_equal(damacy.read(uri, level=0, metadata=md), first[0])
     second = ngff(tmp_path / "new.zarr", 2, fmt=2, consolidate=True, size=16)
@@ -274,7 +274,7 @@ def test_a_plate_written_again_is_not_read_from_its_old_consolidated_metadata(tm
         zarr.consolidate_metadata(str(tmp_path / "p.zarr"))
         return str(tmp_path / "p.zarr" / "A" / "1" / "0"), levels
 
-    md = ZarrMetadata()
+    md = Resolver()
     field, _ = plate(1, 32)
     damacy.open_plate(str(tmp_path / "p.zarr"), metadata=md)  # its consolidated metadata cached
     field, second = plate(2, 16)
@@ -287,7 +287,7 @@ def test_a_level_written_after_its_image_was_read_is_read_then(tmp_path):
     path = tmp_path / "img.zarr"
     levels = ngff(path, 1)
     shutil.move(str(path / "s1"), str(tmp_path / "s1"))  # a writer not done yet
-    md = ZarrMetadata()
+    md = Resolver()
     assert np.array_equal(damacy.read(str(path), level=0, metadata=md), levels[0])
     with pytest.raises(damacy.NotFound):
         damacy.read(str(path), level=1, metadata=md)
@@ -302,7 +302,7 @@ def test_a_session_opened_while_another_checks_checks_again(tmp_path, monkeypatc
 
     uri = str(tmp_path / "a.zarr")
     create(uri, 1)
-    md = ZarrMetadata()
+    md = Resolver()
     md.array(uri)  # cached by an earlier session
     asked, go = threading.Event(), threading.Event()
     real = FileStore.version
@@ -316,12 +316,12 @@ def test_a_session_opened_while_another_checks_checks_again(tmp_path, monkeypatc
 
     monkeypatch.setattr(FileStore, "version", version)
     sample = damacy.Sample(uri, np.s_[0:4, 0:12, 0:10])
-    a = ChunkPlanner(md, fresh_after=time.monotonic())
+    a = Planner(md, fresh_after=time.monotonic())
     thread = threading.Thread(name="A", target=lambda: a.plan([sample], (4, 12, 10)))
     thread.start()
     assert asked.wait(30)
     create(uri, 2, shape=(8, 24, 20))
-    b = ChunkPlanner(md, fresh_after=time.monotonic())
+    b = Planner(md, fresh_after=time.monotonic())
     go.set()
     thread.join(30)
     assert b.plan([sample], (4, 12, 10)).metas[0].shape == (8, 24, 20)
@@ -332,7 +332,7 @@ def test_a_load_that_lands_after_a_sessions_check_is_checked_before_use(tmp_path
     checked (and found nothing cached): the session checks the entry before using it."""
     uri = str(tmp_path / "a.zarr")
     create(uri, 1)
-    md = ZarrMetadata()
+    md = Resolver()
     store, root = md.store_of(uri)
     began = time.monotonic()
     stale = md._load(store, root, uri, docs := [])  # another session's read, in flight

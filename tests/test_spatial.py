@@ -608,8 +608,9 @@ def test_the_readmes_spatial_block_runs_and_its_crop_reads_level_one(tmp_path):
     """The README's spatial block, on a pyramid whose level 1 halves y and x (its origin at
     zero): "auto" picks level 1, the query is an aligned crop of it, and pushed to a pipeline
     it reads exactly that crop."""
-    import damacy
     from test_readme import block
+
+    import damacy
 
     zyx = [{"name": a, "type": "space", "unit": "micrometer"} for a in "zyx"]
     path = write_image(

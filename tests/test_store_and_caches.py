@@ -10,6 +10,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import damacy
 from damacy_server.cache import LRUCache
+from damacy_server.plan.resolve import Caches, Resolver
 from damacy_server.store import FileStore
 
 from conftest import random_data, write_array
@@ -47,7 +48,7 @@ def test_shards_are_read_by_range_and_indexes_once(tmp_path):
     serializer = ShardingCodec(chunk_shape=(4, 4), codecs=[LE, ZstdCodec(level=1)], index_codecs=[LE, Crc32cCodec()])
     write_array(tmp_path / "s", data, chunks=(16, 16), serializer=serializer)
     store = CountingStore()
-    md = damacy.ZarrMetadata(reader=store, cache=damacy.MetadataCache(array_entries=4, shard_index_entries=16))
+    md = Resolver(store, Caches(damacy.MetadataCache(array_entries=4, shard_index_entries=16)))  # metadata with its caches
 
     got = damacy.read(tmp_path / "s", np.s_[0:4, 4:8], metadata=md)
     assert np.array_equal(got, data[0:4, 4:8])
@@ -71,12 +72,12 @@ def test_shard_indexes_are_bounded_by_bytes_and_reported(tmp_path):
     serializer = ShardingCodec(chunk_shape=(2, 2), codecs=[LE], index_codecs=[LE, Crc32cCodec()])
     write_array(tmp_path / "s", data, chunks=(16, 16), serializer=serializer)
     bound = 3 * (64 * 16 + 64) + 10
-    md = damacy.ZarrMetadata(reader=CountingStore(), cache=damacy.MetadataCache(shard_index_entries=100, shard_index_bytes=bound))
+    md = Resolver(CountingStore(), Caches(damacy.MetadataCache(shard_index_entries=100, shard_index_bytes=bound)))
     got = damacy.read(tmp_path / "s", np.s_[:, :], metadata=md)
     assert np.array_equal(got, data)
     stats = md.cache.stats()["shard_indexes"]
     assert stats["entries"] == 3 and stats["bytes"] == 3 * (64 * 16 + 64) <= bound and stats["evictions"] == 1
-    with pytest.raises(damacy.InvalidArgument, match="shard_index_bytes"):
+    with pytest.raises(ValueError, match="shard_index_bytes"):
         damacy.MetadataCache(shard_index_bytes=-1)
 
 
@@ -249,8 +250,8 @@ def test_metadata_reader_concurrency_is_the_planners_reads_in_flight(tmp_path, c
 
     def pipeline(reader, n):
         return damacy.Pipeline(
-            planner=damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=reader), limits=damacy.PlanLimits()),
-            executor=damacy.CpuExecutor(reader=damacy.FileReader(workers=2), limits=damacy.CpuLimits(decode_workers=2)),
+            planner=damacy.ChunkPlanner(metadata=damacy.ZarrMetadata(reader=reader, cache=damacy.MetadataCache()), limits=damacy.PlanLimits()),
+            executor=damacy.CpuExecutor(reader=damacy.FileReader(workers=2), limits=damacy.CpuLimits(max_memory_bytes=2 << 30, decode_workers=2)),
             output=damacy.BatchSpec(samples=n, shape=(8, 32, 64), dtype="u16"),
             queues=damacy.QueueLimits(lookahead_samples=n, prepared_batches=1),
         )
@@ -270,7 +271,7 @@ def test_metadata_reader_concurrency_is_the_planners_reads_in_flight(tmp_path, c
 
     # one array, one sample cutting 8 shards: their indexes are read k at a time
     reader = InFlight(concurrency)
-    md = damacy.ZarrMetadata(reader=reader)
+    md = Resolver(reader, Caches(damacy.MetadataCache()))  # metadata with its caches
     md.array(arrays[0][0])
     assert reader.calls == 1
     reader.together(concurrency)

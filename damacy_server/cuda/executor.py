@@ -108,7 +108,7 @@ class CudaExecutor(BudgetedExecutor):
         self._start()
 
     def _start(self) -> None:
-        self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes, 4 * self.limits.max_chunk_bytes)
+        self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes, 4 * self.limits.max_chunk_bytes, "max_gpu_memory_bytes")
         self.stats = StageStats()
         self.chunk_cache: LRUCache | None = None  # a device chunk cache is future work
         self.inflight = None

@@ -56,7 +56,7 @@ class Executor(Protocol):
 
     @property
     def inflight_capacity(self) -> int: ...
-    def reserve_slots(self, nbytes: int, what: str) -> None: ...
+    def reserve_slots(self, nbytes: int, what: str) -> Callable[[int], None]: ...
     def release_slots(self, nbytes: int) -> None: ...
     def slot_memory(self) -> SlotMemory | None: ...
     def execute(
@@ -178,7 +178,7 @@ class BatchEngine:
         # "native" slots are raw bytes sized for the widest supported type (8 bytes)
         one_slot = int(np.prod(self._batch_shape, dtype=np.int64)) * (8 if self.dtype is None else self.dtype.itemsize)
         self.slot_bytes = one_slot * slots
-        executor.reserve_slots(self.slot_bytes, what or f"{slots} batch slots of {output.samples} x {output.shape}")
+        self._release_slots = executor.reserve_slots(self.slot_bytes, what or f"{slots} batch slots of {output.samples} x {output.shape}")
         try:
             for i in range(slots):
                 raw = self.memory.allocate(i, one_slot)
@@ -190,8 +190,8 @@ class BatchEngine:
             allocated = one_slot * len(self._slots)
             self._slots.clear()
             self._free.clear()
-            executor.release_slots(self.slot_bytes - allocated)  # what was never allocated
-            self.memory.close(executor.release_slots)
+            self._release_slots(self.slot_bytes - allocated)  # what was never allocated
+            self.memory.close(self._release_slots)
             raise
 
     # -- slots --------------------------------------------------------------------------
@@ -571,4 +571,4 @@ class BatchEngine:
             self._free.clear()
             self.cond.notify_all()
         self._on_change = None
-        self.memory.close(self.executor.release_slots)
+        self.memory.close(self._release_slots)

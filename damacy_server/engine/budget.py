@@ -40,8 +40,9 @@ class MemoryBudget:
     flight (held for a read). ``reserve`` waits for room, but never for more than the slots
     leave: a read that can never fit is refused instead of waiting forever."""
 
-    def __init__(self, total: int, min_inflight: int = MIN_INFLIGHT_BYTES) -> None:
+    def __init__(self, total: int, min_inflight: int = MIN_INFLIGHT_BYTES, name: str = "max_memory_bytes") -> None:
         self.total = total
+        self.name = name  # the limit it is, as errors name it
         #: the least room for chunk data in flight the slots must leave (one read of the
         #: largest chunk the executor admits)
         self.min_inflight = min_inflight
@@ -76,17 +77,17 @@ class MemoryBudget:
                     need = self.slots + nbytes + self.min_inflight
                     if need > self.total:
                         raise BudgetExceeded(
-                            f"max_memory_bytes={self.total} is too small: {what} need {nbytes} bytes"
+                            f"{self.name}={self.total} is too small: {what} need {nbytes} bytes"
                             + (f" (beside {self.slots} held by other slots)" if self.slots else "")
                             + f" plus at least {self.min_inflight} for chunk data in flight (one read of the largest "
-                            f"chunk admitted); set max_memory_bytes >= {need}"
+                            f"chunk admitted); set {self.name} >= {need}"
                         )
                     if self.used + nbytes <= self.total:
                         break
                     left = deadline - time.monotonic()  # chunk data in flight must drain first
                     if left <= 0:
                         raise BudgetExceeded(
-                            f"{what} need {nbytes} bytes and max_memory_bytes={self.total} stayed full of chunk data in "
+                            f"{what} need {nbytes} bytes and {self.name}={self.total} stayed full of chunk data in "
                             f"flight for {SLOT_WAIT_S:.0f} s"
                         )
                     self._cond.wait(min(left, 0.1))
@@ -181,9 +182,12 @@ class BudgetedExecutor:
     def close(self) -> None:
         raise NotImplementedError
 
-    def reserve_slots(self, nbytes: int, what: str) -> None:
-        """Take ``nbytes`` for output slots for good; the rest is for data in flight."""
+    def reserve_slots(self, nbytes: int, what: str) -> Callable[[int], None]:
+        """Take ``nbytes`` for output slots for good (the rest is for data in flight); returns
+        what gives bytes of them back, to the budget that admitted them (slots still held by
+        a closed pipeline's batches stay in its budget, outside a later pipeline's)."""
         self.budget.admit_slots(nbytes, what)
+        return self.budget.release_slots
 
     def release_slots(self, nbytes: int) -> None:
         self.budget.release_slots(nbytes)
