@@ -113,6 +113,7 @@ class RemotePipeline(PipelineAPI):
         self._next_call: Call | None = None  # the pop already sent for the next batch
         self._lent: dict[int, Slot] = {}  # batch id -> its slot, until the release is sent
         self._push_calls: deque = deque()  # pushes not yet acknowledged
+        self._sending = threading.Lock()  # a pull and the push of what it pulled, one at a time
         self._closed = False
         self._pid = os.getpid()
         self._feeder: threading.Thread | None = None
@@ -155,9 +156,17 @@ class RemotePipeline(PipelineAPI):
             room = self._conn.credits
         return self._send(min(room, PUSH_CHUNK), deferred=True)
 
-    def _send(self, room: int, deferred: bool) -> bool:
-        """Pull up to ``room`` samples (checked) and push them; a refused sample drops its
-        iterable and is raised (``deferred``: kept for the next push or pop). False: stop."""
+    def _send(self, most: int, deferred: bool) -> bool:
+        """Pull up to ``most`` samples, and no more than the credits allow (checked), and push
+        them; a refused sample drops its iterable and is raised (``deferred``: kept for the
+        next push or pop). One caller at a time (a push and the feeder take turns): the
+        credits read are the ones the push spends. False: stop."""
+        with self._sending:
+            return self._send_now(most, deferred)
+
+    def _send_now(self, most: int, deferred: bool) -> bool:
+        with self._cond:
+            room = min(most, self._conn.credits)
         try:
             pulled, error = self._sources.pull(room, lambda: self._closed, self._numbered, check=self._check_item)
         except front.Refused as refused:
