@@ -7,7 +7,6 @@ raises :class:`InvalidArgument` naming the field.
 
 from __future__ import annotations
 
-import os
 import types
 import typing
 from typing import Annotated, Any, Literal
@@ -15,14 +14,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from damacy_protocol.errors import InvalidArgument
-
-
-def default_decode_workers() -> int:
-    """The CPUs plus one: a decode thread holds the interpreter lock for the Python around
-    each native call, and one more thread keeps every core decoding meanwhile (measured: +4%
-    to +10% with a chunk cache on 2 cores, no change without)."""
-    return (os.cpu_count() or 1) + 1
-
 
 Count = Annotated[int, msgspec.Meta(ge=1)]  # threads, slots, samples: at least one
 Size = Annotated[int, msgspec.Meta(ge=0)]  # bytes or entries, 0 allowed (off)

@@ -958,11 +958,16 @@ def test_the_daemons_defaults_are_the_value_objects_but_where_options_says():
 
     o = build_options(main.make_context("damacyd", ["--endpoint", "ipc:///nonexistent/damacyd.sock"]).params)
     assert o.plan_limits == L.PlanLimits()
-    assert o.cpu_limits == L.CpuLimits(max_memory_bytes=DAEMON_MAX_MEMORY_BYTES) and DAEMON_MAX_MEMORY_BYTES == 8 << 30
-    assert o.cpu_limits.decode_workers == L.DEFAULT_DECODE_WORKERS  # not the machine's CPUs
+    decode, io = L.host_threads()  # the node's, not one pipeline's share
+    cpus = os.cpu_count() or 1
+    assert (decode, io) == (cpus + 1, max(L.DEFAULT_IO_WORKERS, cpus))
+    assert o.cpu_limits == L.CpuLimits(
+        max_memory_bytes=DAEMON_MAX_MEMORY_BYTES, decode_workers=decode, chunks_per_input_buffer=max(256, decode)
+    )
+    assert DAEMON_MAX_MEMORY_BYTES == 8 << 30
     assert o.cuda_limits == L.CudaLimits(L.DEFAULT_GPU_MEMORY_BYTES) and o.cuda_limits.max_gpu_memory_bytes == 1 << 30
     assert o.metadata_cache == DAEMON_METADATA_CACHE == L.MetadataCache(1024, 65536, 1 << 30)
-    assert (o.reader.workers, o.reader.max_inflight_reads, o.reader.readahead) == (L.DEFAULT_IO_WORKERS, 4096, True)
+    assert (o.reader.workers, o.reader.max_inflight_reads, o.reader.readahead) == (io, 4096, True)
     assert o.metadata_reader.concurrency == L.DEFAULT_METADATA_CONCURRENCY
     # the same as DaemonOptions made in Python; one flag raises a chunk's size everywhere
     from damacy_server.daemon.options import DaemonOptions

@@ -86,7 +86,7 @@ def _ids(values, lookup, what: str) -> list[int]:
 #: daemon's (options.compose()).
 _LIMIT_HELP: dict[str, tuple[Any, str]] = {
     "--memory": (Size(), "CpuLimits.max_memory_bytes: host memory for batch slots plus chunk data in flight, all sessions together."),
-    "--decode-workers": (int, "CpuLimits.decode_workers: decode and assembly threads, sessions taking turns."),
+    "--decode-workers": (int, "CpuLimits.decode_workers: decode and assembly threads, sessions taking turns (default the CPUs plus one)."),
     "--max-encoded-chunk-bytes": (Size(), "CpuLimits.max_encoded_chunk_bytes: the largest stored chunk read; a larger one fails its sample (BudgetExceeded)."),
     "--max-decoded-chunk-bytes": (Size(), "CpuLimits.max_decoded_chunk_bytes: the largest decoded chunk (default: --max-chunk-bytes)."),
     "--chunks-per-input-buffer": (int, "CpuLimits.chunks_per_input_buffer: chunks per read buffer in flight (default 256, at least --decode-workers)."),
@@ -95,7 +95,7 @@ _LIMIT_HELP: dict[str, tuple[Any, str]] = {
     "--max-inflight-requests": (int, "CpuLimits.max_inflight_requests: object-store requests in flight at once."),
     "--chunk-cache-dir": (click.Path(file_okay=False), "CpuLimits.chunk_cache_dir: a folder on local disk (NVMe) for bytes fetched from object stores, read again from there by every session; off by default."),
     "--chunk-cache-dir-bytes": (Size(), "CpuLimits.chunk_cache_dir_bytes: the most the --chunk-cache-dir folder holds (least recently used entries go first)."),
-    "--io-workers": (int, "FileReader.workers: reader threads, sessions taking turns."),
+    "--io-workers": (int, "FileReader.workers: reader threads, sessions taking turns (default the CPUs, at least 8)."),
     "--max-inflight-reads": (int, "FileReader.max_inflight_reads: reads queued at once."),
     "--no-readahead": (bool, "FileReader.readahead=False: chunk and shard files are read with POSIX_FADV_RANDOM (no kernel readahead)."),
     "--metadata-concurrency": (int, "FileMetadataReader.concurrency: zarr.json and shard-index reads in flight while a batch is planned."),

@@ -14,7 +14,11 @@ one reason: one damacyd serves every rank of a node, so it holds more than one p
   sessions together (:data:`DAEMON_MAX_MEMORY_BYTES`);
 - the metadata caches (:data:`DAEMON_METADATA_CACHE`): 1024 arrays, 65536 shard indexes of
   at most 1 GiB, four times to eight times an embedded pipeline's, shared by all ranks;
-- the GPU budget per GPU: ``DEFAULT_GPU_MEMORY_BYTES`` (1 GiB), the value objects' own.
+- the GPU budget per GPU: ``DEFAULT_GPU_MEMORY_BYTES`` (1 GiB), the value objects' own;
+- the threads: ``CpuLimits.decode_workers`` is the node's CPUs plus one and
+  ``FileReader.workers`` the CPUs, at least 8 (:func:`~damacy_protocol.limits.host_threads`),
+  where the value objects' 8 and 8 are one pipeline's share: the daemon is the node's one
+  reader.
 
 Two defaults follow other settings, as :class:`damacy.Config` composes them:
 ``CpuLimits.max_decoded_chunk_bytes`` and ``CudaLimits.max_chunk_bytes`` are
@@ -36,6 +40,7 @@ from damacy_protocol.limits import (
     CudaLimits,
     MetadataCache,
     PlanLimits,
+    host_threads,
 )
 from damacy_server.store.file import FileMetadataReader, FileReader
 
@@ -133,7 +138,9 @@ def compose(given: dict[tuple[str, str], Any] | None = None) -> dict[str, Any]:
         by_part[part][name] = value
     metadata = dict(dataclasses.asdict(DAEMON_METADATA_CACHE), **by_part["metadata_cache"])
     plan = _make("plan_limits", by_part["plan_limits"])
-    cpu = {"max_memory_bytes": DAEMON_MAX_MEMORY_BYTES, **by_part["cpu_limits"]}
+    decode, io = host_threads()
+    cpu = {"max_memory_bytes": DAEMON_MAX_MEMORY_BYTES, "decode_workers": decode, **by_part["cpu_limits"]}
+    by_part["reader"].setdefault("workers", io)
     cpu.setdefault("max_decoded_chunk_bytes", plan.max_chunk_bytes)
     if "chunks_per_input_buffer" not in cpu and "decode_workers" in cpu:
         default = CpuLimits.__dataclass_fields__["chunks_per_input_buffer"].default
