@@ -136,16 +136,7 @@ def __dir__() -> list[str]:
     return sorted(set(__all__) | set(globals()))
 
 
-#: the seed API's public names (its ``__all__``); ``__all__`` adds damacy's own
-SEED_NAMES = (
-    "Batch", "BatchInfo", "BatchSpec", "BudgetExceeded", "ChunkPlanner", "Config", "CpuExecutor", "CpuLimits",
-    "CudaExecutor", "CudaLimits", "DamacyError", "DecodeError", "DeviceType", "Dtype", "DtypeMismatch",
-    "FileMetadataReader", "FileReader", "IndexQuery", "InvalidArgument", "LatencyModel", "MetadataCache", "Metric",
-    "NativeCudaError", "NgffAxis", "NgffImage", "NgffLevel", "NgffLimits", "NotFound", "NumaStrategy", "OutOfMemory",
-    "Pipeline", "PlanLimits", "PoolStarved", "QueueLimits", "RankMismatch", "ResolvedSpatialQuery", "Sample",
-    "Sampler", "ShutdownError", "SpatialQuery", "Stats", "Status", "StorageError", "TryAgain", "UnsupportedOperation",
-    "ZarrMetadata", "max_concurrency", "set_log_level", "set_log_quiet",
-)
+# the seed API's public names (its ``__all__``), then damacy's own
 __all__ = [
     "Batch", "BatchInfo", "BatchSpec", "BudgetExceeded", "ChunkPlanner", "Config", "CpuExecutor", "CpuLimits",
     "CudaExecutor", "CudaLimits", "DamacyError", "DecodeError", "DeviceType", "Dtype", "DtypeMismatch",

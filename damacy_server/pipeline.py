@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -555,34 +556,45 @@ _warned_lock = threading.Lock()
 def _warn_binding(configured: int | None, bound: int) -> None:
     """With no device configured, a GPU pipeline bound to the current context's device
     warns (once per case) when that is not LOCAL_RANK's, or when the host has several GPUs."""
-    import warnings
-
     from damacy_runtime.devices import cuda_devices
 
     if configured is not None:
         return
     raw = os.environ.get("LOCAL_RANK")
     if raw is not None and raw.isdigit() and int(raw) != bound:
-        key = ("rank", int(raw), bound)
-        with _warned_lock:
-            first = key not in _warned
-            _warned.add(key)
-        if first:
-            warnings.warn(
-                f"damacy.Pipeline bound to CUDA device {bound} but LOCAL_RANK={raw}: call torch.cuda.set_device({raw}) "
-                f"before making the pipeline, or pass Config(device={raw})",
-                stacklevel=4,
-            )
+        _warn_once(
+            ("rank", int(raw), bound),
+            f"damacy.Pipeline bound to CUDA device {bound} but LOCAL_RANK={raw}: call torch.cuda.set_device({raw}) "
+            f"before making the pipeline, or pass Config(device={raw})",
+        )
         return
     count = cuda_devices()[0]
     if count > 1:
-        key = ("count", count, bound)
-        with _warned_lock:
-            first = key not in _warned
-            _warned.add(key)
-        if first:
-            warnings.warn(
-                f"damacy.Pipeline bound to CUDA device {bound} of {count} because its context was current: "
-                "pass Config(device=...) to say which",
-                stacklevel=4,
-            )
+        _warn_once(
+            ("count", count, bound),
+            f"damacy.Pipeline bound to CUDA device {bound} of {count} because its context was current: "
+            "pass Config(device=...) to say which",
+        )
+
+
+def _warn_once(key: tuple[str, int, int], message: str) -> None:
+    import warnings
+
+    with _warned_lock:
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        warnings.warn(message, stacklevel=_outside_damacy())
+
+
+_OWN = ("damacy", "damacy_server", "damacy_runtime", "damacy_client", "damacy_protocol")
+
+
+def _outside_damacy() -> int:
+    """The ``stacklevel`` of a warning issued by this module's caller: the first frame not
+    in damacy's packages (the line that made the pipeline, however damacy got there)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _OWN:
+        frame, level = frame.f_back, level + 1
+    return level

@@ -498,3 +498,54 @@ def test_cuda_init_primary_makes_device_0_current_for_a_config_without_a_device(
     assert np.array_equal(got[0], data[0:6, 0:8, 0:10])
     with pytest.raises(RuntimeError, match="CUDA device 1 does not exist here"):
         in_a_thread(lambda: damacy._native.cuda_init_primary(1))
+
+
+def test_a_pipeline_bound_to_the_current_context_warns_once_when_local_rank_names_another_gpu(monkeypatch):
+    """With no device in its Config, a GPU pipeline takes the current context's device; when
+    LOCAL_RANK names another (a rank that forgot torch.cuda.set_device), or the host has
+    several GPUs, it warns once per case, at the line that made the pipeline; a Config
+    naming its device never warns."""
+    import warnings
+
+    from damacy_runtime import devices
+    from damacy_server import pipeline as embedded
+
+    monkeypatch.setattr(embedded, "_warned", set())
+    monkeypatch.setenv(devices.STANDIN_ENV, "1")
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4), max_gpu_memory_bytes=1 << 26)
+
+    def made(config, *, local_rank=None, gpus=1):
+        """The warnings of making (and closing) a pipeline of ``config`` in a thread whose
+        current context is device 0's."""
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setattr(devices, "cuda_devices", lambda: (gpus, ""))
+        out: list = []
+
+        def run():
+            damacy._native.cuda_init_primary()
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                damacy.Pipeline(config).close()
+            out.extend(got)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(60)
+        return [(str(w.message), w.filename) for w in out if issubclass(w.category, UserWarning)]
+
+    first = made(cfg, local_rank=3)
+    assert len(first) == 1, first
+    message, filename = first[0]
+    assert "bound to CUDA device 0 but LOCAL_RANK=3: call torch.cuda.set_device(3)" in message
+    assert filename == __file__  # the line that made the pipeline
+    assert made(cfg, local_rank=3) == []  # once per case
+    assert made(damacy.Config(samples_per_batch=1, sample_shape=(4, 4), device=0), local_rank=3) == []
+    several = made(cfg, gpus=8)
+    assert [m for m, _ in several] == [
+        "damacy.Pipeline bound to CUDA device 0 of 8 because its context was current: pass Config(device=...) to say which"
+    ]
+    assert several[0][1] == __file__
+    assert made(cfg, local_rank=0) == [] and made(cfg) == []  # its own rank's GPU, one GPU
