@@ -254,9 +254,8 @@ def test_cuda_executor_attributes_on_a_gpu():
     e = damacy.CudaExecutor(reader=reader, limits=limits, device=0)
     assert e.reader is reader
     assert e.limits == limits
-    assert e.device == 0
-    with pytest.raises(AttributeError):
-        e.extra = 1
+    assert e.device == 0 and e.device_index == 0  # a plain class (docs/seed.md: it holds the engine's state)
+    e.close()
 
 
 def test_cuda_executor_device_none_captures_current_context():

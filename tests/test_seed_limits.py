@@ -93,6 +93,31 @@ def test_chunk_layout_entries_keep_parsed_blosc_headers(tmp_path):
     assert stats.chunk_layout_misses == 8 and stats.chunk_layout_hits == 8
 
 
+def test_a_chunk_rewritten_in_place_is_not_split_by_its_kept_blosc_header(tmp_path):
+    """The kept header is used only while the chunk's bytes still say what it was parsed
+    from: chunks rewritten with other data (same array metadata) read as zarr-python reads
+    them, and count as misses."""
+    blosc = [BloscCodec(cname="lz4", clevel=1, shuffle="shuffle")]
+    uri, data = _volume(tmp_path / "v.zarr", compressors=blosc, shards=None)
+    executor, _ = _cuda(CudaLimits(1 << 30, chunk_layout_entries=64))
+    box = [(0, 8), (0, 16), (0, 16)]
+    output = damacy.BatchSpec(1, (8, 16, 16), "u16")
+    with damacy.Pipeline(planner=_planner(), executor=executor, output=output, queues=damacy.QueueLimits(2)) as p:
+        p.push([damacy.Sample(uri, box)])
+        with p.pop() as batch:
+            assert np.array_equal(np.from_dlpack(batch)[0], data)
+        again = np.random.default_rng(5).integers(0, 60000, size=data.shape, dtype=np.uint16)
+        zarr.open_array(uri, mode="r+")[...] = again
+        p.push([damacy.Sample(uri, box)])
+        with p.pop() as batch:
+            assert np.array_equal(np.from_dlpack(batch)[0], zarr.open_array(uri)[...])
+        p.push([damacy.Sample(uri, box)])
+        with p.pop() as batch:
+            assert np.array_equal(np.from_dlpack(batch)[0], again)
+        stats = p.stats()
+    assert (stats.chunk_layout_misses, stats.chunk_layout_hits) == (16, 8)  # parsed, parsed again, kept
+
+
 def test_a_gpu_executors_max_read_bytes_splits_merged_reads(tmp_path):
     uri, data = _volume(tmp_path / "v.zarr", compressors=None)  # 512 stored bytes per chunk
     executor, _ = _cuda(CudaLimits(1 << 30, max_read_bytes=1024))

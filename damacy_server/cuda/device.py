@@ -469,7 +469,8 @@ def bind_device(device: int | None, what: str = "CudaExecutor") -> int:
     check_device(device, f"{what} device")
     if current is not None and current != device:
         raise InvalidArgument(
-            f"Config.device={device} but the CUDA context current on this thread is on device {current}: "
+            f"device={device} (Config.device, or CudaExecutor(device=)) but the CUDA context current on this "
+            f"thread is on device {current}: "
             f"make them agree (torch.cuda.set_device({device}))"
         )
     return device
@@ -508,6 +509,8 @@ def numa_cpus(strategy: int, node: int, backend: Device) -> set[int] | None:
     if strategy is NumaStrategy.DISABLED:
         return None
     nodes = sorted(int(n[4:]) for n in _listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit())
+    if not nodes:
+        return None  # no NUMA topology to read (a container without it): nothing to pin, as without libnuma
     if strategy is NumaStrategy.AUTO:
         if len(nodes) <= 1:
             return None

@@ -148,6 +148,48 @@ def _classify(
 DEVICE_CODECS = {"zstd": nvcomp.walk_zstd_frame, "lz4": nvcomp.walk_lz4_block}
 
 
+class _Layout:
+    """A parsed Blosc header kept for a chunk, with what it was parsed from: the header and
+    block table bytes and the positions of the streams' size words. A frame whose bytes
+    there are the same has the same layout (the parse reads nothing else), so a chunk
+    rewritten in place is parsed again, not split by a stale layout."""
+
+    __slots__ = ("frame", "head", "size_at", "sizes")
+
+    def __init__(self, frame: Any, piece: memoryview) -> None:
+        self.frame = frame
+        nblocks = -(-frame.nbytes // frame.blocksize) if frame.streams else 0
+        self.head = bytes(piece[: HEADER.size + 4 * nblocks])
+        self.size_at = np.array([s.offset - 4 for s in frame.streams], dtype=np.int64)
+        self.sizes = np.array([s.size for s in frame.streams], dtype="<i4")
+
+    def fits(self, piece: memoryview) -> bool:
+        if len(piece) != self.frame.cbytes or piece[: len(self.head)] != self.head:
+            return False
+        if not len(self.size_at):
+            return True
+        raw = np.frombuffer(piece, dtype=np.uint8)
+        words = raw[self.size_at[:, None] + np.arange(4)].copy().view("<i4").ravel()
+        return bool(np.array_equal(words, self.sizes))
+
+
+def _frame(job: UnitJob, piece: memoryview, layouts: LRUCache | None) -> Any:
+    """The chunk's Blosc layout: from ``layouts`` when it was split before and its bytes
+    still say so, else parsed (and kept)."""
+    if layouts is None:
+        return parse_frame(piece)
+    meta = job.meta
+    key = (meta.root, meta.generation, job.unit, job.offset, job.nbytes)
+    kept = layouts.get(key)
+    if kept is not None:
+        if kept.fits(piece):
+            return kept.frame
+        layouts.hits, layouts.misses = layouts.hits - 1, layouts.misses + 1  # a stale one: parsed again
+    frame = parse_frame(piece)
+    layouts.put(key, _Layout(frame, piece))
+    return frame
+
+
 def _blosc(job: UnitJob, piece: memoryview, nbytes: int, max_streams: int | None = None, layouts: LRUCache | None = None) -> Unit | None:
     """A Blosc chunk split on the host: its zstd and LZ4 streams (lz4hc writes LZ4 too)
     decoded on the device with the batch's other frames, its stored streams copied, its
@@ -155,13 +197,7 @@ def _blosc(job: UnitJob, piece: memoryview, nbytes: int, max_streams: int | None
     (blosclz, zlib, snappy) and for chunks of more than ``max_streams`` compressed streams:
     decoded on the host. Its parsed header comes from ``layouts`` when the chunk (the same
     bytes of the same array) was split before."""
-    meta = job.meta
-    key = (meta.root, meta.generation, job.unit, job.offset, job.nbytes)
-    frame = layouts.get(key) if layouts is not None else None
-    if frame is None:
-        frame = parse_frame(piece)
-        if layouts is not None:
-            layouts.put(key, frame)
+    frame = _frame(job, piece, layouts)
     if frame.nbytes != nbytes:
         raise CorruptData(f"blosc: header says {frame.nbytes} decoded bytes, expected {nbytes}")
     unit = Unit(job, "blosc")
