@@ -130,14 +130,19 @@ class RemotePipeline(PipelineAPI):
             self._final_sent = False
         with self._cond:
             room = self._conn.credits
-        self._send(min(room, PUSH_CHUNK), deferred=False)  # a first window, checked here
-        with self._cond:
-            if self._feeder is None and not self._closed:
-                self._feeder = threading.Thread(
-                    target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-client-feeder", daemon=True
-                )
-                self._feeder.start()
-            self._cond.notify_all()
+        try:
+            self._send(min(room, PUSH_CHUNK), deferred=False)  # a first window, checked here
+        finally:  # what was pushed before a refused iterable goes on
+            with self._cond:
+                if self._feeder is None and not self._closed:
+                    self._feeder = threading.Thread(
+                        target=front.feed_weakly,
+                        args=(weakref.ref(self), "_feed"),
+                        name="damacy-client-feeder",
+                        daemon=True,
+                    )
+                    self._feeder.start()
+                self._cond.notify_all()
 
     def _check_item(self, item: Any) -> Any:
         if isinstance(item, IndexQuery) and not self._index_queries:
@@ -167,15 +172,23 @@ class RemotePipeline(PipelineAPI):
     def _send_now(self, most: int, deferred: bool) -> bool:
         with self._cond:
             room = min(most, self._conn.credits)
+        refused: DamacyError | None = None
         try:
             pulled, error = self._sources.pull(room, lambda: self._closed, self._numbered, check=self._check_item)
-        except front.Refused as refused:
-            if not deferred:
-                raise refused.error from None
-            with self._cond:
-                self._defer(refused.error)
-                self._cond.notify_all()
-            pulled, error = [], None
+        except front.Refused as r:  # sent as pulled: the samples before the refused iterable, the end of the input
+            refused, pulled, error = r.error, r.kept, None
+            if deferred:
+                with self._cond:
+                    self._defer(refused)
+                    self._cond.notify_all()
+        going = self._push_pulled(pulled, error)
+        if refused is not None and not deferred:
+            raise refused
+        return going
+
+    def _push_pulled(self, pulled: list[tuple[m.WireSample, Any]], error: BaseException | None) -> bool:
+        """Push what a pull took (and the end of the input, when nothing is left to pull).
+        False: stop (closed, or the daemon is gone)."""
         batch = [wire for wire, _ in pulled]
         with self._cond:
             for wire, sample in pulled:
@@ -453,7 +466,10 @@ class RemotePipeline(PipelineAPI):
         return data
 
     def _figures(self) -> Stats:
-        self._check()
+        if self._closed:  # (a failed push stays for the next pop to raise)
+            raise ShutdownError(CLOSED, what="closed")
+        if self._conn.dead is not None:
+            raise self._conn.dead
         reply = self._conn.call(lambda i: m.Stats(id=i), 10.0, "stats")
         figures = session_stats(reply.stats, self._pop_seconds, self._pops)
         return figures if self._reference is None else since(figures, self._reference)

@@ -58,6 +58,7 @@ class PipelineAPI(ABC):
     _closed = False
     _terminal: DamacyError | None = None  # the error that stopped it (on_error="stop")
     _deferred: BaseException | None = None  # an input error found ahead, for the next push or pop
+    _cond: threading.Condition  # the front end's lock (reentrant), which guards ``_deferred``
     _sources: Sources  # what was pushed (see the resume section below)
     _progress: Progress
 
@@ -79,13 +80,17 @@ class PipelineAPI(ABC):
                 "close it and build a new one",
                 what="push",
             )
-        self._raise_deferred("push")
         if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
             raise TypeError(f"push takes an iterable of samples, got {type(samples).__name__}")
+        earlier = self._take_deferred()  # an earlier iterable's error: raised once this one is queued
         try:
             self._push(samples)
         except DamacyError as e:
-            raise stage(e, "push") from None
+            if earlier is None:
+                raise stage(e, "push") from None
+            self._defer(e)  # this iterable's own, for the next push or pop
+        if earlier is not None:
+            raise stage(earlier, "push") if isinstance(earlier, DamacyError) else earlier
 
     def pop(self, timeout: float | None = None) -> Batch:
         """The next batch in push order (use it as a context manager: its slot is refilled
@@ -214,11 +219,17 @@ class PipelineAPI(ABC):
     def _defer(self, error: BaseException) -> None:
         """An input error found ahead (a sample of a later window refused): the next push or
         pop raises it."""
-        if self._deferred is None:
-            self._deferred = error
+        with self._cond:
+            if self._deferred is None:
+                self._deferred = error
+
+    def _take_deferred(self) -> BaseException | None:
+        with self._cond:
+            error, self._deferred = self._deferred, None
+        return error
 
     def _raise_deferred(self, what: str) -> None:
-        error, self._deferred = self._deferred, None
+        error = self._take_deferred()
         if error is not None:
             raise stage(error, what) if isinstance(error, DamacyError) else error
 

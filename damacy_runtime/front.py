@@ -25,11 +25,14 @@ from damacy_runtime.batch import BatchInfo
 
 
 class Refused(Exception):
-    """A pushed sample a pipeline's checks refused (its ``error``); its iterable was dropped."""
+    """A pushed sample a pipeline's checks refused (its ``error``); its iterable was dropped
+    with the samples pulled from it. ``kept``: the samples the same pull took from the
+    iterables before it, which go on as pulled."""
 
-    def __init__(self, error: DamacyError) -> None:
+    def __init__(self, error: DamacyError, kept: list[Any]) -> None:
         super().__init__(str(error))
         self.error = error
+        self.kept = kept
 
 
 class _Failed:
@@ -126,7 +129,8 @@ class Sources:
         generator's (its iterable is dropped), or ``convert``'s (the client's numbering: the
         iterable goes on after the sample it refused). ``check(item)`` (a pipeline's push
         checks) returns the sample an item is or raises: then the iterable is dropped with
-        the samples pulled from it in this call, and :class:`Refused` carries the error.
+        the samples pulled from it in this call, and :class:`Refused` carries the error (and
+        the samples pulled before it from earlier iterables, which stand).
         Callers pull one at a time (the pushes and a feeder thread take turns)."""
         with self._pull_lock:
             return self._pull(n, stop, convert, check)
@@ -165,7 +169,7 @@ class Sources:
                     with self._lock:
                         self.pulled -= len(out) - first
                     del out[first:]
-                    raise Refused(e) from None
+                    raise Refused(e, out) from None
             if convert is not None:
                 try:
                     sample = convert(sample)

@@ -165,12 +165,16 @@ class Pipeline(PipelineAPI):
         with self._cond:
             self._sources.add(samples, self._take_restore())
             self._pushed = True
-        self._take_in(deferred=False)  # a first window, checked here (its errors raise here)
-        with self._cond:
-            if self._feeder is None and not self._closed:
-                self._feeder = threading.Thread(target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-feeder", daemon=True)
-                self._feeder.start()
-            self._cond.notify_all()
+        try:
+            self._take_in(deferred=False)  # a first window, checked here (its errors raise here)
+        finally:  # what was pushed before a refused iterable goes on
+            with self._cond:
+                if self._feeder is None and not self._closed:
+                    self._feeder = threading.Thread(
+                        target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-feeder", daemon=True
+                    )
+                    self._feeder.start()
+                self._cond.notify_all()
 
     def _check_item(self, item: Any) -> Any:
         if isinstance(item, IndexQuery) and self._index_bytes is None:
@@ -196,7 +200,8 @@ class Pipeline(PipelineAPI):
         except front.Refused as refused:
             with self._cond:
                 self._pulling = False
-                core.add([], final=not self._sources)
+                self._pulled += len(refused.kept)
+                core.add(refused.kept, final=not self._sources)
                 self._cond.notify_all()
                 if not deferred:
                     raise refused.error from None

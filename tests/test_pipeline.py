@@ -519,6 +519,72 @@ def test_generator_error_is_raised_at_its_pop(store, make):
             assert b.info.samples[0].aabb[0] == (2, 8)
 
 
+def _delivered(p) -> list[tuple]:
+    """The z ranges of the samples every batch still to come holds, in order."""
+    out = []
+    for batch in p.batches():
+        with batch:
+            out.extend(s.aabb[0] for s in batch.info.samples)
+    return out
+
+
+def _box(uri, z):
+    return damacy.Sample(uri, np.s_[z : z + 6, 0:7, 0:8])
+
+
+def test_a_refused_iterable_drops_itself_and_not_the_samples_pulled_before_it(store, make):
+    """A sample the batch cannot take drops its iterable only, raised once (by the push
+    whose window pulled it, or the next pop): the earlier iterable's samples, pulled in the
+    same window, are all delivered, in every mode."""
+    uri, _ = store[1]["u16"]
+    bad = damacy.Sample(uri, np.s_[0:3, 0:7, 0:8])  # not the batch's sample shape
+    errors, got = [], []
+    with make(config(n=2, lookahead_samples=2, drop_last=False, on_error="raise")) as p:
+        p.push(iter([_box(uri, 0), _box(uri, 1), _box(uri, 2)]))
+        try:
+            p.push(iter([bad, _box(uri, 9), _box(uri, 10)]))
+        except damacy.InvalidArgument as e:
+            errors.append(e)
+        while True:
+            try:
+                batch = p.pop()
+            except damacy.InvalidArgument as e:
+                errors.append(e)
+                continue
+            except damacy.PipelineDrained:
+                break
+            with batch:
+                got.extend(s.aabb[0] for s in batch.info.samples)
+    assert got == [(0, 6), (1, 7), (2, 8)]
+    assert len(errors) == 1 and "sample" in str(errors[0])
+
+
+def test_a_push_that_raises_an_earlier_iterables_error_still_queues_its_own_samples(store, make):
+    """An error found ahead in an earlier iterable is raised by the next push (or pop); that
+    push's own samples are queued first and delivered."""
+    uri, _ = store[1]["u16"]
+    bad = damacy.Sample(uri, np.s_[0:3, 0:7, 0:8])
+    with make(config(n=2, lookahead_samples=4, on_error="raise")) as p:
+        p.push(iter([_box(uri, z) for z in range(4)] + [bad]))
+        with p.pop() as batch:
+            assert [s.aabb[0] for s in batch.info.samples] == [(0, 6), (1, 7)]
+        wait_for(lambda: p._deferred is not None, what="the feeder to find the refused sample")
+        with pytest.raises(damacy.InvalidArgument, match="sample"):
+            p.push([_box(uri, z) for z in range(10, 14)])
+        assert _delivered(p) == [(2, 8), (3, 9), (10, 16), (11, 17), (12, 18), (13, 19)]
+
+
+def test_a_pipeline_whose_only_push_was_refused_is_drained_at_once(store, make):
+    """Nothing left to pull after a refused first window: the next pop says drained at once
+    (a daemon session is told the input ended), not after its timeout."""
+    uri, _ = store[1]["u16"]
+    with make(config(n=2, pop_timeout_s=600)) as p:
+        with pytest.raises(damacy.InvalidArgument):
+            p.push([damacy.Sample(uri, np.s_[0:3, 0:7, 0:8])])
+        with pytest.raises(damacy.PipelineDrained):
+            p.pop()
+
+
 def test_a_batch_ends_where_the_input_raised_before_a_later_push(store, make):
     """The samples before the error make a short batch; the next push's samples start a new
     one, in every mode (a daemon client raises the error itself: its push says where)."""

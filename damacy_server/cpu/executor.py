@@ -327,8 +327,8 @@ class CpuExecutor(BudgetedExecutor):
             if u.shared is not None:
                 self.inflight.settle(u.shared)
 
-    def _too_big(self, key: str, need: int) -> DamacyError:
-        return DamacyError(
+    def _too_big(self, key: str, need: int) -> BudgetExceeded:
+        return BudgetExceeded(
             f"reading {key} needs {need} bytes in flight, the memory budget leaves "
             f"{self.budget.capacity} beside the batch slots; raise max_memory_bytes",
             path=key,
