@@ -14,6 +14,7 @@ True
 
 from typing import TYPE_CHECKING
 
+from damacy import _native
 from damacy._native import max_concurrency
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
@@ -68,7 +69,7 @@ from damacy_runtime.logsink import (
     install as _install_log_sink,
 )
 
-__version__ = "0.1.0"
+__version__ = _native.__version__  # (one home: the package's version, as the seed API's _native has it)
 
 #: the rest of the API, imported on first use: a daemon client never loads the engine (nor
 #: its codec libraries), and an embedded pipeline never loads the client's transport

@@ -65,6 +65,8 @@ class Dtype(IntEnum):
         return self.name.lower()
 
     def __format__(self, spec: str) -> str:
+        if spec and spec[-1] in "bcdoxXn":  # an integer's format: the enum's value
+            return format(int(self), spec)
         return format(str(self), spec)
 
 

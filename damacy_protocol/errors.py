@@ -95,10 +95,12 @@ class DamacyError(RuntimeError):
         self.args = (self._message(),)
         return self
 
-    def copy(self) -> DamacyError:
-        """A fresh instance (its own traceback and sample): for an error kept and raised again,
-        one per sample."""
-        err = from_wire({**to_wire(self), "sample": None})
+    def copy(self, *, keep_sample: bool = True) -> DamacyError:
+        """A fresh instance (its own traceback): for an error kept and raised again (a
+        stopped pipeline's, naming its sample as before), or without its sample
+        (``keep_sample=False``) for one error given to each of several samples."""
+        wire = to_wire(self)
+        err = from_wire(wire if keep_sample else {**wire, "sample": None})
         if type(err) is not type(self):
             err = _same_class(type(self), err)
         return err

@@ -118,6 +118,11 @@ class Sources:
             self._queue.clear()
             self._peeked = None
 
+    def turn(self) -> threading.RLock:
+        """The pull lock, for a caller that decides how much to pull and pulls it in one turn
+        (so two pullers cannot both take the same room)."""
+        return self._pull_lock
+
     def pull(
         self,
         n: int,

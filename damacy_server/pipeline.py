@@ -110,7 +110,7 @@ class Pipeline(PipelineAPI):
         self._sources = front.Sources(self._cond)
         self._progress = front.Progress()
         self._pushed = False
-        self._pulling = False  # the feeder is pulling from the input (outside the lock)
+        self._pulling = False  # a pull is under way, outside the lock (one at a time: Sources.turn)
         self._pulled = 0
         self._delivered_batches = 0
         self._delivered_samples = 0
@@ -187,6 +187,10 @@ class Pipeline(PipelineAPI):
         """Pull what the lookahead has room for (at most a batch) into the core, checking each
         sample. A refused one drops its iterable and is raised (``deferred``: kept for the
         next push or pop, the feeder's way)."""
+        with self._sources.turn():  # the room is counted and taken by one puller at a time
+            self._take_in_turn(deferred)
+
+    def _take_in_turn(self, deferred: bool) -> None:
         core = self._core
         with self._cond:
             if self._closed or not self._sources:

@@ -299,6 +299,19 @@ def test_dtype_members():
     assert [m.name for m in damacy.Dtype] == DTYPE_NAMES
 
 
+def test_dtype_formats_as_its_short_name_and_as_an_integer_with_an_integer_format():
+    assert f"{damacy.Dtype.U16}" == str(damacy.Dtype.U16) == "u16" and f"{damacy.Dtype.U16:>5}" == "  u16"
+    assert f"{damacy.Dtype.U16:d}" == "3" and f"{damacy.Dtype.I64:03d}" == "009"  # an IntEnum's value
+
+
+def test_native_constants_are_the_documented_defaults():
+    from damacy import _native
+
+    assert (_native.DEFAULT_IO_THREADS, _native.DEFAULT_METADATA_IO_CONCURRENCY, _native.MAX_IO_THREADS) == (64, 64, 1024)
+    assert _native.DEFAULT_IO_THREADS == damacy.Config(samples_per_batch=1, sample_shape=(1,)).n_io_threads
+    assert damacy.__version__ == _native.__version__
+
+
 def test_dtype_fixed_values_f32_0_bf16_1():
     assert damacy.Dtype.F32 == 0
     assert damacy.Dtype.BF16 == 1

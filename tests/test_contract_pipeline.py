@@ -480,10 +480,12 @@ def test_store_derived_error_raised_by_pop(tmp_path, scenario):
 def test_store_derived_error_is_terminal(tmp_path, scenario, arr):
     p, exc, _ = failing_pipeline(tmp_path, scenario)
     with p:
-        with pytest.raises(exc):
+        with pytest.raises(exc) as first:
             p.pop()
-        with pytest.raises(exc):
+        with pytest.raises(exc) as again:
             p.pop()  # the same status again, not the ShutdownError of draining what is pending
+        assert str(again.value) == str(first.value) and again.value is not first.value  # naming the same sample
+        assert again.value.sample == first.value.sample is not None
         with pytest.raises(damacy.ShutdownError):
             p.push(samples(arr, BOXES[:1]))
 

@@ -441,7 +441,7 @@ class Planner:
                 first = np.unique(rows[at, 0], return_index=True)
                 for s, r in zip(first[0].tolist(), at[first[1]].tolist()):
                     if s not in errors:
-                        errors[s] = locs.errors[int(inverse[r])].copy().with_context(sample=samples[s])
+                        errors[s] = locs.errors[int(inverse[r])].copy(keep_sample=False).with_context(sample=samples[s])
             located.append((acc, rows, units, inverse, locs, hits, hit))
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
