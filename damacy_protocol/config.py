@@ -331,8 +331,9 @@ class Config:
         return CpuLimits(
             max_memory_bytes=self.max_memory_bytes,
             decode_workers=self.decode_workers,
+            max_encoded_chunk_bytes=L.encoded_chunk_bytes_for(self.max_chunk_uncompressed_bytes),
             max_decoded_chunk_bytes=self.max_chunk_uncompressed_bytes,
-            chunks_per_input_buffer=max(256, self.decode_workers),
+            chunks_per_input_buffer=L.chunks_per_input_buffer_for(self.decode_workers),
             chunk_cache_bytes=self.chunk_cache_bytes,
             chunk_cache_dir=self.chunk_cache_dir,
             chunk_cache_dir_bytes=self.chunk_cache_dir_bytes,

@@ -44,6 +44,8 @@ INT63_MAX = (1 << 63) - 1
 
 # defaults shared by the value objects and the Config that composes them
 DEFAULT_CHUNK_BYTES = 2 << 20  # decoded bytes of one chunk
+DEFAULT_ENCODED_CHUNK_BYTES = 4 << 20  # stored bytes of one chunk (a CPU executor's cap)
+DEFAULT_CHUNKS_PER_INPUT_BUFFER = 256
 DEFAULT_READ_BYTES = 4 << 20  # one read of a GPU executor
 DEFAULT_MAX_INDEX_BYTES = 64 << 20
 DEFAULT_HOST_BUFFER_WAVES = 2
@@ -78,6 +80,20 @@ def host_threads() -> tuple[int, int]:
     API's."""
     cpus = os.cpu_count() or 1
     return cpus + 1, max(DEFAULT_IO_WORKERS, cpus)
+
+
+def encoded_chunk_bytes_for(decoded: int) -> int:
+    """The stored-size cap that goes with a decoded-size cap where only that one is given (a
+    Config's ``max_chunk_uncompressed_bytes``, damacyd's ``--max-chunk-bytes``): twice it,
+    at least the default (a chunk stored uncompressed, or barely compressed, with its
+    codec's framing)."""
+    return min(UINT32_MAX, max(DEFAULT_ENCODED_CHUNK_BYTES, 2 * decoded))
+
+
+def chunks_per_input_buffer_for(decode_workers: int) -> int:
+    """``chunks_per_input_buffer`` where only ``decode_workers`` is given: the default, at
+    least one chunk per decode worker (the check :class:`CpuLimits` makes)."""
+    return max(DEFAULT_CHUNKS_PER_INPUT_BUFFER, decode_workers)
 
 
 def positive_int(value: Any, name: str, maximum: int = UINT32_MAX) -> int:
@@ -232,9 +248,9 @@ class CpuLimits:
 
     max_memory_bytes: int
     decode_workers: int = DEFAULT_DECODE_WORKERS
-    max_encoded_chunk_bytes: int = 4 << 20
+    max_encoded_chunk_bytes: int = DEFAULT_ENCODED_CHUNK_BYTES
     max_decoded_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    chunks_per_input_buffer: int = 256
+    chunks_per_input_buffer: int = DEFAULT_CHUNKS_PER_INPUT_BUFFER
     chunk_cache_bytes: int = 0
     native: bool = True
     max_inflight_requests: int = 1024

@@ -16,7 +16,7 @@ import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument
-from damacy_protocol.limits import UINT32_MAX, CpuLimits, PlanLimits, host_threads
+from damacy_protocol.limits import UINT32_MAX, CpuLimits, PlanLimits, chunks_per_input_buffer_for, host_threads
 from damacy_protocol.selection import READ, normalize
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.plan.planner import Planner, Selected
@@ -62,7 +62,7 @@ def _resolver(metadata: ZarrMetadata | Resolver | None) -> Resolver:
 
 def _read_limits() -> CpuLimits:
     workers, _ = host_threads()
-    return CpuLimits(max_memory_bytes=2 << 30, decode_workers=workers, chunks_per_input_buffer=max(256, workers))
+    return CpuLimits(max_memory_bytes=2 << 30, decode_workers=workers, chunks_per_input_buffer=chunks_per_input_buffer_for(workers))
 
 
 def _default_executor() -> CpuExecutor:

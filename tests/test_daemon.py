@@ -976,6 +976,8 @@ def test_the_daemons_defaults_are_the_value_objects_but_where_options_says():
     big = build_options(main.make_context("damacyd", ["--endpoint", "ipc:///x.sock", "--max-chunk-bytes", "8M", "--decode-workers", "300"]).params)
     assert big.plan_limits.max_chunk_bytes == big.cpu_limits.max_decoded_chunk_bytes == big.cuda_limits.max_chunk_bytes == 8 << 20
     assert big.cpu_limits.chunks_per_input_buffer == 300  # at least one chunk per decode worker
+    assert big.cpu_limits.max_encoded_chunk_bytes == 16 << 20  # stored chunks of that size read too
+    assert o.cpu_limits.max_encoded_chunk_bytes == 4 << 20
 
 
 def test_every_flag_reaches_the_daemons_planner_readers_and_executors(tmp_path, monkeypatch):

@@ -124,3 +124,24 @@ def test_a_gpu_executors_max_read_bytes_splits_merged_reads(tmp_path):
     got, stats = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
     assert np.array_equal(got[0][0], data)
     assert stats.reads_issued == 4  # 8 chunks of 512 bytes, reads of at most 1024
+
+
+@pytest.mark.parametrize("cap, reads", [(2 << 20, False), (16 << 20, True)])
+def test_a_configs_chunk_cap_admits_chunks_stored_as_large(tmp_path, cap, reads):
+    """``Config.max_chunk_uncompressed_bytes`` is the one chunk cap a Config has: chunks that
+    decode to that much, stored uncompressed (as many bytes), are read under it; above it
+    their samples fail naming the cap."""
+    data = np.arange(16 * 512 * 512, dtype=np.uint16).reshape(16, 512, 512)  # one 8 MiB chunk
+    zarr.create_array(str(tmp_path / "v.zarr"), shape=data.shape, dtype="uint16", chunks=data.shape, compressors=None)[...] = data
+    cfg = damacy.Config(
+        samples_per_batch=1, sample_shape=(2, 16, 16), dtype="u16", max_chunk_uncompressed_bytes=cap, max_memory_bytes=256 << 20
+    )
+    assert cfg.cpu_limits.max_encoded_chunk_bytes == max(4 << 20, 2 * cap)
+    with damacy.Pipeline(cfg, embedded=True) as p:
+        p.push([damacy.Sample(str(tmp_path / "v.zarr"), [(1, 3), (100, 116), (7, 23)])])
+        if reads:
+            with p.pop() as batch:
+                assert np.array_equal(np.from_dlpack(batch)[0], data[1:3, 100:116, 7:23])
+        else:
+            with pytest.raises(damacy.BudgetExceeded, match="max_decoded_chunk_bytes|max_chunk"):
+                p.pop()

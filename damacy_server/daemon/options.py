@@ -20,11 +20,13 @@ one reason: one damacyd serves every rank of a node, so it holds more than one p
   where the value objects' 8 and 8 are one pipeline's share: the daemon is the node's one
   reader.
 
-Two defaults follow other settings, as :class:`damacy.Config` composes them:
+Some defaults follow other settings, as :class:`damacy.Config` composes them:
 ``CpuLimits.max_decoded_chunk_bytes`` and ``CudaLimits.max_chunk_bytes`` are
 ``PlanLimits.max_chunk_bytes`` unless given (one flag, ``--max-chunk-bytes``, raises the
-decoded chunk size everywhere), and ``CpuLimits.chunks_per_input_buffer`` is at least
-``decode_workers`` unless given (see :func:`compose`).
+decoded chunk size everywhere) and ``CpuLimits.max_encoded_chunk_bytes`` twice that, at
+least 4 MiB (:func:`~damacy_protocol.limits.encoded_chunk_bytes_for`), and
+``CpuLimits.chunks_per_input_buffer`` is at least ``decode_workers`` unless given (see
+:func:`compose`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from damacy_protocol.limits import (
     CudaLimits,
     MetadataCache,
     PlanLimits,
+    chunks_per_input_buffer_for,
+    encoded_chunk_bytes_for,
     host_threads,
 )
 from damacy_server.store.file import FileMetadataReader, FileReader
@@ -142,10 +146,10 @@ def compose(given: dict[tuple[str, str], Any] | None = None) -> dict[str, Any]:
     cpu = {"max_memory_bytes": DAEMON_MAX_MEMORY_BYTES, "decode_workers": decode, **by_part["cpu_limits"]}
     by_part["reader"].setdefault("workers", io)
     cpu.setdefault("max_decoded_chunk_bytes", plan.max_chunk_bytes)
-    if "chunks_per_input_buffer" not in cpu and "decode_workers" in cpu:
-        default = CpuLimits.__dataclass_fields__["chunks_per_input_buffer"].default
-        if isinstance(cpu["decode_workers"], int):
-            cpu["chunks_per_input_buffer"] = max(default, cpu["decode_workers"])
+    if isinstance(plan.max_chunk_bytes, int):
+        cpu.setdefault("max_encoded_chunk_bytes", encoded_chunk_bytes_for(plan.max_chunk_bytes))
+    if "chunks_per_input_buffer" not in cpu and isinstance(cpu["decode_workers"], int):
+        cpu["chunks_per_input_buffer"] = chunks_per_input_buffer_for(cpu["decode_workers"])
     cuda = {"max_gpu_memory_bytes": DEFAULT_GPU_MEMORY_BYTES, **by_part["cuda_limits"]}
     cuda.setdefault("max_chunk_bytes", plan.max_chunk_bytes)
     return {
