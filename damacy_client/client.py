@@ -44,11 +44,25 @@ from damacy_protocol.wire import error_from_wire, fit_pushes, sample_to_wire
 from damacy_runtime import front, pinning
 from damacy_runtime.api import CLOSED, PipelineAPI, check_pop_timeout
 from damacy_runtime.batch import Batch, Slot
-from damacy_runtime.devices import device_uuid
+from damacy_runtime.devices import check_gds, device_uuid
+from damacy_runtime.warn import warn_once
 
 log = logging.getLogger("damacy")
 
 PUSH_CHUNK = 256  # samples per push message at most
+
+
+
+def _say_daemon_owned(config: Config) -> None:
+    """Warn (once per set of fields in a process) that a Config's component limits are not
+    this session's: damacyd's components serve it with the daemon's own."""
+    owned = tuple(config.daemon_owned())
+    if owned:
+        warn_once(
+            ("daemon-owned", owned),
+            f"damacy.Pipeline served by damacyd: Config's {', '.join(owned)} are damacyd's to set (its flags, "
+            "for every session), and this session runs with the daemon's; pass embedded=True to use them here",
+        )
 
 
 class RemotePipeline(PipelineAPI):
@@ -71,8 +85,11 @@ class RemotePipeline(PipelineAPI):
         try:
             config.check_cache_floors()
             self._index_queries = _index_queries(config)
+            if config.on_gpu:
+                check_gds(config.enable_gds)
         except DamacyError as e:
             raise stage(e, "create") from None
+        _say_daemon_owned(config)
         self._reference: Stats | None = None  # the figures at the last stats_reset (subtracted)
         if rank is None and os.environ.get("RANK", "").isdigit():
             rank = int(os.environ["RANK"])

@@ -51,6 +51,17 @@ def _at_least_one(value: Any, name: str) -> int:
     return operator.index(value)
 
 
+#: the Config fields that describe the engine's components, which damacyd owns: a session
+#: through damacyd uses the daemon's (its flags), not its Config's (see Config.daemon_owned)
+DAEMON_OWNED = (
+    "max_chunk_uncompressed_bytes", "max_read_op_bytes", "max_gpu_memory_bytes", "host_buffer_waves",
+    "max_chunks_per_wave", "max_substreams_per_chunk", "n_io_threads", "metadata_io_concurrency",
+    "n_array_meta_cache", "n_shard_index_cache", "n_chunk_layout_cache", "max_shards_per_sample", "numa_strategy",
+    "numa_node", "metadata_latency", "max_memory_bytes", "decode_workers", "shard_index_cache_bytes",
+    "chunk_cache_bytes", "chunk_cache_dir", "chunk_cache_dir_bytes", "switch_interval_s",
+)
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class Config:
     """Everything a pipeline needs, in one frozen value; build variants with
@@ -351,6 +362,13 @@ class Config:
             max_chunks_per_wave=self.max_chunks_per_wave,
             max_substreams_per_chunk=self.max_substreams_per_chunk,
         )
+
+    def daemon_owned(self) -> list[str]:
+        """The fields given other than their defaults that a daemon session does not take
+        from its Config: damacyd's components (readers, caches, executors) serve every
+        session with the limits damacyd was started with (its flags)."""
+        default = Config(samples_per_batch=self.samples_per_batch, sample_shape=self.sample_shape, dtype=self.dtype)
+        return [name for name in DAEMON_OWNED if getattr(self, name) != getattr(default, name)]
 
     def check_cache_floors(self) -> None:
         """The seed Config's cache floors: every cache holds at least the samples in flight

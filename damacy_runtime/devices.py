@@ -148,3 +148,16 @@ def current_device() -> int | None:
     if lib.cuCtxGetDevice(ctypes.byref(dev)) != 0:
         return None
     return dev.value
+
+
+GDS_ENV = "DAMACY_GDS_ENABLE"
+
+
+def check_gds(enable_gds: bool | None) -> None:
+    """GPUDirect Storage was asked for (``True``, or ``None`` with DAMACY_GDS_ENABLE=1):
+    damacy reads through host memory only, so that is refused (InvalidArgument)."""
+    if enable_gds is True or (enable_gds is None and os.environ.get(GDS_ENV) == "1"):
+        raise InvalidArgument(
+            "GPUDirect Storage (enable_gds) is not available: damacy reads chunks through host memory; "
+            f"pass enable_gds=False (or unset {GDS_ENV})"
+        )

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,6 +29,7 @@ from damacy_runtime import front
 from damacy_runtime.api import CLOSED, PipelineAPI, check_pop_timeout
 from damacy_runtime.batch import Batch
 from damacy_runtime.core import FrontCore
+from damacy_runtime.warn import warn_once
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.engine.batches import BatchEngine, Delivery
 from damacy_server.engine.figures import Figures
@@ -558,10 +558,6 @@ def _components(config: Config) -> tuple[ChunkPlanner, Any]:
     return planner, executor
 
 
-_warned: set[tuple[str, int, int]] = set()
-_warned_lock = threading.Lock()
-
-
 def _warn_binding(configured: int | None, bound: int) -> None:
     """With no device configured, a GPU pipeline bound to the current context's device
     warns (once per case) when that is not LOCAL_RANK's, or when the host has several GPUs."""
@@ -571,7 +567,7 @@ def _warn_binding(configured: int | None, bound: int) -> None:
         return
     raw = os.environ.get("LOCAL_RANK")
     if raw is not None and raw.isdigit() and int(raw) != bound:
-        _warn_once(
+        warn_once(
             ("rank", int(raw), bound),
             f"damacy.Pipeline bound to CUDA device {bound} but LOCAL_RANK={raw}: call torch.cuda.set_device({raw}) "
             f"before making the pipeline, or pass Config(device={raw})",
@@ -579,31 +575,10 @@ def _warn_binding(configured: int | None, bound: int) -> None:
         return
     count = cuda_devices()[0]
     if count > 1:
-        _warn_once(
+        warn_once(
             ("count", count, bound),
             f"damacy.Pipeline bound to CUDA device {bound} of {count} because its context was current: "
             "pass Config(device=...) to say which",
         )
 
 
-def _warn_once(key: tuple[str, int, int], message: str) -> None:
-    import warnings
-
-    with _warned_lock:
-        first = key not in _warned
-        _warned.add(key)
-    if first:
-        warnings.warn(message, stacklevel=_outside_damacy())
-
-
-_OWN = ("damacy", "damacy_server", "damacy_runtime", "damacy_client", "damacy_protocol")
-
-
-def _outside_damacy() -> int:
-    """The ``stacklevel`` of a warning issued by this module's caller: the first frame not
-    in damacy's packages (the line that made the pipeline, however damacy got there)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _OWN:
-        frame, level = frame.f_back, level + 1
-    return level

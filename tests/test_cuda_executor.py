@@ -507,10 +507,9 @@ def test_a_pipeline_bound_to_the_current_context_warns_once_when_local_rank_name
     naming its device never warns."""
     import warnings
 
-    from damacy_runtime import devices
-    from damacy_server import pipeline as embedded
+    from damacy_runtime import devices, warn
 
-    monkeypatch.setattr(embedded, "_warned", set())
+    monkeypatch.setattr(warn, "_said", set())
     monkeypatch.setenv(devices.STANDIN_ENV, "1")
     cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4), max_gpu_memory_bytes=1 << 26)
 

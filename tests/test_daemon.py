@@ -1161,3 +1161,28 @@ def test_a_session_config_arrives_as_a_dict_and_is_checked_there(daemon):
             assert isinstance(reply, m.Failed) and reply.error.kind == "InvalidArgument" and words in reply.error.reason, reply
     finally:
         sock.close(0)
+
+
+def test_a_daemon_session_says_once_which_of_its_configs_limits_are_the_daemons(daemon, monkeypatch):
+    """A session through damacyd uses the daemon's components: the Config fields that set them
+    (given other than their defaults) are named in one warning at the caller's line; the
+    batch, queue and policy fields are the session's own and say nothing; GPUDirect Storage
+    is refused as an embedded GPU pipeline refuses it."""
+    import warnings
+
+    from damacy_runtime import warn
+
+    monkeypatch.setattr(warn, "_said", set())
+    cfg = damacy.Config(samples_per_batch=1, sample_shape=(4, 4), decode_workers=3, chunk_cache_bytes=1 << 20)
+    assert cfg.daemon_owned() == ["decode_workers", "chunk_cache_bytes"]
+    with pytest.warns(UserWarning, match="Config's decode_workers, chunk_cache_bytes are damacyd's to set") as got:
+        damacy.Pipeline(cfg, endpoint=daemon.endpoint).close()
+    assert [w.filename for w in got] == [__file__]
+    own = damacy.Config(samples_per_batch=2, sample_shape=(4, 4), prepared_batches=3, on_error="skip", drop_last=False)
+    assert own.daemon_owned() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        damacy.Pipeline(cfg, endpoint=daemon.endpoint).close()  # said once
+        damacy.Pipeline(own, endpoint=daemon.endpoint).close()
+    with pytest.raises(damacy.InvalidArgument, match="GPUDirect Storage"):
+        damacy.Pipeline(damacy.Config(samples_per_batch=1, sample_shape=(4, 4), device=0, enable_gds=True), endpoint=daemon.endpoint)

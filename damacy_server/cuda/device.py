@@ -446,9 +446,6 @@ class CupyDevice(Device):
 
 # -- binding a GPU pipeline to a device -----------------------------------------------------------
 
-GDS_ENV = "DAMACY_GDS_ENABLE"
-
-
 def bind_device(device: int | None, what: str = "CudaExecutor") -> int:
     """The CUDA device a GPU pipeline uses: ``device`` itself (which must exist here), or with
     ``None`` that of the CUDA context current in the calling thread (InvalidArgument when
@@ -474,16 +471,6 @@ def bind_device(device: int | None, what: str = "CudaExecutor") -> int:
             f"make them agree (torch.cuda.set_device({device}))"
         )
     return device
-
-
-def check_gds(enable_gds: bool | None) -> None:
-    """GPUDirect Storage was asked for (``True``, or ``None`` with DAMACY_GDS_ENABLE=1):
-    damacy reads through host memory only, so that is refused (InvalidArgument)."""
-    if enable_gds is True or (enable_gds is None and os.environ.get(GDS_ENV) == "1"):
-        raise InvalidArgument(
-            "GPUDirect Storage (enable_gds) is not available: damacy reads chunks through host memory; "
-            f"pass enable_gds=False (or unset {GDS_ENV})"
-        )
 
 
 def open_backend(index: int) -> Device:

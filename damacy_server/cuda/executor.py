@@ -36,10 +36,11 @@ from damacy_protocol.enums import NumaStrategy
 from damacy_protocol.errors import BudgetExceeded, DamacyError, DecodeError
 from damacy_protocol.limits import CudaLimits
 from damacy_runtime.device import DeviceArray
+from damacy_runtime.devices import check_gds
 from damacy_server.cache import LRUCache
 from damacy_server.cpu.run import samples_of
 from damacy_server.cuda import nvcomp
-from damacy_server.cuda.device import Device, DeviceBuffer, bind_device, check_gds, numa_cpus, open_backend
+from damacy_server.cuda.device import Device, DeviceBuffer, bind_device, numa_cpus, open_backend
 from damacy_server.cuda.tables import check_disjoint
 from damacy_server.cuda.twin import CODES, SHUFFLE_MODES, norm_table
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
