@@ -268,13 +268,13 @@ class Batch:
         written again only after it, and this returns at once. A CPU batch takes no event
         (InvalidArgument). (Each tensor exported from a GPU batch also fences the slot on
         its stream when it is deleted.)"""
-        handle = cuda_event_handle(event)
-        if handle is not None:
+        found = cuda_event(event)
+        if found is not None:
             if self._device is None:  # (a GPU pipeline's batch, the host stand-in's too, takes one)
                 raise InvalidArgument("a CPU batch is released without an event (event=None)")
             array = self._array
             if isinstance(array, DeviceArray) and array.sync is not None:
-                array.sync.add_fence(ExternalEvent(handle))
+                array.sync.add_fence(ExternalEvent(*found))  # (it keeps the event object alive until waited on)
         lock = getattr(self, "_lock", None)
         if lock is None:  # a half-built batch
             return
@@ -338,26 +338,28 @@ def _fenced_release(slot: Slot, device: Any, sync: Any, stream: int | None) -> C
     return let_go
 
 
-def cuda_event_handle(event: Any) -> int | None:
-    """The raw CUevent handle of what ``Batch.release(event=...)`` was given: None; an int;
-    a stream (an object with ``record_event()``, as torch's, or a callable ``record()``, as
-    cupy's), on which an event is recorded now; a ``torch.cuda.Event`` (``cuda_event``) or a
-    ``cupy.cuda.Event`` (an int ``ptr``). TypeError for anything else."""
+def cuda_event(event: Any) -> tuple[int, Any] | None:
+    """The raw CUevent handle of what ``Batch.release(event=...)`` was given, and the object
+    that owns it (destroying that object destroys the event: it is kept until the event is
+    waited on): None; an int (owned by the caller); a stream (an object with
+    ``record_event()``, as torch's, or a callable ``record()``, as cupy's), on which an event
+    is recorded now; a ``torch.cuda.Event`` (``cuda_event``) or a ``cupy.cuda.Event`` (an int
+    ``ptr``). TypeError for anything else."""
     if event is None:
         return None
     if isinstance(event, int) and not isinstance(event, bool):
-        return event
+        return event, None
     if hasattr(event, "record_event"):  # a torch stream
-        return cuda_event_handle(event.record_event())
+        return cuda_event(event.record_event())
     record = getattr(event, "record", None)
     if callable(record) and hasattr(event, "wait_event"):  # a cupy stream: record() gives its event
-        return cuda_event_handle(record())
+        return cuda_event(record())
     handle = getattr(event, "cuda_event", None)
     if handle is not None:
-        return int(handle)
+        return int(handle), event
     ptr = getattr(event, "ptr", None)
     if isinstance(ptr, int):
-        return ptr
+        return ptr, event
     raise TypeError(
         f"event must be a CUevent handle (int), a torch.cuda or cupy.cuda Event or Stream; got {type(event).__name__}"
     )

@@ -82,12 +82,14 @@ class SlotSync:
 
 class ExternalEvent:
     """A CUDA event the caller made (``Batch.release(event=...)``): its raw handle, as
-    ``ptr`` (what a device's ``wait_event`` reads)."""
+    ``ptr`` (what a device's ``wait_event`` reads), and the object that owns it (a torch or
+    cupy event, None for a raw handle), held so the event outlives the wait on it."""
 
-    __slots__ = ("ptr",)
+    __slots__ = ("ptr", "owner")
 
-    def __init__(self, handle: int) -> None:
+    def __init__(self, handle: int, owner: Any = None) -> None:
         self.ptr = int(handle)
+        self.owner = owner
 
 
 class DeviceArray:

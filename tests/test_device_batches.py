@@ -251,6 +251,10 @@ def test_a_release_with_an_event_makes_the_slots_next_write_wait_for_it(volume, 
         after = gpu.log[n:]
         waits = _waits_on_external(gpu.log, n)
         assert [after[i][1].ptr for i in waits] == [HANDLE]  # that event, waited for on the executor's stream
+        owner = after[waits[0]][1].owner  # the event object, alive until the wait (its handle dies with it)
+        assert owner is None if form == "int" else isinstance(owner, (TorchEvent, CupyEvent))
+        if form.endswith("event"):
+            assert owner is event
         first_write = min(i for i, x in enumerate(after) if x[0] == "launch" and x[1] in ("assemble", "fill"))
         assert waits[0] < first_write  # before the slot was written again
         np.testing.assert_array_equal(second.copy(), np.stack([data[8:12, 8:12], data[12:16, 12:16]]).astype(np.float32))
