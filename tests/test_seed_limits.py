@@ -62,10 +62,12 @@ def _cuda(limits: CudaLimits):
 def test_max_chunks_per_wave_is_the_most_chunks_one_decode_call_takes(tmp_path, per_wave, calls):
     uri, data = _volume(tmp_path / "v.zarr", compressors=[ZstdCodec(level=1)])
     executor, device = _cuda(CudaLimits(1 << 30, max_chunks_per_wave=per_wave))
-    got, _ = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
+    got, stats = _run(executor, uri, [[(0, 8), (0, 16), (0, 16)]])
     assert np.array_equal(got[0][0], data)
     zstd = [n for codec, n in device.decodes if codec == "zstd"]
     assert len(zstd) == calls and max(zstd) <= per_wave
+    # the frames went to the device in one staging upload per call (Stats.input_transfer)
+    assert stats.input_transfer.count == calls and stats.input_transfer.input_bytes >= stats.decode.input_bytes > 0
 
 
 def test_a_blosc_chunk_of_more_streams_than_max_substreams_per_chunk_is_decoded_on_the_host(tmp_path):

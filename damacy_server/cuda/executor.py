@@ -311,6 +311,8 @@ class CudaExecutor(BudgetedExecutor):
         t0 = time.perf_counter()
         base = lambda u: arena.ptr + (u.scratch if u.scratch >= 0 else u.offset)  # noqa: E731
         copies = [(u, data, at) for u in units for data, at in u.copies]
+        uploads = [0.0, 0, 0]  # seconds, calls, bytes of the host-to-device copies (Stats.input_transfer)
+        t_up = time.perf_counter()
         if copies:  # staged in one page-locked buffer, so the uploads are asynchronous
             pieces = [
                 np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
@@ -323,17 +325,23 @@ class CudaExecutor(BudgetedExecutor):
                 staged[at_stage : at_stage + len(piece)] = piece
                 dev.upload(staged[at_stage : at_stage + len(piece)], base(u) + at)
                 at_stage += _aligned(len(piece))
+            uploads[1:] = [len(pieces), sum(len(p) for p in pieces)]
+        uploads[0] = time.perf_counter() - t_up
         pos = max((u.scratch if u.scratch >= 0 else u.offset) + _aligned(u.job.decoded_nbytes) for u in units) if units else 0
         for codec in CODECS:  # batched calls per codec (waves), each in its own region of the arena
             for frames in self._waves(units, codec):
-                pos = self._batched(codec, frames, arena, pos, base, errors, plan, keep)
+                pos = self._batched(codec, frames, arena, pos, base, errors, plan, keep, uploads)
         self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena, keep)
         self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
+        if uploads[1]:
+            self.stats.add("upload", uploads[0], count=uploads[1], bytes_in=uploads[2])
 
-    def _batched(self, codec: str, frames: list, arena: DeviceBuffer, pos: int, base, errors, plan, keep: list) -> int:
+    def _batched(self, codec: str, frames: list, arena: DeviceBuffer, pos: int, base, errors, plan, keep: list, uploads: list) -> int:
         """Frames of one codec staged at ``pos`` in the arena and decoded by one nvCOMP call;
-        their statuses read back. Returns where the next region starts."""
+        their statuses read back (the staging and upload counted in ``uploads``). Returns
+        where the next region starts."""
         dev = self.gpu
+        t_up = time.perf_counter()
         staging = dev.host_buffer(sum(_aligned(len(f)) for _, f, _, _ in frames))
         comp_ptrs, comp_bytes, out_ptrs, out_bytes = [], [], [], []
         at_stage = 0
@@ -346,6 +354,9 @@ class CudaExecutor(BudgetedExecutor):
             out_bytes.append(size)
             at_stage += _aligned(n)
         dev.upload(staging, arena.ptr + pos)
+        uploads[0] += time.perf_counter() - t_up
+        uploads[1] += 1
+        uploads[2] += at_stage
         n = len(frames)
         step = _aligned(8 * n)
         addr = [arena.ptr + pos + at_stage + k * step for k in range(6)]
