@@ -258,34 +258,36 @@ class Pipeline(PipelineAPI):
     def _pop(self, timeout: float | None, end_at_tail: bool = False) -> Batch | None:
         deadline = front.deadline(timeout)
         started = front.now()
-        with self._cond:
-            while True:
-                if self._failure is not None:
-                    raise DamacyError(f"the pipeline stopped: {self._failure!r}") from self._failure
-                if self._closed:
-                    raise ShutdownError(CLOSED, what="closed")
-                if self._deferred is not None:
-                    self._raise_deferred("pop")
-                delivery = self.engine.next_delivery()
-                if delivery is not None:
-                    self._core.delivered(len(delivery.samples))
-                    self._cond.notify_all()
-                    break
-                if not self._pushed:
-                    raise PipelineDrained("nothing was pushed: pop() has no batch to wait for")
-                if self._drained():
-                    drained = PipelineDrained(self._drained_why())
-                    drained.skipped = tuple(self.engine.take_skipped())
-                    raise drained
-                if end_at_tail and self._only_tail():
-                    return None
-                if self._all_slots_held():  # nothing can come until the caller lets a batch go
-                    raise front.slots_held(self.engine.slot_count)
-                left = front.time_left(deadline)
-                if left is not None and left <= 0:
-                    raise self._waiting_for(timeout)
-                self._cond.wait(0.5 if left is None else min(left, 0.5))
-        self._figures_of.waited(front.now() - started)
+        try:
+            with self._cond:
+                while True:
+                    if self._failure is not None:
+                        raise DamacyError(f"the pipeline stopped: {self._failure!r}") from self._failure
+                    if self._closed:
+                        raise ShutdownError(CLOSED, what="closed")
+                    if self._deferred is not None:
+                        self._raise_deferred("pop")
+                    delivery = self.engine.next_delivery()
+                    if delivery is not None:
+                        self._core.delivered(len(delivery.samples))
+                        self._cond.notify_all()
+                        break
+                    if not self._pushed:
+                        raise PipelineDrained("nothing was pushed: pop() has no batch to wait for")
+                    if self._drained():
+                        drained = PipelineDrained(self._drained_why())
+                        drained.skipped = tuple(self.engine.take_skipped())
+                        raise drained
+                    if end_at_tail and self._only_tail():
+                        return None
+                    if self._all_slots_held():  # nothing can come until the caller lets a batch go
+                        raise front.slots_held(self.engine.slot_count)
+                    left = front.time_left(deadline)
+                    if left is not None and left <= 0:
+                        raise self._waiting_for(timeout)
+                    self._cond.wait(0.5 if left is None else min(left, 0.5))
+        finally:  # a pop that raised (timed out, drained) waited too
+            self._figures_of.waited(front.now() - started)
         if delivery.error is not None:
             self._handed(None, len(getattr(delivery.error, "batch_samples", ()) or ()))
             raise self._batch_failed(delivery.error)

@@ -585,6 +585,21 @@ def test_a_pipeline_whose_only_push_was_refused_is_drained_at_once(store, make):
             p.pop()
 
 
+def test_pop_wait_counts_every_pop_those_that_raised_too(store, make):
+    """``Stats.pop_wait`` is the time callers waited in ``pop``: a pop that timed out waited
+    as long as its timeout and counts, in every mode."""
+    uri, _ = store[1]["u16"]
+    with make(config(n=2)) as p:
+        p.push([_box(uri, 0)])  # half a batch: nothing to deliver yet
+        with pytest.raises(damacy.PoolStarved):
+            p.pop(timeout=0.2)
+        p.push([_box(uri, 1)])
+        with p.pop():
+            pass
+        waited = p.stats().pop_wait
+    assert waited.count == 2 and waited.ms >= 200  # the timed-out pop's 0.2 s included
+
+
 def test_a_batch_ends_where_the_input_raised_before_a_later_push(store, make):
     """The samples before the error make a short batch; the next push's samples start a new
     one, in every mode (a daemon client raises the error itself: its push says where)."""
