@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import weakref
@@ -137,6 +138,7 @@ class RemotePipeline(PipelineAPI):
         self._batch_shape = (config.samples_per_batch, *config.sample_shape)
         self._pop_seconds = 0.0  # time callers waited in pop, and how many pops
         self._pops = 0
+        self._pop_best = math.inf  # the shortest wait
 
     # -- input --------------------------------------------------------------------
     def _push(self, samples: Iterable[Any]) -> None:
@@ -279,8 +281,10 @@ class RemotePipeline(PipelineAPI):
         try:
             return self._pop_batch(deadline, timeout, end_at_tail)
         finally:
-            self._pop_seconds += front.now() - started
+            waited = front.now() - started
+            self._pop_seconds += waited
             self._pops += 1
+            self._pop_best = min(self._pop_best, waited)
 
     def _pop_batch(self, deadline: float | None, timeout: float | None, end_at_tail: bool) -> Batch | None:
         with self._cond:
@@ -488,11 +492,11 @@ class RemotePipeline(PipelineAPI):
         if self._conn.dead is not None:
             raise self._conn.dead
         reply = self._conn.call(lambda i: m.Stats(id=i), 10.0, "stats")
-        figures = session_stats(reply.stats, self._pop_seconds, self._pops)
+        figures = session_stats(reply.stats, self._pop_seconds, self._pops, self._pop_best)
         return figures if self._reference is None else since(figures, self._reference)
 
     def _reset_figures(self) -> None:
-        self._pop_seconds, self._pops = 0.0, 0
+        self._pop_seconds, self._pops, self._pop_best = 0.0, 0, math.inf
         self._reference = None
         self._reference = self._figures()
 

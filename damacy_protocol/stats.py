@@ -7,6 +7,7 @@ callers as plain dicts (``msgspec.to_builtins``), so ``damacy stats --json`` and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -228,13 +229,15 @@ class Stats:
 _DAEMON_STAGES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}
 
 
-def session_stats(daemon: DaemonStats, pop_seconds: float, pops: int) -> Stats:
+def session_stats(daemon: DaemonStats, pop_seconds: float, pops: int, pop_best_s: float = math.inf) -> Stats:
     """A daemon client's :class:`Stats`: the daemon's stages, caches and memory (which all
-    its sessions share), this session's batches, and the client's own waits in ``pop``."""
+    its sessions share), this session's batches, and the client's own waits in ``pop``
+    (``pop_best_s``: the shortest)."""
     metrics: dict = {}
     for name in STAGE_METRICS:
         if name == "pop_wait":
-            metrics[name] = Metric(name, pop_seconds * 1e3, NO_OBSERVATION_MS if not pops else pop_seconds * 1e3 / pops, 0.0, 0.0, pops)
+            best = NO_OBSERVATION_MS if not pops else pop_best_s * 1e3
+            metrics[name] = Metric(name, pop_seconds * 1e3, best, 0.0, 0.0, pops)
             continue
         fig = daemon.stages.get(_DAEMON_STAGES.get(name, ""))
         if fig is None:
