@@ -147,3 +147,26 @@ def test_a_configs_chunk_cap_admits_chunks_stored_as_large(tmp_path, cap, reads)
         else:
             with pytest.raises(damacy.BudgetExceeded, match="max_decoded_chunk_bytes|max_chunk"):
                 p.pop()
+
+
+@pytest.mark.parametrize(
+    "limits, error, match",
+    [
+        (damacy.PlanLimits(max_chunks=2), damacy.BudgetExceeded, "uses 8 chunks .*PlanLimits.max_chunks=2"),
+        (damacy.PlanLimits(max_shards_per_sample=1), damacy.InvalidArgument, "touches 8 shards, more than PlanLimits.max_shards_per_sample=1"),
+    ],
+)
+def test_a_sample_over_a_plan_limit_fails_before_anything_is_read(tmp_path, limits, error, match):
+    """The plan's limits are checked before the units are located: a refused sample reads no
+    shard index and no chunk (a sample touching many shards would otherwise read all their
+    indexes before failing)."""
+    uri, _ = _volume(tmp_path / "v.zarr", compressors=[ZstdCodec(level=1)], shards=(4, 8, 8))  # 8 shards
+    planner = damacy.ChunkPlanner(metadata=_planner().metadata, limits=limits)
+    executor = damacy.CpuExecutor(reader=damacy.FileReader(workers=2), limits=damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2))
+    output = damacy.BatchSpec(1, (8, 16, 16), "u16")
+    with damacy.Pipeline(planner=planner, executor=executor, output=output, queues=damacy.QueueLimits(1), on_error="raise") as p:
+        p.push([damacy.Sample(uri, [(0, 8), (0, 16), (0, 16)])])
+        with pytest.raises(error, match=match):
+            p.pop()
+        stats = p.stats()
+    assert (stats.shard_index_misses, stats.reads_issued, stats.chunks_dispatched) == (0, 0, 0)

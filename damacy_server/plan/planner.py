@@ -306,7 +306,7 @@ class Planner:
         using it) and its plan's tables take at most ``PlanLimits.max_plan_bytes``: else every
         sample of it fails (BudgetExceeded)."""
         limits = self.limits
-        table_bytes = sum(rows.nbytes + units.nbytes + inverse.nbytes for _, rows, units, inverse, *_ in located)
+        table_bytes = sum(rows.nbytes + units.nbytes + inverse.nbytes for _, rows, units, inverse in located)
         if uses > limits.max_chunks:
             why = f"the batch uses {uses} chunks (counted once per sample), more than PlanLimits.max_chunks={limits.max_chunks}"
         elif table_bytes > limits.max_plan_bytes:
@@ -318,8 +318,9 @@ class Planner:
                 errors[s] = BudgetExceeded(why).with_context(uri=getattr(sample, "uri", None), sample=sample)
 
     def _locate(self, meta: ArrayMetadata, units: np.ndarray, hit: np.ndarray | None) -> UnitLocations:
-        """Where ``units`` are; those found in the chunk cache (``hit``) are not looked up
-        (their places are left empty: they are copied from the cache, not read)."""
+        """Where ``units`` are; those marked in ``hit`` (found in the chunk cache, or needed by
+        no sample still standing) are not looked up (their places are left empty: they are
+        copied from the cache, or not read)."""
         if hit is None:
             return self.metadata.locate(meta, units)
         n = len(units)
@@ -419,9 +420,10 @@ class Planner:
                 known = isinstance(sample, (Sample, IndexQuery, Selected, BadSample))
                 errors[i] = e.with_context(uri=sample.uri, sample=sample) if known else e.with_context(sample=PUSHED_ITEM)
 
-        # where the units are; units that cannot be located fail their samples
-        located = []
-        total = unique = uses = 0
+        # the batch's chunk uses and shards per sample, checked before any unit is located
+        # (a sample or batch over its limits reads no shard index and no chunk)
+        tables = []
+        uses = 0
         for acc in by_array.values():
             if not acc:  # only boxes wholly outside the array
                 continue
@@ -429,8 +431,22 @@ class Planner:
             if self.batch_limits:
                 uses += _uses(rows, inverse, len(units))
                 self._check_shards(acc.meta, rows, samples, errors)
+            tables.append((acc, rows, units, inverse))
+        if self.batch_limits:
+            self._check_batch(uses, tables, samples, errors)
+
+        # where the units are; units that cannot be located fail their samples
+        located = []
+        total = unique = 0
+        for acc, rows, units, inverse in tables:
+            needed = np.zeros(len(units), dtype=bool)  # by the samples not failed already
+            failed_now = np.fromiter(errors, dtype=np.int64, count=len(errors))
+            needed[inverse[~np.isin(rows[:, 0], failed_now)] if len(failed_now) else inverse] = True
+            if not needed.any():
+                continue
             hits, hit = _cache_hits(acc.meta, units, cache)
-            locs = self._locate(acc.meta, units, hit)
+            skip = ~needed if hit is None else hit | ~needed
+            locs = self._locate(acc.meta, units, skip if skip.any() else None)
             if caps is not None and caps.max_encoded is not None:
                 _check_stored(acc.meta, rows, inverse, locs, caps.max_encoded, samples, errors)
             total += len(rows)
@@ -490,8 +506,6 @@ class Planner:
             for p, k in enumerate(order[n_hit:].tolist(), n_hit):
                 present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
 
-        if self.batch_limits:
-            self._check_batch(uses, located, samples, errors)
         groups, merged = merge_reads(present, self.limits, caps)
         groups = fit_reads(groups, capacity)
         seen = set()
