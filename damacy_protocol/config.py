@@ -167,9 +167,9 @@ class Config:
         max_substreams_per_chunk: int = L.DEFAULT_MAX_SUBSTREAMS_PER_CHUNK,
         n_io_threads: int = L.CONFIG_IO_THREADS,
         metadata_io_concurrency: int = L.DEFAULT_METADATA_CONCURRENCY,
-        n_array_meta_cache: int = L.DEFAULT_ARRAY_ENTRIES,
-        n_shard_index_cache: int = L.DEFAULT_SHARD_INDEX_ENTRIES,
-        n_chunk_layout_cache: int = L.DEFAULT_CHUNK_LAYOUT_ENTRIES,
+        n_array_meta_cache: int | None = None,
+        n_shard_index_cache: int | None = None,
+        n_chunk_layout_cache: int | None = None,
         max_shards_per_sample: int = L.DEFAULT_MAX_SHARDS_PER_SAMPLE,
         device: int | None = None,
         pop_timeout_s: float | None = L.DEFAULT_POP_TIMEOUT_S,
@@ -230,11 +230,17 @@ class Config:
             _in_range(max_substreams_per_chunk, "max_substreams_per_chunk", 1, L.HARD_MAX_SUBSTREAMS_PER_CHUNK),
         )
         # the caches' floors (lookahead and the batches in flight) are checked where the
-        # pipeline is made, which knows both (InvalidArgument)
-        set_(self, "n_array_meta_cache", operator.index(n_array_meta_cache))
-        set_(self, "n_shard_index_cache", operator.index(n_shard_index_cache))
-        set_(self, "n_chunk_layout_cache", operator.index(n_chunk_layout_cache))
+        # pipeline is made (InvalidArgument); a cache not given is its default, raised to its
+        # floor (large batches: the defaults are sized for the quick start's)
         set_(self, "max_shards_per_sample", operator.index(max_shards_per_sample))
+        floor = self.lookahead_samples + 2 * spb
+        given = {"n_array_meta_cache": n_array_meta_cache, "n_chunk_layout_cache": n_chunk_layout_cache}
+        defaults = {"n_array_meta_cache": L.DEFAULT_ARRAY_ENTRIES, "n_chunk_layout_cache": L.DEFAULT_CHUNK_LAYOUT_ENTRIES}
+        for name, value in given.items():
+            set_(self, name, max(defaults[name], floor) if value is None else operator.index(value))
+        if n_shard_index_cache is None:
+            n_shard_index_cache = max(L.DEFAULT_SHARD_INDEX_ENTRIES, floor * max(self.max_shards_per_sample, 1))
+        set_(self, "n_shard_index_cache", operator.index(n_shard_index_cache))
         if pop_timeout_s is not None and pop_timeout_s <= 0:
             raise ValueError(f"pop_timeout_s must be > 0 or None (got {pop_timeout_s})")
         set_(self, "pop_timeout_s", None if pop_timeout_s is None else float(pop_timeout_s))
@@ -367,7 +373,12 @@ class Config:
         """The fields given other than their defaults that a daemon session does not take
         from its Config: damacyd's components (readers, caches, executors) serve every
         session with the limits damacyd was started with (its flags)."""
-        default = Config(samples_per_batch=self.samples_per_batch, sample_shape=self.sample_shape, dtype=self.dtype)
+        default = Config(
+            samples_per_batch=self.samples_per_batch,
+            sample_shape=self.sample_shape,
+            dtype=self.dtype,
+            lookahead_samples=self.lookahead_samples,  # (the caches' defaults follow it)
+        )
         return [name for name in DAEMON_OWNED if getattr(self, name) != getattr(default, name)]
 
     def check_cache_floors(self) -> None:

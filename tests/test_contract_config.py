@@ -190,3 +190,21 @@ def test_config_adapter_applies_batchspec_rank_limit():
 def test_config_adapter_requires_finite_pop_timeout():
     with raises_exactly(ValueError, "pop_timeout_s must be positive and finite, or None"):
         damacy.Pipeline(config(pop_timeout_s=float("inf")))
+
+
+def test_a_configs_caches_not_given_rise_to_their_floors_and_given_ones_are_held_to_them(tmp_path):
+    """The metadata caches hold at least the samples in flight (lookahead plus two batches;
+    the shard indexes that many times ``max_shards_per_sample``): a Config of large batches
+    builds with the defaults raised to those floors, while a cache given below its floor is
+    refused at ``Pipeline(...)`` (InvalidArgument)."""
+    big = damacy.Config(samples_per_batch=64, sample_shape=(4, 4))  # floor: (128 + 128) samples
+    assert (big.n_array_meta_cache, big.n_chunk_layout_cache, big.n_shard_index_cache) == (256, 256, 256 * 64)
+    small = damacy.Config(samples_per_batch=4, sample_shape=(4, 4))
+    assert (small.n_array_meta_cache, small.n_chunk_layout_cache, small.n_shard_index_cache) == (256, 256, 8192)
+    wide = damacy.Config(samples_per_batch=100, sample_shape=(4, 4), max_shards_per_sample=2)
+    assert (wide.n_array_meta_cache, wide.n_shard_index_cache) == (400, 8192)
+    damacy.Pipeline(big, embedded=True).close()
+    with pytest.raises(damacy.InvalidArgument, match="n_shard_index_cache=8192 is below its floor"):
+        damacy.Pipeline(damacy.Config(samples_per_batch=64, sample_shape=(4, 4), n_shard_index_cache=8192), embedded=True)
+    again = damacy.Config.from_dict(big.to_dict())
+    assert again == big
