@@ -532,12 +532,4 @@ def _index_queries(config: Config) -> bool:
     is 0 (none: refused at push) or holds a batch's indices (else BudgetExceeded now)."""
     if not config.on_gpu:
         return True
-    if config.max_index_bytes == 0:
-        return False
-    need = 8 * config.samples_per_batch * sum(config.sample_shape)
-    if config.max_index_bytes < need:
-        raise BudgetExceeded(
-            f"Config.max_index_bytes={config.max_index_bytes} cannot hold a batch's indices: "
-            f"8 * samples_per_batch * sum(sample_shape) = {need} bytes (or 0: no index queries)"
-        )
-    return True
+    return config.cuda_limits.takes_index_queries(config.samples_per_batch, config.sample_shape, "Config.max_index_bytes")

@@ -336,6 +336,22 @@ class CudaLimits:
             ),
         )
 
+    def takes_index_queries(self, samples: int, shape: Sequence[int], name: str = "CudaLimits.max_index_bytes") -> bool:
+        """Does a GPU pipeline of batches of ``samples`` x ``shape`` take index queries? Not
+        with ``max_index_bytes=0``; a nonzero one below a batch's indices (``8 * samples *
+        sum(shape)`` bytes) is refused (BudgetExceeded, naming the field as ``name``)."""
+        if self.max_index_bytes == 0:
+            return False
+        need = 8 * samples * sum(shape)
+        if self.max_index_bytes < need:
+            from damacy_protocol.errors import BudgetExceeded
+
+            raise BudgetExceeded(
+                f"{name}={self.max_index_bytes} cannot hold a batch's indices: "
+                f"8 * samples * sum(shape) = {need} bytes (or 0: no index queries)"
+            )
+        return True
+
     def index_reservation(self, samples: int, shape: Sequence[int]) -> int:
         """Device bytes index storage takes for two batch slots of ``samples`` x ``shape``:
         eight bytes per index of a batch plus 16 bytes per axis for each of up to

@@ -497,14 +497,8 @@ def _index_storage(executor: Any, output: BatchSpec) -> tuple[int | None, Callab
     limits = getattr(executor, "limits", None)
     if not isinstance(limits, CudaLimits):
         return 0, _nothing
-    if limits.max_index_bytes == 0:
+    if not limits.takes_index_queries(output.samples, output.shape):
         return None, _nothing
-    need = 8 * output.samples * sum(output.shape)
-    if limits.max_index_bytes < need:
-        raise BudgetExceeded(
-            f"CudaLimits.max_index_bytes={limits.max_index_bytes} cannot hold a batch's indices: "
-            f"8 * samples * sum(shape) = {need} bytes (or 0: no index queries)"
-        )
     reserved = limits.index_reservation(output.samples, output.shape)
     release = executor.reserve_slots(reserved, f"index storage of {output.samples} x {output.shape} for two batches")
     return reserved, release
