@@ -14,6 +14,9 @@ except ``CudaLimits.max_index_bytes``, where 0 turns index queries off.
 
 Beside the seed API's fields each object has damacy's own, after them and with defaults
 that change nothing (a chunk cache of 0 bytes is none): see docs/seed.md.
+
+(Over 400 lines: one job, the limits; each value object with its defaults, checks and the
+defaults that follow from others, so that no limit is defined twice.)
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from damacy_protocol.errors import BudgetExceeded, InvalidArgument
+from damacy_protocol.errors import BudgetExceeded
+from damacy_server.claim import Claim
 
 #: the least memory for chunk data in flight that a budget must leave beside the slots
 MIN_INFLIGHT_BYTES = 16 << 20
@@ -149,7 +150,7 @@ class BudgetedExecutor:
     later claim opens fresh ones (:meth:`_start`)."""
 
     budget: MemoryBudget
-    _claimed_by: Any = None  # a weak reference to the pipeline that holds it
+    _claim: Claim | None = None  # the pipeline that holds it
     _closed: bool = False
 
     def _start(self) -> None:
@@ -160,23 +161,19 @@ class BudgetedExecutor:
     def claim(self, owner: Any) -> None:
         """Serve ``owner`` (a pipeline) alone until :meth:`give_back`; InvalidArgument while
         another open pipeline holds it. Reopens what a previous owner's close closed."""
-        import weakref
-
-        holder = self._claimed_by() if self._claimed_by is not None else None
-        if holder is not None and holder is not owner and not getattr(holder, "closed", True):
-            raise InvalidArgument(
-                f"this {type(self).__name__} serves another pipeline that is still open: close that one first, "
-                "or give each pipeline an executor of its own"
-            )
+        if self._claim is None:
+            self._claim = Claim()
+        self._claim.take(
+            owner,
+            f"this {type(self).__name__} serves another pipeline that is still open: close that one first, "
+            "or give each pipeline an executor of its own",
+        )
         if self._closed:
             self._start()
-        self._claimed_by = weakref.ref(owner)
 
     def give_back(self, owner: Any) -> None:
         """``owner`` is done with it: its resources are closed (a later claim reopens them)."""
-        holder = self._claimed_by() if self._claimed_by is not None else None
-        if holder is owner or holder is None:
-            self._claimed_by = None
+        if self._claim is None or self._claim.give_back(owner):
             self.close()
 
     def close(self) -> None:

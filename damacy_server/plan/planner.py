@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from damacy_protocol.limits import PlanLimits
 from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
 from damacy_server import native
 from damacy_server.cache import LRUCache
+from damacy_server.claim import Claim
 from damacy_server.decode import contract
 from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
@@ -224,24 +224,20 @@ class ChunkPlanner:
             raise TypeError(f"limits must be a PlanLimits or None, got {type(limits).__name__}")
         self.metadata = metadata
         self.limits = limits
-        self._owner: Any = None
+        self._owner = Claim()
 
     def claim(self, owner: Any, *, recheckable: bool = False) -> Planner:
         """The :class:`Planner` that plans for ``owner`` (a pipeline), with fresh caches;
         InvalidArgument while another open pipeline holds this planner."""
-        holder = self._owner() if self._owner is not None else None
-        if holder is not None and holder is not owner and not getattr(holder, "closed", True):
-            raise InvalidArgument(
-                "this ChunkPlanner plans for another pipeline that is still open: close that one first, "
-                "or give each pipeline a planner of its own"
-            )
-        self._owner = weakref.ref(owner)
+        self._owner.take(
+            owner,
+            "this ChunkPlanner plans for another pipeline that is still open: close that one first, "
+            "or give each pipeline a planner of its own",
+        )
         return Planner(self.metadata.resolver(recheckable=recheckable), self.limits)
 
     def give_back(self, owner: Any) -> None:
-        holder = self._owner() if self._owner is not None else None
-        if holder is owner or holder is None:
-            self._owner = None
+        self._owner.give_back(owner)
 
     def __repr__(self) -> str:
         return f"ChunkPlanner(metadata={self.metadata!r}, limits={self.limits!r})"
