@@ -170,3 +170,39 @@ def test_a_sample_over_a_plan_limit_fails_before_anything_is_read(tmp_path, limi
             p.pop()
         stats = p.stats()
     assert (stats.shard_index_misses, stats.reads_issued, stats.chunks_dispatched) == (0, 0, 0)
+
+
+class _Counted:
+    """A semaphore that records how many holders it had at once."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self._sem, self._lock = threading.BoundedSemaphore(n), threading.Lock()
+        self.held = self.most = self.taken = 0
+
+    def acquire(self) -> None:
+        self._sem.acquire()
+        with self._lock:
+            self.held += 1
+            self.taken += 1
+            self.most = max(self.most, self.held)
+
+    def release(self) -> None:
+        with self._lock:
+            self.held -= 1
+        self._sem.release()
+
+
+@pytest.mark.parametrize("waves", [2, 3])
+def test_host_buffer_waves_bounds_the_batches_read_ahead_of_the_device(tmp_path, waves):
+    """A GPU executor reads at most ``host_buffer_waves`` batches ahead of its device stage:
+    each batch holds one of them from its reads until its device stage is done."""
+    uri, data = _volume(tmp_path / "v.zarr", compressors=[ZstdCodec(level=1)])
+    executor, _ = _cuda(CudaLimits(1 << 30, host_buffer_waves=waves))
+    counted = executor._host_waves = _Counted(waves)
+    boxes = [[(z, z + 2), (0, 16), (0, 16)] for z in range(7)] * 2
+    got, _ = _run(executor, uri, boxes)
+    assert all(np.array_equal(g[0], data[b[0][0] : b[0][1]]) for g, b in zip(got, boxes))
+    assert counted.taken == len(boxes) and counted.held == 0  # one per batch, all given back
+    assert 1 <= counted.most <= waves
