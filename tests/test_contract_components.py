@@ -41,8 +41,10 @@ def cpu_limits():
 
 
 def test_file_reader_defaults_construct():
-    damacy.FileReader()
-    damacy.FileReader(workers=1, max_inflight_reads=1, readahead=False)
+    r = damacy.FileReader()
+    assert (r.workers, r.max_inflight_reads, r.readahead) == (8, 4096, True)
+    r = damacy.FileReader(workers=1, max_inflight_reads=1, readahead=False)
+    assert (r.workers, r.max_inflight_reads, r.readahead) == (1, 1, False)
 
 
 def test_file_reader_is_keyword_only():
@@ -73,7 +75,7 @@ def test_file_reader_max_inflight_reads_range(bad):
 
 
 def test_file_reader_max_inflight_reads_top_accepted():
-    damacy.FileReader(workers=1, max_inflight_reads=(1 << 32) - 1)
+    assert damacy.FileReader(workers=1, max_inflight_reads=(1 << 32) - 1).max_inflight_reads == (1 << 32) - 1
 
 
 def test_file_reader_workers_above_online_cpus_are_damacys_to_take(tmp_path):
@@ -101,8 +103,11 @@ def test_file_reader_has_slots_and_no_extra_attributes():
 
 
 def test_file_metadata_reader_defaults_construct():
-    damacy.FileMetadataReader()
-    damacy.FileMetadataReader(concurrency=1, latency=damacy.LatencyModel(baseline_ns=1))
+    r = damacy.FileMetadataReader()
+    assert (r.concurrency, r.latency) == (64, damacy.LatencyModel())  # no added latency
+    latency = damacy.LatencyModel(baseline_ns=1)
+    r = damacy.FileMetadataReader(concurrency=1, latency=latency)
+    assert (r.concurrency, r.latency) == (1, latency)
 
 
 def test_file_metadata_reader_is_keyword_only():
@@ -126,7 +131,7 @@ def test_file_metadata_reader_concurrency_range_message(bad):
 
 
 def test_file_metadata_reader_concurrency_top_accepted():
-    damacy.FileMetadataReader(concurrency=4096)
+    assert damacy.FileMetadataReader(concurrency=4096).concurrency == 4096
 
 
 def test_file_metadata_reader_has_no_extra_attributes():
@@ -269,10 +274,12 @@ def test_cuda_executor_numa_strategy_forms(strategy):
     require_gpu()
     if strategy == "enum":
         strategy = damacy.NumaStrategy.DISABLED
-    damacy.CudaExecutor(
+    e = damacy.CudaExecutor(
         reader=damacy.FileReader(workers=1),
         limits=damacy.CudaLimits(max_gpu_memory_bytes=1 << 30),
         device=0,
         numa_strategy=strategy,
         enable_gds=False,
     )
+    assert e.numa_strategy is damacy.NumaStrategy.coerce(strategy)
+    e.close()

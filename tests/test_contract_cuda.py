@@ -90,7 +90,8 @@ def test_cuda_index_bytes_below_floor_budget_exceeded():
 
 def test_cuda_index_bytes_at_floor_accepted():
     require_gpu()
-    cuda_pipeline(max_index_bytes=8 * 2 * sum(BOX)).close()
+    with cuda_pipeline(max_index_bytes=8 * 2 * sum(BOX)) as p:
+        assert p.device == 0
 
 
 def test_cuda_gpu_budget_too_small_budget_exceeded():

@@ -7,6 +7,7 @@ per stage, summed over worker threads.
 
 from __future__ import annotations
 
+import abc
 import enum
 import threading
 import time
@@ -142,7 +143,7 @@ class MemoryBudget:
                 self._cond.notify_all()
 
 
-class BudgetedExecutor:
+class BudgetedExecutor(abc.ABC):
     """The memory part of the executor interface, for an executor holding its
     :class:`MemoryBudget` as ``budget`` (slots taken for good, the rest for data in flight);
     and its lifetime as a component: a pipeline composed with it claims it (one open
@@ -153,10 +154,10 @@ class BudgetedExecutor:
     _claim: Claim | None = None  # the pipeline that holds it
     _closed: bool = False
 
+    @abc.abstractmethod
     def _start(self) -> None:
         """Open the executor's resources (pools, caches, budget); called by ``__init__`` and
         by a claim after a close."""
-        raise NotImplementedError
 
     def claim(self, owner: Any) -> None:
         """Serve ``owner`` (a pipeline) alone until :meth:`give_back`; InvalidArgument while
@@ -176,8 +177,9 @@ class BudgetedExecutor:
         if self._claim is None or self._claim.give_back(owner):
             self.close()
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Close the executor's resources (its pipeline gave it back, or its owner closed it)."""
 
     def reserve_slots(self, nbytes: int, what: str) -> Callable[[int], None]:
         """Take ``nbytes`` for output slots for good (the rest is for data in flight); returns
