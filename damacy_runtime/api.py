@@ -80,8 +80,7 @@ class PipelineAPI(ABC):
                 "close it and build a new one",
                 what="push",
             )
-        if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
-            raise TypeError(f"push takes an iterable of samples, got {type(samples).__name__}")
+        Sources.check(samples)  # (TypeError before anything is queued or raised)
         earlier = self._take_deferred()  # an earlier iterable's error: raised once this one is queued
         try:
             self._push(samples)

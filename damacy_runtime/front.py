@@ -64,18 +64,18 @@ class Sources:
         self._peeked: tuple[Iterator[Any], Any] | None = None  # the next sample, pulled ahead
 
     @staticmethod
-    def check(samples: Iterable[Any]) -> Iterator[Any]:
-        """``iter(samples)``, or TypeError when ``samples`` is not an iterable of samples."""
+    def check(samples: Iterable[Any]) -> None:
+        """TypeError when ``samples`` is not an iterable of samples (nothing is iterated)."""
         if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
             raise TypeError(f"push takes an iterable of samples, got {type(samples).__name__}")
-        return iter(samples)
 
     def add(self, samples: Iterable[Any], skip: int = 0) -> None:
         """Queue an iterable, its first ``skip`` samples left out (a restore; call with the
         lock held)."""
         state_of = getattr(samples, "state_dict", None)
         state = state_of() if callable(state_of) else None
-        source = self.check(samples)
+        self.check(samples)
+        source = iter(samples)
         if skip:  # a sampler computes its position; any other iterable is skipped through
             start = getattr(samples, "iter_from", None)
             source = iter(start(skip)) if callable(start) else itertools.islice(source, skip, None)
