@@ -145,16 +145,9 @@ class Batch:
         else:
             ptr = int(shaped.__array_interface__["data"][0])
         self._device = device
-        if info.device_ptr == 0:
-            # a GPU pipeline's batch is a CUDA batch of its device, the host stand-in's too
-            # (whose memory is host memory: its DLPack device says so, for consumers to read it)
-            gpu = info.device != "cpu"
+        if info.device_ptr == 0:  # (its device_type and device_id are the front end's: front.batch_info)
             info = dataclasses.replace(
-                info,
-                device_ptr=ptr,
-                ready_stream=(device.stream_handle or 0) if device is not None else 0,
-                device_type=DeviceType.CUDA if gpu else DeviceType.CPU,
-                device_id=int(info.device.rpartition(":")[2] or 0) if gpu else 0,
+                info, device_ptr=ptr, ready_stream=(device.stream_handle or 0) if device is not None else 0
             )
         self._info = info
 
