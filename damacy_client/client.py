@@ -31,7 +31,6 @@ from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import (
-    BudgetExceeded,
     DamacyError,
     ErrorKind,
     PipelineDrained,
@@ -39,7 +38,7 @@ from damacy_protocol.errors import (
     ShutdownError,
     stage,
 )
-from damacy_protocol.samples import IndexQuery, check_pushed
+from damacy_protocol.samples import check_pushed
 from damacy_protocol.stats import Stats, as_dict, session_stats, since
 from damacy_protocol.wire import error_from_wire, fit_pushes, sample_to_wire
 from damacy_runtime import front, pinning
@@ -164,9 +163,8 @@ class RemotePipeline(PipelineAPI):
                 self._cond.notify_all()
 
     def _check_item(self, item: Any) -> Any:
-        if isinstance(item, IndexQuery) and not self._index_queries:
-            raise BudgetExceeded("index queries need index storage: this GPU Config has max_index_bytes=0", sample=item)
-        return check_pushed(item, self.output.shape, self.config.out_of_bounds == "pad")
+        off = None if self._index_queries else "Config.max_index_bytes=0"
+        return check_pushed(item, self.output.shape, self.config.out_of_bounds == "pad", off)
 
     def _feed(self) -> bool:
         """One round of the feeder thread (:func:`front.feed_weakly`): pull what the credits

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any, ClassVar
 
-from damacy_protocol.errors import InvalidArgument, UnsupportedOperation, redact_uri
+from damacy_protocol.errors import BudgetExceeded, InvalidArgument, UnsupportedOperation, redact_uri
 from damacy_protocol.limits import INT63_MAX, MAX_RANK, UINT32_MAX
 from damacy_protocol.selection import Indices, describe, key
 
@@ -477,12 +477,16 @@ class ResolvedSpatialQuery(Query):
 # -- what push checks -----------------------------------------------------------------------
 
 
-def check_pushed(item: Any, shape: tuple[int, ...], pad: bool) -> Any:
+def check_pushed(item: Any, shape: tuple[int, ...], pad: bool, no_index_queries: str | None = None) -> Any:
     """The sample a pushed ``item`` is, checked as far as it can be without its array:
     refused (:class:`InvalidArgument`) when it is no sample, when a box is empty or reversed
     (or reaches before the array, unless ``pad``), or when its shape is known and is not the
     batch's ``shape``; a :class:`ResolvedSpatialQuery` becomes the box it copies
-    (:class:`UnsupportedOperation` when it needs resampling)."""
+    (:class:`UnsupportedOperation` when it needs resampling). ``no_index_queries``: the
+    setting that gives the pipeline no index storage (``max_index_bytes=0``, as spelled
+    there), which refuses an :class:`IndexQuery` (BudgetExceeded)."""
+    if no_index_queries is not None and isinstance(item, IndexQuery):
+        raise BudgetExceeded(f"index queries need index storage: this GPU pipeline has {no_index_queries}", sample=item)
     if isinstance(item, ResolvedSpatialQuery):
         if tuple(item.shape) != tuple(shape):
             raise InvalidArgument(

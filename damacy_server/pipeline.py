@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from damacy_protocol.config import Config
-from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
+from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
 from damacy_protocol.limits import BatchSpec, CpuLimits, CudaLimits, QueueLimits
-from damacy_protocol.samples import IndexQuery, check_pushed
+from damacy_protocol.samples import check_pushed
 from damacy_protocol.stats import Stats
 from damacy_runtime import front
 from damacy_runtime.api import CLOSED, PipelineAPI, check_pop_timeout
@@ -177,11 +177,8 @@ class Pipeline(PipelineAPI):
                 self._cond.notify_all()
 
     def _check_item(self, item: Any) -> Any:
-        if isinstance(item, IndexQuery) and self._index_bytes is None:
-            raise BudgetExceeded(
-                "index queries need index storage: this GPU pipeline has CudaLimits.max_index_bytes=0", sample=item
-            )
-        return check_pushed(item, self.output.shape, self.policy.out_of_bounds == "pad")
+        off = "CudaLimits.max_index_bytes=0" if self._index_bytes is None else None
+        return check_pushed(item, self.output.shape, self.policy.out_of_bounds == "pad", off)
 
     def _take_in(self, deferred: bool) -> None:
         """Pull what the lookahead has room for (at most a batch) into the core, checking each

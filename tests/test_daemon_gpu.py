@@ -107,6 +107,19 @@ def test_a_gpu_session_orders_every_use_of_a_shared_slot(daemon, volume, standin
         steps = rest[released:]
 
 
+def test_a_gpu_session_without_index_storage_refuses_index_queries_at_push(daemon, volume, standin):
+    """A GPU Config with ``max_index_bytes=0`` takes no index queries, through damacyd as
+    embedded: refused at push (BudgetExceeded, naming the setting), the session goes on."""
+    _, path, data = volume
+    with damacy.Pipeline(cfg(max_index_bytes=0), endpoint=daemon.endpoint) as pipe:
+        with pytest.raises(damacy.BudgetExceeded, match="Config.max_index_bytes=0"):
+            pipe.push([damacy.IndexQuery(path, ([0, 2, 4, 6], slice(0, 4)))])
+        pipe.push(boxes(path, [(0, 0), (4, 4)]))
+        with pipe.pop() as batch:
+            got = batch.copy()
+    np.testing.assert_array_equal(got, np.stack([data[0:4, 0:4], data[4:8, 4:8]]).astype(np.float32))
+
+
 def test_slots_are_freed_only_once_the_client_no_longer_maps_them(daemon, volume, standin):
     """Freeing device memory another process maps is undefined in CUDA: a client that closes
     with nothing held unmaps first and says so; one whose tensors still read a slot keeps
