@@ -483,7 +483,7 @@ def test_pushes_fit_the_daemons_largest_message_and_long_lists_are_refused_unrea
             # not check them meets the checks behind it, the wire's and the daemon's
             import damacy_client.client
 
-            monkeypatch.setattr(damacy_client.client, "check_pushed", lambda item, shape, pad: item)
+            monkeypatch.setattr(damacy_client.client, "check_pushed", lambda item, *checks: item)
             pipe.push([damacy.IndexQuery(uri, ([2], idx)), huge, long, damacy.IndexQuery(uri, ([3], idx))])
             with pipe.pop() as b:
                 (i, e1), (j, e2) = b.info.errors
