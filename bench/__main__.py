@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     ry.add_argument("--repeats", type=int, default=3)
     ry.add_argument("--tasks", type=int, default=8, help="read tasks per dataset, for both readers")
     ry.add_argument("--json", default=None)
+    gl = sub.add_parser("gil", help="the share of CPU under the interpreter lock (py-spy --gil) per workload, and the Amdahl ceiling it implies on 16, 64 and 128 cores")
+    gl.add_argument("workloads", nargs="*", default=["boxes", "planes-cached", "daemon", "small-chunks"], help="boxes, small-chunks, planes-cached, daemon")
+    gl.add_argument("--data", default="bench-data")
+    gl.add_argument("--batches", type=int, default=24, help="batches of 8 in each measured phase (per client for daemon)")
+    gl.add_argument("--repeats", type=int, default=3)
+    gl.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    gl.add_argument("--json", default=None)
     scenario_command("transforms", "damacy with random flips and axis orders on every sample vs the same boxes plain", "default", 12, 5)
     args = ap.parse_args(argv)
 
@@ -126,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown readers {unknown}; choose from {', '.join(ranks.READERS)}")
         res = ranks.main(args.scenario, args.data, args.ranks, args.epochs, cache, size, args.repeats, readers)
         return _write(res, args.json, "ranks-")
+
+    if args.cmd == "gil":
+        from bench import gil
+
+        unknown = sorted(set(args.workloads) - set(gil.WORKLOADS))
+        if unknown:
+            raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(gil.WORKLOADS)}")
+        return _write(gil.main(args.workloads, args.data, args.batches, args.repeats, args.rate), args.json, "gil-")
 
     if args.cmd == "thin":
         from bench import thin
