@@ -202,6 +202,18 @@ def top_frames(stacks: Counter, n: int = 12) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in leaf.most_common(n)]
 
 
+def inclusive_frames(stacks: Counter, n: int = 12) -> list[tuple[str, float]]:
+    """damacy's functions by the share of GIL-held samples they are on the stack for (a
+    function and what it calls): where the serial time is spent, by caller."""
+    total = sum(stacks.values()) or 1
+    incl: Counter = Counter()
+    for stack, count in stacks.items():
+        names = {f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" for f in stack.split(";") if "damacy" in f and " (" in f}
+        for name in names:
+            incl[name] += count
+    return [(f, c / total) for f, c in incl.most_common(n)]
+
+
 def main(kinds: list[str], data_dir: str, batches: int, repeats: int, rate: int) -> dict:
     data = Path(data_dir).resolve()
     uris = {k: ensure(DATA[k], data) for k in kinds}
@@ -226,7 +238,7 @@ def main(kinds: list[str], data_dir: str, batches: int, repeats: int, rate: int)
     print("\n" + head)
     for kind in kinds:
         med = {key: statistics.median(r[key] for r in runs[kind]) for key in runs[kind][0]}
-        res["workloads"][kind] = {"description": WORKLOADS[kind], "median": med, "repeats": runs[kind], "top_gil_frames": top_frames(last[kind])}
+        res["workloads"][kind] = {"description": WORKLOADS[kind], "median": med, "repeats": runs[kind], "top_gil_frames": top_frames(last[kind]), "inclusive_gil_frames": inclusive_frames(last[kind])}
         print(
             f"{kind:14} {med['samples_per_s']:10.1f} {med['cpu_ms_per_sample']:8.3f} {100 * med['gil_share_of_wall']:8.1f}% {100 * med['gil_share_of_cpu']:7.1f}% "
             + " ".join(f"{med[f'ceiling_{n}_cores']:10.1f}" for n in CORES)
@@ -236,5 +248,8 @@ def main(kinds: list[str], data_dir: str, batches: int, repeats: int, rate: int)
     for kind in kinds:
         print(f"\n{kind}: frames on top of GIL-held stacks (last repeat)")
         for frame, share in res["workloads"][kind]["top_gil_frames"]:
+            print(f"  {100 * share:5.1f}%  {frame}")
+        print(f"{kind}: damacy's functions on GIL-held stacks, with what they call (last repeat)")
+        for frame, share in res["workloads"][kind]["inclusive_gil_frames"]:
             print(f"  {100 * share:5.1f}%  {frame}")
     return res

@@ -20,12 +20,16 @@ switches rules (and the shadow starts playing the one it left). Counts are halve
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
+from itertools import compress, repeat
+from operator import is_not, itemgetter
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 V = TypeVar("V")
+_VALUE = itemgetter(0)  # an entry's value (entries are (value, size))
 
 #: how many more lookups a key needs than the entry it would evict: keys read at the same
 #: rate (every epoch once) differ by one whenever the newcomer's turn in an epoch comes
@@ -91,29 +95,38 @@ class LRUCache(Generic[V]):
         return "frequency" if self._by_frequency else "recency"
 
     def get(self, key: Hashable) -> V | None:
-        return self.get_many([key])[0]
+        hit, values = self.get_hits([key])
+        return values[0] if values else None
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
-        """:meth:`get` of each key, under one acquisition of the lock (the planner looks up a
-        batch's units, hundreds at a time: this is the cache's hot loop)."""
+        """:meth:`get` of each key, under one acquisition of the lock."""
+        hit, values = self.get_hits(keys)
+        out: list[V | None] = [None] * len(keys)
+        for i, v in zip(np.flatnonzero(hit).tolist(), values):
+            out[i] = v
+        return out
+
+    def get_hits(self, keys: list[Hashable]) -> tuple[np.ndarray, list[V]]:
+        """Look up ``keys`` at once (the planner asks for a batch's units, hundreds at a time:
+        this is the cache's hot loop): a bool mask of the keys it holds, and their values in
+        the keys' order. Counted and ordered as :meth:`get` of each key would be, by C loops
+        (no Python per key)."""
+        n = len(keys)
         with self._lock:
-            get, move = self._data.get, self._data.move_to_end
-            out: list[V | None] = []
-            add = out.append
-            missed: list[int] = []  # positions of the misses
-            for i, key in enumerate(keys):
-                item = get(key)
-                if item is None:
-                    add(None)
-                    missed.append(i)
-                else:
-                    move(key)
-                    add(item[0])
-            self.hits += len(keys) - len(missed)
-            self.misses += len(missed)
+            data = self._data
+            items = list(map(data.get, keys))
+            hit = np.fromiter(map(is_not, items, repeat(None, n)), dtype=bool, count=n)
+            found = hit.sum()
+            if found:
+                deque(map(data.move_to_end, compress(keys, hit.tolist())), maxlen=0)
+                values = list(map(_VALUE, compress(items, hit.tolist()))) if found < n else list(map(_VALUE, items))
+            else:
+                values = []
+            self.hits += int(found)
+            self.misses += n - int(found)
             if self._freq is not None:
-                self._count(keys, missed)
-            return out
+                self._count(keys, hit)
+            return hit, values
 
     def peek(self, key: Hashable) -> V | None:
         """The value under ``key`` (None: none) without counting a lookup or touching its
@@ -122,8 +135,8 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def _count(self, keys: list[Hashable], missed: list[int]) -> None:
-        """Count the lookups of ``keys`` (``missed``: the positions of the misses, ascending) for
+    def _count(self, keys: list[Hashable], hit: np.ndarray) -> None:
+        """Count the lookups of ``keys`` (``hit``: which of them the cache holds) for
         admission, play them on the shadow, and end a period (perhaps switching rules) at its
         length. The keys go in runs that end where the counts age or a period ends (exactly
         where a key-by-key pass would), each run counted by C loops."""
@@ -140,7 +153,7 @@ class LRUCache(Generic[V]):
                 self._lookups = 0
                 self._freq = Counter({k: c >> 1 for k, c in self._freq.items() if c > 1})
             seen += step
-            hits += step - (bisect_left(missed, i + step) - bisect_left(missed, i))
+            hits += int(hit[i : i + step].sum())
             shadow = self._shadow
             again = list(filter(shadow.__contains__, run))
             shadow_hits += len(again)

@@ -10,6 +10,7 @@ import damacy
 from damacy_server import native
 from damacy_server.plan.planner import Planner
 from damacy_server.plan.resolve import Resolver
+from damacy_server.plan.units import UNIT_BITS
 
 from conftest import DTYPES, padded_selection, random_data, write_array
 
@@ -18,6 +19,12 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native exten
 OUT = ["f32", "bf16", "f16", "f64", "u8", "u16", "i16", "i32", "i64", "bool", "native"]
 SHAPE = (9, 10, 11)
 BOX = (4, 5, 6)
+
+
+def _unit_of(meta, key: int) -> tuple[int, ...]:
+    """The read unit of ``meta`` a chunk cache key names (the unit's index in its grid below
+    UNIT_BITS, see unit_keys)."""
+    return tuple(int(i) for i in np.unravel_index(key & ((1 << UNIT_BITS) - 1), meta.layout.grid))
 
 
 def _planner(**limits):
@@ -123,8 +130,9 @@ def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monk
         got, _ = run(str(tmp_path / "a"), out, False, aabbs, executor=plain)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)) and plain.chunk_cache.stats()["hits"] > 0
         meta = damacy.open_array(tmp_path / "a")
-        for (root, _, unit), (arr, _) in list(cache._data.items()):
-            assert root == meta.root and not arr.flags.writeable
+        for key, (arr, _) in list(cache._data.items()):
+            unit = _unit_of(meta, key)
+            assert not arr.flags.writeable
             box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(unit, (4, 4, 5), SHAPE))
             inside = arr[tuple(slice(0, b.stop - b.start) for b in box)]
             assert np.array_equal(inside.astype(src).view(np.uint8), np.ascontiguousarray(oracle[box]).view(np.uint8)), unit
@@ -146,7 +154,8 @@ def test_a_corrupt_chunk_is_never_cached(tmp_path):
                 (i, err), = b.info.errors  # the second time too: nothing of the bad chunk was kept
                 assert i == 1 and isinstance(err, damacy.DecodeError) and "chunk [1, 0, 0]" in str(err)
                 assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
-        assert [unit for _, _, unit in p.executor.chunk_cache._data] == [(0, 0, 0)]
+        meta = damacy.open_array(uri)
+        assert [_unit_of(meta, k) for k in p.executor.chunk_cache._data] == [(0, 0, 0)]
 
 
 def test_native_reports_corrupt_and_truncated_chunks(tmp_path):
@@ -818,6 +827,8 @@ def test_cached_units_are_handed_to_native_code_by_address_only_when_they_fit():
     assert native.decoded_sources(kernel, [a, wide[:, ::2]]) is None  # not contiguous
     assert native.decoded_sources(kernel, [a, a.astype(np.int16)]) is None  # another dtype
     assert native.decoded_sources(kernel, [a.reshape(6, 4)]) is None  # another shape
+    assert native.decoded_sources(kernel, [a, a.astype(">u2")]) is None  # another byte order
+    assert native.decoded_sources(kernel, [b, a.reshape(2, 2, 6)]) is None  # another rank
     # the C side alone: per object its address, or 0 (not a buffer, not C order, other size)
     raw = np.frombuffer(native._assemble.addresses([a, wide[:, ::2], b"x" * 48, object(), a[:2]], 48), dtype=np.int64)
     assert raw[0] == a.ctypes.data and raw[1] == 0 and raw[2] != 0 and raw[3] == 0 and raw[4] == 0

@@ -90,8 +90,13 @@ def test_chunk_layout_entries_keep_parsed_blosc_headers(tmp_path):
     uri, data = _volume(tmp_path / "v.zarr", compressors=[BloscCodec(cname="lz4", clevel=1, shuffle="shuffle")])
     executor, _ = _cuda(CudaLimits(1 << 30, chunk_layout_entries=64))
     box = [(0, 8), (0, 16), (0, 16)]
-    got, stats = _run(executor, uri, [box, box])
-    assert all(np.array_equal(g[0], data) for g in got)
+    output = damacy.BatchSpec(1, (8, 16, 16), "u16")
+    with damacy.Pipeline(planner=_planner(), executor=executor, output=output, queues=damacy.QueueLimits(2)) as p:
+        for _ in range(2):  # one batch after the other: the second looks after the first kept them
+            p.push([damacy.Sample(uri, box)])
+            with p.pop() as batch:
+                assert np.array_equal(np.from_dlpack(batch)[0], data)
+        stats = p.stats()
     assert stats.chunk_layout_misses == 8 and stats.chunk_layout_hits == 8
 
 

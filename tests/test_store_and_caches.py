@@ -281,19 +281,24 @@ def test_metadata_reader_concurrency_is_the_planners_reads_in_flight(tmp_path, c
 
 
 def test_get_many_is_get_of_each_key():
-    one, many = LRUCache(3, admit_by_frequency=True), LRUCache(3, admit_by_frequency=True)
-    for c in (one, many):
+    one, many, hits = (LRUCache(3, admit_by_frequency=True) for _ in range(3))
+    for c in (one, many, hits):
         for k in "abc":
             c.put(k, k.upper())
     keys = ["a", "x", "c", "a", "y"]
     assert many.get_many(keys) == [one.get(k) for k in keys] == ["A", None, "C", "A", None]
-    assert many.stats() == one.stats() and list(many._data) == list(one._data) and many._freq == one._freq
+    mask, values = hits.get_hits(keys)  # the planner's form: which keys hit, and their values
+    assert mask.tolist() == [True, False, True, True, False] and values == ["A", "C", "A"]
+    for c in (many, hits):
+        assert c.stats() == one.stats() and list(c._data) == list(one._data) and c._freq == one._freq
+    mask, values = hits.get_hits([])
+    assert mask.shape == (0,) and values == []
 
 
 class _KeyByKey(LRUCache):
     """The lookup counting written key by key: the model the cache's runs must equal."""
 
-    def _count(self, keys, missed):
+    def _count(self, keys, hit):
         from damacy_server.cache import Counter
 
         span = max(len(self._data), 64)
@@ -305,7 +310,7 @@ class _KeyByKey(LRUCache):
                 self._lookups = 0
                 self._freq = Counter({k: c >> 1 for k, c in self._freq.items() if c > 1})
             seen += 1
-            hits += i not in missed
+            hits += bool(hit[i])
             if key in self._shadow:
                 shadow_hits += 1
                 self._shadow.move_to_end(key)

@@ -43,7 +43,7 @@ from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
 from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.plan.planner import BatchPlan, sample_view
 from damacy_server.plan.reads import Caps, ReadGroup, shrink
-from damacy_server.plan.units import CachedUnits, UnitJob, unit_key
+from damacy_server.plan.units import CachedUnits, UnitJob
 from damacy_server.plan.versions import known
 from damacy_server.store import is_remote
 from damacy_server.store.disk import DiskTier
@@ -245,7 +245,7 @@ class CpuExecutor(BudgetedExecutor):
         for g in groups:
             mine = []
             for u in g.units:
-                if cache is not None and (arr := cache.peek(unit_key(u.meta, u.unit))) is not None:
+                if cache is not None and (arr := cache.peek(u.name)) is not None:
                     late.append((u, arr))
                     continue
                 if u.decoded_nbytes < SHARE_MIN_BYTES:
@@ -253,7 +253,7 @@ class CpuExecutor(BudgetedExecutor):
                     continue
                 with run.lock:
                     run.pending += 1  # the waiter's, if it becomes one
-                shared = self.inflight.claim_or_join(unit_key(u.meta, u.unit), self._waiter(run, u))
+                shared = self.inflight.claim_or_join(u.name, self._waiter(run, u))
                 if shared is not None:
                     with run.lock:
                         run.pending -= 1
@@ -303,7 +303,7 @@ class CpuExecutor(BudgetedExecutor):
         """Is ``array`` the chunk cache's entry for ``u`` (memory the cache accounts for)? A
         unit's array that is not stays within the memory budget only while its owner's task
         holds it, so it is copied then, not queued."""
-        return self.chunk_cache is not None and self.chunk_cache.peek(unit_key(u.meta, u.unit)) is array
+        return self.chunk_cache is not None and self.chunk_cache.peek(u.name) is array
 
     def _copy_arrived(self, run: Run) -> None:
         """Copy the units other batches decoded for ``run`` into the chunk cache since the last
@@ -668,7 +668,7 @@ class CpuExecutor(BudgetedExecutor):
                     if self.chunk_cache is not None or u.shared is not None:
                         arr = _frozen(arr)
                     if self.chunk_cache is not None:
-                        self.chunk_cache.put(unit_key(u.meta, u.unit), arr)
+                        self.chunk_cache.put(u.name, arr)
                     if u.shared is not None:
                         self.inflight.settle(u.shared, array=arr)
                     assembled += self._apply(run, u, arr)

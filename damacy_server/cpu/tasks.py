@@ -23,7 +23,7 @@ from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
 from damacy_server.cpu.run import Run, samples_of
 from damacy_server.plan.reads import ReadGroup
-from damacy_server.plan.units import CachedUnits, UnitJob, unit_key
+from damacy_server.plan.units import CachedUnits, UnitJob
 
 
 class NativeTasks:
@@ -142,7 +142,7 @@ class NativeTasks:
         the copies need)."""
         cache = self.chunk_cache
         wanted = [
-            cache is not None and cache.would_admit(unit_key(u.meta, u.unit), kernel.decoded_nbytes) for u in units
+            cache is not None and cache.would_admit(u.name, kernel.decoded_nbytes) for u in units
         ]
         if self.inflight is not None:
             wanted = [
@@ -165,7 +165,7 @@ class NativeTasks:
             if arr is not None and k not in bad:
                 arr.flags.writeable = False
                 if self.chunk_cache is not None:
-                    self.chunk_cache.put(unit_key(u.meta, u.unit), arr)
+                    self.chunk_cache.put(u.name, arr)
                 if u.shared is not None:
                     self.inflight.settle(u.shared, array=arr)
 

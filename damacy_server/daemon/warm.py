@@ -15,7 +15,7 @@ from damacy_protocol import messages as m
 from damacy_protocol.errors import DamacyError
 from damacy_protocol.wire import error_to_wire
 from damacy_server.decode.chunks import check_length, decode_unit
-from damacy_server.plan.units import unit_key
+from damacy_server.plan.units import unit_keys
 
 #: units located (and read) per step, so progress moves and memory stays small
 STEP = 256
@@ -130,11 +130,12 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[Damacy
     n = 0
     failed: list[DamacyError] = []
     present = [k for k in range(len(units)) if not locs.missing[k] and k not in locs.errors]
+    names = unit_keys(meta, np.asarray(units, dtype=np.int64).reshape(len(units), meta.ndim))
     for done, k in enumerate(present):
         unit = units[k]
         key = locs.keys[k]
         size = meta.layout.leaf.spec.nbytes
-        if cache.peek(unit_key(meta, unit)) is not None:
+        if cache.peek(names[k]) is not None:
             n += 1
             continue
         if not cache.has_room(size):
@@ -156,7 +157,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[Damacy
         arr = np.array(arr)
         arr.flags.writeable = False
         stats.add("decode", time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
-        cached = cache.put(unit_key(meta, unit), arr)
+        cached = cache.put(names[k], arr)
         if cached:
             stats.add("warm", 0.0, bytes_out=arr.nbytes)
         n += cached

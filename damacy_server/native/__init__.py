@@ -135,6 +135,15 @@ class NativeKernel:
         """``unit_shape`` as a tuple (compared with arrays' shapes, once per cached unit)."""
         return tuple(self.unit_shape.tolist())
 
+    @functools.cached_property
+    def buffer_format(self) -> str | None:
+        """The buffer format string of a decoded unit's array (``stored``), as its buffer
+        reports it; None for a dtype without one (bfloat16: numpy exports no buffer of it)."""
+        try:
+            return memoryview(np.empty(0, dtype=self.stored)).format
+        except (TypeError, ValueError):
+            return None
+
 
 def kernel_for(meta, out_dtype: np.dtype, normalized: bool = False) -> NativeKernel | None:
     """The native kernel for units of ``meta`` cast to ``out_dtype``, or None (Python path).
@@ -255,10 +264,10 @@ def keep_buffers(kernel: NativeKernel, count: int) -> tuple[list[np.ndarray], np
 def decoded_sources(kernel: NativeKernel, arrays: list[np.ndarray]) -> np.ndarray | None:
     """The addresses of ``arrays`` when native code can copy from each as a decoded unit of
     ``kernel`` (C order, the stored dtype, the unit's shape), else None."""
-    dims, stored = kernel.unit_dims, kernel.stored
-    if not all(a.shape == dims and a.dtype == stored for a in arrays):
+    fmt = kernel.buffer_format
+    if fmt is None:
         return None
-    sources = np.frombuffer(_assemble.addresses(arrays, kernel.decoded_nbytes), dtype=np.int64)
+    sources = np.frombuffer(_assemble.addresses(arrays, kernel.decoded_nbytes, fmt, kernel.unit_dims), dtype=np.int64)
     return sources if sources.all() else None
 
 

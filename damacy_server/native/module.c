@@ -13,6 +13,8 @@
  */
 #include "native.h"
 
+#include <string.h>
+
 /* supports(src, dst, normalized=0): whether the cast (or, normalized, the normalising one) is offered */
 static PyObject *supports(PyObject *self, PyObject *args) {
     int src_type, dst_type, normalized = 0;
@@ -27,13 +29,30 @@ static PyObject *has_zstd(PyObject *self, PyObject *noargs) {
     return PyBool_FromLong(dm_zstd_ok);
 }
 
-/* addresses(arrays, nbytes): bytes of int64, per object the address of its buffer when that is
- * C-contiguous and exactly nbytes long, else 0. The caller keeps the objects alive while the
- * addresses are used (numpy arrays never move their data). */
+/* addresses(arrays, nbytes[, format, shape]): bytes of int64, per object the address of its
+ * buffer when that is C-contiguous and exactly nbytes long (and, when given, of the buffer
+ * format string `format` and the dims `shape`, a tuple), else 0. One call checks a batch's
+ * cached units, no Python per unit. The caller keeps the objects alive while the addresses
+ * are used (numpy arrays never move their data). */
 static PyObject *addresses(PyObject *self, PyObject *args) {
-    PyObject *seq;
+    PyObject *seq, *shape_obj = Py_None;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "On", &seq, &nbytes)) return NULL;
+    const char *format = NULL;
+    if (!PyArg_ParseTuple(args, "On|zO", &seq, &nbytes, &format, &shape_obj)) return NULL;
+    Py_ssize_t dims[MAX_NDIM];
+    Py_ssize_t ndim = -1; /* -1: not checked */
+    if (shape_obj != Py_None) {
+        if (!PyTuple_Check(shape_obj) || PyTuple_GET_SIZE(shape_obj) > MAX_NDIM) {
+            PyErr_SetString(PyExc_ValueError, "addresses: shape must be a tuple of at most MAX_NDIM ints");
+            return NULL;
+        }
+        ndim = PyTuple_GET_SIZE(shape_obj);
+        for (Py_ssize_t d = 0; d < ndim; d++) {
+            dims[d] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape_obj, d));
+            if (dims[d] == -1 && PyErr_Occurred()) return NULL;
+        }
+    }
+    int flags = PyBUF_C_CONTIGUOUS | (format ? PyBUF_FORMAT : 0);
     PyObject *fast = PySequence_Fast(seq, "addresses needs a sequence");
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -47,11 +66,17 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer view;
         addr[i] = 0;
-        if (PyObject_GetBuffer(items[i], &view, PyBUF_C_CONTIGUOUS) != 0) {
+        if (PyObject_GetBuffer(items[i], &view, flags) != 0) {
             PyErr_Clear();
             continue;
         }
-        if (view.len == nbytes) addr[i] = (int64_t)(intptr_t)view.buf;
+        int ok = view.len == nbytes;
+        if (ok && format) ok = view.format != NULL && strcmp(view.format, format) == 0;
+        if (ok && ndim >= 0) {
+            ok = view.ndim == ndim;
+            for (Py_ssize_t d = 0; ok && d < ndim; d++) ok = view.shape[d] == dims[d];
+        }
+        if (ok) addr[i] = (int64_t)(intptr_t)view.buf;
         PyBuffer_Release(&view);
     }
     Py_DECREF(fast);
@@ -59,7 +84,7 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"addresses", addresses, METH_VARARGS, "Per object the address of its C-contiguous buffer of exactly nbytes, else 0 (int64 bytes)."},
+    {"addresses", addresses, METH_VARARGS, "Per object the address of its C-contiguous buffer of exactly nbytes (and the format and shape given), else 0 (int64 bytes)."},
     {"run", dm_py_run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
     {"run_decoded", dm_py_run_decoded, METH_VARARGS, "Copy the boxes of units already decoded into the targets, without the GIL."},
     {"run_file", dm_py_run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},

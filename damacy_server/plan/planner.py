@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from damacy_server.decode import contract
 from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
-from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob
+from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob, unit_keys
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -289,8 +290,16 @@ class Planner:
             return
         ndim = meta.ndim
         per = np.asarray(meta.layout.units_per_chunk, dtype=np.int64)
-        shards = np.unique(np.column_stack([rows[:, :1], rows[:, 1 : 1 + ndim] // per]), axis=0)
-        owners, counts = np.unique(shards[:, 0], return_counts=True)
+        # the distinct (sample, shard) pairs, counted per sample: rows sorted by both (one
+        # lexsort: no structured np.unique, no linear index to overflow), a pair new where
+        # it differs from the row before
+        shards = rows[:, 1 : 1 + ndim] // per
+        sample = rows[:, 0]
+        order = np.lexsort((*shards.T[::-1], sample))
+        shards, sample = shards[order], sample[order]
+        new = np.ones(len(rows), dtype=bool)
+        new[1:] = (sample[1:] != sample[:-1]) | (shards[1:] != shards[:-1]).any(axis=1)
+        owners, counts = np.unique(sample[new], return_counts=True)
         for s, n in zip(owners[counts > limit].tolist(), counts[counts > limit].tolist()):
             if s not in errors:
                 errors[s] = InvalidArgument(
@@ -440,7 +449,8 @@ class Planner:
             needed[inverse[~np.isin(rows[:, 0], failed_now)] if len(failed_now) else inverse] = True
             if not needed.any():
                 continue
-            hits, hit = _cache_hits(acc.meta, units, cache)
+            names = unit_keys(acc.meta, units)
+            hits, hit = _cache_hits(names, cache)
             skip = ~needed if hit is None else hit | ~needed
             locs = self._locate(acc.meta, units, skip if skip.any() else None)
             if caps is not None and caps.max_encoded is not None:
@@ -454,12 +464,12 @@ class Planner:
                 for s, r in zip(first[0].tolist(), at[first[1]].tolist()):
                     if s not in errors:
                         errors[s] = locs.errors[int(inverse[r])].copy(keep_sample=False).with_context(sample=samples[s])
-            located.append((acc, rows, units, inverse, locs, hits, hit))
+            located.append((acc, rows, units, inverse, locs, hits, hit, names))
 
         failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
         present: list[UnitJob] = []
         cached: list[CachedUnits] = []
-        for acc, rows, units, inverse, locs, hits, hit in located:
+        for acc, rows, units, inverse, locs, hits, hit, names in located:
             meta = acc.meta
             ok = ~np.isin(rows[:, 0], failed) if len(failed) else np.ones(len(rows), dtype=bool)
             gone = locs.missing[inverse]  # never written (or failed): reads as the fill value
@@ -492,7 +502,7 @@ class Planner:
             bounds = np.searchsorted(pos, np.arange(len(order) + 1))
             n_hit = len(hit_idx)
             if n_hit:
-                arrays = [hits[k] for k in hit_idx.tolist()]
+                arrays = hits if n_hit == len(hits) else list(compress(hits, used[hit].tolist()))  # (hit_idx's, in order)
                 cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[hit_idx]))
             if n_hit == len(order):
                 continue
@@ -500,7 +510,7 @@ class Planner:
             coords = units.tolist()
             offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()
             for p, k in enumerate(order[n_hit:].tolist(), n_hit):
-                present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1]))
+                present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1], names[k]))
 
         groups, merged = merge_reads(present, self.limits, caps)
         groups = fit_reads(groups, capacity)
@@ -547,16 +557,15 @@ def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, lo
             ).with_context(uri=samples[s].uri, sample=samples[s])
 
 
-def _cache_hits(meta: ArrayMetadata, units: np.ndarray, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
-    """Each unit's decoded array from the chunk cache (None: not there) and whether it is
-    there; (None, None) when no unit is. Looked up before the units are located: a unit in the
-    cache needs no shard index."""
-    if cache is None or not len(units):
+def _cache_hits(names: list, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
+    """The decoded arrays of the units named ``names`` (:func:`unit_keys`) that the chunk
+    cache holds, in unit order, and a mask of which units those are; (None, None) when it
+    holds none. Looked up before the units are located: a unit in the cache needs no shard
+    index."""
+    if cache is None or not names:
         return None, None
-    root, generation = meta.root, meta.generation  # (as unit_key names a unit's entry; inlined: hundreds a batch)
-    found = cache.get_many([(root, generation, tuple(c)) for c in units.tolist()])
-    hit = np.fromiter((a is not None for a in found), dtype=bool, count=len(found))
-    return (found, hit) if hit.any() else (None, None)
+    hit, found = cache.get_hits(names)
+    return (found, hit) if found else (None, None)
 
 
 def _part_len(p) -> int:

@@ -5,6 +5,8 @@ decoded arrays, and the head of the table that copies them)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from damacy_server.zarr.metadata import ArrayMetadata
@@ -36,7 +38,7 @@ class CopyTable:
 class UnitJob:
     """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`)."""
 
-    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "shared")
+    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "name", "shared")
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class UnitJob:
         pos: int,
         lo: int,
         hi: int,
+        name: int | tuple[int, int],
     ) -> None:
         self.meta = meta
         self.unit = unit
@@ -59,6 +62,7 @@ class UnitJob:
         self.pos = pos
         self.lo = lo
         self.hi = hi
+        self.name = name  # in the chunk cache and among the units in flight (unit_keys)
         self.shared = None  # while executed: the executor's registration (inflight.Shared)
 
     @property
@@ -79,10 +83,55 @@ class UnitJob:
         return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
 
 
-def unit_key(meta: ArrayMetadata, unit: tuple[int, ...]) -> tuple:
-    """A unit's name in the chunk cache and among the units in flight: its array, the
-    version its metadata was read at (a re-created array's units are others), its place."""
-    return (meta.root, meta.generation, unit)
+#: bits of a unit key that number the units of one array (its read-unit grid, C order);
+#: the bits above them name the array version (see :func:`unit_keys`)
+UNIT_BITS = 40
+_KEY_LIMIT = 1 << 63  # keys below it are numpy int64s, made for a whole batch at once
+_tokens: dict[tuple[str, int], int] = {}
+_tokens_lock = threading.Lock()
+
+
+def _array_token(meta: ArrayMetadata) -> int:
+    """The number naming ``meta``'s array at its version (root and generation): the same for
+    every ArrayMetadata read of that version, another for a re-created array's."""
+    name = (meta.root, meta.generation)
+    token = _tokens.get(name)
+    if token is None:
+        with _tokens_lock:
+            token = _tokens.setdefault(name, len(_tokens) + 1)
+    return token
+
+
+def _unit_strides(meta: ArrayMetadata) -> tuple[np.ndarray, int]:
+    """The C-order strides of ``meta``'s read-unit grid, and how many units it has."""
+    grid = meta.layout.grid
+    strides = np.ones(len(grid), dtype=np.int64)
+    n = 1
+    for axis in range(len(grid) - 1, -1, -1):
+        strides[axis] = n
+        n *= max(int(grid[axis]), 1)
+    return strides, n
+
+
+def unit_keys(meta: ArrayMetadata, units: np.ndarray) -> list[int]:
+    """The names of read units ``units`` (n, ndim grid coordinates) of ``meta`` in the chunk
+    cache and among the units in flight: one int each, ``token << UNIT_BITS | unit index``,
+    the token naming the array and the version its metadata was read at (a re-created
+    array's units are others). Made by numpy for a whole batch: no Python per unit. An array
+    of more than 2**UNIT_BITS units, or one named in a process past 2**(63 - UNIT_BITS) array
+    versions, gets (token, unit index) tuples instead, made per unit (never equal to an int)."""
+    strides, n = _unit_strides(meta)
+    base = _array_token(meta) << UNIT_BITS
+    units = np.asarray(units, dtype=np.int64).reshape(len(units), len(strides))
+    if n <= 1 << UNIT_BITS and base + (1 << UNIT_BITS) <= _KEY_LIMIT:
+        return (units @ strides + base).tolist() if len(strides) else [base] * len(units)
+    token, st = _array_token(meta), strides.tolist()
+    return [(token, sum(c * k for c, k in zip(row, st))) for row in units.tolist()]
+
+
+def unit_key(meta: ArrayMetadata, unit: tuple[int, ...]) -> int:
+    """One unit's name (see :func:`unit_keys`)."""
+    return unit_keys(meta, np.asarray([unit], dtype=np.int64).reshape(1, meta.ndim))[0]
 
 
 class CachedUnits:

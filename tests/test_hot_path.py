@@ -1,0 +1,150 @@
+"""The engine's per-batch work does no Python per read unit where it has moved off the
+interpreter: units are named by numpy for a whole batch, the chunk cache is asked for a
+batch's units by C loops, and units it holds are checked and copied by one native call."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import damacy
+from damacy_server import native
+from damacy_server.plan import units as plan_units
+from damacy_server.plan.units import unit_key, unit_keys
+
+from conftest import random_data, write_array
+
+
+def _meta(tmp_path, name: str, shape=(12, 20, 30), chunks=(4, 5, 6)):
+    data = random_data(shape, "uint16", seed=len(name))
+    write_array(tmp_path / name, data, chunks=chunks)
+    return damacy.open_array(str(tmp_path / name)), data
+
+
+def test_unit_keys_name_each_unit_of_an_array_version_once(tmp_path):
+    a, _ = _meta(tmp_path, "a")
+    b, _ = _meta(tmp_path, "b")
+    units = np.indices(a.layout.grid).reshape(a.ndim, -1).T
+    keys = unit_keys(a, units)
+    assert len(set(keys)) == len(units) and all(isinstance(k, int) for k in keys)
+    assert keys == [unit_key(a, tuple(u)) for u in units.tolist()]  # one unit's name is the batch form's
+    assert not set(keys) & set(unit_keys(b, units))  # another array: other names
+    # a unit's name is its array version's token above UNIT_BITS and its C-order index below
+    assert [k & ((1 << plan_units.UNIT_BITS) - 1) for k in keys] == list(range(len(units)))
+
+
+def test_units_past_the_key_bits_are_named_by_tuples_and_read_the_same(tmp_path, monkeypatch):
+    # an array of more units than UNIT_BITS numbers (here 4) is named by (token, index) pairs,
+    # which are never equal to another array's ints; the cache serves them all the same
+    meta, data = _meta(tmp_path, "big")
+    monkeypatch.setattr(plan_units, "UNIT_BITS", 2)
+    units = np.indices(meta.layout.grid).reshape(meta.ndim, -1).T
+    keys = unit_keys(meta, units)
+    assert all(isinstance(k, tuple) for k in keys) and len(set(keys)) == len(units)
+    assert [k[1] for k in keys] == list(range(len(units)))
+    uri = str(tmp_path / "big")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 10, 12), dtype="u16", chunk_cache_bytes=1 << 20, pop_timeout_s=30)
+    samples = [damacy.Sample(uri, np.s_[1:5, 3:13, 7:19]), damacy.Sample(uri, np.s_[8:12, 10:20, 18:30])]
+    with damacy.Pipeline(cfg) as pipe:
+        pipe.push(samples * 2)  # the second batch is served by the chunk cache
+        got = [b.numpy().copy() for b in pipe.batches()]
+        assert pipe.executor.chunk_cache.stats()["hits"] > 0
+    want = np.stack([data[1:5, 3:13, 7:19], data[8:12, 10:20, 18:30]])
+    assert all(np.array_equal(g, want) for g in got)
+
+
+class _Calls:
+    """Python function calls (not C ones) made by every thread while it is on."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            with self._lock:
+                self.n += 1
+
+    def __enter__(self):
+        threading.setprofile(self)
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+def _calls_of_a_cached_batch(tmp_path, name: str, chunks: tuple[int, ...]) -> tuple[int, int]:
+    """The Python calls made planning a batch of 4 samples whose units are all in the chunk
+    cache and copying them (the second time: the first warms what is made once), and the
+    units it cut; its values checked."""
+    data = random_data((8, 64, 64), "uint16", seed=5)
+    write_array(tmp_path / f"{name}.zarr", data, chunks=chunks)
+    uri = str(tmp_path / f"{name}.zarr")
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 48, 48), dtype="f32", chunk_cache_bytes=8 << 20, pop_timeout_s=30)
+    samples = [damacy.Sample(uri, np.s_[:, y : y + 48, x : x + 48]) for y, x in ((0, 0), (16, 16), (8, 0), (16, 8))]
+    with damacy.Pipeline(cfg) as pipe:
+        pipe.push(samples)
+        pipe.pop().release()  # fills the cache
+        planner, executor = pipe.planner, pipe.executor
+        out = np.zeros((4, 8, 48, 48), dtype=np.float32)
+        done = threading.Event()
+
+        def step():
+            plan = planner.plan(
+                samples, (8, 48, 48), "error", capacity=executor.inflight_capacity, cache=executor.chunk_cache,
+                dtype=np.dtype("f4"), caps=executor.caps,
+            )
+            assert not plan.groups and sum(len(c.arrays) for c in plan.cached) == plan.units_unique
+            done.clear()
+            executor.execute(plan, list(out), lambda errors: done.set())
+            assert done.wait(30)
+            return plan
+
+        step()
+        with _Calls() as counted:
+            plan = step()
+    assert np.array_equal(out, np.stack([data[s.selection] for s in samples]).astype(np.float32))
+    return counted.n, plan.units_unique
+
+
+@pytest.mark.skipif(not native.available(), reason="the native extension is not built (the numpy path copies per unit)")
+def test_a_cached_batch_is_planned_and_copied_without_python_per_unit(tmp_path):
+    # two batches alike but for the units they cut (tens, and hundreds): planning them and
+    # copying their units from the chunk cache makes as many Python calls
+    few, few_units = _calls_of_a_cached_batch(tmp_path, "few", (8, 16, 16))
+    lots, many_units = _calls_of_a_cached_batch(tmp_path, "many", (2, 8, 8))
+    assert many_units >= 8 * few_units  # (the batches differ by hundreds of units)
+    assert abs(lots - few) < 0.05 * few, (few, lots)  # no Python call per unit
+
+
+def test_the_shards_a_sample_touches_are_counted_as_distinct_pairs(tmp_path):
+    # PlanLimits.max_shards_per_sample: each sample's distinct shards, from rows in any order
+    # and with repeats, as np.unique over (sample, shard) rows counts them
+    from types import SimpleNamespace
+
+    from damacy_protocol.limits import PlanLimits
+    from damacy_server.plan.planner import Planner
+
+    data = random_data((16, 24, 30), "uint16", seed=2)
+    write_array(tmp_path / "s", data, chunks=(2, 3, 5), shards=(4, 6, 10))
+    meta = damacy.open_array(str(tmp_path / "s"))
+    rng = np.random.default_rng(4)
+    grid = np.asarray(meta.layout.grid)
+    for trial in range(60):
+        n = int(rng.integers(1, 300))
+        rows = np.zeros((n, 1 + 4 * meta.ndim), dtype=np.int64)
+        rows[:, 0] = rng.integers(0, 5, n)
+        rows[:, 1 : 1 + meta.ndim] = rng.integers(0, grid, (n, meta.ndim))
+        shards = np.unique(np.column_stack([rows[:, :1], rows[:, 1 : 1 + meta.ndim] // np.asarray(meta.layout.units_per_chunk)]), axis=0)
+        owners, counts = np.unique(shards[:, 0], return_counts=True)
+        limit = int(rng.integers(0, 12))
+        samples = [SimpleNamespace(uri="s") for _ in range(5)]
+        errors: dict = {}
+        Planner._check_shards(SimpleNamespace(limits=PlanLimits(max_shards_per_sample=max(limit, 1))), meta, rows, samples, errors)
+        want = {int(s): int(c) for s, c in zip(owners, counts) if c > max(limit, 1)} if n > max(limit, 1) else {}
+        assert {s: int(str(e).split("touches ")[1].split()[0]) for s, e in errors.items()} == want, trial
