@@ -132,7 +132,7 @@ class NativeKernel:
 
     @functools.cached_property
     def unit_dims(self) -> tuple[int, ...]:
-        """``unit_shape`` as a tuple (compared with arrays' shapes, once per cached unit)."""
+        """``unit_shape`` as a tuple (what native code checks cached units' shapes against)."""
         return tuple(self.unit_shape.tolist())
 
     @functools.cached_property
