@@ -84,3 +84,14 @@ def composed(cfg: Config, *, executor: Any = None, planner: Any = None) -> Any:
         out_of_bounds=cfg.out_of_bounds,
         drop_last=cfg.drop_last,
     )
+
+
+def waiting_in_pop(thread_id: int) -> bool:
+    """Whether that thread waits inside a pipeline's pop."""
+    import sys
+
+    names, f = [], sys._current_frames().get(thread_id)
+    while f is not None:
+        names.append(f.f_code.co_name)
+        f = f.f_back
+    return "pop" in names and "wait" in names

@@ -8,34 +8,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
+import zarr
+from contract_helpers import cpu_limits, gpu_available, metadata_provider, require_gpu
 
 import damacy
-
-
-def gpu_available() -> bool:
-    """True where ``damacy._native.cuda_init_primary()`` makes a CUDA context current."""
-    try:
-        import damacy._native as native
-
-        native.cuda_init_primary()
-    except Exception:  # RuntimeError (no GPU), or no native module at all
-        return False
-    return True
-
-
-def require_gpu():
-    if not gpu_available():
-        pytest.skip("needs a CUDA GPU (damacy._native.cuda_init_primary() failed)")
-
-
-def metadata():
-    return damacy.ZarrMetadata(reader=damacy.FileMetadataReader(concurrency=4), cache=damacy.MetadataCache())
-
-
-def cpu_limits():
-    return damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, chunks_per_input_buffer=2)
-
 
 # ---- FileReader -------------------------------------------------------------------------
 
@@ -87,9 +65,14 @@ def test_file_reader_workers_above_online_cpus_are_damacys_to_take(tmp_path):
         pytest.skip("more online CPUs than MAX_IO_THREADS")
     reader = damacy.FileReader(workers=workers)
     executor = damacy.CpuExecutor(reader=reader, limits=cpu_limits())
-    planner = damacy.ChunkPlanner(metadata=metadata())
+    planner = damacy.ChunkPlanner(metadata=metadata_provider())
+    data = np.arange(16, dtype=np.uint16)
+    zarr.create_array(str(tmp_path / "a"), shape=(16,), chunks=(4,), dtype="uint16")[...] = data
     with damacy.Pipeline(planner=planner, executor=executor, output=damacy.BatchSpec(1, (4,)), queues=damacy.QueueLimits(4)) as p:
         assert p.device == -1
+        p.push([damacy.Sample(str(tmp_path / "a"), [(6, 10)])])
+        with p.pop() as batch:
+            assert np.array_equal(np.from_dlpack(batch)[0], data[6:10].astype(np.float32))
 
 
 def test_file_reader_has_slots_and_no_extra_attributes():
@@ -173,11 +156,11 @@ def test_zarr_metadata_requires_reader_and_cache(missing):
 
 def test_zarr_metadata_has_no_extra_attributes():
     with pytest.raises(AttributeError):
-        metadata().extra = 1
+        metadata_provider().extra = 1
 
 
 def test_zarr_metadata_shared_by_planners():
-    m = metadata()
+    m = metadata_provider()
     a, b = damacy.ChunkPlanner(metadata=m), damacy.ChunkPlanner(metadata=m)
     assert a.metadata is m and b.metadata is m
 
@@ -186,19 +169,19 @@ def test_zarr_metadata_shared_by_planners():
 
 
 def test_chunk_planner_attributes():
-    m, limits = metadata(), damacy.PlanLimits(max_chunks=8)
+    m, limits = metadata_provider(), damacy.PlanLimits(max_chunks=8)
     p = damacy.ChunkPlanner(metadata=m, limits=limits)
     assert p.metadata is m
     assert p.limits == limits
 
 
 def test_chunk_planner_limits_none_means_defaults():
-    assert damacy.ChunkPlanner(metadata=metadata()).limits == damacy.PlanLimits()
-    assert damacy.ChunkPlanner(metadata=metadata(), limits=None).limits == damacy.PlanLimits()
+    assert damacy.ChunkPlanner(metadata=metadata_provider()).limits == damacy.PlanLimits()
+    assert damacy.ChunkPlanner(metadata=metadata_provider(), limits=None).limits == damacy.PlanLimits()
 
 
-def test_chunk_planner_is_keyword_only_and_needs_metadata():
-    m = metadata()
+def test_chunk_planner_is_keyword_only_and_needs_metadata_provider():
+    m = metadata_provider()
     with pytest.raises(TypeError):
         damacy.ChunkPlanner(m)
     with pytest.raises(TypeError):
@@ -207,7 +190,7 @@ def test_chunk_planner_is_keyword_only_and_needs_metadata():
 
 def test_chunk_planner_has_no_extra_attributes():
     with pytest.raises(AttributeError):
-        damacy.ChunkPlanner(metadata=metadata()).extra = 1
+        damacy.ChunkPlanner(metadata=metadata_provider()).extra = 1
 
 
 # ---- CpuExecutor ------------------------------------------------------------------------
@@ -249,7 +232,7 @@ def test_cuda_executor_refuses_without_a_gpu():
     if gpu_available():
         pytest.skip("a CUDA GPU is present")
     reader, limits, cls = damacy.FileReader(workers=1), damacy.CudaLimits(max_gpu_memory_bytes=1 << 30), damacy.CudaExecutor
-    with pytest.raises(Exception):  # noqa: B017 - the type is unspecified
+    with pytest.raises(damacy.InvalidArgument, match="no CUDA device"):  # (type unspecified by the seed)
         cls(reader=reader, limits=limits, device=0)
 
 

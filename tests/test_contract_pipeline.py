@@ -28,6 +28,9 @@ from contract_helpers import (
 
 import damacy
 
+from daemon_helpers import wait_for
+from pipeline_helpers import waiting_in_pop
+
 SHAPE, CHUNKS, BOX = (8, 12), (4, 6), (4, 6)
 BOXES = [((0, 4), (0, 6)), ((2, 6), (3, 9)), ((4, 8), (6, 12)), ((1, 5), (5, 11)), ((3, 7), (1, 7)), ((0, 4), (6, 12))]
 BAD = ((0, 3), (0, 6))  # a (3, 6) box: not BatchSpec.shape
@@ -331,6 +334,7 @@ def test_close_wakes_a_blocked_pop(arr):
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
+    assert wait_for(lambda: waiting_in_pop(t.ident), what="the pop to wait")  # blocked, not yet closed
     p.close()
     t.join(60)
     assert not t.is_alive()

@@ -130,6 +130,7 @@ def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monk
         got, _ = run(str(tmp_path / "a"), out, False, aabbs, executor=plain)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)) and plain.chunk_cache.stats()["hits"] > 0
         meta = damacy.open_array(tmp_path / "a")
+        assert len({key >> UNIT_BITS for key in cache._data}) == 1  # one array's entries, all of them
         for key, (arr, _) in list(cache._data.items()):
             unit = _unit_of(meta, key)
             assert not arr.flags.writeable

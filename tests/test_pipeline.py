@@ -19,7 +19,7 @@ from damacy_server.decode.contract import convert
 
 from conftest import padded_selection, random_data, write_array
 from daemon_helpers import wait_for
-from pipeline_helpers import DAMACY_OWN, expected_box, out_dtype, same
+from pipeline_helpers import DAMACY_OWN, expected_box, out_dtype, same, waiting_in_pop
 
 LE = BytesCodec(endian="little")
 SHAPE = (30, 40, 50)
@@ -597,8 +597,8 @@ def test_pop_wait_counts_every_pop_those_that_raised_too(store, make):
         with p.pop():
             pass
         waited = p.stats().pop_wait
-    assert waited.count == 2 and waited.ms >= 200  # the timed-out pop's 0.2 s included
-    assert waited.best_ms <= waited.ms / 2  # the shortest of the two waits
+    assert waited.count == 2 and waited.ms >= 200  # the timed-out pop waited its whole 0.2 s: included
+    assert waited.best_ms < waited.ms  # the best is one of the two waits, not their sum
 
 
 def test_a_batch_ends_where_the_input_raised_before_a_later_push(store, make):
@@ -1157,17 +1157,6 @@ def _gated(uri, n, gate, at):
         yield damacy.Sample(uri, np.s_[i : i + 1, 0:7, 0:8])
 
 
-def _waiting_in_pop(thread_id):
-    """Whether that thread waits inside a pipeline's pop."""
-    import sys
-
-    names, f = [], sys._current_frames().get(thread_id)
-    while f is not None:
-        names.append(f.f_code.co_name)
-        f = f.f_back
-    return "pop" in names and "wait" in names
-
-
 def test_a_pop_interrupted_while_it_waits_loses_no_batch(store, daemon):
     """Ctrl-C while a daemon pop waits (its request sent): the batch it asked for is the
     next pop's. (The interrupt is raised by the wait itself: a real signal could reach the
@@ -1223,7 +1212,7 @@ def test_close_from_another_thread_ends_a_waiting_pop(store, make):
 
     t = threading.Thread(target=pop)
     t.start()
-    assert wait_for(lambda: _waiting_in_pop(t.ident), what="the pop to wait")
+    assert wait_for(lambda: waiting_in_pop(t.ident), what="the pop to wait")
     p.close()
     assert wait_for(lambda: not t.is_alive(), what="the pop to end after close")
     gate.set()

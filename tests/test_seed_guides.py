@@ -562,11 +562,6 @@ def test_distributed_binding_lines(monkeypatch):
     call = config[0].value
     assert isinstance(call, ast.Call) and source(call.func) == "damacy.Config"
     assert [source(k.value) for k in call.keywords if k.arg == "device"] == ["local_rank"]
-    pytest.skip(
-        "distributed.md's binding lines are an excerpt: `damacy.Config(..., device=local_rank)` elides the "
-        "required arguments (Ellipsis in their place) and torch.cuda.set_device needs a CUDA build of torch; "
-        "they run with their arguments in the torchrun example"
-    )
 
 
 def _crops_for_rank(arrays: dict[str, zarr.Array]):

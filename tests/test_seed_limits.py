@@ -178,12 +178,12 @@ def test_a_sample_over_a_plan_limit_fails_before_anything_is_read(tmp_path, limi
 
 
 class _Counted:
-    """A semaphore that records how many holders it had at once."""
+    """The executor's own semaphore, recording how many holders it had at once."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, sem) -> None:
         import threading
 
-        self._sem, self._lock = threading.BoundedSemaphore(n), threading.Lock()
+        self._sem, self._lock = sem, threading.Lock()
         self.held = self.most = self.taken = 0
 
     def acquire(self) -> None:
@@ -205,9 +205,12 @@ def test_host_buffer_waves_bounds_the_batches_read_ahead_of_the_device(tmp_path,
     each batch holds one of them from its reads until its device stage is done."""
     uri, data = _volume(tmp_path / "v.zarr", compressors=[ZstdCodec(level=1)])
     executor, _ = _cuda(CudaLimits(1 << 30, host_buffer_waves=waves))
-    counted = executor._host_waves = _Counted(waves)
+    counted = executor._host_waves = _Counted(executor._host_waves)  # (the bound is the executor's)
     boxes = [[(z, z + 2), (0, 16), (0, 16)] for z in range(7)] * 2
     got, _ = _run(executor, uri, boxes)
     assert all(np.array_equal(g[0], data[b[0][0] : b[0][1]]) for g, b in zip(got, boxes))
     assert counted.taken == len(boxes) and counted.held == 0  # one per batch, all given back
     assert 1 <= counted.most <= waves
+    # the semaphore holds exactly host_buffer_waves: that many taken at once, no more
+    sem = counted._sem
+    assert all(sem.acquire(blocking=False) for _ in range(waves)) and not sem.acquire(blocking=False)
