@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, repeat
 from operator import is_not, itemgetter
 from typing import Any, Generic, TypeVar
@@ -95,8 +95,16 @@ class LRUCache(Generic[V]):
         return "frequency" if self._by_frequency else "recency"
 
     def get(self, key: Hashable) -> V | None:
-        hit, values = self.get_hits([key])
-        return values[0] if values else None
+        with self._lock:
+            item = self._data.get(key)
+            if item is None:
+                self.misses += 1
+            else:
+                self._data.move_to_end(key)
+                self.hits += 1
+            if self._freq is not None:
+                self._count([key], (item is not None,))
+        return None if item is None else item[0]
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
         """:meth:`get` of each key, under one acquisition of the lock."""
@@ -115,18 +123,20 @@ class LRUCache(Generic[V]):
         with self._lock:
             data = self._data
             items = list(map(data.get, keys))
-            hit = np.fromiter(map(is_not, items, repeat(None, n)), dtype=bool, count=n)
-            found = hit.sum()
-            if found:
-                deque(map(data.move_to_end, compress(keys, hit.tolist())), maxlen=0)
-                values = list(map(_VALUE, compress(items, hit.tolist()))) if found < n else list(map(_VALUE, items))
+            found = n - items.count(None)
+            held: list[bool] | None = None  # None: every key (a cached batch's common case)
+            if found == n:
+                deque(map(data.move_to_end, keys), maxlen=0)
+                values = list(map(_VALUE, items))
             else:
-                values = []
-            self.hits += int(found)
-            self.misses += n - int(found)
+                held = list(map(is_not, items, repeat(None, n)))
+                deque(map(data.move_to_end, compress(keys, held)), maxlen=0)
+                values = list(map(_VALUE, compress(items, held)))
+            self.hits += found
+            self.misses += n - found
             if self._freq is not None:
-                self._count(keys, hit)
-            return hit, values
+                self._count(keys, held)
+            return np.ones(n, dtype=bool) if held is None else np.array(held, dtype=bool), values
 
     def peek(self, key: Hashable) -> V | None:
         """The value under ``key`` (None: none) without counting a lookup or touching its
@@ -135,8 +145,8 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def _count(self, keys: list[Hashable], hit: np.ndarray) -> None:
-        """Count the lookups of ``keys`` (``hit``: which of them the cache holds) for
+    def _count(self, keys: list[Hashable], hit: Sequence[bool] | None) -> None:
+        """Count the lookups of ``keys`` (``hit``: which of them the cache holds; None: all) for
         admission, play them on the shadow, and end a period (perhaps switching rules) at its
         length. The keys go in runs that end where the counts age or a period ends (exactly
         where a key-by-key pass would), each run counted by C loops."""
@@ -153,7 +163,7 @@ class LRUCache(Generic[V]):
                 self._lookups = 0
                 self._freq = Counter({k: c >> 1 for k, c in self._freq.items() if c > 1})
             seen += step
-            hits += int(hit[i : i + step].sum())
+            hits += step if hit is None else sum(hit[i : i + step]) if step < n else sum(hit)
             shadow = self._shadow
             again = list(filter(shadow.__contains__, run))
             shadow_hits += len(again)

@@ -310,7 +310,7 @@ class _KeyByKey(LRUCache):
                 self._lookups = 0
                 self._freq = Counter({k: c >> 1 for k, c in self._freq.items() if c > 1})
             seen += 1
-            hits += bool(hit[i])
+            hits += hit is None or bool(hit[i])  # (None: every key hit)
             if key in self._shadow:
                 shadow_hits += 1
                 self._shadow.move_to_end(key)
