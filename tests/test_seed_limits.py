@@ -214,3 +214,21 @@ def test_host_buffer_waves_bounds_the_batches_read_ahead_of_the_device(tmp_path,
     # the semaphore holds exactly host_buffer_waves: that many taken at once, no more
     sem = counted._sem
     assert all(sem.acquire(blocking=False) for _ in range(waves)) and not sem.acquire(blocking=False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_chunk_over_the_stored_cap_is_never_served_from_the_chunk_cache(tmp_path, native):
+    """An unsharded chunk's stored size is known once it is read: one over
+    ``max_encoded_chunk_bytes`` fails its samples every time it is asked for, whether read
+    from the page cache in the native call or by the I/O threads, and is never kept."""
+    uri, data = _volume(tmp_path / "v.zarr", compressors=None, shards=None)  # 512 stored bytes per chunk
+    limits = damacy.CpuLimits(max_memory_bytes=64 << 20, decode_workers=2, max_encoded_chunk_bytes=256, chunk_cache_bytes=1 << 20, native=native)
+    executor = damacy.CpuExecutor(reader=damacy.FileReader(workers=2), limits=limits)
+    output = damacy.BatchSpec(1, (4, 8, 8), "u16")
+    with damacy.Pipeline(planner=_planner(), executor=executor, output=output, queues=damacy.QueueLimits(2), on_error="fill") as p:
+        for _ in range(3):  # one after the other: a second read would find what the first kept
+            p.push([damacy.Sample(uri, [(0, 4), (0, 8), (0, 8)])])
+            with p.pop() as batch:
+                (i, err), = batch.info.errors
+                assert i == 0 and isinstance(err, damacy.BudgetExceeded) and "max_encoded_chunk_bytes=256" in str(err)
+        assert len(p.executor.chunk_cache) == 0

@@ -459,8 +459,9 @@ class CpuExecutor(BudgetedExecutor):
                 finished = False
                 return
             t0 = time.perf_counter()
-            code, read_ns, nbytes, (encoded, decoded, assembled) = self.native.read_file(
-                kernel, run, group, where, sparse=len(groups) > 1
+            code, read_ns, nbytes, (encoded, decoded, assembled), over = self.native.read_file(
+                kernel, run, group, where, sparse=len(groups) > 1,
+                refuse=(lambda n: self._over_cap(group, n)) if group.length < 0 else None,
             )
             if code != 0:
                 if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
@@ -468,8 +469,8 @@ class CpuExecutor(BudgetedExecutor):
                 finished = False
                 return
             self._direct_misses = 0
-            if group.length < 0 and (over := self._over_cap(group, nbytes)) is not None:
-                run.fail(samples_of(units), over)  # (decoded all the same: the samples fail)
+            if over is not None:  # (neither kept nor handed to waiting batches)
+                run.fail(samples_of(units), over)
             seconds = time.perf_counter() - t0
             read_s = read_ns / 1e9
             self.stats.add("read", read_s, bytes_out=nbytes)

@@ -12,11 +12,12 @@ samples.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from damacy_protocol.errors import DecodeError
+from damacy_protocol.errors import DamacyError, DecodeError
 from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.cpu import optable
@@ -70,11 +71,15 @@ class NativeTasks:
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
     def read_file(
-        self, kernel, run: Run, group: ReadGroup, where, sparse: bool = False
-    ) -> tuple[int, int, int, tuple[int, int, int]]:
+        self, kernel, run: Run, group: ReadGroup, where, sparse: bool = False,
+        refuse: Callable[[int], DamacyError | None] | None = None,
+    ) -> tuple[int, int, int, tuple[int, int, int], DamacyError | None]:
         """As :meth:`decode`, reading the group from the page cache in the same call (see
-        :func:`native.run_file`; ``sparse``: only its units' bytes). Returns (code, read_ns,
-        nbytes, (encoded, decoded, assembled)); a non-zero code means nothing was done."""
+        :func:`native.run_file`; ``sparse``: only its units' bytes). ``refuse(nbytes)``: the
+        error of a read of that many bytes that must not be served (a chunk over the stored
+        cap, known once read): then nothing is kept or handed to waiting batches, which get
+        the error. Returns (code, read_ns, nbytes, (encoded, decoded, assembled), refused);
+        a non-zero code means nothing was done."""
         units = group.units
         table, targets = self._tables(run, units)
         kept, keep = self._keep(kernel, units)
@@ -82,11 +87,17 @@ class NativeTasks:
             kernel, where, group.offset, group.length, table, targets, keep, sparse
         )
         if code != 0:
-            return code, read_ns, 0, (0, 0, 0)
+            return code, read_ns, 0, (0, 0, 0), None
+        refused = refuse(nbytes) if refuse is not None else None
+        if refused is not None:
+            for u in units:
+                if u.shared is not None:
+                    self.inflight.settle(u.shared, error=refused)
+            return 0, read_ns, nbytes, (0, 0, 0), refused
         self._cache_kept(units, kept, failures)
         offset = max(group.offset, 0)
         data_len = group.length if sparse else nbytes  # the range read, holes and all
-        return 0, read_ns, nbytes, self._done(kernel, run, units, table, failures, encoded, elements, offset, data_len)
+        return 0, read_ns, nbytes, self._done(kernel, run, units, table, failures, encoded, elements, offset, data_len), None
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
         """Copy units of one plan table from their decoded arrays (chunk cache entries) in one
