@@ -108,7 +108,7 @@ def warm(
             try:
                 locs = daemon.metadata.locate(meta, arr)
                 if chunks:
-                    cached, left, failed = _load_chunks(meta, units, locs, cache, daemon.executor.stats)
+                    cached, left, failed = _load_chunks(meta, units, arr, locs, cache, daemon.executor.stats)
                     out["chunks"] += cached
                     out["left"] += left
                     out["errors"].extend(failed)
@@ -121,8 +121,8 @@ def warm(
     return out
 
 
-def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[DamacyError]]:
-    """Read and decode ``units`` into the chunk cache; the work counts in the stage figures
+def _load_chunks(meta, units, coords, locs, cache, stats) -> tuple[int, int, list[DamacyError]]:
+    """Read and decode ``units`` (``coords``: them as an int64 array) into the chunk cache; the work counts in the stage figures
     as a stream's does ("read", "decode"), and under "warm" (chunks cached, their bytes).
     Returns the chunks the cache holds, those that exist and did not fit (units never
     written are neither: they read as the fill value), and the errors of those that could
@@ -130,7 +130,7 @@ def _load_chunks(meta, units, locs, cache, stats) -> tuple[int, int, list[Damacy
     n = 0
     failed: list[DamacyError] = []
     present = [k for k in range(len(units)) if not locs.missing[k] and k not in locs.errors]
-    names = unit_keys(meta, np.asarray(units, dtype=np.int64).reshape(len(units), meta.ndim))
+    names = unit_keys(meta, coords)
     for done, k in enumerate(present):
         unit = units[k]
         key = locs.keys[k]

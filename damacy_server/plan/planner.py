@@ -428,16 +428,18 @@ class Planner:
         # the batch's chunk uses and shards per sample, checked before any unit is located
         # (a sample or batch over its limits reads no shard index and no chunk)
         tables = []
-        uses = 0
         for acc in by_array.values():
             if not acc:  # only boxes wholly outside the array
                 continue
             rows, units, inverse = acc.rows()
             if self.batch_limits:
-                uses += _uses(rows, inverse, len(units))
                 self._check_shards(acc.meta, rows, samples, errors)
             tables.append((acc, rows, units, inverse))
         if self.batch_limits:
+            # a batch's rows bound its chunk uses: counted exactly only when the bound is over
+            uses = sum(len(t[1]) for t in tables)
+            if uses > self.limits.max_chunks:
+                uses = sum(_uses(rows, inverse, len(units)) for _, rows, units, inverse in tables)
             self._check_batch(uses, tables, samples, errors)
 
         # where the units are; units that cannot be located fail their samples
