@@ -112,18 +112,18 @@ class Pipeline(PipelineAPI, metaclass=_AnyPipeline):
         if config is None:
             if len(given) < 4:
                 raise TypeError("planner, executor, output, and queues are required")
-            return _embedded(None, {**parts, "pop_timeout_s": pop_timeout_s, **extras}, endpoint, embedded)
+            return _composed({**parts, "pop_timeout_s": pop_timeout_s, **extras}, endpoint, embedded)
         if extras:
             raise TypeError(f"Pipeline(config) takes no {', '.join(sorted(extras))} (they are Config fields)")
         return _make_pipeline(config, endpoint, embedded)
 
 
-def _embedded(config: Config | None, parts: dict, endpoint: str | None, embedded: bool | None):
+def _composed(parts: dict, endpoint: str | None, embedded: bool | None):
     if endpoint is not None or embedded is False:
         raise InvalidArgument("a pipeline composed from parts runs in this process: it takes no endpoint")
     from damacy_server.pipeline import Pipeline as EmbeddedPipeline
 
-    return EmbeddedPipeline(config, **parts)
+    return EmbeddedPipeline(None, **parts)
 
 
 def _make_pipeline(config: Config, endpoint: str | None, embedded: bool | None):

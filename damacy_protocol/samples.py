@@ -171,6 +171,9 @@ class _Selected(Query):
             return shape
         return tuple(shape[a] for a in self.transpose)
 
+    def _key(self) -> tuple:
+        return (self.uri, key(self.selection), self.level, self.flip, self.transpose, self.normalize)  # type: ignore[attr-defined]
+
 
 # -- Sample --------------------------------------------------------------------------------
 
@@ -277,9 +280,6 @@ class Sample(_Selected):
     @classmethod
     def _family(cls) -> type:
         return Sample
-
-    def _key(self) -> tuple:
-        return (self.uri, key(self.selection), self.level, self.flip, self.transpose, self.normalize)
 
     @property
     def aabb(self) -> tuple[tuple[int, int | None] | EllipsisType, ...]:
@@ -399,9 +399,6 @@ class IndexQuery(_Selected):
         set_(self, "indices", tuple(indices))
         set_(self, "selection", tuple(entries))
 
-    def _key(self) -> tuple:
-        return (self.uri, key(self.selection), self.level, self.flip, self.transpose, self.normalize)
-
     @property
     def shape(self) -> tuple[int, ...]:
         """The result's shape: per axis the index array's length or the slice's extent."""
@@ -458,7 +455,7 @@ class ResolvedSpatialQuery(Query):
             object.__setattr__(out, name, values[name])
         return out
 
-    def as_sample(self) -> Sample:
+    def _as_sample(self) -> Sample:
         """The box of its level this query copies (an aligned one), as a :class:`Sample`;
         :class:`UnsupportedOperation` when it needs resampling."""
         if self.requires_resampling:
@@ -493,7 +490,7 @@ def check_pushed(item: Any, shape: tuple[int, ...], pad: bool, no_index_queries:
                 f"the spatial query's output shape {tuple(item.shape)} is not the batch's sample shape {tuple(shape)}",
                 sample=item,
             )
-        return item.as_sample()
+        return item._as_sample()
     if isinstance(item, Sample):
         for axis, e in enumerate(item.selection):
             if isinstance(e, slice) and e.stop is not None:

@@ -208,22 +208,6 @@ class Stats:
     gpu_bytes_committed: int
     host_bytes_committed: int = 0
 
-    def to_dict(self) -> dict:
-        """Plain data (for the wire, JSON); :meth:`from_dict` rebuilds it."""
-        out: dict = {}
-        for name in STAGE_METRICS:
-            m = getattr(self, name)
-            out[name] = [m.name, m.ms, m.best_ms, m.input_bytes, m.output_bytes, m.count]
-        for name in COUNTERS:
-            out[name] = getattr(self, name)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Stats:
-        values: dict = {name: Metric(*data[name]) for name in STAGE_METRICS}
-        values.update({name: int(data.get(name, 0)) for name in COUNTERS})
-        return cls(**values)
-
 
 #: the seed API's stage -> the daemon's stage figures it reads
 _DAEMON_STAGES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}

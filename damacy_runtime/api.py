@@ -73,7 +73,7 @@ class PipelineAPI(ABC):
         raised by the next ``push`` or ``pop``. Errors that depend on the arrays come at
         ``pop``. On a closed or stopped pipeline: :class:`ShutdownError`."""
         self._check_process()
-        self._check_open("push")
+        self._check_open()
         if self._terminal is not None:
             raise ShutdownError(
                 f"the pipeline stopped after an error at pop ({type(self._terminal).__name__}: {self._terminal}): "
@@ -112,7 +112,7 @@ class PipelineAPI(ABC):
         """:meth:`pop`; with ``end_at_tail``, None once nothing can come but a short last
         batch waiting for a later push (how iterating ends)."""
         self._check_process()
-        self._check_open("pop")
+        self._check_open()
         if self._terminal is not None:
             raise stage(self._terminal.copy(), "pop")
         self._raise_deferred("pop")
@@ -144,20 +144,20 @@ class PipelineAPI(ABC):
         """The pipeline's figures now (see :class:`~damacy_protocol.stats.Stats`); they keep
         accumulating."""
         self._check_process()
-        self._check_open("stats")
+        self._check_open()
         return self._figures()
 
     def stats_reset(self) -> None:
         """Zero the timings, the stages' totals and the synthetic-latency counters; the
         caches' hits and misses and the memory committed stay."""
         self._check_process()
-        self._check_open("stats_reset")
+        self._check_open()
         self._reset_figures()
 
     @property
     def device(self) -> int:
         """The CUDA device the batches are on, or -1 (host memory)."""
-        self._check_open("device")
+        self._check_open()
         return self._device_index()
 
     @property
@@ -198,7 +198,7 @@ class PipelineAPI(ABC):
     def _device_index(self) -> int: ...
 
 
-    def _check_open(self, what: str) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise ShutdownError(CLOSED, what="closed")
 

@@ -158,10 +158,6 @@ class Batch:
             raise BufferError(f"batch {self._info.batch_id} was released")
         return self._info
 
-    @info.setter
-    def info(self, info: BatchInfo) -> None:
-        self._info = info
-
     # -- access -------------------------------------------------------------------
     def _live(self) -> Slot:
         slot = self._slot

@@ -419,7 +419,7 @@ class Pipeline(PipelineAPI):
         executor, ``device``: its name and the units decoded on the host because nvCOMP does
         not decode their codec."""
         self._check_process()
-        self._check_open("stats")
+        self._check_open()
         counters = self.counters()
         device = getattr(self.executor, "device_stats", None)
         return {

@@ -442,7 +442,7 @@ def test_identity_crop_is_aligned_and_pushes_as_a_sample(pyramid):
     assert r.output_to_source == ((1.0, 0.0, 8.0), (0.0, 1.0, 16.0))
     assert r.source_bounds_index == r.read_bounds_index == ((8, 24), (16, 48))
     assert not r.requires_resampling and r.sampler == NEAREST
-    assert r.as_sample() == Sample(pyramid.levels[0].uri, [(8, 24), (16, 48)])
+    assert r._as_sample() == Sample(pyramid.levels[0].uri, [(8, 24), (16, 48)])
     linear = pyramid.resolve(query(eye(2), [8, 16], sampler=Sampler()), shape=(16, 32))
     assert not linear.requires_resampling and linear.source_bounds_index == ((8, 24), (16, 48))
 
@@ -454,14 +454,14 @@ def test_aligned_crop_of_a_coarser_level(pyramid):
     for chosen in ("auto", 2):
         r = pyramid.resolve(query(eye(2, ratio[0]), offset, level=chosen), shape=(8, 8))
         assert r.level == 2 and not r.requires_resampling
-        assert r.as_sample() == Sample(level.uri, [(3, 11), (5, 13)])
+        assert r._as_sample() == Sample(level.uri, [(3, 11), (5, 13)])
 
 
 def test_resampling_results_are_inspectable_but_do_not_push(pyramid):
     r = pyramid.resolve(query(eye(2), [0.5, 0]), shape=(4, 4))
     assert r.requires_resampling and r.source_bounds_index == ((1, 5), (0, 4))
     with pytest.raises(UnsupportedOperation, match="^submit spatial query: resampling required$") as caught:
-        r.as_sample()
+        r._as_sample()
     assert caught.value.status == Status.UNSUPPORTED and caught.value.what == "submit spatial query: resampling required"
 
 
@@ -597,7 +597,7 @@ def test_results_are_immutable_picklable_and_outlive_the_image(tmp_path):
         assert isinstance(back.sampler, Sampler)
         with pytest.raises(AttributeError):
             r.level = 1
-    assert results[0].as_sample() == pickle.loads(pickle.dumps(results[0])).as_sample()
+    assert results[0]._as_sample() == pickle.loads(pickle.dumps(results[0]))._as_sample()
     assert results[1].requires_resampling and results[1].level == 1
 
 
