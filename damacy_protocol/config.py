@@ -62,6 +62,14 @@ DAEMON_OWNED = (
 )
 
 
+class _Chosen(int):
+    """A cache size Config chose, not one it was given: its default, raised to the floor of
+    the samples in flight. A variant built with :func:`dataclasses.replace` chooses it again
+    for its own batches (a number it was given it keeps, and checks)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class Config:
     """Everything a pipeline needs, in one frozen value; build variants with
@@ -232,15 +240,18 @@ class Config:
         # the caches' floors (lookahead and the batches in flight) are checked where the
         # pipeline is made (InvalidArgument); a cache not given is its default, raised to its
         # floor (large batches: the defaults are sized for the quick start's)
+        # (max_shards_per_sample > 0 is checked there too, as the seed's native code does)
         set_(self, "max_shards_per_sample", operator.index(max_shards_per_sample))
         floor = self.lookahead_samples + 2 * spb
-        given = {"n_array_meta_cache": n_array_meta_cache, "n_chunk_layout_cache": n_chunk_layout_cache}
-        defaults = {"n_array_meta_cache": L.DEFAULT_ARRAY_ENTRIES, "n_chunk_layout_cache": L.DEFAULT_CHUNK_LAYOUT_ENTRIES}
-        for name, value in given.items():
-            set_(self, name, max(defaults[name], floor) if value is None else operator.index(value))
-        if n_shard_index_cache is None:
-            n_shard_index_cache = max(L.DEFAULT_SHARD_INDEX_ENTRIES, floor * max(self.max_shards_per_sample, 1))
-        set_(self, "n_shard_index_cache", operator.index(n_shard_index_cache))
+        chosen = {
+            "n_array_meta_cache": (n_array_meta_cache, L.DEFAULT_ARRAY_ENTRIES),
+            "n_chunk_layout_cache": (n_chunk_layout_cache, L.DEFAULT_CHUNK_LAYOUT_ENTRIES),
+            "n_shard_index_cache": (n_shard_index_cache, max(L.DEFAULT_SHARD_INDEX_ENTRIES, floor * max(self.max_shards_per_sample, 1))),
+        }
+        for name, (value, default) in chosen.items():
+            # one Config chose (a variant from dataclasses.replace chooses again, for its batches)
+            chose = value is None or isinstance(value, _Chosen)
+            set_(self, name, _Chosen(max(default, floor)) if chose else operator.index(value))
         if pop_timeout_s is not None and pop_timeout_s <= 0:
             raise ValueError(f"pop_timeout_s must be > 0 or None (got {pop_timeout_s})")
         set_(self, "pop_timeout_s", None if pop_timeout_s is None else float(pop_timeout_s))
@@ -379,7 +390,10 @@ class Config:
             dtype=self.dtype,
             lookahead_samples=self.lookahead_samples,  # (the caches' defaults follow it)
         )
-        return [name for name in DAEMON_OWNED if getattr(self, name) != getattr(default, name)]
+        return [
+            name for name in DAEMON_OWNED
+            if not isinstance(value := getattr(self, name), _Chosen) and value != getattr(default, name)
+        ]
 
     def check_cache_floors(self) -> None:
         """The seed Config's cache floors: every cache holds at least the samples in flight
@@ -387,6 +401,8 @@ class Config:
         sample may touch (InvalidArgument)."""
         from damacy_protocol.errors import InvalidArgument
 
+        if self.max_shards_per_sample < 1:
+            raise InvalidArgument(f"Config.max_shards_per_sample must be > 0 (got {self.max_shards_per_sample})")
         floor = self.lookahead_samples + 2 * self.samples_per_batch
         for name in ("n_array_meta_cache", "n_chunk_layout_cache"):
             if getattr(self, name) < floor:
@@ -414,6 +430,8 @@ class Config:
                 value = {k.name: getattr(value, k.name) for k in fields(value)}
             elif f.name == "sample_shape":
                 value = list(value)
+            elif isinstance(value, _Chosen):
+                value = None  # (chosen again where it arrives, alike)
             out[f.name] = value
         return out
 

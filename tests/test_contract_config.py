@@ -208,3 +208,25 @@ def test_a_configs_caches_not_given_rise_to_their_floors_and_given_ones_are_held
         damacy.Pipeline(damacy.Config(samples_per_batch=64, sample_shape=(4, 4), n_shard_index_cache=8192), embedded=True)
     again = damacy.Config.from_dict(big.to_dict())
     assert again == big
+
+
+def test_a_variant_from_dataclasses_replace_chooses_its_cache_sizes_again():
+    """Cache sizes a Config chose (not given) follow a variant's batches; given ones stay."""
+    small = damacy.Config(samples_per_batch=8, sample_shape=(8, 16))
+    big = dataclasses.replace(small, samples_per_batch=64, lookahead_samples=128)
+    assert big == damacy.Config(samples_per_batch=64, sample_shape=(8, 16), lookahead_samples=128)
+    assert big.n_shard_index_cache == 256 * 64
+    damacy.Pipeline(big, embedded=True).close()  # within its floors
+    given = dataclasses.replace(damacy.Config(samples_per_batch=8, sample_shape=(8, 16), n_shard_index_cache=9000), samples_per_batch=64, lookahead_samples=128)
+    assert given.n_shard_index_cache == 9000
+    with pytest.raises(damacy.InvalidArgument, match="n_shard_index_cache=9000 is below its floor"):
+        damacy.Pipeline(given, embedded=True)
+    # a size it chose is not one the caller set for damacyd to ignore
+    assert damacy.Config(samples_per_batch=8, sample_shape=(8, 16), max_shards_per_sample=2).daemon_owned() == ["max_shards_per_sample"]
+    assert dataclasses.replace(small, samples_per_batch=64, lookahead_samples=128).daemon_owned() == []
+
+
+def test_max_shards_per_sample_below_one_is_refused_where_the_pipeline_is_made():
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4,), max_shards_per_sample=0)  # (checked natively by the seed)
+    with raises_exactly(damacy.InvalidArgument, "Config.max_shards_per_sample must be > 0 (got 0)"):
+        damacy.Pipeline(cfg, embedded=True)

@@ -327,7 +327,7 @@ def test_sigterm_while_a_session_starts_leaves_no_segment(tmp_path, data):
     sock.connect(proc.endpoint)
     try:
         cfg = damacy.Config(samples_per_batch=16, sample_shape=(64, 256, 256), dtype="u16", prepared_batches=8)  # 8 x 32 MiB
-        sock.send(m.encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=cfg)))
+        sock.send(m.encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=cfg.to_dict())))
         wait_for(lambda: shm_segments(proc.pid), timeout=60, what="the session's first segment")
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(60) == 0

@@ -351,7 +351,8 @@ class Raw:
                 return reply
 
     def hello(self, config: damacy.Config | None = None):
-        welcome = self.call(lambda i: m.Hello(id=i, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=config))
+        described = None if config is None else config.to_dict()  # (the wire form, as the client sends it)
+        welcome = self.call(lambda i: m.Hello(id=i, version=m.PROTOCOL_VERSION, pid=os.getpid(), rank=None, config=described))
         assert isinstance(welcome, m.Welcome), welcome
         assert isinstance(self.call(lambda i: m.Attached(id=i)), m.Ack)
         return welcome
