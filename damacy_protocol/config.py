@@ -250,8 +250,10 @@ class Config:
         }
         for name, (value, default) in chosen.items():
             # one Config chose (a variant from dataclasses.replace chooses again, for its batches)
-            chose = value is None or isinstance(value, _Chosen)
-            set_(self, name, _Chosen(max(default, floor)) if chose else operator.index(value))
+            if value is None or isinstance(value, _Chosen):
+                set_(self, name, _Chosen(max(default, floor)))
+            else:
+                set_(self, name, operator.index(value))
         if pop_timeout_s is not None and pop_timeout_s <= 0:
             raise ValueError(f"pop_timeout_s must be > 0 or None (got {pop_timeout_s})")
         set_(self, "pop_timeout_s", None if pop_timeout_s is None else float(pop_timeout_s))
