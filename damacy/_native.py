@@ -61,13 +61,9 @@ def cuda_device_count() -> int:
 
 def max_concurrency() -> int:
     """CPUs this process may run on (its affinity), at most :data:`MAX_IO_THREADS`."""
-    import os
+    from damacy_protocol.limits import usable_cpus
 
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(n, MAX_IO_THREADS))
+    return min(usable_cpus(), MAX_IO_THREADS)
 
 
 __all__ = ["DamacyError", "cuda_device_count", "cuda_init_primary", "max_concurrency"]

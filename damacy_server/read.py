@@ -6,7 +6,6 @@ planner and executor as the pipeline (a one-sample plan).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -16,7 +15,14 @@ import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
 from damacy_protocol.errors import DamacyError, InvalidArgument
-from damacy_protocol.limits import UINT32_MAX, CpuLimits, PlanLimits, chunks_per_input_buffer_for, host_threads
+from damacy_protocol.limits import (
+    UINT32_MAX,
+    CpuLimits,
+    PlanLimits,
+    chunks_per_input_buffer_for,
+    host_threads,
+    usable_cpus,
+)
 from damacy_protocol.selection import READ, normalize
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.plan.planner import Planner, Selected
@@ -70,7 +76,7 @@ def _default_executor() -> CpuExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = CpuExecutor(reader=FileReader(workers=max(4, os.cpu_count() or 1)), limits=_read_limits())
+            _executor = CpuExecutor(reader=FileReader(workers=max(4, usable_cpus())), limits=_read_limits())
         return _executor
 
 
