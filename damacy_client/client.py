@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import threading
-import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -130,7 +129,6 @@ class RemotePipeline(PipelineAPI):
         self._next_call: Call | None = None  # the pop already sent for the next batch
         self._lent: dict[int, Slot] = {}  # batch id -> its slot, until the release is sent
         self._push_calls: deque = deque()  # pushes not yet acknowledged
-        self._sending = threading.Lock()  # a pull and the push of what it pulled, one at a time
         self._closed = False
         self._pid = os.getpid()
         self._feeder: threading.Thread | None = None
@@ -151,16 +149,7 @@ class RemotePipeline(PipelineAPI):
         try:
             self._send(min(room, PUSH_CHUNK), deferred=False)  # a first window, checked here
         finally:  # what was pushed before a refused iterable goes on
-            with self._cond:
-                if self._feeder is None and not self._closed:
-                    self._feeder = threading.Thread(
-                        target=front.feed_weakly,
-                        args=(weakref.ref(self), "_feed"),
-                        name="damacy-client-feeder",
-                        daemon=True,
-                    )
-                    self._feeder.start()
-                self._cond.notify_all()
+            self._start_feeder("damacy-client-feeder")
 
     def _check_item(self, item: Any) -> Any:
         off = None if self._index_queries else "Config.max_index_bytes=0"
@@ -183,7 +172,7 @@ class RemotePipeline(PipelineAPI):
         them; a refused sample drops its iterable and is raised (``deferred``: kept for the
         next push or pop). One caller at a time (a push and the feeder take turns): the
         credits read are the ones the push spends. False: stop."""
-        with self._sending:
+        with self._sources.turn():  # (held across the pull and the push of what it pulled)
             return self._send_now(most, deferred)
 
     def _send_now(self, most: int, deferred: bool) -> bool:

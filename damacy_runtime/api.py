@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained
 from damacy_protocol.limits import BatchSpec, QueueLimits
 from damacy_protocol.stats import Stats
 from damacy_runtime.batch import Batch
-from damacy_runtime.front import Progress, Sources
+from damacy_runtime.front import Progress, Sources, feed_weakly
 
 CLOSED = "damacy: pipeline has been closed"
 
@@ -197,6 +198,15 @@ class PipelineAPI(ABC):
     @abstractmethod
     def _device_index(self) -> int: ...
 
+
+    def _start_feeder(self, name: str) -> None:
+        """Start the thread that pulls the pushed iterables from now on (rounds of ``_feed``:
+        :func:`front.feed_weakly`), once; wake the waiters either way."""
+        with self._cond:
+            if self._feeder is None and not self._closed:
+                self._feeder = threading.Thread(target=feed_weakly, args=(weakref.ref(self), "_feed"), name=name, daemon=True)
+                self._feeder.start()
+            self._cond.notify_all()
 
     def _check_open(self) -> None:
         if self._closed:

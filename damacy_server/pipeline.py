@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -168,13 +167,7 @@ class Pipeline(PipelineAPI):
         try:
             self._take_in(deferred=False)  # a first window, checked here (its errors raise here)
         finally:  # what was pushed before a refused iterable goes on
-            with self._cond:
-                if self._feeder is None and not self._closed:
-                    self._feeder = threading.Thread(
-                        target=front.feed_weakly, args=(weakref.ref(self), "_feed"), name="damacy-feeder", daemon=True
-                    )
-                    self._feeder.start()
-                self._cond.notify_all()
+            self._start_feeder("damacy-feeder")
 
     def _check_item(self, item: Any) -> Any:
         off = "CudaLimits.max_index_bytes=0" if self._index_bytes is None else None
