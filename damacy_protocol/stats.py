@@ -24,7 +24,7 @@ class StageFigures(_Figures):
     count: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-    best: float = 0.0  # the shortest single observation, seconds (1e27 before any)
+    best: float = 0.0  # the shortest single observation, seconds (NO_BEST_S before any)
 
 
 class CacheFigures(_Figures):
@@ -129,6 +129,10 @@ def as_dict(stats: DaemonStats) -> dict:
 
 #: ``Metric.best_ms`` before any observation
 NO_OBSERVATION_MS = 1e30
+#: a stage's best observation before any, in the engine's stage figures (seconds)
+NO_BEST_S = 1e27
+#: the seed API's stage -> the engine's stage figures it reads
+STAGE_SOURCES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}
 
 STAGE_METRICS = (
     "plan", "io", "input_transfer", "decode", "post_decode", "decode_gap", "assemble", "bind_wait", "pop_wait",
@@ -209,8 +213,10 @@ class Stats:
     host_bytes_committed: int = 0
 
 
-#: the seed API's stage -> the daemon's stage figures it reads
-_DAEMON_STAGES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}
+def stage_metric(name: str, seconds: float, best_s: float, bytes_in: float, bytes_out: float, count: int) -> Metric:
+    """A seed API stage from the engine's figures for it (``best_s`` at ``NO_BEST_S``: none)."""
+    best = best_s * 1e3 if count and best_s < NO_BEST_S else NO_OBSERVATION_MS
+    return Metric(name, seconds * 1e3, best, float(bytes_in), float(bytes_out), int(count))
 
 
 def session_stats(daemon: DaemonStats, pop_seconds: float, pops: int, pop_best_s: float = math.inf) -> Stats:
@@ -223,12 +229,11 @@ def session_stats(daemon: DaemonStats, pop_seconds: float, pops: int, pop_best_s
             best = NO_OBSERVATION_MS if not pops else pop_best_s * 1e3
             metrics[name] = Metric(name, pop_seconds * 1e3, best, 0.0, 0.0, pops)
             continue
-        fig = daemon.stages.get(_DAEMON_STAGES.get(name, ""))
+        fig = daemon.stages.get(STAGE_SOURCES.get(name, ""))
         if fig is None:
             metrics[name] = Metric(name, 0.0, NO_OBSERVATION_MS, 0.0, 0.0, 0)
         else:
-            best = fig.best * 1e3 if fig.count and fig.best < 1e27 else NO_OBSERVATION_MS
-            metrics[name] = Metric(name, fig.seconds * 1e3, best, float(fig.bytes_in), float(fig.bytes_out), fig.count)
+            metrics[name] = stage_metric(name, fig.seconds, fig.best, fig.bytes_in, fig.bytes_out, fig.count)
     session = daemon.session
     read = daemon.stages.get("read")
     decode = daemon.stages.get("decode")

@@ -62,6 +62,7 @@ class PipelineAPI(ABC):
     _cond: threading.Condition  # the front end's lock (reentrant), which guards ``_deferred``
     _sources: Sources  # what was pushed (see the resume section below)
     _progress: Progress
+    _feeder: threading.Thread | None = None  # pulls the pushed iterables after the first push
 
     # -- the seed API ---------------------------------------------------------------------
     def push(self, samples: Iterable[Any]) -> None:
@@ -204,8 +205,9 @@ class PipelineAPI(ABC):
         :func:`front.feed_weakly`), once; wake the waiters either way."""
         with self._cond:
             if self._feeder is None and not self._closed:
-                self._feeder = threading.Thread(target=feed_weakly, args=(weakref.ref(self), "_feed"), name=name, daemon=True)
-                self._feeder.start()
+                feeder = threading.Thread(target=feed_weakly, args=(weakref.ref(self), "_feed"), name=name, daemon=True)
+                self._feeder = feeder
+                feeder.start()
             self._cond.notify_all()
 
     def _check_open(self) -> None:

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 from damacy_protocol.errors import BudgetExceeded
+from damacy_protocol.stats import NO_BEST_S
 from damacy_server.claim import Claim
 
 #: the least memory for chunk data in flight that a budget must leave beside the slots
 MIN_INFLIGHT_BYTES = 16 << 20
-#: a stage's best observation before any (seconds; the Metric sentinel is 1e30 ms)
-_NONE = 1e27
 #: how long a new pipeline waits for chunk data in flight to make room for its slots
 SLOT_WAIT_S = 30.0
 #: how long new reads leave a waiting admission the room it waits for: long enough for the
@@ -228,7 +227,7 @@ class StageStats:
 
     def _empty(self) -> dict[str, dict[str, float]]:
         # best: the shortest single observation (one add), in seconds
-        return {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0, "best": _NONE} for s in self.STAGES}
+        return {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0, "best": NO_BEST_S} for s in self.STAGES}
 
     def reset(self) -> None:
         """Zero every stage."""

@@ -14,11 +14,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from damacy_protocol.stats import NO_OBSERVATION_MS, STAGE_METRICS, Metric, Stats
-from damacy_server.engine.budget import _NONE
+from damacy_protocol.stats import (
+    NO_BEST_S,
+    NO_OBSERVATION_MS,
+    STAGE_METRICS,
+    STAGE_SOURCES,
+    Metric,
+    Stats,
+    stage_metric,
+)
 
 #: the seed API's stage name -> the executor's (StageStats) stage it reads
-_STAGES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}
 
 
 class Figures:
@@ -53,7 +59,7 @@ class Figures:
         stages = self.executor.stats.snapshot()
         metrics: dict[str, Metric] = {}
         for name in STAGE_METRICS:
-            source = stages.get(_STAGES.get(name, ""))
+            source = stages.get(STAGE_SOURCES.get(name, ""))
             if name == "pop_wait":
                 with self._lock:
                     seconds, best, count = self._pop
@@ -61,10 +67,8 @@ class Figures:
             elif source is None:
                 metrics[name] = Metric(name, 0.0, NO_OBSERVATION_MS, 0.0, 0.0, 0)
             else:
-                best = source.get("best", _NONE)
-                metrics[name] = Metric(
-                    name, source["seconds"] * 1e3, best * 1e3 if best < _NONE else NO_OBSERVATION_MS,
-                    float(source["bytes_in"]), float(source["bytes_out"]), int(source["count"]),
+                metrics[name] = stage_metric(
+                    name, source["seconds"], source.get("best", NO_BEST_S), source["bytes_in"], source["bytes_out"], source["count"]
                 )
         cache = self.planner.metadata.cache
         arrays, shards = cache.arrays.stats(), cache.shard_indexes.stats()
