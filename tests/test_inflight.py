@@ -204,7 +204,7 @@ def test_an_abandoned_unit_the_budget_cannot_hold_fails_its_waiters(volume, monk
         executor.inflight.settle(owner)  # abandoned: the waiter reads it alone
         assert done.wait(60)
         assert set(errors) == {0} and "raise max_memory_bytes" in str(errors[0]) and (out == -1).all()
-        executor.release_slots(executor.budget.slots)
+        executor.budget.release_slots(executor.budget.slots)
         # with room, the abandoned unit is read alone and copied
         owner = executor.inflight.claim_or_join(unit_key(unit.meta, unit.unit), None)
         done.clear()

@@ -56,8 +56,9 @@ class Executor(Protocol):
 
     @property
     def inflight_capacity(self) -> int: ...
+    @property
+    def caps(self) -> Caps: ...
     def reserve_slots(self, nbytes: int, what: str) -> Callable[[int], None]: ...
-    def release_slots(self, nbytes: int) -> None: ...
     def slot_memory(self) -> SlotMemory | None: ...
     def execute(
         self, plan: BatchPlan, targets: Sequence[Any], on_done: Callable[[dict[int, DamacyError]], None],
@@ -292,7 +293,7 @@ class BatchEngine:
                 cache=executor.chunk_cache,
                 accept=self._accept_native if dtype is None else None,
                 dtype=dtype,
-                caps=getattr(executor, "caps", None),
+                caps=executor.caps,
             )
         finally:
             if dtype is None:

@@ -187,9 +187,6 @@ class BudgetedExecutor(abc.ABC):
         self.budget.admit_slots(nbytes, what)
         return self.budget.release_slots
 
-    def release_slots(self, nbytes: int) -> None:
-        self.budget.release_slots(nbytes)
-
     @property
     def inflight_capacity(self) -> int:
         """Bytes of data that may be in flight at once (the budget beside the slots)."""
