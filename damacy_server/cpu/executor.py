@@ -65,9 +65,9 @@ DIRECT_BACKOFF = 1024
 SHARE_MIN_BYTES = 128 << 10
 
 
-def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int, most_units: int) -> bool:
+def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int, units: int, most_units: int) -> bool:
     """May ``group`` be read and decoded in the same task as the reads in ``bundle``, all of
-    them decoding to ``decoded`` bytes? Reads of one object, each a byte range, in order, that
+    them decoding to ``decoded`` bytes and holding ``units`` units? Reads of one object, each a byte range, in order, that
     together decode to at most TASK_BYTES, span at most RUN_FILE_MAX and hold at most
     ``most_units`` units (a read buffer's: ``CpuLimits.chunks_per_input_buffer``): the units of
     a thin sample lie a unit or more apart in their shard (chunks in Morton or C order), a read
@@ -80,7 +80,7 @@ def _joins(bundle: list[ReadGroup], group: ReadGroup, decoded: int, most_units: 
         and group.offset >= last.offset + last.length
         and group.offset + group.length - first.offset <= native.RUN_FILE_MAX
         and decoded <= TASK_BYTES
-        and sum(len(g.units) for g in bundle) + len(group.units) <= most_units
+        and units <= most_units
     )
 
 
@@ -196,12 +196,12 @@ class CpuExecutor(BudgetedExecutor):
             run.group_done()  # no copies from the cache
         stop = lambda: cancelled() or self._closed  # noqa: E731
         bundle: list[ReadGroup] = []  # direct reads of one object, made in one task
-        bundled = 0  # the bytes their units decode to
+        bundled = bundled_units = 0  # the bytes their units decode to, and how many units
 
         def send() -> None:
-            nonlocal bundle, bundled
+            nonlocal bundle, bundled, bundled_units
             self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
-            bundle, bundled = [], 0
+            bundle, bundled, bundled_units = [], 0, 0
 
         for group in groups:
             need = group.reserve_nbytes
@@ -217,10 +217,12 @@ class CpuExecutor(BudgetedExecutor):
                     continue
                 if self._direct_ok(run, group):
                     decoded = group.decoded_nbytes
-                    if bundle and not _joins(bundle, group, bundled + decoded, self.limits.chunks_per_input_buffer):
+                    n = len(group.units)
+                    if bundle and not _joins(bundle, group, bundled + decoded, bundled_units + n, self.limits.chunks_per_input_buffer):
                         send()
                     bundle.append(group)
                     bundled += decoded
+                    bundled_units += n
                     continue
                 self._io_slots.acquire()
                 self._io.submit(self._read, run, group, need, key=key, priority=run.order)
