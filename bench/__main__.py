@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     gl.add_argument("--batches", type=int, default=24, help="batches of 8 in each measured phase (per client for daemon)")
     gl.add_argument("--repeats", type=int, default=3)
     gl.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    gl.add_argument("--stacks", default=None, help="a folder to keep py-spy's GIL-held stacks in (raw, one file per workload and repeat: flamegraph.pl reads them)")
     gl.add_argument("--json", default=None)
     scenario_command("transforms", "damacy with random flips and axis orders on every sample vs the same boxes plain", "default", 12, 5)
     args = ap.parse_args(argv)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(args.workloads) - set(gil.WORKLOADS))
         if unknown:
             raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(gil.WORKLOADS)}")
-        return _write(gil.main(args.workloads, args.data, args.batches, args.repeats, args.rate), args.json, "gil-")
+        return _write(gil.main(args.workloads, args.data, args.batches, args.repeats, args.rate, args.stacks), args.json, "gil-")
 
     if args.cmd == "thin":
         from bench import thin

@@ -214,7 +214,7 @@ def inclusive_frames(stacks: Counter, n: int = 12) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in incl.most_common(n)]
 
 
-def main(kinds: list[str], data_dir: str, batches: int, repeats: int, rate: int) -> dict:
+def main(kinds: list[str], data_dir: str, batches: int, repeats: int, rate: int, keep: str | None = None) -> dict:
     data = Path(data_dir).resolve()
     uris = {k: ensure(DATA[k], data) for k in kinds}
     tmp = Path(tempfile.mkdtemp(prefix="damacy-gil-"))
@@ -228,6 +228,9 @@ def main(kinds: list[str], data_dir: str, batches: int, repeats: int, rate: int)
                 else:
                     run, stacks = _embedded(kind, uris[kind], batches, rep, rate, tmp)
                 runs[kind].append(figures(run, stacks, rate))
+                if keep is not None:
+                    Path(keep).mkdir(parents=True, exist_ok=True)
+                    (Path(keep) / f"{kind}-{rep + 1}.raw").write_text("".join(f"{s} {c}\n" for s, c in stacks.items()))
                 last[kind] = stacks
                 f = runs[kind][-1]
                 print(f"  repeat {rep + 1} {kind:14} {f['samples_per_s']:8.1f}/s {f['cpu_ms_per_sample']:7.3f} ms CPU  GIL {100 * f['gil_share_of_cpu']:5.1f}% of CPU", flush=True)

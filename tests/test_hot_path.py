@@ -122,29 +122,43 @@ def test_a_cached_batch_is_planned_and_copied_without_python_per_unit(tmp_path):
     assert abs(lots - few) < 0.05 * few, (few, lots)  # no Python call per unit
 
 
-def test_the_shards_a_sample_touches_are_counted_as_distinct_pairs(tmp_path):
-    # PlanLimits.max_shards_per_sample: each sample's distinct shards, from rows in any order
-    # and with repeats, as np.unique over (sample, shard) rows counts them
-    from types import SimpleNamespace
-
-    from damacy_protocol.limits import PlanLimits
-    from damacy_server.plan.planner import Planner
+def test_the_shards_a_sample_touches_are_counted_as_its_rows_distinct_shards(tmp_path):
+    # PlanLimits.max_shards_per_sample: a sample's shards are counted from its selection as it
+    # is added (per axis the shards it cuts, multiplied), never from the rows; the counts
+    # equal np.unique over the (sample, shard) pairs of the rows it makes, for boxes partly
+    # outside the array and index lists with repeats and unsorted positions
+    from damacy_server.plan.planner import _ArrayRows
+    from damacy_server.plan.selection import resolve
 
     data = random_data((16, 24, 30), "uint16", seed=2)
     write_array(tmp_path / "s", data, chunks=(2, 3, 5), shards=(4, 6, 10))
     meta = damacy.open_array(str(tmp_path / "s"))
+    per = np.asarray(meta.layout.units_per_chunk)
     rng = np.random.default_rng(4)
-    grid = np.asarray(meta.layout.grid)
     for trial in range(60):
-        n = int(rng.integers(1, 300))
-        rows = np.zeros((n, 1 + 4 * meta.ndim), dtype=np.int64)
-        rows[:, 0] = rng.integers(0, 5, n)
-        rows[:, 1 : 1 + meta.ndim] = rng.integers(0, grid, (n, meta.ndim))
-        shards = np.unique(np.column_stack([rows[:, :1], rows[:, 1 : 1 + meta.ndim] // np.asarray(meta.layout.units_per_chunk)]), axis=0)
-        owners, counts = np.unique(shards[:, 0], return_counts=True)
-        limit = int(rng.integers(0, 12))
-        samples = [SimpleNamespace(uri="s") for _ in range(5)]
-        errors: dict = {}
-        Planner._check_shards(SimpleNamespace(limits=PlanLimits(max_shards_per_sample=max(limit, 1))), meta, rows, samples, errors)
-        want = {int(s): int(c) for s, c in zip(owners, counts) if c > max(limit, 1)} if n > max(limit, 1) else {}
-        assert {s: int(str(e).split("touches ")[1].split()[0]) for s, e in errors.items()} == want, trial
+        acc = _ArrayRows(meta, shard_limit=0)  # every sample that cuts a unit is kept with its count
+        limited = _ArrayRows(meta, shard_limit=3)
+        for sample in range(int(rng.integers(1, 6))):
+            selection = []
+            for size in meta.shape:
+                if rng.random() < 0.3:  # an index list: repeats, any order
+                    selection.append(rng.integers(0, size, int(rng.integers(1, 8))).tolist())
+                else:
+                    start = int(rng.integers(-4, size))
+                    selection.append(slice(start, start + int(rng.integers(1, 12))))
+            axes, _ = resolve(tuple(selection), meta.shape, "pad")
+            acc.add(sample, axes)
+            limited.add(sample, axes)
+        if not acc:
+            assert acc.over == []
+            continue
+        rows, _, _ = acc.rows()
+        pairs = np.unique(np.column_stack([rows[:, :1], rows[:, 1 : 1 + meta.ndim] // per]), axis=0)
+        owners, counts = np.unique(pairs[:, 0], return_counts=True)
+        assert dict(acc.over) == dict(zip(owners.tolist(), counts.tolist())), trial
+        assert dict(limited.over) == {s: c for s, c in zip(owners.tolist(), counts.tolist()) if c > 3}, trial
+    # an unsharded array counts nothing (each chunk is its own object, no shard index)
+    write_array(tmp_path / "u", data, chunks=(4, 6, 10))
+    plain = _ArrayRows(damacy.open_array(str(tmp_path / "u")), shard_limit=0)
+    plain.add(0, resolve(np.s_[0:16, 0:24, 0:30], data.shape, "pad")[0])
+    assert plain.over == []

@@ -70,14 +70,19 @@ class _ArrayRows:
     their edges and turned into rows all at once (:func:`_box_rows`); a sample with an index
     list gets its block at once."""
 
-    __slots__ = ("meta", "blocks", "pool", "pool_len", "boxes")
+    __slots__ = ("meta", "blocks", "pool", "pool_len", "boxes", "shard_limit", "per", "over")
 
-    def __init__(self, meta: ArrayMetadata) -> None:
+    def __init__(self, meta: ArrayMetadata, shard_limit: int | None = None) -> None:
+        """``shard_limit``: count the shards each sample touches (of a sharded array) and keep
+        those over it in ``over``, (sample, shards) pairs; None: not counted."""
         self.meta = meta
         self.blocks: list[np.ndarray] = []
         self.pool: list[np.ndarray] = []
         self.pool_len = 0
         self.boxes: list[tuple[int, ...]] = []  # per box: sample, then each axis' start, then stop
+        self.shard_limit = shard_limit
+        self.per = meta.layout.units_per_chunk if shard_limit is not None and meta.layout.levels else None
+        self.over: list[tuple[int, int]] = []
 
     def pooled(self, indices: np.ndarray) -> int:
         """Keep an index list; returns its reference (a negative start)."""
@@ -92,6 +97,7 @@ class _ArrayRows:
     def add(self, sample: int, axes: list[AxisSelection]) -> bool:
         """The rows of one sample; returns whether they cover all of it (else it is padded)."""
         meta = self.meta
+        per = self.per
         if all(type(a) is AxisRange for a in axes):
             covered = wanted = 1
             for a, size in zip(axes, meta.shape):
@@ -99,12 +105,22 @@ class _ArrayRows:
                 wanted *= a.size
             if covered:
                 self.boxes.append((sample, *(a.start for a in axes), *(a.stop for a in axes)))
+                if per is not None:  # the shards it cuts on each axis, multiplied
+                    shards = 1
+                    for a, size, unit, p in zip(axes, meta.shape, meta.layout.unit_shape, per):
+                        shards *= (min(a.stop, size) - 1) // unit // p - max(a.start, 0) // unit // p + 1
+                    if shards > self.shard_limit:
+                        self.over.append((sample, shards))
             return covered >= wanted
         ndim = meta.ndim
         per_axis = [self._axis(a, size, unit) for a, size, unit in zip(axes, meta.shape, meta.layout.unit_shape)]
         covered = math.prod(sum(p[3] for p in parts) for parts in per_axis)
         counts = [len(parts) for parts in per_axis]
         total = math.prod(counts)
+        if total and per is not None:  # its units are every combination of each axis' units
+            shards = math.prod(len({part[0] // p for part in parts}) for parts, p in zip(per_axis, per))
+            if shards > self.shard_limit:
+                self.over.append((sample, shards))
         if total:
             block = np.empty((total, 1 + 4 * ndim), dtype=np.int64)
             block[:, 0] = sample
@@ -282,30 +298,6 @@ class Planner:
                 f"executor admits ({caps.max_decoded}: CpuLimits.max_decoded_chunk_bytes, CudaLimits.max_chunk_bytes)"
             )
 
-    def _check_shards(self, meta: ArrayMetadata, rows: np.ndarray, samples: Sequence[Any], errors: dict) -> None:
-        """A sample touches at most ``PlanLimits.max_shards_per_sample`` shards (of a sharded
-        array; InvalidArgument)."""
-        limit = self.limits.max_shards_per_sample
-        if not meta.layout.levels or len(rows) <= limit:
-            return
-        ndim = meta.ndim
-        per = np.asarray(meta.layout.units_per_chunk, dtype=np.int64)
-        # the distinct (sample, shard) pairs, counted per sample: rows sorted by both (one
-        # lexsort: no structured np.unique, no linear index to overflow), a pair new where
-        # it differs from the row before
-        shards = rows[:, 1 : 1 + ndim] // per
-        sample = rows[:, 0]
-        order = np.lexsort((*shards.T[::-1], sample))
-        shards, sample = shards[order], sample[order]
-        new = np.ones(len(rows), dtype=bool)
-        new[1:] = (sample[1:] != sample[:-1]) | (shards[1:] != shards[:-1]).any(axis=1)
-        owners, counts = np.unique(sample[new], return_counts=True)
-        for s, n in zip(owners[counts > limit].tolist(), counts[counts > limit].tolist()):
-            if s not in errors:
-                errors[s] = InvalidArgument(
-                    f"touches {n} shards, more than PlanLimits.max_shards_per_sample={limit}"
-                ).with_context(uri=samples[s].uri, sample=samples[s])
-
     def _check_batch(self, uses: int, located: list, samples: Sequence[Any], errors: dict) -> None:
         """A batch uses at most ``PlanLimits.max_chunks`` chunks (each counted once per sample
         using it) and its plan's tables take at most ``PlanLimits.max_plan_bytes``: else every
@@ -418,7 +410,7 @@ class Planner:
                 norms[i] = norm
                 acc = by_array.get(meta.root)
                 if acc is None:
-                    acc = by_array[meta.root] = _ArrayRows(meta)
+                    acc = by_array[meta.root] = _ArrayRows(meta, self.limits.max_shards_per_sample if self.batch_limits else None)
                 if not acc.add(i, axes):
                     fills.append((i, meta.fill_value))  # pads outside the array
             except DamacyError as e:
@@ -428,13 +420,16 @@ class Planner:
         # the batch's chunk uses and shards per sample, checked before any unit is located
         # (a sample or batch over its limits reads no shard index and no chunk)
         tables = []
+        limit = self.limits.max_shards_per_sample
         for acc in by_array.values():
+            for s, shards in acc.over:
+                if s not in errors:
+                    errors[s] = InvalidArgument(
+                        f"touches {shards} shards, more than PlanLimits.max_shards_per_sample={limit}"
+                    ).with_context(uri=samples[s].uri, sample=samples[s])
             if not acc:  # only boxes wholly outside the array
                 continue
-            rows, units, inverse = acc.rows()
-            if self.batch_limits:
-                self._check_shards(acc.meta, rows, samples, errors)
-            tables.append((acc, rows, units, inverse))
+            tables.append((acc, *acc.rows()))
         if self.batch_limits:
             # a batch's rows bound its chunk uses: counted exactly only when the bound is over
             uses = sum(len(t[1]) for t in tables)
