@@ -1,7 +1,7 @@
 """Long fuzzing runs: ``python -m fuzz TARGET [--minutes N] [--inputs K] [--sanitize]``.
 
 TARGET is one of the targets of ``fuzz/targets.py`` (zarr_json_v3, zarr_json_v2,
-shard_index, blosc_frame, copy_table, plan_passes), ``wire`` (a real damacyd, started here), or ``all``.
+shard_index, blosc_frame, copy_table, plan_passes, plan_table), ``wire`` (a real damacyd, started here), or ``all``.
 Each runs until K inputs (default 100,000) or N minutes, whichever comes first, and prints
 the inputs run. ``--sanitize`` first builds damacy's native extension with AddressSanitizer
 and UndefinedBehaviorSanitizer and runs the targets in a child process that loads it (any
@@ -163,6 +163,8 @@ def _stop(daemon: dict | None) -> None:
 
 
 def main() -> int:
+    if NATIVE_ENV in os.environ:  # before anything imports damacy (which loads its native module)
+        _load_native(os.environ[NATIVE_ENV])
     from fuzz.targets import STRATEGIES
 
     names = sorted(STRATEGIES) + ["wire"]
@@ -184,7 +186,6 @@ def main() -> int:
         argv = [sys.executable, "-m", "fuzz", *sys.argv[1:]]
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if NATIVE_ENV in os.environ:
-        _load_native(os.environ[NATIVE_ENV])
         from damacy_server.native import _assemble
 
         assert _assemble.__file__ == os.environ[NATIVE_ENV], "the sanitized build was not the one loaded"

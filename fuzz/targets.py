@@ -358,6 +358,61 @@ def check_plan_passes(t: dict) -> None:
             pass
 
 
+@st.composite
+def plan_tables(draw) -> dict:
+    """One array's located units and rows for ``plan_table``: mostly valid (ties in owner and
+    offset, units cached, missing, unused, samples dropped), sometimes a row's unit outside
+    the units or per-unit columns of the wrong length."""
+    ndim = draw(st.integers(0, 3))
+    m = draw(st.integers(0, 12))
+    n_rows = draw(st.integers(0, 40)) if m else 0
+    samples = draw(st.integers(1, 6))
+    small = st.integers(-3, 9)
+    rows = [[draw(st.integers(0, samples - 1))] + [draw(small) for _ in range(4 * ndim)] for _ in range(n_rows)]
+    inverse = [draw(st.integers(0, m - 1)) for _ in range(n_rows)]
+    flags = lambda: [draw(st.booleans()) for _ in range(m)]  # noqa: E731
+    t = dict(
+        ndim=ndim, rows=rows, inverse=inverse,
+        hit=draw(st.one_of(st.none(), st.builds(flags))), dropped=draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=samples, max_size=samples))),
+        missing=flags(), owners=[draw(st.integers(-1, 2)) for _ in range(m)], offsets=[draw(st.integers(0, 3)) for _ in range(m)],
+        nbytes=[draw(st.integers(-1, 9)) for _ in range(m)],
+    )
+    spoil = draw(st.sampled_from([None] * 6 + ["inverse", "owners", "hit"]))
+    if spoil == "inverse" and n_rows:
+        t["inverse"][draw(st.integers(0, n_rows - 1))] = draw(st.sampled_from([-1, m, m + 5]))
+    elif spoil in ("owners", "hit"):  # one entry more than there are units
+        t[spoil] = [0] * (m + 1)
+    t["spoiled"] = spoil if spoil != "inverse" or n_rows else None
+    return t
+
+
+def check_plan_table(t: dict) -> None:
+    """``plan_table`` (native/plan.c) on any input: a ValueError for rows naming no unit or
+    per-unit columns of other lengths, else what numpy's form gives."""
+    from damacy_server import native
+    from damacy_server.plan import planner
+
+    if not native.available():
+        return
+    ndim = t["ndim"]
+    args = (
+        np.array(t["rows"], dtype=np.int64).reshape(-1, 1 + 4 * ndim), ndim, np.array(t["inverse"], dtype=np.int64),
+        None if t["hit"] is None else np.array(t["hit"], dtype=bool), None if t["dropped"] is None else np.array(t["dropped"], dtype=bool),
+        np.array(t["missing"], dtype=bool), np.array(t["owners"], dtype=np.int64), np.array(t["offsets"], dtype=np.int64), np.array(t["nbytes"], dtype=np.int64),
+    )
+    try:
+        got = native.plan_table(*args)
+    except ValueError:
+        assert t["spoiled"] is not None, "plan_table refused a valid table"
+        return
+    assert t["spoiled"] is None, f"plan_table took a table with {t['spoiled']} spoiled"
+    want = planner._plan_table_numpy(*args)
+    names = ("order", "table", "spans", "bounds", "fills")
+    for name, g, w in zip(names, got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w), f"plan_table's {name} differs from numpy: {g.tolist()} != {w.tolist()}"
+    assert got[5] == want[5], "plan_table's count of cached units differs from numpy"
+
+
 STRATEGIES = {
     "zarr_json_v3": (st.deferred(lambda: mutated_json(V3)), check_zarr_json_v3),
     "zarr_json_v2": (st.deferred(lambda: mutated_json(V2)), check_zarr_json_v2),
@@ -365,4 +420,5 @@ STRATEGIES = {
     "blosc_frame": (st.deferred(mutated_frame), check_blosc_frame),
     "copy_table": (st.deferred(copy_tables), check_copy_table),
     "plan_passes": (plan_passes(), check_plan_passes),
+    "plan_table": (plan_tables(), check_plan_table),
 }

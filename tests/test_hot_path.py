@@ -162,3 +162,82 @@ def test_the_shards_a_sample_touches_are_counted_as_its_rows_distinct_shards(tmp
     plain = _ArrayRows(damacy.open_array(str(tmp_path / "u")), shard_limit=0)
     plain.add(0, resolve(np.s_[0:16, 0:24, 0:30], data.shape, "pad")[0])
     assert plain.over == []
+
+
+def _plan_summary(plan) -> dict:
+    """What a BatchPlan tells its executor, in plain values: the reads and their units (where
+    each is, its rows of its table), the cached units, the fills and the failed samples."""
+    tables = {}
+
+    def table(t) -> int:
+        key = id(t)
+        if key not in tables:
+            tables[key] = (len(tables), t.rows.tolist(), t.pool.tolist(), t.spans.tolist())
+        return tables[key][0]
+
+    groups = [
+        (g.key, g.offset, g.length, [(u.unit, u.key, u.offset, u.nbytes, table(u.table), u.pos, u.lo, u.hi, u.name) for u in g.units])
+        for g in plan.groups
+    ]
+    cached = [(table(c.table), c.bounds.tolist(), c.coords.tolist(), [id(a) for a in c.arrays]) for c in plan.cached]
+    return dict(
+        groups=groups, cached=cached, tables=sorted(tables.values()), fills=plan.fills, errors=sorted(plan.errors),
+        shapes=plan.shapes, transforms=plan.transforms, units=(plan.units_total, plan.units_unique, plan.reads_merged),
+    )
+
+
+@pytest.mark.skipif(not native.available(), reason="the native extension is not built")
+def test_a_batch_planned_by_the_native_passes_equals_the_numpy_plan(tmp_path, monkeypatch):
+    # random batches of boxes (some padded), index queries with repeats, flips and transposes
+    # over several arrays (sharded, plain, with chunks never written), some units in the chunk
+    # cache, some samples failing (too many shards): the plan the native passes make
+    # (box_rows, unique_units, plan_table) is the plan numpy's forms make, to every value
+    import zarr
+
+    from damacy_protocol.limits import PlanLimits
+    from damacy_server.cache import LRUCache
+    from damacy_server.plan import planner as planner_mod
+    from damacy_server.plan.planner import Planner
+
+    shape = (10, 12, 14)
+    write_array(tmp_path / "sharded", random_data(shape, "uint16", seed=1), chunks=(2, 3, 7), shards=(4, 6, 14))
+    write_array(tmp_path / "plain", random_data(shape, "uint16", seed=2), chunks=(3, 4, 5))
+    sparse = zarr.create_array(str(tmp_path / "sparse"), shape=shape, chunks=(5, 6, 7), dtype="uint16", fill_value=7)
+    sparse[0:5, 0:6, :] = 3  # the other chunks are never written
+    uris = [str(tmp_path / n) for n in ("sharded", "plain", "sparse")]
+    planner = Planner()  # one resolver: the same metadata, so the same unit names, for both forms
+    found = planner.metadata.arrays([(u, None) for u in uris])
+    metas = {u: found[(u, None)] for u in uris}
+    out = (3, 4, 5)
+    rng = np.random.default_rng(11)
+    natives = {name: getattr(native, name) for name in ("box_rows", "unique_units", "plan_table")}
+    seen: set = set()
+    for trial in range(40):
+        samples = []
+        for _ in range(int(rng.integers(1, 9))):
+            uri = uris[int(rng.integers(0, 3))]
+            flip = tuple(sorted(set(rng.integers(0, 3, int(rng.integers(0, 3))).tolist())))
+            order = tuple(rng.permutation(3).tolist()) if rng.random() < 0.3 else None
+            want = out if order is None else tuple(out[a] for a in np.argsort(order))  # the selection's shape
+            if rng.random() < 0.3:
+                sel = tuple(rng.integers(0, s, n).tolist() for s, n in zip(shape, want))
+                samples.append(damacy.IndexQuery(uri, sel, flip=flip, transpose=order))
+            else:
+                start = [int(rng.integers(-2, s)) for s in shape]
+                samples.append(damacy.Sample(uri, tuple(slice(b, b + n) for b, n in zip(start, want)), flip=flip, transpose=order))
+        cache = LRUCache(max_entries=10_000)
+        for meta in metas.values():  # about half of each array's units in the cache
+            units = np.indices(meta.layout.grid).reshape(meta.ndim, -1).T
+            for key in np.asarray(unit_keys(meta, units), dtype=object)[rng.random(len(units)) < 0.5]:
+                cache.put(key, np.zeros(meta.layout.unit_shape, dtype=meta.dtype))
+        planner.limits = PlanLimits(max_shards_per_sample=int(rng.integers(1, 5)))
+        plans = []
+        for how in ("native", "numpy"):
+            for name, fn in natives.items():
+                monkeypatch.setattr(native, name, fn if how == "native" else (lambda *a, **k: None))
+            plans.append(_plan_summary(planner.plan(samples, out, "pad", cache=cache)))
+        assert plans[0] == plans[1], trial
+        seen.update(k for k, v in plans[0].items() if v not in ([], {}, ()))
+        seen.update(("failed",) if plans[0]["errors"] else ())
+    assert planner_mod.native is native
+    assert {"groups", "cached", "fills", "failed"} <= seen  # every part of a plan was compared, not empty

@@ -303,3 +303,28 @@ def unique_units(rows: np.ndarray, column: int, grid: tuple[int, ...]) -> tuple[
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     units, inverse = _assemble.unique_units(rows, rows.shape[1], column, np.asarray(grid, dtype=np.int64))
     return np.frombuffer(units, dtype=np.int64).reshape(-1, len(grid)), np.frombuffer(inverse, dtype=np.int64)
+
+
+def plan_table(
+    rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None,
+    missing: np.ndarray, owners: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """One array's copy table as :func:`damacy_server.plan.planner._plan_table_numpy` makes it
+    (order, table rows, spans, bounds, fill samples, cached units), in one pass; None without
+    the native module, or for an array of more than :data:`MAX_NDIM` axes (numpy's form
+    takes any)."""
+    if _assemble is None or ndim > MAX_NDIM:
+        return None
+    empty = b""
+    order, table, spans, bounds, fills, n_hit = _assemble.plan_table(
+        np.ascontiguousarray(rows, dtype=np.int64), ndim, np.ascontiguousarray(inverse, dtype=np.int64),
+        empty if hit is None else np.ascontiguousarray(hit, dtype=np.bool_),
+        empty if dropped is None else np.ascontiguousarray(dropped, dtype=np.bool_),
+        np.ascontiguousarray(missing, dtype=np.bool_), np.ascontiguousarray(owners, dtype=np.int64),
+        np.ascontiguousarray(offsets, dtype=np.int64), np.ascontiguousarray(nbytes, dtype=np.int64),
+    )
+    as_int = np.frombuffer
+    return (
+        as_int(order, dtype=np.int64), as_int(table, dtype=np.int64).reshape(-1, 2 + 3 * ndim),
+        as_int(spans, dtype=np.int64).reshape(-1, 2), as_int(bounds, dtype=np.int64), as_int(fills, dtype=np.int64), n_hit,
+    )

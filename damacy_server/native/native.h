@@ -10,7 +10,7 @@
  *   copy.c     one op's box copied into its sample (contiguous, index lists, strided views)
  *   open.c     files opened inside the roots (openat2, else the descriptor's location)
  *   lz4.c      the walk that checks an LZ4 block before nvCOMP decodes it
- *   plan.c     the planner's box rows and distinct units, in one pass each
+ *   plan.c     the planner's box rows, distinct units and copy tables, in one pass each
  * Shared symbols are prefixed dm_ and hidden from other libraries (-fvisibility=hidden).
  */
 #ifndef DAMACY_NATIVE_H
@@ -128,6 +128,7 @@ PyObject *dm_py_open_checked(PyObject *self, PyObject *args);
 PyObject *dm_py_run_file(PyObject *self, PyObject *args);
 PyObject *dm_py_box_rows(PyObject *self, PyObject *args);
 PyObject *dm_py_unique_units(PyObject *self, PyObject *args);
+PyObject *dm_py_plan_table(PyObject *self, PyObject *args);
 PyObject *dm_py_check_lz4(PyObject *self, PyObject *args);
 
 #endif

@@ -4,10 +4,10 @@
 #include <string.h>
 
 /*
- * The two array passes of the planner that numpy makes in tens of calls (each costing more
- * than the work for the hundreds of rows a batch has): the rows of a batch's boxes, and the
- * distinct units those rows cut. plan/planner.py keeps the numpy forms they equal, for
- * builds without a compiler.
+ * The array passes of the planner that numpy makes in tens of calls (each costing more than
+ * the work for the hundreds of rows a batch has): the rows of a batch's boxes, the distinct
+ * units those rows cut, and an array's copy table once its units are located.
+ * plan/planner.py keeps the numpy forms they equal, for builds without a compiler.
  */
 
 static int int64_args(Py_buffer *b, Py_ssize_t width, const char *what) {
@@ -185,5 +185,180 @@ done:
     Py_XDECREF(inverse);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&grid);
+    return result;
+}
+
+typedef struct {
+    int64_t owner, offset, unit;
+} unit_place;
+
+static int cmp_place(const void *pa, const void *pb) {
+    const unit_place *x = pa, *y = pb;
+    if (x->owner != y->owner) return x->owner < y->owner ? -1 : 1;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    return x->unit < y->unit ? -1 : x->unit > y->unit;
+}
+
+static int cmp_int64(const void *pa, const void *pb) {
+    int64_t x = *(const int64_t *)pa, y = *(const int64_t *)pb;
+    return x < y ? -1 : x > y;
+}
+
+/*
+ * plan_table(rows, ndim, inverse, hit, dropped, missing, owners, offsets, nbytes): one
+ * array's copy table, from its rows (int64 (r, 1 + 4 * ndim), as box_rows makes them), each
+ * row's unit (inverse, int64 (r,), into m units), per unit whether the chunk cache holds it
+ * (hit: bool (m,), or empty: none), per sample whether it failed (dropped: bool, or empty:
+ * none; samples past its end stand), and per unit whether it is stored (missing: bool (m,))
+ * and where (owners, offsets, nbytes: int64 (m,)). Rows of dropped samples are left out;
+ * rows of missing units leave their samples to the fill value. Returns (order, table,
+ * spans, bounds, fills, n_hit) as bytearrays of int64 but n_hit:
+ *   order   the units copied from: those the cache holds first (by index), then the others
+ *           by owner, offset, index;
+ *   table   the copies (k, 2 + 3 * ndim): position in order, sample, then per axis the
+ *           source start, destination start, extent; grouped by position, rows in their
+ *           order within a position;
+ *   spans   per position (offset, stored bytes) (offset 0 where nothing is stored);
+ *   bounds  per position the first row of its copies, and the table's length;
+ *   fills   the samples that read a missing unit, ascending, once each.
+ * plan/planner.py's _plan_table_numpy is the form it equals.
+ */
+PyObject *dm_py_plan_table(PyObject *self, PyObject *args) {
+    Py_buffer rows, inverse, hit, dropped, missing, owners, offsets, nbytes;
+    Py_ssize_t ndim;
+    if (!PyArg_ParseTuple(args, "y*ny*y*y*y*y*y*y*", &rows, &ndim, &inverse, &hit, &dropped, &missing, &owners, &offsets, &nbytes))
+        return NULL;
+    PyObject *o_order = NULL, *o_table = NULL, *o_spans = NULL, *o_bounds = NULL, *o_fills = NULL, *result = NULL;
+    int64_t *pos_of = NULL, *count = NULL, *fill_list = NULL;
+    unit_place *places = NULL;
+    unsigned char *used = NULL;
+    Py_ssize_t width = 1 + 4 * ndim;
+    if (ndim < 0 || ndim > MAX_NDIM) {
+        PyErr_SetString(PyExc_ValueError, "plan_table: ndim must be 0 to 8");
+        goto done;
+    }
+    if (int64_args(&rows, width, "plan_table") < 0) goto done;
+    Py_ssize_t r = rows.len / (Py_ssize_t)sizeof(int64_t) / width;
+    Py_ssize_t m = missing.len;
+    if (inverse.len != r * (Py_ssize_t)sizeof(int64_t) || (hit.len != 0 && hit.len != m) ||
+        owners.len != m * (Py_ssize_t)sizeof(int64_t) || offsets.len != owners.len || nbytes.len != owners.len) {
+        PyErr_SetString(PyExc_ValueError, "plan_table: inverse needs a unit per row; hit, missing, owners, offsets and nbytes one entry per unit");
+        goto done;
+    }
+    const int64_t *rw = rows.buf, *inv = inverse.buf, *own = owners.buf, *off = offsets.buf, *nb = nbytes.buf;
+    const unsigned char *is_hit = hit.len ? hit.buf : NULL, *gone = missing.buf, *drop = dropped.buf;
+    Py_ssize_t n_drop = dropped.len;
+    used = calloc((size_t)(m ? m : 1), 1);
+    pos_of = malloc(sizeof *pos_of * (size_t)(m ? m : 1));
+    fill_list = malloc(sizeof *fill_list * (size_t)(r ? r : 1));
+    if (!used || !pos_of || !fill_list) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t n_fill = 0, kept = 0;
+    for (Py_ssize_t i = 0; i < r; i++) {
+        int64_t s = rw[i * width], u = inv[i];
+        if (u < 0 || u >= m) {
+            PyErr_Format(PyExc_ValueError, "plan_table: row %zd's unit %lld is not one of the %zd units", i, (long long)u, m);
+            goto done;
+        }
+        if (s >= 0 && s < n_drop && drop[s]) continue;
+        if (gone[u]) {
+            fill_list[n_fill++] = s;
+        } else {
+            used[u] = 1;
+            kept++;
+        }
+    }
+    /* the order: units in the cache first, then by where they are stored */
+    Py_ssize_t n_used = 0, n_hit = 0;
+    for (Py_ssize_t u = 0; u < m; u++) n_used += used[u];
+    o_order = PyByteArray_FromStringAndSize(NULL, n_used * (Py_ssize_t)sizeof(int64_t));
+    if (!o_order) goto done;
+    int64_t *order = (int64_t *)PyByteArray_AS_STRING(o_order);
+    places = malloc(sizeof *places * (size_t)(n_used ? n_used : 1));
+    if (!places) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t n_rest = 0;
+    for (Py_ssize_t u = 0; u < m; u++) {
+        if (!used[u]) continue;
+        if (is_hit && is_hit[u]) {
+            order[n_hit++] = u;
+        } else {
+            places[n_rest].owner = own[u];
+            places[n_rest].offset = off[u];
+            places[n_rest].unit = u;
+            n_rest++;
+        }
+    }
+    qsort(places, (size_t)n_rest, sizeof *places, cmp_place);
+    for (Py_ssize_t j = 0; j < n_rest; j++) order[n_hit + j] = places[j].unit;
+    for (Py_ssize_t p = 0; p < n_used; p++) pos_of[order[p]] = p;
+    /* the rows grouped by position, each group's rows in their order */
+    o_bounds = PyByteArray_FromStringAndSize(NULL, (n_used + 1) * (Py_ssize_t)sizeof(int64_t));
+    if (!o_bounds) goto done;
+    int64_t *bounds = (int64_t *)PyByteArray_AS_STRING(o_bounds);
+    count = calloc((size_t)n_used + 1, sizeof *count);
+    if (!count) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < r; i++) {
+        int64_t s = rw[i * width], u = inv[i];
+        if ((s >= 0 && s < n_drop && drop[s]) || gone[u]) continue;
+        count[pos_of[u] + 1]++;
+    }
+    for (Py_ssize_t p = 0; p < n_used; p++) count[p + 1] += count[p];
+    memcpy(bounds, count, sizeof *count * ((size_t)n_used + 1));
+    Py_ssize_t tw = 2 + 3 * ndim;
+    o_table = PyByteArray_FromStringAndSize(NULL, kept * tw * (Py_ssize_t)sizeof(int64_t));
+    if (!o_table) goto done;
+    int64_t *table = (int64_t *)PyByteArray_AS_STRING(o_table);
+    for (Py_ssize_t i = 0; i < r; i++) {
+        const int64_t *row = rw + i * width;
+        int64_t s = row[0], u = inv[i];
+        if ((s >= 0 && s < n_drop && drop[s]) || gone[u]) continue;
+        int64_t p = pos_of[u];
+        int64_t *t = table + count[p]++ * tw;
+        t[0] = p;
+        t[1] = s;
+        memcpy(t + 2, row + 1 + ndim, sizeof(int64_t) * 3 * (size_t)ndim);
+    }
+    o_spans = PyByteArray_FromStringAndSize(NULL, n_used * 2 * (Py_ssize_t)sizeof(int64_t));
+    if (!o_spans) goto done;
+    int64_t *spans = (int64_t *)PyByteArray_AS_STRING(o_spans);
+    for (Py_ssize_t p = 0; p < n_used; p++) {
+        int64_t u = order[p];
+        spans[2 * p] = nb[u] < 0 ? 0 : off[u];
+        spans[2 * p + 1] = nb[u];
+    }
+    qsort(fill_list, (size_t)n_fill, sizeof *fill_list, cmp_int64);
+    Py_ssize_t n_distinct = 0;
+    for (Py_ssize_t i = 0; i < n_fill; i++)
+        if (i == 0 || fill_list[i] != fill_list[i - 1]) fill_list[n_distinct++] = fill_list[i];
+    o_fills = PyByteArray_FromStringAndSize((const char *)fill_list, n_distinct * (Py_ssize_t)sizeof(int64_t));
+    if (!o_fills) goto done;
+    result = Py_BuildValue("OOOOOn", o_order, o_table, o_spans, o_bounds, o_fills, n_hit);
+done:
+    free(used);
+    free(pos_of);
+    free(count);
+    free(fill_list);
+    free(places);
+    Py_XDECREF(o_order);
+    Py_XDECREF(o_table);
+    Py_XDECREF(o_spans);
+    Py_XDECREF(o_bounds);
+    Py_XDECREF(o_fills);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&inverse);
+    PyBuffer_Release(&hit);
+    PyBuffer_Release(&dropped);
+    PyBuffer_Release(&missing);
+    PyBuffer_Release(&owners);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&nbytes);
     return result;
 }

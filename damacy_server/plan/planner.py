@@ -20,7 +20,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -463,46 +462,26 @@ class Planner:
                         errors[s] = locs.errors[int(inverse[r])].copy(keep_sample=False).with_context(sample=samples[s])
             located.append((acc, rows, units, inverse, locs, hits, hit, names))
 
-        failed = np.fromiter(errors, dtype=np.int64, count=len(errors))
+        dropped = None
+        if errors:  # per sample whether it failed
+            dropped = np.zeros(n, dtype=bool)
+            dropped[np.fromiter(errors, dtype=np.int64, count=len(errors))] = True
         present: list[UnitJob] = []
         cached: list[CachedUnits] = []
         for acc, rows, units, inverse, locs, hits, hit, names in located:
             meta = acc.meta
-            ok = ~np.isin(rows[:, 0], failed) if len(failed) else np.ones(len(rows), dtype=bool)
-            gone = locs.missing[inverse]  # never written (or failed): reads as the fill value
-            fills.extend((s, meta.fill_value) for s in np.unique(rows[ok & gone, 0]).tolist())
-            keep = ok & ~gone
-            used = np.zeros(len(units), dtype=bool)
-            used[inverse[keep]] = True
-            idx = np.flatnonzero(used)
-            # unit order: the units in the cache first (their rows are the head of the table,
-            # copied in one go), then by object and by offset (what merging and executors expect)
-            keys = locs.keys
-            hit_idx = idx[hit[idx]] if hit is not None else idx[:0]
-            if len(hit_idx):
-                idx = idx[~hit[idx]]
-            order = np.concatenate([hit_idx, idx[np.lexsort((locs.offsets[idx], locs.owners[idx]))]])
-            pos_of = np.full(len(units), -1, dtype=np.int64)
-            pos_of[order] = np.arange(len(order))
-            kept = rows[keep]
-            pos = pos_of[inverse[keep]]
-            by_pos = np.argsort(pos, kind="stable")
-            kept, pos = kept[by_pos], pos[by_pos]
             ndim = meta.ndim
-            table_rows = np.empty((len(kept), 2 + 3 * ndim), dtype=np.int64)
-            table_rows[:, 0] = pos
-            table_rows[:, 1] = kept[:, 0]
-            table_rows[:, 2:] = kept[:, 1 + ndim :]
-            spans = np.stack([np.where(locs.nbytes[order] < 0, 0, locs.offsets[order]), locs.nbytes[order]], axis=1)
+            order, table_rows, spans, bounds, fill_samples, n_hit = _plan_table(rows, ndim, inverse, hit, dropped, locs)
+            fills.extend((s, meta.fill_value) for s in fill_samples.tolist())
             pool = np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64)
-            table = CopyTable(ndim, table_rows, pool, np.ascontiguousarray(spans, dtype=np.int64))
-            bounds = np.searchsorted(pos, np.arange(len(order) + 1))
-            n_hit = len(hit_idx)
+            table = CopyTable(ndim, table_rows, pool, spans)
             if n_hit:
-                arrays = hits if n_hit == len(hits) else list(compress(hits, used[hit].tolist()))  # (hit_idx's, in order)
-                cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[hit_idx]))
+                # the arrays of the cached units copied (hits holds every cached unit's, in unit order)
+                arrays = hits if n_hit == len(hits) else list(map(hits.__getitem__, (np.cumsum(hit)[order[:n_hit]] - 1).tolist()))
+                cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[order[:n_hit]]))
             if n_hit == len(order):
                 continue
+            keys = locs.keys
             bounds = bounds.tolist()
             coords = units.tolist()
             offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()
@@ -552,6 +531,58 @@ def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, lo
                 f"a chunk of it is stored in {n} bytes, more than the executor admits ({cap}: "
                 "CpuLimits.max_encoded_chunk_bytes)"
             ).with_context(uri=samples[s].uri, sample=samples[s])
+
+
+def _plan_table(rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None, locs: UnitLocations):
+    """One array's copy table once its units are located: (order, table rows, spans, bounds,
+    fill samples, cached units), as :func:`_plan_table_numpy` says; in one native pass where
+    the native module is built."""
+    args = (rows, ndim, inverse, hit, dropped, locs.missing, locs.owners, locs.offsets, locs.nbytes)
+    found = native.plan_table(*args)
+    return found if found is not None else _plan_table_numpy(*args)
+
+
+def _plan_table_numpy(
+    rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None,
+    missing: np.ndarray, owners: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The copy table of one array's ``rows`` (each row's unit ``inverse``), leaving out the
+    rows of samples ``dropped`` marks (None: none) and of units ``missing`` (never written:
+    their samples read the fill value). Returns
+
+    - ``order``: the units copied from, those the chunk cache holds (``hit``) first, by index
+      (their copies are the head of the table, made in one go), then the others by owner,
+      offset, index (what merging and the executors expect);
+    - the table rows (k, 2 + 3 * ndim): position in ``order``, sample, then per axis source
+      start, destination start, extent; grouped by position, rows in their order within one;
+    - ``spans``: per position (offset, stored bytes), offset 0 where nothing is stored;
+    - ``bounds``: per position its first row, then the table's length;
+    - the samples that read a missing unit (ascending, once each), and how many units of
+      ``order`` are cached."""
+    ok = ~dropped[rows[:, 0]] if dropped is not None else np.ones(len(rows), dtype=bool)
+    gone = missing[inverse]
+    fill_samples = np.unique(rows[ok & gone, 0])
+    keep = ok & ~gone
+    used = np.zeros(len(missing), dtype=bool)
+    used[inverse[keep]] = True
+    idx = np.flatnonzero(used)
+    hit_idx = idx[hit[idx]] if hit is not None else idx[:0]
+    if len(hit_idx):
+        idx = idx[~hit[idx]]
+    order = np.concatenate([hit_idx, idx[np.lexsort((offsets[idx], owners[idx]))]])
+    pos_of = np.full(len(missing), -1, dtype=np.int64)
+    pos_of[order] = np.arange(len(order))
+    kept = rows[keep]
+    pos = pos_of[inverse[keep]]
+    by_pos = np.argsort(pos, kind="stable")
+    kept, pos = kept[by_pos], pos[by_pos]
+    table_rows = np.empty((len(kept), 2 + 3 * ndim), dtype=np.int64)
+    table_rows[:, 0] = pos
+    table_rows[:, 1] = kept[:, 0]
+    table_rows[:, 2:] = kept[:, 1 + ndim :]
+    spans = np.ascontiguousarray(np.stack([np.where(nbytes[order] < 0, 0, offsets[order]), nbytes[order]], axis=1), dtype=np.int64)
+    bounds = np.searchsorted(pos, np.arange(len(order) + 1)).astype(np.int64)
+    return order.astype(np.int64), table_rows, spans, bounds, fill_samples.astype(np.int64), len(hit_idx)
 
 
 def _cache_hits(names: list, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
