@@ -145,6 +145,12 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
+    def peek_many(self, keys: list[Hashable]) -> list[V | None]:
+        """:meth:`peek` of each key, under one acquisition of the lock (by C loops)."""
+        with self._lock:
+            items = list(map(self._data.get, keys))
+        return [None if item is None else item[0] for item in items] if items.count(None) != len(items) else items
+
     def _count(self, keys: list[Hashable], hit: Sequence[bool] | None) -> None:
         """Count the lookups of ``keys`` (``hit``: which of them the cache holds; None: all) for
         admission, play them on the shadow, and end a period (perhaps switching rules) at its

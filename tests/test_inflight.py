@@ -43,6 +43,20 @@ def test_one_owner_and_its_waiters():
     assert len(got) == 1 and reg.stats() == {"in_flight": 0, "joined": 1}
 
 
+def test_claims_of_many_keys_are_claims_of_each():
+    reg = InFlight()
+    asked = []
+    first = reg.claim_or_join_many(["a", "b"], lambda i: asked.append(i))
+    assert all(first) and asked == [] and len(reg) == 2  # nobody had them: no waiter made
+    got = []
+    again = reg.claim_or_join_many(["b", "c", "a"], lambda i: (lambda *r: got.append((i, *r))))
+    assert again[0] is None and again[1] is not None and again[2] is None and len(reg) == 3
+    assert reg.stats()["joined"] == 2
+    reg.settle(first[1], array=np.zeros(1))
+    reg.settle(first[0], missing=True)
+    assert [(i, m) for i, _, _, m in got] == [(0, False), (2, True)]  # key 0 ("b"), then key 2 ("a")
+
+
 def test_a_unit_decoded_in_part_takes_no_waiters():
     reg = InFlight()
     owner = reg.claim_or_join("k", None)
@@ -326,4 +340,40 @@ def test_units_waited_for_are_copied_together_once_they_arrive(volume, native, c
         assert executor.budget.used == executor.budget.slots
     finally:
         hold.set()
+        executor.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_units_one_task_settles_for_a_waiting_batch_are_copied_in_one_go(tmp_path, native):
+    """With no chunk cache a unit another batch waits for is copied in the task that decoded
+    it (its memory goes with that task); the units one task decodes (a shard's, read in one
+    go) are copied for a waiting batch together at the task's end, one copy per batch and
+    plan table, not one per unit, and read right."""
+    data = random_data(SHAPE, "uint16", 6)
+    write_array(tmp_path / "s", data, chunks=CHUNKS, shards=(8, 32, 32), compressors=[ZstdCodec(level=1)])
+    uri = str(tmp_path / "s")
+    reader = GatedReader()
+    executor = cpu_executor(reader, decode_workers=1, native=native)
+    copies = []
+    real = executor._copy_cached
+
+    def spy(run, blocks, late, reports=1, release=0):
+        copies.append((len(late), reports))
+        real(run, blocks, late, reports, release)
+
+    executor._copy_cached = spy
+    box = [np.s_[0:8, 0:32, 0:32]]  # one shard: its 8 units in one read, decoded by one task
+    try:
+        first, done1, err1, refs = run_plan(executor, uri, box)
+        second, done2, err2, _ = run_plan(executor, uri, box)
+        assert executor.inflight.stats()["joined"] == refs == 8
+        reader.gate.set()
+        wait_all(done1 + done2)
+        assert not err1 and not err2
+        want = data[box[0]].astype("f4")
+        assert np.array_equal(first[0], want) and np.array_equal(second[0], want)
+        assert [c for c in copies if c[0]] == [(8, 8)]  # the waiting batch's eight units in one copy
+        assert executor.stats.snapshot()["shared"]["count"] == 8
+        assert executor.budget.used == executor.budget.slots
+    finally:
         executor.close()

@@ -190,6 +190,16 @@ def test_a_switch_of_rules_keeps_the_recency_order_of_the_entries_it_puts_first(
     assert cache.peek("e") == "e" and cache.peek("f") is None
 
 
+def test_peeks_of_many_keys_count_nothing_and_keep_the_order():
+    cache = LRUCache(3)
+    for k in "abc":
+        cache.put(k, k.upper())
+    assert cache.peek_many(["c", "x", "a"]) == ["C", None, "A"] and cache.peek_many(["x", "y"]) == [None, None]
+    assert cache.stats()["hits"] == cache.stats()["misses"] == 0  # peeks are no lookups
+    cache.put("d", "D")  # "a" is still the least recently used: peeks moved nothing
+    assert cache.peek("a") is None and cache.peek_many(list("bcd")) == list("BCD")
+
+
 def test_file_store_ranges(tmp_path):
     f = tmp_path / "blob"
     f.write_bytes(bytes(range(100)))

@@ -26,7 +26,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -130,7 +131,10 @@ class CpuExecutor(BudgetedExecutor):
         )
         # units scheduled and not yet decoded: a batch that needs one waits for it
         self.inflight = InFlight()
-        self.native = NativeTasks(self.chunk_cache, self.inflight) if native.available() and self.limits.native else None
+        self._deferred = threading.local()  # per thread: copies for waiting runs held to the end of a settling
+        self.native = (
+            NativeTasks(self.chunk_cache, self.inflight, self._copies_deferred) if native.available() and self.limits.native else None
+        )
         # decode threads read page-cached groups themselves (see _read_direct)
         self._direct = self.native is not None and getattr(self.reader, "direct", None) is not None
         self._direct_misses = 0
@@ -245,23 +249,27 @@ class CpuExecutor(BudgetedExecutor):
         late: list[tuple[UnitJob, np.ndarray]] = []
         cache = self.chunk_cache
         for g in groups:
-            mine = []
-            for u in g.units:
-                if cache is not None and (arr := cache.peek(u.name)) is not None:
-                    late.append((u, arr))
-                    continue
-                if u.decoded_nbytes < SHARE_MIN_BYTES:
-                    mine.append(u)
-                    continue
+            units = g.units
+            if cache is not None:
+                found = cache.peek_many([u.name for u in units])
+                if any(a is not None for a in found):
+                    late.extend((u, a) for u, a in zip(units, found) if a is not None)
+                    units = [u for u, a in zip(units, found) if a is None]
+            # a read's units decode to one size (one array's): shared all, or none
+            if units and units[0].decoded_nbytes >= SHARE_MIN_BYTES:
                 with run.lock:
-                    run.pending += 1  # the waiter's, if it becomes one
-                shared = self.inflight.claim_or_join(u.name, self._waiter(run, u))
-                if shared is not None:
-                    with run.lock:
-                        run.pending -= 1
-                    u.shared = shared
-                    mine.append(u)
-            kept = shrink(g, mine)
+                    run.pending += len(units)  # the waiters', for those that become one
+                claimed = self.inflight.claim_or_join_many([u.name for u in units], lambda i, units=units: self._waiter(run, units[i]))
+                mine = []
+                for u, shared in zip(units, claimed):
+                    if shared is not None:
+                        u.shared = shared
+                        mine.append(u)
+                with run.lock:
+                    run.pending -= len(mine)
+            else:
+                mine = units
+            kept = g if len(mine) == len(g.units) else shrink(g, mine)
             if kept is not None:
                 out.append(kept)
         return out, late
@@ -277,7 +285,11 @@ class CpuExecutor(BudgetedExecutor):
                 # task, is an array the cache did not take (its memory goes with that task) or
                 # one the budget has no room for
                 if not self._cached(u, array) or not self.budget.try_reserve(array.nbytes):
-                    self._copy_items(run, [(u, array)], reserved=0)
+                    held = getattr(self._deferred, "copies", None)
+                    if held is not None:  # the owner is settling several: copied with the others
+                        held.setdefault(id(run), (run, []))[1].append((u, array))
+                    else:
+                        self._copy_items(run, [(u, array)], reserved=0)
                     return
                 with run.lock:
                     run.arrived.append((u, array))
@@ -300,6 +312,24 @@ class CpuExecutor(BudgetedExecutor):
                 run.group_done()
 
         return take
+
+    @contextmanager
+    def _copies_deferred(self) -> Iterator[None]:
+        """Within it, a unit this thread settles that a waiting run copies at once (see
+        ``_waiter``) is copied at its end, with the others settled meanwhile for that run: one
+        task's units go to a waiting run in one native call per plan table, not one each. The
+        owner's task holds the arrays (and their memory) until then."""
+        local = self._deferred
+        if getattr(local, "copies", None) is not None:  # (nested: the outer one copies)
+            yield
+            return
+        local.copies = held = {}
+        try:
+            yield
+        finally:
+            local.copies = None
+            for run, items in held.values():
+                self._copy_items(run, items, reserved=0)
 
     def _cached(self, u: UnitJob, array: np.ndarray) -> bool:
         """Is ``array`` the chunk cache's entry for ``u`` (memory the cache accounts for)? A
@@ -653,7 +683,7 @@ class CpuExecutor(BudgetedExecutor):
                 self.stats.add("native", decode_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
                 return
             whole = group.length < 0
-            with np.errstate(invalid="ignore", over="ignore"):  # casts follow numpy's rules
+            with np.errstate(invalid="ignore", over="ignore"), self._copies_deferred():  # casts follow numpy's rules
                 for u in units:
                     t0 = time.perf_counter()
                     start = u.offset - group.offset

@@ -14,7 +14,7 @@ then reads the unit itself).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,24 @@ class InFlight:
             shared.waiters.append(waiter)
             self.joined += 1
             return None
+
+    def claim_or_join_many(self, keys: Sequence[Hashable], waiter_for: Callable[[int], Waiter]) -> list[Shared | None]:
+        """:meth:`claim_or_join` of each key under one acquisition of the lock (a batch
+        registers its units a read at a time); ``waiter_for(i)`` makes key i's waiter, asked
+        only for keys another batch has in flight."""
+        out: list[Shared | None] = []
+        with self._lock:
+            units = self._units
+            for i, key in enumerate(keys):
+                shared = units.get(key)
+                if shared is None:
+                    shared = units[key] = Shared(key)
+                    out.append(shared)
+                else:
+                    shared.waiters.append(waiter_for(i))
+                    self.joined += 1
+                    out.append(None)
+        return out
 
     def start(self, shared: Shared, whole: bool) -> bool:
         """The owner is about to decode: whether to decode whole (it would anyway, or someone

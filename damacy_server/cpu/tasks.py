@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -28,9 +29,15 @@ from damacy_server.plan.units import CachedUnits, UnitJob
 
 
 class NativeTasks:
-    def __init__(self, chunk_cache: LRUCache[np.ndarray] | None, inflight: InFlight | None = None) -> None:
+    def __init__(
+        self, chunk_cache: LRUCache[np.ndarray] | None, inflight: InFlight | None = None,
+        settling: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
+        """``settling()``: the context units decoded together are settled in, for the runs
+        waiting for them (the executor's: their copies made together at its end)."""
         self.chunk_cache = chunk_cache
         self.inflight = inflight
+        self._settling = settling
         self._kernels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def kernel(self, run: Run, units: list[UnitJob]) -> native.NativeKernel | None:
@@ -172,13 +179,14 @@ class NativeTasks:
         if kept is None:
             return
         bad = {f.unit for f in failures}
-        for k, (u, arr) in enumerate(zip(units, kept)):
-            if arr is not None and k not in bad:
-                arr.flags.writeable = False
-                if self.chunk_cache is not None:
-                    self.chunk_cache.put(u.name, arr)
-                if u.shared is not None:
-                    self.inflight.settle(u.shared, array=arr)
+        with self._settling():
+            for k, (u, arr) in enumerate(zip(units, kept)):
+                if arr is not None and k not in bad:
+                    arr.flags.writeable = False
+                    if self.chunk_cache is not None:
+                        self.chunk_cache.put(u.name, arr)
+                    if u.shared is not None:
+                        self.inflight.settle(u.shared, array=arr)
 
     def _done(self, kernel, run: Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int) -> tuple[int, int, int]:
         """Fail the samples of units native code could not decode; returns (encoded,
