@@ -139,7 +139,10 @@ class Connection:
                 return call
             msg = make(self._proto.new_id())
             payload = self._proto.send(msg, token=call)
-        self._send(payload)
+            # queued under the lock: requests reach the daemon in the order of their ids (an
+            # answer settles the unanswered requests sent before it)
+            self._outbox.put(payload)
+        self._waker.wake()
         return call
 
     def call(self, make: Callable[[int], Any], timeout: float, what: str) -> Any:
@@ -213,26 +216,39 @@ class Connection:
             if self._teardown_on_exit:
                 self._teardown()
 
+    @staticmethod
+    def _settle(calls: list) -> None:
+        """Pushes and releases an answer to a later request showed were taken: done, no reply."""
+        for call in calls:
+            if call is not None:
+                call.event.set()
+
     def _receive_all(self) -> None:
         while True:
             try:
                 data = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            settled: list = []
             try:
                 with self._lock:
-                    msg, call = self._proto.receive(data)
+                    try:
+                        msg, call = self._proto.receive(data)
+                    finally:
+                        settled = self._proto.settled  # pushes and releases taken (not refused)
                     if call is not None:
                         call.answers = self._proto.answered
                     if isinstance(msg, m.Welcome):
                         self._session = msg.session
             except UnexpectedReply as e:  # a late answer to a call given up on
                 log.debug("damacy: %s", e)
+                self._settle(settled)
                 continue
             except ProtocolError as e:
                 log.warning("damacy: %s", e)
                 self._die(f"damacyd broke the protocol: {e}")
                 continue
+            self._settle(settled)
             if call is None:
                 continue
             if isinstance(msg, (m.WarmProgress, m.Consumed)):

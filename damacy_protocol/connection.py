@@ -4,8 +4,9 @@
 into messages, and check that each side keeps the contract: one transition table
 (:data:`ALLOWED`, :data:`NEXT`) says which requests each session state admits and where
 they lead (the version handshake first, pushes and pops only once the slots are attached,
-nothing but pings after ``bye``); every reply answers an outstanding request; the client
-pushes only samples it holds credits for. Transport (ZeroMQ) and threads live elsewhere;
+nothing but pings after ``bye``); every reply answers an outstanding request (pushes and
+releases are answered only when refused: :data:`UNANSWERED`); the client pushes only
+samples it holds credits for. Transport (ZeroMQ) and threads live elsewhere;
 these classes are tested on their own.
 
 Both sides apply every message of the session's stream (:mod:`damacy_protocol.stream`):
@@ -16,6 +17,7 @@ exactly what the daemon will accept, and the daemon refuses what breaks the stre
 from __future__ import annotations
 
 import enum
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -53,6 +55,13 @@ NEXT: dict[tuple[State, type], State] = {
     (State.WELCOMED, m.Attached): State.READY,
     **{(s, m.Bye): State.CLOSED for s in (State.HELLO_SENT, State.WELCOMED, State.READY)},
 }
+
+
+#: requests the daemon answers only when it refuses them (a ``Failed`` naming the request):
+#: the two a session sends per batch besides its pop. The daemon handles a client's requests
+#: in the order they were sent and answers a refusal as it handles it, so any answer to a
+#: later request settles the earlier ones that were not refused (:meth:`ClientConnection.receive`)
+UNANSWERED = (m.Push, m.Release)
 
 
 def _refused(state: State, msg: Any) -> ProtocolError:
@@ -101,11 +110,16 @@ class ClientConnection(_Side):
         super().__init__()
         self._next_id = 1
         self.pending: dict[int, tuple[type, Any]] = {}  # request id -> (request type, token)
+        self._unanswered: deque[int] = deque()  # ids of pending UNANSWERED requests, in the order sent
         self.welcome: m.Welcome | None = None
         self.answered: m.Pop | None = None  # the pop the last message received answered, if any
+        #: the tokens of UNANSWERED requests the last message received settled (not refused)
+        self.settled: list[Any] = []
 
     def _send(self, msg: Any, token: Any) -> bytes:
         self.pending[msg.id] = (type(msg), token)
+        if isinstance(msg, UNANSWERED):
+            self._unanswered.append(msg.id)
         return m.encode(msg)
 
     def new_id(self) -> int:
@@ -138,13 +152,16 @@ class ClientConnection(_Side):
 
     def receive(self, data: bytes) -> tuple[m.DaemonMessage, Any]:
         """Decode a daemon message, check that it answers a pending request, and return it
-        with that request's token (and, for the answer to a pop, see :attr:`answered`)."""
+        with that request's token (and, for the answer to a pop, see :attr:`answered`; for the
+        pushes and releases it settles, :attr:`settled`)."""
+        self.settled = []
         try:
             msg = m.decode_daemon(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProtocolError(f"malformed message from the daemon: {e}") from None
         except RecursionError:
             raise ProtocolError("malformed message from the daemon: nested too deeply") from None
+        self.settled = self._settle_before(msg.reply_to)
         found = self.pending.get(msg.reply_to)
         if found is None:
             raise UnexpectedReply(f"{type(msg).__name__} answers request {msg.reply_to}, which is not pending")
@@ -168,10 +185,25 @@ class ClientConnection(_Side):
                 raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
         return msg, token
 
+    def _settle_before(self, reply_to: Any) -> list[Any]:
+        """The tokens of the UNANSWERED requests sent before request ``reply_to``, taken off
+        the pending table: an answer to a request comes after the daemon handled it, and so
+        after it handled (and answered the refusals of) every request sent before it."""
+        queue = self._unanswered
+        if not queue or not isinstance(reply_to, int) or queue[0] >= reply_to:
+            return []
+        out = []
+        while queue and queue[0] < reply_to:
+            found = self.pending.pop(queue.popleft(), None)
+            if found is not None:  # (None: refused, and answered so, already)
+                out.append(found[1])
+        return out
+
     def abandon(self) -> list[Any]:
         """Forget every request in flight (the daemon is gone); returns their tokens."""
         tokens = [token for _, token in self.pending.values()]
         self.pending.clear()
+        self._unanswered.clear()
         return tokens
 
 

@@ -15,7 +15,7 @@ from damacy_protocol.errors import ErrorKind
 from damacy_protocol.stats import DaemonStats
 
 #: bumped whenever a message changes incompatibly; checked at connect
-PROTOCOL_VERSION = 10  # 10: the seed API's errors (status, stage) and Config (as a dict), Stats; 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message; 9: a push says where the input raised (cut)
+PROTOCOL_VERSION = 11  # 11: pushes and releases are answered only when refused (see connection.py); 10: the seed API's errors (status, stage) and Config (as a dict), Stats; 6: samples carry flip and transpose; 7: and normalize; 8: a failed batch lists its errors, pushes fit the daemon's largest message; 9: a push says where the input raised (cut)
 
 
 #: a request id: the client numbers its requests from 1; a reply names the one it answers
@@ -118,6 +118,8 @@ class Attached(_Msg, tag="attached"):
 
 
 class Push(_Msg, tag="push"):
+    """Answered only when refused (a ``Failed``); see :data:`damacy_protocol.connection.UNANSWERED`."""
+
     id: RequestId
     samples: list[WireSample]
     final: bool = False  # the client's input is exhausted (until it pushes again)
@@ -137,6 +139,8 @@ class Pop(_Msg, tag="pop"):
 
 
 class Release(_Msg, tag="release"):
+    """Answered only when refused (a ``Failed``), like :class:`Push`."""
+
     id: RequestId
     batch_id: int
 

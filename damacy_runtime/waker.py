@@ -14,6 +14,7 @@ class Waker:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
+        self._pending = False  # a wake-up is written and not yet drained: another adds nothing
 
     @property
     def fd(self) -> int:
@@ -23,20 +24,24 @@ class Waker:
     def wake(self) -> None:
         """Make the poll return (from any thread; a no-op once closed)."""
         fd = self._w
-        if fd < 0:  # closed: the number may belong to another file by now
+        if fd < 0 or self._pending:  # closed (the number may belong to another file by now), or woken already
             return
+        self._pending = True
         try:
             os.write(fd, b"x")
         except (BlockingIOError, OSError):
             pass  # already being woken, or closing
 
     def drain(self) -> None:
-        """Take back every wake-up (after the poll said the read end is readable)."""
+        """Take back every wake-up (after the poll said the read end is readable), then let
+        the next wake write again. A wake between the two writes nothing: what it announces
+        was queued before it, and the owner handles the queues after draining."""
         try:
             while os.read(self._r, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._pending = False
 
     def close(self) -> None:
         fds = (self._r, self._w)

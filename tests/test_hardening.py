@@ -539,8 +539,10 @@ def test_pushes_beyond_the_credits_granted_are_refused(served, fresh):
         wire = [m.WireSample(seq=i, uri=str(root / "vol.zarr"), box=True, axes=[m.WireRange(0, 8), m.WireRange(0, 12), m.WireRange(0, 10)]) for i in range(5)]
         reply = raw.call(lambda i: m.Push(id=i, samples=wire))
         assert isinstance(reply, m.Failed) and reply.error.kind == "ProtocolError" and "credits" in reply.error.reason
-        reply = raw.call(lambda i: m.Push(id=i, samples=wire[:4]))
-        assert isinstance(reply, m.Ack)
+        raw.send(m.encode(m.Push(id=next(raw.ids), samples=wire[:4])))  # taken: a push is answered only if refused
+        raw.send(m.encode(m.Ping(id=(ping := next(raw.ids)))))
+        reply = raw.recv()  # the first answer since is the ping's: nothing refused the push
+        assert isinstance(reply, m.Pong) and reply.reply_to == ping, reply
         reply = raw.call(lambda i: m.Push(id=i, samples=wire[4:]))  # none left until a batch is popped
         assert isinstance(reply, m.Failed) and "credits" in reply.error.reason
         s = daemon_stats(served.endpoint)

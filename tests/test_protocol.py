@@ -39,10 +39,44 @@ def handshake():
 def test_handshake_and_round_trip():
     client, server = handshake()
     push = m.Push(id=client.new_id(), samples=[m.WireSample(seq=0, uri="/a", box=True, axes=[m.WireRange(0, 4), m.WireRange(None, 8), m.WireAt(-2)]), m.WireSample(seq=1, uri="/b", box=False, axes=[m.WireList([3, 1, 1]), m.WireRest(), m.WireRange(0, 4, 2)])], final=True)
-    got = server.receive(client.send(push))
+    got = server.receive(client.send(push, token="push"))
     assert got == push
-    reply, _ = client.receive(server.reply(m.Ack(reply_to=push.id)))
-    assert isinstance(reply, m.Ack) and push.id not in client.pending
+    # a push is answered only if refused: the answer to a request sent after it settles it
+    ping = m.Ping(id=client.new_id())
+    server.receive(client.send(ping, token="ping"))
+    reply, token = client.receive(server.reply(m.Pong(reply_to=ping.id, session="s")))
+    assert isinstance(reply, m.Pong) and token == "ping" and client.settled == ["push"] and push.id not in client.pending
+
+
+def test_pushes_and_releases_are_settled_by_an_answer_to_a_later_request_or_their_refusal():
+    client, server = handshake()
+    sent = []
+
+    def send(msg, token):
+        server_side = server.receive(client.send(msg, token=token))
+        sent.append(server_side)
+        return msg
+
+    wire = [m.WireSample(seq=s, uri="/a", box=True, axes=[m.WireRange(0, 4)]) for s in range(2)]
+    first = send(m.Push(id=client.new_id(), samples=wire[:1]), "push 1")
+    pop = send(m.Pop(id=client.new_id()), "pop")
+    second = send(m.Push(id=client.new_id(), samples=wire[1:]), "push 2")
+    early = send(m.Ping(id=client.new_id()), "ping 1")
+    # the pop's answer (it came after the daemon handled the pop) settles the push before it
+    # only: the second push was sent after the pop
+    ready = m.BatchReady(reply_to=pop.id, batch_id=0, slot=0, count=2, dtype="uint16", seqs=[0, 1], errors=[], skipped=[])
+    _, token = client.receive(server.reply(ready))
+    assert token == "pop" and client.settled == ["push 1"] and second.id in client.pending
+    # a refusal answers its push itself (and settles nothing before it twice)
+    refused = m.Failed(reply_to=second.id, error=m.WireError(kind="ProtocolError", reason="no"))
+    _, token = client.receive(server.reply(refused))
+    assert token == "push 2" and client.settled == [] and second.id not in client.pending
+    release = send(m.Release(id=client.new_id(), batch_id=0), "release")
+    _, token = client.receive(server.reply(m.Pong(reply_to=early.id, session="s")))
+    assert token == "ping 1" and client.settled == [] and release.id in client.pending  # (sent after that ping)
+    ping = send(m.Ping(id=client.new_id()), "ping 2")
+    client.receive(server.reply(m.Pong(reply_to=ping.id, session="s")))
+    assert client.settled == ["release"] and not {first.id, pop.id, second.id, release.id, ping.id} & set(client.pending)
 
 
 def test_requests_before_the_handshake_are_refused():

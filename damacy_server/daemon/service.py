@@ -33,7 +33,7 @@ import zmq
 
 from damacy_protocol import messages as m
 from damacy_protocol import stats as st
-from damacy_protocol.connection import ServerConnection, State
+from damacy_protocol.connection import UNANSWERED, ServerConnection, State
 from damacy_protocol.errors import (
     BudgetExceeded,
     DamacyError,
@@ -64,6 +64,9 @@ log = logging.getLogger("damacyd")
 #: the daemon delays another client's answer by at most this many messages (ZeroMQ takes
 #: turns between clients with messages waiting)
 MESSAGES_PER_TURN = 32
+#: rounds of pumping per turn while pumps give sessions news (releases that free slots start
+#: batches, whose delivery is news); what is left is pumped after the next poll
+PUMP_ROUNDS = 4
 #: file descriptors kept free for sockets, files being read and new sessions' handshakes
 FD_RESERVE = 64
 
@@ -106,8 +109,9 @@ class Daemon:
         self._stopping = False  # shutdown began: a session that finishes starting closes
         self._news: set[Session] = set()  # sessions whose engine changed, to pump
         self._news_lock = threading.Lock()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages other threads post
         self._waker = Waker()
+        self._loop_thread: int | None = None  # the thread serving the socket (serve_forever's)
         self._stop = threading.Event()
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -128,25 +132,40 @@ class Daemon:
 
     # -- plumbing -----------------------------------------------------------------
     def post(self, identity: bytes, payload: bytes) -> None:
-        """Queue a message for a client (from any thread)."""
+        """Send a message to a client (from any thread): on the loop thread at once, after
+        what other threads queued before it; from another thread queued for the loop."""
+        if threading.get_ident() == self._loop_thread:
+            if not self._outbox.empty():
+                self._flush()
+            self._send(identity, payload)
+            return
         self._outbox.put((identity, payload))
         self._waker.wake()
 
     def wake(self, session: Session) -> None:
-        """A session's engine has news (from any thread): the loop pumps it."""
+        """A session's engine has news (from any thread): the loop pumps it (on the loop
+        thread itself no wake-up is written: it pumps before it polls again)."""
         with self._news_lock:
             self._news.add(session)
-        self._waker.wake()
+        if threading.get_ident() != self._loop_thread:
+            self._waker.wake()
 
     def _pump(self) -> None:
-        with self._news_lock:
-            news, self._news = self._news, set()
-        for session in news:
-            try:
-                session.pump()
-            except Exception:  # a bug in one session never takes the daemon down
-                log.exception("session %s failed", session.sid)
-                self.end_session(session, "internal error")
+        """Pump the sessions with news, and those that have news from that (a pump's replies
+        and releases may start batches), a few rounds; what is left wakes the next turn."""
+        for _ in range(PUMP_ROUNDS):
+            with self._news_lock:
+                news, self._news = self._news, set()
+            if not news:
+                return
+            for session in news:
+                try:
+                    session.pump()
+                except Exception:  # a bug in one session never takes the daemon down
+                    log.exception("session %s failed", session.sid)
+                    self.end_session(session, "internal error")
+        if self._news:
+            self._waker.wake()
 
     def stop(self) -> None:
         self._stop.set()
@@ -166,6 +185,7 @@ class Daemon:
             "on" if self.executor.native is not None else "off (numpy)",
             extra={"event": "start"},
         )
+        self._loop_thread = threading.get_ident()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(250))
@@ -209,16 +229,22 @@ class Daemon:
                 log.exception("error handling a request")
 
     def _flush(self) -> None:
-        while True:
+        """Send what other threads queued (on the loop thread)."""
+        while not self._outbox.empty():
             try:
                 identity, payload = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            try:
-                self.socket.send_multipart([identity, payload], zmq.NOBLOCK)
-                self.sent += 1
-            except zmq.ZMQError as e:  # the peer is gone (or its queue is full)
-                log.debug("dropped a reply to a gone client: %s", e)
+            self._send(identity, payload)
+
+    def _send(self, identity: bytes, payload: bytes) -> None:
+        """Write one message to the socket (on the loop thread, which owns it)."""
+        try:
+            self.socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            self.socket.send(payload, zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.ZMQError as e:  # the peer is gone (or its queue is full)
+            log.debug("dropped a reply to a gone client: %s", e)
 
     def _handle(self, identity: bytes, data: bytes, frame: zmq.Frame | None = None) -> None:
         with self._sessions_lock:
@@ -254,7 +280,12 @@ class Daemon:
             # slots are allocated and touched off the loop thread, which keeps answering
             threading.Thread(target=self._start_session, args=(identity, conn, msg, peer), name="damacyd-start", daemon=True).start()
             return
-        session.handle(msg)
+        try:
+            session.handle(msg)
+        except Exception as e:
+            if isinstance(msg, UNANSWERED):  # its silence would say it was taken: it says why not
+                session.fail(msg.id, DamacyError(f"damacyd failed handling this {type(msg).__name__.lower()}: {type(e).__name__}: {e}"))
+            raise
 
     def _refuse(self, peer: Peer | None) -> str | None:
         """Why a client may not open a session (``--allow-uid``/``--allow-gid``), or None."""

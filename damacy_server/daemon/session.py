@@ -161,9 +161,8 @@ class Session:
             self._push(msg)
         elif isinstance(msg, m.Pop):  # the stream queued it behind the pops before it
             self.pump()
-        elif isinstance(msg, m.Release):  # of a batch the stream knows lent
+        elif isinstance(msg, m.Release):  # of a batch the stream knows lent (answered only if refused)
             self.lent.pop(msg.batch_id).release()  # the engine hears of it, and the loop pumps this session
-            self.reply(m.Ack(reply_to=msg.id))
         elif isinstance(msg, m.Stats):
             self.reply(m.StatsReply(reply_to=msg.id, stats=self.host.stats(session=self)))
         elif isinstance(msg, m.Warm):
@@ -185,8 +184,7 @@ class Session:
             self.seqs[id(sample)] = w.seq
             samples.append(sample)
         self.core.add(samples, final=self.stream.final, cut=msg.cut)  # the stream counted the push already
-        self.pushed += len(msg.samples)
-        self.reply(m.Ack(reply_to=msg.id))
+        self.pushed += len(msg.samples)  # (answered only if refused)
         self.pump()
 
     # -- the engine's side (on the loop thread) -------------------------------------------
