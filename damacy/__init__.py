@@ -18,7 +18,7 @@ from damacy import _native
 from damacy._native import max_concurrency
 from damacy.pipeline import Pipeline
 from damacy_protocol.config import Config
-from damacy_protocol.enums import DeviceType, Dtype, NumaStrategy, Status
+from damacy_protocol.enums import BoundsPolicy, DeviceType, Dtype, ErrorPolicy, NumaStrategy, Status
 from damacy_protocol.errors import (
     BatchFailed,
     BudgetExceeded,
@@ -147,7 +147,7 @@ __all__ = [
     "Sampler", "ShutdownError", "SpatialQuery", "Stats", "Status", "StorageError", "TryAgain", "UnsupportedOperation",
     "ZarrMetadata", "max_concurrency", "set_log_level", "set_log_quiet",
     # damacy's own
-    "BatchFailed", "DaemonUnavailable", "EmbeddedPipeline", "GridBoxes", "MetadataError", "MultiBatch",
+    "BatchFailed", "BoundsPolicy", "DaemonUnavailable", "EmbeddedPipeline", "ErrorPolicy", "GridBoxes", "MetadataError", "MultiBatch",
     "MultiPipeline", "MultiSample", "OutOfBounds", "Padding", "PipelineDrained", "ProtocolError", "RandomBoxes",
     "RemotePipeline", "RemoteStores", "Shuffled", "SlotsHeld", "Split", "chunk_windows", "open_array", "open_image",
     "open_plate", "read", "split_chunks",
@@ -155,7 +155,7 @@ __all__ = [
 
 # the public classes say they are damacy's (their reprs, pickles by name and doctest find them here)
 for _obj in (
-    Config, DeviceType, Dtype, NumaStrategy, Status, BatchSpec, CpuLimits, CudaLimits, LatencyModel, MetadataCache,
+    Config, DeviceType, Dtype, NumaStrategy, Status, ErrorPolicy, BoundsPolicy, BatchSpec, CpuLimits, CudaLimits, LatencyModel, MetadataCache,
     NgffLimits, PlanLimits, QueueLimits, IndexQuery, Padding, ResolvedSpatialQuery, Sample, Metric, Stats, Batch,
     BatchInfo, DamacyError, TryAgain, InvalidArgument, NotFound, DtypeMismatch, RankMismatch, StorageError,
     DecodeError, NativeCudaError, OutOfMemory, BudgetExceeded, ShutdownError, UnsupportedOperation, PoolStarved,

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from damacy_protocol.enums import Stage
+
 SIZES = {
     # name: (shape, shard shape, inner chunk shape)
     "small": ((64, 128, 128), (64, 128, 128), (32, 64, 64)),  # 2 MiB decoded, for tests
@@ -144,7 +146,7 @@ def _umask() -> int:
     return 0o022
 
 
-STAGES = ("plan", "read", "decode", "assemble")  # "native" and "direct" are parts of these
+STAGES = (Stage.PLAN, Stage.READ, Stage.DECODE, Stage.ASSEMBLE)  # "native" and "direct" are parts of these
 
 
 def _stage_line(stats: dict) -> str:

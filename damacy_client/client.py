@@ -29,6 +29,7 @@ from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
+from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import (
     DamacyError,
     ErrorKind,
@@ -153,7 +154,7 @@ class RemotePipeline(PipelineAPI):
 
     def _check_item(self, item: Any) -> Any:
         off = None if self._index_queries else "Config.max_index_bytes=0"
-        return check_pushed(item, self.output.shape, self.config.out_of_bounds == "pad", off)
+        return check_pushed(item, self.output.shape, self.config.out_of_bounds == BoundsPolicy.PAD, off)
 
     def _feed(self) -> bool:
         """One round of the feeder thread (:func:`front.feed_weakly`): pull what the credits

@@ -15,11 +15,11 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 from damacy_protocol import limits as L
 from damacy_protocol.dtypes import dtype_name, output_dtype
-from damacy_protocol.enums import Dtype, NumaStrategy
+from damacy_protocol.enums import BoundsPolicy, Dtype, ErrorPolicy, NumaStrategy
 from damacy_protocol.limits import (
     BatchSpec,
     CpuLimits,
@@ -30,10 +30,6 @@ from damacy_protocol.limits import (
     QueueLimits,
 )
 
-OnError = Literal["stop", "raise", "fill", "skip"]
-OutOfBounds = Literal["pad", "error"]
-ON_ERROR = ("stop", "raise", "fill", "skip")
-OUT_OF_BOUNDS = ("error", "pad")
 #: host memory of a Config pipeline that names no budget (CpuLimits has no default)
 DEFAULT_MAX_MEMORY_BYTES = 2 << 30
 
@@ -153,8 +149,8 @@ class Config:
     chunk_cache_bytes: int
     chunk_cache_dir: str | None
     chunk_cache_dir_bytes: int
-    on_error: str
-    out_of_bounds: str
+    on_error: ErrorPolicy
+    out_of_bounds: BoundsPolicy
     drop_last: bool
     switch_interval_s: float | None
     storage_options: dict[str, dict[str, str]] = field(hash=False)
@@ -192,8 +188,8 @@ class Config:
         chunk_cache_bytes: int = 0,
         chunk_cache_dir: str | None = None,
         chunk_cache_dir_bytes: int = 64 << 30,
-        on_error: str = "stop",
-        out_of_bounds: str = "error",
+        on_error: ErrorPolicy | str = ErrorPolicy.STOP,
+        out_of_bounds: BoundsPolicy | str = BoundsPolicy.ERROR,
         drop_last: bool = True,
         switch_interval_s: float | None = 0.0005,
         storage_options: dict[str, dict[str, str]] | None = None,
@@ -293,12 +289,8 @@ class Config:
             raise TypeError(f"chunk_cache_dir must be a path (str) or None, got {type(chunk_cache_dir).__name__}")
         set_(self, "chunk_cache_dir", chunk_cache_dir)
         set_(self, "chunk_cache_dir_bytes", L.positive_int(chunk_cache_dir_bytes, "chunk_cache_dir_bytes", L.UINT64_MAX))
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        set_(self, "on_error", on_error)
-        if out_of_bounds not in OUT_OF_BOUNDS:
-            raise ValueError(f"out_of_bounds must be one of {OUT_OF_BOUNDS}, got {out_of_bounds!r}")
-        set_(self, "out_of_bounds", out_of_bounds)
+        set_(self, "on_error", ErrorPolicy.coerce(on_error))
+        set_(self, "out_of_bounds", BoundsPolicy.coerce(out_of_bounds))
         if not isinstance(drop_last, bool):
             raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
         set_(self, "drop_last", drop_last)

@@ -1,12 +1,16 @@
-"""The enums of the public API: output dtypes, where a batch lives, what went wrong, NUMA.
+"""The enums of the public API: output dtypes, where a batch lives, what went wrong, NUMA;
+and damacy's own: what a bad sample or a position outside the array does, the engine's
+stages.
 
-Their members and numbers are part of the contract (``Dtype.F32 == 0``, ``Dtype.BF16 == 1``,
-``DeviceType`` the DLPack device codes); they travel in messages as their integers.
+The seed API's members and numbers are part of the contract (``Dtype.F32 == 0``,
+``Dtype.BF16 == 1``, ``DeviceType`` the DLPack device codes); they travel in messages as
+their integers. damacy's are string enums: each member is its name as ``Config`` takes it
+(``ErrorPolicy.SKIP == "skip"``), so strings keep working wherever they are given.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 
@@ -152,3 +156,64 @@ def as_status(value: Any) -> Status:
         return Status(int(value))
     except (TypeError, ValueError):
         return Status.SHUTDOWN
+
+
+class ErrorPolicy(StrEnum):
+    """What a bad sample does to its batch (``Config.on_error``): ``STOP`` (the default) and
+    ``RAISE``, the pop of its batch raises its error (``STOP`` then ends the stream);
+    ``FILL``, its place holds the fill value and ``batch.info.errors`` names it; ``SKIP``,
+    the next sample takes its place.
+
+    >>> ErrorPolicy.coerce("skip") is ErrorPolicy.SKIP and ErrorPolicy.SKIP == "skip"
+    True
+    """
+
+    STOP = "stop"
+    RAISE = "raise"
+    FILL = "fill"
+    SKIP = "skip"
+
+    @classmethod
+    def coerce(cls, value: Any) -> ErrorPolicy:
+        """A member from itself or its string; ``ValueError`` for anything else."""
+        return _coerce(cls, value, "on_error")
+
+
+class BoundsPolicy(StrEnum):
+    """What a selection reaching outside its array does (``Config.out_of_bounds``):
+    ``ERROR`` (the default), the sample fails with ``OutOfBounds``; ``PAD``, the positions
+    outside read as the array's fill value."""
+
+    ERROR = "error"
+    PAD = "pad"
+
+    @classmethod
+    def coerce(cls, value: Any) -> BoundsPolicy:
+        """A member from itself or its string; ``ValueError`` for anything else."""
+        return _coerce(cls, value, "out_of_bounds")
+
+
+class Stage(StrEnum):
+    """A stage of the engine, as its figures name it (``StageStats``, ``damacy stats``):
+    planning, reads (``DIRECT``: those decode threads made from the page cache; ``DISK``: from
+    the local disk tier), decodes, copies into slots (``ASSEMBLE``), host-to-device copies
+    (``UPLOAD``), the native decode-and-copy calls (``NATIVE``), units taken from another
+    batch's decode (``SHARED``) and chunks ``damacy warm`` cached (``WARM``)."""
+
+    PLAN = "plan"
+    READ = "read"
+    DIRECT = "direct"
+    DISK = "disk"
+    DECODE = "decode"
+    ASSEMBLE = "assemble"
+    UPLOAD = "upload"
+    NATIVE = "native"
+    SHARED = "shared"
+    WARM = "warm"
+
+
+def _coerce(cls: Any, value: Any, what: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{what} must be one of {tuple(m.value for m in cls)}, got {value!r}") from None

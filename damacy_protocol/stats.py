@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from damacy_protocol.enums import Stage
+
 
 class _Figures(msgspec.Struct, forbid_unknown_fields=False):
     pass
@@ -132,7 +134,7 @@ NO_OBSERVATION_MS = 1e30
 #: a stage's best observation before any, in the engine's stage figures (seconds)
 NO_BEST_S = 1e27
 #: the seed API's stage -> the engine's stage figures it reads
-STAGE_SOURCES = {"plan": "plan", "io": "read", "input_transfer": "upload", "decode": "decode", "assemble": "assemble"}
+STAGE_SOURCES = {"plan": Stage.PLAN, "io": Stage.READ, "input_transfer": Stage.UPLOAD, "decode": Stage.DECODE, "assemble": Stage.ASSEMBLE}
 
 STAGE_METRICS = (
     "plan", "io", "input_transfer", "decode", "post_decode", "decode_gap", "assemble", "bind_wait", "pop_wait",
@@ -235,8 +237,8 @@ def session_stats(daemon: DaemonStats, pop_seconds: float, pops: int, pop_best_s
         else:
             metrics[name] = stage_metric(name, fig.seconds, fig.best, fig.bytes_in, fig.bytes_out, fig.count)
     session = daemon.session
-    read = daemon.stages.get("read")
-    decode = daemon.stages.get("decode")
+    read = daemon.stages.get(Stage.READ)
+    decode = daemon.stages.get(Stage.DECODE)
     return Stats(
         **metrics,
         array_meta_hits=daemon.cache.arrays.hits,

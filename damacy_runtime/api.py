@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from damacy_protocol.config import Config
+from damacy_protocol.enums import ErrorPolicy
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, PoolStarved, ShutdownError, stage
 from damacy_protocol.limits import BatchSpec, QueueLimits
 from damacy_protocol.stats import Stats
@@ -53,7 +54,7 @@ class PipelineAPI(ABC):
     output: BatchSpec
     queues: QueueLimits
     pop_timeout_s: float | None = 30.0
-    on_error: str = "stop"
+    on_error: ErrorPolicy = ErrorPolicy.STOP
     _pid: int | None = None
     _restore = 0
     _closed = False
@@ -218,7 +219,7 @@ class PipelineAPI(ABC):
         """``error`` is what a batch's pop raises: with ``on_error="stop"`` a damacy error
         stops the pipeline (every later pop raises it again; push raises ShutdownError).
         Returns it, to be raised."""
-        if self.on_error == "stop" and isinstance(error, DamacyError) and not isinstance(error, PoolStarved):
+        if self.on_error == ErrorPolicy.STOP and isinstance(error, DamacyError) and not isinstance(error, PoolStarved):
             self._terminal = error
             self._stop()
         return error
@@ -278,7 +279,7 @@ class PipelineAPI(ABC):
         when it was pushed (a sampler's seed and epoch). Plain data (JSON- and
         msgpack-able); see :meth:`load_state_dict`."""
         self._check_process()
-        if self.on_error == "skip":
+        if self.on_error == ErrorPolicy.SKIP:
             # a skipped sample's replacement is pulled after later batches' samples: the samples
             # seen are no prefix of the stream, which a position cannot say
             raise InvalidArgument('state_dict needs on_error="stop", "raise" or "fill" (with "skip", the samples a batch holds are not a prefix of the stream)')

@@ -18,8 +18,18 @@ samples before it make a batch, and the engine delivers the error after it.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from typing import Any, Protocol
+
+
+class Action(enum.Enum):
+    """What the core hands the engine next (:meth:`FrontCore.pump`)."""
+
+    START = "start"  # a batch of queued samples
+    REFILL = "refill"  # a patch's replacements (on_error="skip")
+    DISCARD = "discard"  # a patch too few replacements are left for, under drop_last: left out
+    ERROR = "error"  # the pushed input's error, as its batch
 
 
 class Patch(Protocol):
@@ -123,14 +133,14 @@ class FrontCore:
                 return
             kind, what = action
             try:
-                if kind == "refill":
+                if kind is Action.REFILL:
                     engine.refill(*what)
-                elif kind == "discard":  # too few replacements under drop_last: left out
+                elif kind is Action.DISCARD:
                     gone = engine.discard(*what)
                     with self._lock:
                         self.outstanding -= len(gone)
                         self._discarded.extend(gone)
-                elif kind == "start":
+                elif kind is Action.START:
                     engine.start(what)
                 else:
                     engine.start_error(what)
@@ -138,7 +148,7 @@ class FrontCore:
                 with self._lock:
                     self._busy -= 1
 
-    def _next(self) -> tuple[str, Any] | None:
+    def _next(self) -> tuple[Action, Any] | None:
         """The next thing to hand the engine (called with the lock held; counted busy)."""
         n = self.samples_per_batch
         queue = self._queue
@@ -154,11 +164,11 @@ class FrontCore:
             patch, self._patch = self._patch, None
             self._busy += 1
             if short and self.drop_last and not cut:  # it would be delivered short
-                return "discard", (patch, self._take(need))
-            return "refill", (patch, self._take(need))
+                return Action.DISCARD, (patch, self._take(need))
+            return Action.REFILL, (patch, self._take(need))
         if queue and isinstance(queue[0], _Raised):
             self._busy += 1
-            return "error", queue.popleft().error
+            return Action.ERROR, queue.popleft().error
         ready = self._samples_before_error()
         if not ready:
             return None
@@ -169,7 +179,7 @@ class FrontCore:
             return None
         samples = self._take(n)
         self._busy += 1
-        return "start", samples
+        return Action.START, samples
 
     def _samples_before_error(self) -> int:
         """The samples queued before the first error (or cut): what the next batch may take."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from damacy_protocol.config import Config
+from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
 from damacy_protocol.limits import BatchSpec, CpuLimits, CudaLimits, QueueLimits
 from damacy_protocol.samples import check_pushed
@@ -171,7 +172,7 @@ class Pipeline(PipelineAPI):
 
     def _check_item(self, item: Any) -> Any:
         off = "CudaLimits.max_index_bytes=0" if self._index_bytes is None else None
-        return check_pushed(item, self.output.shape, self.policy.out_of_bounds == "pad", off)
+        return check_pushed(item, self.output.shape, self.policy.out_of_bounds == BoundsPolicy.PAD, off)
 
     def _take_in(self, deferred: bool) -> None:
         """Pull what the lookahead has room for (at most a batch) into the core, checking each

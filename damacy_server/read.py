@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
+from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import DamacyError, InvalidArgument
 from damacy_protocol.limits import (
     UINT32_MAX,
@@ -85,7 +86,7 @@ def read(
     selection: Any = None,
     dtype: Any = None,
     *,
-    out_of_bounds: str = "error",
+    out_of_bounds: BoundsPolicy | str = BoundsPolicy.ERROR,
     metadata: ZarrMetadata | None = None,
     level: int | None = None,
     scale: Any = None,
@@ -125,8 +126,9 @@ def read(
     meta = md.array(uri, level=level)
     if level is not None:
         uri = meta.uri  # the level's own array, read as any array
-    if out_of_bounds not in ("pad", "error"):
+    if out_of_bounds not in tuple(BoundsPolicy):
         raise InvalidArgument(f"out_of_bounds is 'pad' or 'error', got {out_of_bounds!r}", uri=str(uri))
+    out_of_bounds = BoundsPolicy(out_of_bounds)
     axes, drop = resolve(normalize(selection, READ, str(uri)), meta.shape, out_of_bounds, str(uri))
     shape, out_dtype = selection_shape(axes), numpy_dtype(canonical_dtype(dtype), meta.dtype)
     try:

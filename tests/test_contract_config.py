@@ -230,3 +230,28 @@ def test_max_shards_per_sample_below_one_is_refused_where_the_pipeline_is_made()
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(4,), max_shards_per_sample=0)  # (checked natively by the seed)
     with raises_exactly(damacy.InvalidArgument, "Config.max_shards_per_sample must be > 0 (got 0)"):
         damacy.Pipeline(cfg, embedded=True)
+
+
+def test_error_and_bounds_policies_are_string_enums_taken_from_their_strings():
+    # damacy's on_error and out_of_bounds are ErrorPolicy and BoundsPolicy members, each equal
+    # to its string: programs that give and compare strings keep working, the wire form is
+    # the string, and anything else is refused with the choices
+    import json
+
+    import msgspec
+
+    from damacy_protocol.enums import BoundsPolicy, ErrorPolicy
+
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(4,), on_error="skip", out_of_bounds="pad")
+    assert cfg.on_error is ErrorPolicy.SKIP and cfg.on_error == "skip" and cfg.out_of_bounds is BoundsPolicy.PAD
+    default = damacy.Config(samples_per_batch=2, sample_shape=(4,))
+    assert default.on_error is ErrorPolicy.STOP and default.out_of_bounds is BoundsPolicy.ERROR
+    assert damacy.Config(samples_per_batch=2, sample_shape=(4,), on_error=ErrorPolicy.FILL).on_error is ErrorPolicy.FILL
+    assert dataclasses.replace(cfg, on_error="raise").on_error is ErrorPolicy.RAISE
+    wire = cfg.to_dict()
+    assert json.loads(json.dumps(wire))["on_error"] == "skip" and msgspec.msgpack.decode(msgspec.msgpack.encode(wire))["out_of_bounds"] == "pad"
+    assert damacy.Config.from_dict(wire) == cfg
+    with pytest.raises(ValueError, match=r"on_error must be one of \('stop', 'raise', 'fill', 'skip'\), got 'ignore'"):
+        damacy.Config(samples_per_batch=2, sample_shape=(4,), on_error="ignore")
+    with pytest.raises(ValueError, match=r"out_of_bounds must be one of \('error', 'pad'\), got 'clip'"):
+        damacy.Config(samples_per_batch=2, sample_shape=(4,), out_of_bounds="clip")

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.enums import Stage
 from damacy_protocol.errors import BudgetExceeded, DamacyError
 from damacy_protocol.limits import CpuLimits
 from damacy_server import native
@@ -189,7 +190,7 @@ class CpuExecutor(BudgetedExecutor):
         for s, fill in plan.fills:
             views[s][...] = cast_fill(fill, views[s].dtype, plan.norm(s))
         if plan.fills:
-            self.stats.add("assemble", time.perf_counter() - t0, count=0)
+            self.stats.add(Stage.ASSEMBLE, time.perf_counter() - t0, count=0)
         run.pending = 2  # this call, until all is queued, and the copies from the chunk cache
         groups, late = self._share(run, plan.groups)
         with run.lock:
@@ -350,7 +351,7 @@ class CpuExecutor(BudgetedExecutor):
     def _copy_items(self, run: Run, items: list[tuple[UnitJob, np.ndarray]], reserved: int) -> None:
         """Copy units waited for that arrived in the chunk cache and report each done, the
         budget's ``reserved`` bytes (what counted them while they waited) returned first."""
-        self.stats.add("shared", 0.0, count=len(items), bytes_out=sum(a.nbytes for _, a in items))
+        self.stats.add(Stage.SHARED, 0.0, count=len(items), bytes_out=sum(a.nbytes for _, a in items))
         self._copy_cached(run, [], items, reports=len(items), release=reserved)
 
     def _abandon(self, units: Sequence[UnitJob]) -> None:
@@ -442,7 +443,7 @@ class CpuExecutor(BudgetedExecutor):
         except Exception as e:
             run.crash([x for part in parts[done:] for x in ([part] if isinstance(part, CachedUnits) else [u for u, _ in part])], e)
         finally:
-            self.stats.add("assemble", time.perf_counter() - t0, count=count, bytes_out=assembled)
+            self.stats.add(Stage.ASSEMBLE, time.perf_counter() - t0, count=count, bytes_out=assembled)
             self.budget.release(release)
             run.group_done(reports)
 
@@ -505,9 +506,9 @@ class CpuExecutor(BudgetedExecutor):
                 run.fail(samples_of(units), over)
             seconds = time.perf_counter() - t0
             read_s = read_ns / 1e9
-            self.stats.add("read", read_s, bytes_out=nbytes)
-            self.stats.add("direct", read_s, bytes_out=nbytes)
-            self.stats.add("native", seconds - read_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
+            self.stats.add(Stage.READ, read_s, bytes_out=nbytes)
+            self.stats.add(Stage.DIRECT, read_s, bytes_out=nbytes)
+            self.stats.add(Stage.NATIVE, seconds - read_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
             self.stats.add_units(len(units), seconds - read_s, encoded, decoded, 0.0, assembled)
         except Exception as e:
             run.crash(group.units, e)
@@ -543,7 +544,7 @@ class CpuExecutor(BudgetedExecutor):
         except Exception as e:  # reported per sample (a DamacyError) or as a crash
             self._landed(run, group, reserved, error=e)
             return
-        self.stats.add("read", time.perf_counter() - t0, bytes_out=len(data) if data else 0)
+        self.stats.add(Stage.READ, time.perf_counter() - t0, bytes_out=len(data) if data else 0)
         self._landed(run, group, reserved, data)
 
     def _fetch(self, run: Run, group: ReadGroup, reserved: int) -> None:
@@ -587,7 +588,7 @@ class CpuExecutor(BudgetedExecutor):
             except Exception as e:  # reported per sample, as a failed fetch is
                 self._landed(run, group, reserved, error=e)
             return
-        self.stats.add("disk", time.perf_counter() - t0, bytes_out=len(data))
+        self.stats.add(Stage.DISK, time.perf_counter() - t0, bytes_out=len(data))
         self._landed(run, group, reserved, data)
 
     def _to_disk(self, key: str, data: bytes) -> None:
@@ -611,7 +612,7 @@ class CpuExecutor(BudgetedExecutor):
 
         def done(data, error) -> None:
             if error is None:
-                self.stats.add("read", time.perf_counter() - t0[0], bytes_out=len(data) if data else 0)
+                self.stats.add(Stage.READ, time.perf_counter() - t0[0], bytes_out=len(data) if data else 0)
                 if data is not None and self._tiered(group):  # written off the fetcher's loop
                     self._io.submit(self._to_disk, self._disk_key(group), data, key=run.key, priority=run.order)
             self._landed(run, group, reserved, data, error)
@@ -680,7 +681,7 @@ class CpuExecutor(BudgetedExecutor):
                 encoded, decoded, assembled = self.native.decode(kernel, run, group, units, view)
                 done = units
                 decode_s = time.perf_counter() - t0  # decode and copies, in one call
-                self.stats.add("native", decode_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
+                self.stats.add(Stage.NATIVE, decode_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
                 return
             whole = group.length < 0
             with np.errstate(invalid="ignore", over="ignore"), self._copies_deferred():  # casts follow numpy's rules

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.enums import NumaStrategy
+from damacy_protocol.enums import NumaStrategy, Stage
 from damacy_protocol.errors import BudgetExceeded, DamacyError, DecodeError
 from damacy_protocol.limits import CudaLimits
 from damacy_runtime.device import DeviceArray
@@ -332,9 +332,9 @@ class CudaExecutor(BudgetedExecutor):
             for frames in self._waves(units, codec):
                 pos = self._batched(codec, frames, arena, pos, base, errors, plan, keep, uploads)
         self._unshuffle([u for u in units if u.shuffle is not None and u.error is None], arena, keep)
-        self.stats.add("decode", time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
+        self.stats.add(Stage.DECODE, time.perf_counter() - t0, count=len(units), bytes_in=sum(u.encoded for u in units))
         if uploads[1]:
-            self.stats.add("upload", uploads[0], count=uploads[1], bytes_in=uploads[2])
+            self.stats.add(Stage.UPLOAD, uploads[0], count=uploads[1], bytes_in=uploads[2])
 
     def _batched(self, codec: str, frames: list, arena: DeviceBuffer, pos: int, base, errors, plan, keep: list, uploads: list) -> int:
         """Frames of one codec staged at ``pos`` in the arena and decoded by one nvCOMP call;
@@ -487,7 +487,7 @@ class CudaExecutor(BudgetedExecutor):
                  np.uint64(0 if norm is None else addrs[7])),
             )
             written += int(np.prod(rows[:, 2 + 2 * table.ndim :], axis=1).sum()) * first.itemsize
-        self.stats.add("assemble", time.perf_counter() - t0, count=len(units), bytes_out=written)
+        self.stats.add(Stage.ASSEMBLE, time.perf_counter() - t0, count=len(units), bytes_out=written)
 
 
 def _syncs(targets: Sequence[Any]) -> list:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.enums import Stage
 from damacy_protocol.errors import DamacyError, DecodeError
 from damacy_server.cache import LRUCache
 from damacy_server.cpu.run import for_sample, samples_of
@@ -80,7 +81,7 @@ def read_units(
             if view is not None:
                 piece = view if group.length < 0 else view[job.offset - group.offset : job.offset - group.offset + job.nbytes]
             out.append(_classify(job, piece, errors, plan, decoded_here, max_streams, layouts))
-    stats.add("read", time.perf_counter() - t0, count=len(plan.groups), bytes_out=nbytes)
+    stats.add(Stage.READ, time.perf_counter() - t0, count=len(plan.groups), bytes_out=nbytes)
     return [u for u in out if u is not None], len(decoded_here)
 
 def _fetch_remote(groups) -> dict[int, object]:

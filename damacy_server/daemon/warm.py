@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from damacy_protocol import messages as m
+from damacy_protocol.enums import Stage
 from damacy_protocol.errors import DamacyError
 from damacy_protocol.wire import error_to_wire
 from damacy_server.decode.chunks import check_length, decode_unit
@@ -146,7 +147,7 @@ def _load_chunks(meta, units, coords, locs, cache, stats) -> tuple[int, int, lis
         try:
             data = meta.store.read(key) if nbytes < 0 else meta.store.read_range(key, offset, nbytes)
             t1 = time.perf_counter()
-            stats.add("read", t1 - t0, bytes_out=len(data) if data else 0)
+            stats.add(Stage.READ, t1 - t0, bytes_out=len(data) if data else 0)
             if data is None:
                 continue
             check_length(meta, data, nbytes, unit, key)
@@ -156,9 +157,9 @@ def _load_chunks(meta, units, coords, locs, cache, stats) -> tuple[int, int, lis
             continue
         arr = np.array(arr)
         arr.flags.writeable = False
-        stats.add("decode", time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
+        stats.add(Stage.DECODE, time.perf_counter() - t1, bytes_in=len(data), bytes_out=arr.nbytes)
         cached = cache.put(names[k], arr)
         if cached:
-            stats.add("warm", 0.0, bytes_out=arr.nbytes)
+            stats.add(Stage.WARM, 0.0, bytes_out=arr.nbytes)
         n += cached
     return n, 0, failed

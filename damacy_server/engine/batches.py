@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from damacy_protocol.dtypes import numpy_dtype
+from damacy_protocol.enums import ErrorPolicy, Stage
 from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument
 from damacy_protocol.limits import BatchSpec
 from damacy_runtime.batch import Slot
@@ -301,7 +302,7 @@ class BatchEngine:
                     if pending.batch_id in self._unplanned:
                         self._unplanned.remove(pending.batch_id)
                         self.cond.notify_all()
-        self.executor.stats.add("plan", plan.seconds, count=len(samples))
+        self.executor.stats.add(Stage.PLAN, plan.seconds, count=len(samples))
         with self.cond:
             self.deduplicated += plan.units_total - plan.units_unique
             self.merged += plan.reads_merged
@@ -358,7 +359,7 @@ class BatchEngine:
             else:  # "native": fixed by the first array read (float32 until one is)
                 with self.cond:
                     native = self._native
-                if native is None and self.policy.on_error == "skip":
+                if native is None and self.policy.on_error is ErrorPolicy.SKIP:
                     # every sample of this round failed before an array was read: nothing of
                     # it is written, and the samples that fill its holes say the dtype
                     return np.dtype("float32")
@@ -384,16 +385,16 @@ class BatchEngine:
         for i, err in errors.items():
             pos = positions[i]
             pending.errors[pos] = err
-            if policy == "fill":
+            if policy is ErrorPolicy.FILL:
                 meta = plan.metas[i]
                 # normalised as its elements would be (not when the sample failed for wanting a non-float batch)
                 norm = getattr(plan.samples[i], "normalize", None)
                 dtype = targets[i].dtype
                 norm = norm if contract.is_float(dtype) else None
                 self.executor.fill(targets[i], cast_fill(meta.fill_value if meta is not None else 0, dtype, norm))
-            elif policy == "skip":
+            elif policy is ErrorPolicy.SKIP:
                 pending.holes.append(pos)
-        if policy == "skip" and pending.holes:
+        if policy is ErrorPolicy.SKIP and pending.holes:
             with self.cond:
                 self._patches.append(pending)
                 self.cond.notify_all()
@@ -459,7 +460,7 @@ class BatchEngine:
     # -- delivering ---------------------------------------------------------------------
     def _finish(self, pending: _Pending) -> None:
         errors = sorted(pending.errors.items())
-        if self.policy.on_error in ("stop", "raise") and errors:
+        if self.policy.on_error in (ErrorPolicy.STOP, ErrorPolicy.RAISE) and errors:
             first = errors[0][1]
             # every failure of the batch, and every sample it consumed (good ones included)
             first.batch_errors = tuple((pending.samples[p], e) for p, e in errors)

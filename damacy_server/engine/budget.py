@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from damacy_protocol.enums import Stage
 from damacy_protocol.errors import BudgetExceeded
 from damacy_protocol.stats import NO_BEST_S
 from damacy_server.claim import Claim
@@ -216,7 +217,7 @@ class StageStats:
     "shared" (their decoded bytes out, no seconds of their own); chunks ``damacy warm`` put in
     the chunk cache under "warm" (their reads and decodes under "read" and "decode")."""
 
-    STAGES = ("plan", "read", "direct", "disk", "decode", "assemble", "upload", "native", "shared", "warm")
+    STAGES = tuple(Stage)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -224,14 +225,14 @@ class StageStats:
 
     def _empty(self) -> dict[str, dict[str, float]]:
         # best: the shortest single observation (one add), in seconds
-        return {s: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0, "best": NO_BEST_S} for s in self.STAGES}
+        return {s.value: {"seconds": 0.0, "count": 0, "bytes_in": 0, "bytes_out": 0, "best": NO_BEST_S} for s in self.STAGES}
 
     def reset(self) -> None:
         """Zero every stage."""
         with self._lock:
             self.data = self._empty()
 
-    def add(self, stage: str, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
+    def add(self, stage: Stage, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
         with self._lock:
             d = self.data[stage]
             d["seconds"] += seconds
@@ -244,7 +245,7 @@ class StageStats:
     def add_units(self, n: int, decode_s: float, encoded: int, decoded: int, assemble_s: float, assembled: int) -> None:
         """Decode and assembly of ``n`` units, under one lock."""
         with self._lock:
-            d, a = self.data["decode"], self.data["assemble"]
+            d, a = self.data[Stage.DECODE], self.data[Stage.ASSEMBLE]
             d["seconds"] += decode_s
             d["count"] += n
             d["bytes_in"] += encoded

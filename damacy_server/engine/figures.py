@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from damacy_protocol.enums import Stage
 from damacy_protocol.stats import (
     NO_BEST_S,
     NO_OBSERVATION_MS,
@@ -100,8 +101,8 @@ class Figures:
             waves_emitted=engine.started_ids,
             chunks_planned=engine.units_planned,
             chunks_to_load=engine.units_to_load,
-            chunks_dispatched=int(stages["decode"]["count"]),
-            reads_issued=int(stages["read"]["count"]),
+            chunks_dispatched=int(stages[Stage.DECODE]["count"]),
+            reads_issued=int(stages[Stage.READ]["count"]),
             worker_steps=executor.worker_steps(),
             gpu_bytes_committed=executor.budget.used if on_gpu else 0,
             host_bytes_committed=0 if on_gpu else executor.budget.used,

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.enums import BoundsPolicy, ErrorPolicy
 from damacy_runtime import pinning
 from damacy_server.engine.shm import Segment
 
@@ -26,18 +27,15 @@ from damacy_server.engine.shm import Segment
 class Policy:
     """What the engine does about what goes wrong, beside what a batch is (a
     :class:`~damacy_protocol.limits.BatchSpec`): ``on_error`` ("stop" and "raise": the
-    batch's pop raises the error; "fill"; "skip") and ``out_of_bounds`` ("error", "pad")."""
+    batch's pop raises the error; "fill"; "skip": :class:`ErrorPolicy`) and ``out_of_bounds``
+    ("error", "pad": :class:`BoundsPolicy`), given as members or their strings."""
 
-    on_error: str = "stop"
-    out_of_bounds: str = "error"
+    on_error: ErrorPolicy = ErrorPolicy.STOP
+    out_of_bounds: BoundsPolicy = BoundsPolicy.ERROR
 
     def __post_init__(self) -> None:
-        from damacy_protocol.config import ON_ERROR, OUT_OF_BOUNDS
-
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
-        if self.out_of_bounds not in OUT_OF_BOUNDS:
-            raise ValueError(f"out_of_bounds must be one of {OUT_OF_BOUNDS}, got {self.out_of_bounds!r}")
+        object.__setattr__(self, "on_error", ErrorPolicy.coerce(self.on_error))
+        object.__setattr__(self, "out_of_bounds", BoundsPolicy.coerce(self.out_of_bounds))
 
 
 class SlotMemory(ABC):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, RankMismatch
 from damacy_protocol.limits import PlanLimits
 from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
@@ -342,7 +343,7 @@ class Planner:
         self,
         samples: Sequence[Any],
         sample_shape: tuple[int, ...],
-        out_of_bounds: str = "pad",
+        out_of_bounds: BoundsPolicy | str = BoundsPolicy.PAD,
         *,
         capacity: int | None = None,
         cache: LRUCache | None = None,
@@ -682,7 +683,7 @@ class Selected:
         return f"damacy.read({self.uri!r})"
 
 
-def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: str) -> list[AxisSelection]:
+def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: BoundsPolicy | str) -> list[AxisSelection]:
     """The per-axis selection of a :class:`Sample` or :class:`IndexQuery` on ``meta``."""
     if isinstance(sample, Selected):
         return sample.axes

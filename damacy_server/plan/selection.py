@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import InvalidArgument, OutOfBounds
 from damacy_protocol.selection import expand
 from damacy_server.zarr.metadata import MAX_EXTENT
@@ -50,7 +51,7 @@ def selection_shape(axes: Sequence[AxisSelection]) -> tuple[int, ...]:
 
 
 def resolve(
-    entries: tuple[Any, ...], shape: tuple[int, ...], out_of_bounds: str, uri: str | None = None
+    entries: tuple[Any, ...], shape: tuple[int, ...], out_of_bounds: BoundsPolicy | str, uri: str | None = None
 ) -> tuple[list[AxisSelection], list[int]]:
     """The axes of normalised selection ``entries`` (:mod:`damacy_protocol.selection`) on an
     array of ``shape``, and the axes an integer drops. Positions outside the array stay in
@@ -69,7 +70,7 @@ def resolve(
                 raise InvalidArgument(f"axis {axis}: {start}:{stop} reaches past 2**62, where no array has elements", uri=uri)
             # the last position selected (a step may stop short of `stop`)
             last = start + (stop - start - 1) // (e.step or 1) * (e.step or 1) if stop > start else start - 1
-            if out_of_bounds == "error" and not (0 <= start and last < size and start <= size):
+            if out_of_bounds == BoundsPolicy.ERROR and not (0 <= start and last < size and start <= size):
                 text = f"{start}:{'' if e.stop is None else stop}" + (f":{e.step}" if e.step else "")
                 raise OutOfBounds(
                     f"axis {axis}: {text} leaves the array (size {size}){_NOT_FROM_END if start < 0 else ''}",
@@ -80,7 +81,7 @@ def resolve(
             else:
                 axes.append(AxisIndex(np.arange(start, stop, e.step, dtype=np.int64)))
         elif isinstance(e, int):
-            if out_of_bounds == "error" and not 0 <= e < size:
+            if out_of_bounds == BoundsPolicy.ERROR and not 0 <= e < size:
                 raise OutOfBounds(
                     f"axis {axis}: index {e} is outside the array (size {size}){_NOT_FROM_END if e < 0 else ''}", uri=uri
                 )
@@ -95,7 +96,7 @@ def resolve(
                     )
                 idx = np.flatnonzero(idx)
             idx = idx.astype(np.int64, copy=False)
-            if out_of_bounds == "error" and idx.size:
+            if out_of_bounds == BoundsPolicy.ERROR and idx.size:
                 bad = (idx < 0) | (idx >= size)
                 if bad.any():
                     first = int(idx[bad][0])
