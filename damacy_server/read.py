@@ -26,7 +26,8 @@ from damacy_protocol.limits import (
 )
 from damacy_protocol.selection import READ, normalize
 from damacy_server.cpu.executor import CpuExecutor
-from damacy_server.plan.planner import Planner, Selected
+from damacy_server.plan.items import Selected
+from damacy_server.plan.planner import Planner
 from damacy_server.plan.resolve import Resolver, ZarrMetadata
 from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.store.file import FileReader

@@ -324,7 +324,7 @@ def check_plan_passes(t: dict) -> None:
     """``box_rows`` and ``unique_units`` (native/plan.c) on any input: a ValueError (or
     MemoryError: too many rows), or the rows and units numpy's forms give (small inputs)."""
     from damacy_server import native
-    from damacy_server.plan import planner
+    from damacy_server.plan import rows as planner_rows
 
     if not native.available():
         return
@@ -336,7 +336,7 @@ def check_plan_passes(t: dict) -> None:
         return
     small = all(0 < n <= 12 for n in shape) and all(0 < u <= 5 for u in unit) and np.abs(boxes).max(initial=0) <= 64
     if small:
-        assert np.array_equal(rows, planner._box_rows_numpy(boxes, shape, unit)), "box_rows differs from numpy"
+        assert np.array_equal(rows, planner_rows.box_rows_numpy(boxes, shape, unit)), "box_rows differs from numpy"
     grid = tuple(-(-s // u) for s, u in zip(shape, unit))
     for cut in (rows, rows[::-1], rows[: len(rows) // 2]):
         try:
@@ -345,7 +345,7 @@ def check_plan_passes(t: dict) -> None:
             assert not small, "unique_units refused the units of boxes inside the array"
             continue
         if small:
-            want_units, want_inverse = planner._unique_units_numpy(cut, grid)
+            want_units, want_inverse = planner_rows.unique_units_numpy(cut, grid)
             assert np.array_equal(units, want_units) and np.array_equal(inverse, want_inverse), "unique_units differs from numpy"
     # coordinates outside the grid, and grids of no units or of 2**62 and more, are refused
     bad = rows.copy()
@@ -390,7 +390,7 @@ def check_plan_table(t: dict) -> None:
     """``plan_table`` (native/plan.c) on any input: a ValueError for rows naming no unit or
     per-unit columns of other lengths, else what numpy's form gives."""
     from damacy_server import native
-    from damacy_server.plan import planner
+    from damacy_server.plan import rows as planner_rows
 
     if not native.available():
         return
@@ -406,7 +406,7 @@ def check_plan_table(t: dict) -> None:
         assert t["spoiled"] is not None, "plan_table refused a valid table"
         return
     assert t["spoiled"] is None, f"plan_table took a table with {t['spoiled']} spoiled"
-    want = planner._plan_table_numpy(*args)
+    want = planner_rows.plan_table_numpy(*args)
     names = ("order", "table", "spans", "bounds", "fills")
     for name, g, w in zip(names, got, want):
         assert g.dtype == w.dtype and np.array_equal(g, w), f"plan_table's {name} differs from numpy: {g.tolist()} != {w.tolist()}"

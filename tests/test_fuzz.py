@@ -65,18 +65,18 @@ def test_the_targets_notice_what_they_guard(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="outside its target"):
         targets.check_copy_table(t)
     # the planner's native passes are held to numpy's forms: a numpy form that differs is caught
-    from damacy_server.plan import planner
+    from damacy_server.plan import rows as planner_rows
 
     passes = dict(shape=[10, 7], unit=[4, 3], boxes=[[0, 1, 2, 6, 7], [1, 0, 0, 10, 7]])
     targets.check_plan_passes(passes)
-    monkeypatch.setattr(planner, "_box_rows_numpy", lambda boxes, shape, unit: np.zeros((1, 9), dtype=np.int64))
+    monkeypatch.setattr(planner_rows, "box_rows_numpy", lambda boxes, shape, unit: np.zeros((1, 9), dtype=np.int64))
     with pytest.raises(AssertionError, match="box_rows differs"):
         targets.check_plan_passes(passes)
     table = dict(ndim=1, rows=[[0, 1, 0, 0, 2], [1, 0, 1, 2, 1]], inverse=[1, 0], hit=[False, True], dropped=None,
                  missing=[False, False], owners=[0, 0], offsets=[5, 3], nbytes=[4, 4], spoiled=None)
     targets.check_plan_table(table)
-    real_table = planner._plan_table_numpy
-    monkeypatch.setattr(planner, "_plan_table_numpy", lambda *a: (real_table(*a)[0][::-1], *real_table(*a)[1:]))
+    real_table = planner_rows.plan_table_numpy
+    monkeypatch.setattr(planner_rows, "plan_table_numpy", lambda *a: (real_table(*a)[0][::-1], *real_table(*a)[1:]))
     with pytest.raises(AssertionError, match="plan_table's order differs"):
         targets.check_plan_table(table)
 

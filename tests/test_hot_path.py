@@ -127,7 +127,7 @@ def test_the_shards_a_sample_touches_are_counted_as_its_rows_distinct_shards(tmp
     # is added (per axis the shards it cuts, multiplied), never from the rows; the counts
     # equal np.unique over the (sample, shard) pairs of the rows it makes, for boxes partly
     # outside the array and index lists with repeats and unsorted positions
-    from damacy_server.plan.planner import _ArrayRows
+    from damacy_server.plan.rows import ArrayRows
     from damacy_server.plan.selection import resolve
 
     data = random_data((16, 24, 30), "uint16", seed=2)
@@ -136,8 +136,8 @@ def test_the_shards_a_sample_touches_are_counted_as_its_rows_distinct_shards(tmp
     per = np.asarray(meta.layout.units_per_chunk)
     rng = np.random.default_rng(4)
     for trial in range(60):
-        acc = _ArrayRows(meta, shard_limit=0)  # every sample that cuts a unit is kept with its count
-        limited = _ArrayRows(meta, shard_limit=3)
+        acc = ArrayRows(meta, shard_limit=0)  # every sample that cuts a unit is kept with its count
+        limited = ArrayRows(meta, shard_limit=3)
         for sample in range(int(rng.integers(1, 6))):
             selection = []
             for size in meta.shape:
@@ -159,7 +159,7 @@ def test_the_shards_a_sample_touches_are_counted_as_its_rows_distinct_shards(tmp
         assert dict(limited.over) == {s: c for s, c in zip(owners.tolist(), counts.tolist()) if c > 3}, trial
     # an unsharded array counts nothing (each chunk is its own object, no shard index)
     write_array(tmp_path / "u", data, chunks=(4, 6, 10))
-    plain = _ArrayRows(damacy.open_array(str(tmp_path / "u")), shard_limit=0)
+    plain = ArrayRows(damacy.open_array(str(tmp_path / "u")), shard_limit=0)
     plain.add(0, resolve(np.s_[0:16, 0:24, 0:30], data.shape, "pad")[0])
     assert plain.over == []
 
@@ -196,7 +196,7 @@ def test_a_batch_planned_by_the_native_passes_equals_the_numpy_plan(tmp_path, mo
 
     from damacy_protocol.limits import PlanLimits
     from damacy_server.cache import LRUCache
-    from damacy_server.plan import planner as planner_mod
+    from damacy_server.plan import rows as plan_rows
     from damacy_server.plan.planner import Planner
 
     shape = (10, 12, 14)
@@ -239,5 +239,5 @@ def test_a_batch_planned_by_the_native_passes_equals_the_numpy_plan(tmp_path, mo
         assert plans[0] == plans[1], trial
         seen.update(k for k, v in plans[0].items() if v not in ([], {}, ()))
         seen.update(("failed",) if plans[0]["errors"] else ())
-    assert planner_mod.native is native
+    assert plan_rows.native is native  # (the passes the forms were swapped in for)
     assert {"groups", "cached", "fills", "failed"} <= seen  # every part of a plan was compared, not empty

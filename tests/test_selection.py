@@ -217,11 +217,11 @@ def test_box_rows_are_each_box_cut_by_the_units_it_touches(how):
     import itertools
 
     from damacy_server import native
-    from damacy_server.plan import planner
+    from damacy_server.plan import rows as planner_rows
 
     if how == "native" and not native.available():
         pytest.skip("the native module is not built")
-    _box_rows = native.box_rows if how == "native" else planner._box_rows_numpy
+    _box_rows = native.box_rows if how == "native" else planner_rows.box_rows_numpy
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -246,7 +246,7 @@ def test_box_rows_are_each_box_cut_by_the_units_it_touches(how):
         got = _box_rows(np.array(boxes, dtype=np.int64), shape, unit)
         assert got.tolist() == want
         grid = tuple(-(-s // u) for s, u in zip(shape, unit))
-        units, inverse = native.unique_units(got, 1, grid) if how == "native" else planner._unique_units_numpy(got, grid)
+        units, inverse = native.unique_units(got, 1, grid) if how == "native" else planner_rows.unique_units_numpy(got, grid)
         want_units, want_inverse = np.unique(got[:, 1 : 1 + ndim], axis=0, return_inverse=True)
         assert units.tolist() == want_units.tolist() and inverse.tolist() == want_inverse.reshape(-1).tolist()
 

@@ -43,8 +43,9 @@ from damacy_server.cpu.run import GroupState, Run, samples_of
 from damacy_server.cpu.tasks import NativeTasks
 from damacy_server.decode.chunks import cast_fill, check_length, decode_unit
 from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
-from damacy_server.plan.planner import BatchPlan, sample_view
+from damacy_server.plan.planner import BatchPlan
 from damacy_server.plan.reads import Caps, ReadGroup, shrink
+from damacy_server.plan.transforms import sample_view
 from damacy_server.plan.units import CachedUnits, UnitJob
 from damacy_server.plan.versions import known
 from damacy_server.store import is_remote

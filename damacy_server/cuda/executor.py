@@ -46,8 +46,9 @@ from damacy_server.cuda.twin import CODES, SHUFFLE_MODES, norm_table
 from damacy_server.cuda.units import Unit, crash, device_dtype, fail, read_units
 from damacy_server.engine.budget import BudgetedExecutor, MemoryBudget, Reservation, StageStats
 from damacy_server.engine.slots import DeviceSlots
-from damacy_server.plan.planner import BatchPlan, sample_view
+from damacy_server.plan.planner import BatchPlan
 from damacy_server.plan.reads import Caps
+from damacy_server.plan.transforms import sample_view
 from damacy_server.store.file import FileReader
 from damacy_server.workers import WorkerPool, close_with
 

@@ -52,7 +52,8 @@ from damacy_server.daemon.options import DaemonOptions
 from damacy_server.daemon.session import Session
 from damacy_server.engine.shm import Segment, remove_stale
 from damacy_server.engine.slots import SlotSharing
-from damacy_server.plan.planner import BadSample, Planner
+from damacy_server.plan.items import BadSample
+from damacy_server.plan.planner import Planner
 from damacy_server.plan.resolve import Caches, Resolver
 from damacy_server.store import RemoteStores
 from damacy_server.workers import WorkerPool

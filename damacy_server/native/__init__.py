@@ -282,7 +282,7 @@ def run_decoded(kernel: NativeKernel, sources: np.ndarray, table: OpTable, targe
 
 
 def box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray | None:
-    """The copy rows of ``boxes`` as :func:`damacy_server.plan.planner._box_rows_numpy` makes
+    """The copy rows of ``boxes`` as :func:`damacy_server.plan.rows.box_rows_numpy` makes
     them, in one pass; None without the native module, or for a 0-d array or one of more than
     :data:`MAX_NDIM` axes (numpy's form takes any)."""
     if _assemble is None or not 0 < len(shape) <= MAX_NDIM:
@@ -309,7 +309,7 @@ def plan_table(
     rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None,
     missing: np.ndarray, owners: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """One array's copy table as :func:`damacy_server.plan.planner._plan_table_numpy` makes it
+    """One array's copy table as :func:`damacy_server.plan.rows.plan_table_numpy` makes it
     (order, table rows, spans, bounds, fill samples, cached units), in one pass; None without
     the native module, or for an array of more than :data:`MAX_NDIM` axes (numpy's form
     takes any)."""

@@ -10,8 +10,8 @@ Units found in the chunk cache are taken from there before they are located (the
 shard index and no read). Grouping the units into reads (merging, the budget) is in
 :mod:`damacy_server.plan.reads`.
 
-(Over 400 lines: one job, one batch's plan; resolving selections into per-array rows, locating
-units and building the copy tables are its steps, each used only here.)
+Selections become per-array rows and copy tables in :mod:`damacy_server.plan.rows`; a
+sample's flip and transpose are :mod:`damacy_server.plan.transforms`'.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, RankMismatch
 from damacy_protocol.limits import PlanLimits
 from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
-from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.claim import Claim
 from damacy_server.decode import contract
+from damacy_server.plan.items import BadSample, Selected, sample_axes
 from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
-from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts, resolve, selection_shape
+from damacy_server.plan.rows import ArrayRows, chunk_uses, plan_table
+from damacy_server.plan.selection import resolve, selection_shape
+from damacy_server.plan.transforms import transform_of
 from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob, unit_keys
 from damacy_server.zarr.metadata import ArrayMetadata
 
@@ -61,166 +63,6 @@ class BatchPlan:
 
     def norm(self, i: int) -> tuple[float, float] | None:
         return self.norms[i] if self.norms else None
-
-
-class _ArrayRows:
-    """The copies of one array's samples while a batch is planned: per sample a block of rows
-    (sample, unit coordinates, source starts, destination starts, extents), and the pool of
-    index lists they point to. Boxes (a range on every axis, the common case) are kept as
-    their edges and turned into rows all at once (:func:`_box_rows`); a sample with an index
-    list gets its block at once."""
-
-    __slots__ = ("meta", "blocks", "pool", "pool_len", "boxes", "shard_limit", "per", "over")
-
-    def __init__(self, meta: ArrayMetadata, shard_limit: int | None = None) -> None:
-        """``shard_limit``: count the shards each sample touches (of a sharded array) and keep
-        those over it in ``over``, (sample, shards) pairs; None: not counted."""
-        self.meta = meta
-        self.blocks: list[np.ndarray] = []
-        self.pool: list[np.ndarray] = []
-        self.pool_len = 0
-        self.boxes: list[tuple[int, ...]] = []  # per box: sample, then each axis' start, then stop
-        self.shard_limit = shard_limit
-        self.per = meta.layout.units_per_chunk if shard_limit is not None and meta.layout.levels else None
-        self.over: list[tuple[int, int]] = []
-
-    def pooled(self, indices: np.ndarray) -> int:
-        """Keep an index list; returns its reference (a negative start)."""
-        ref = -(self.pool_len + 1)
-        self.pool.append(indices)
-        self.pool_len += len(indices)
-        return ref
-
-    def __bool__(self) -> bool:
-        return bool(self.blocks or self.boxes)
-
-    def add(self, sample: int, axes: list[AxisSelection]) -> bool:
-        """The rows of one sample; returns whether they cover all of it (else it is padded)."""
-        meta = self.meta
-        per = self.per
-        if all(type(a) is AxisRange for a in axes):
-            covered = wanted = 1
-            for a, size in zip(axes, meta.shape):
-                covered *= max(0, min(a.stop, size) - max(a.start, 0))
-                wanted *= a.size
-            if covered:
-                self.boxes.append((sample, *(a.start for a in axes), *(a.stop for a in axes)))
-                if per is not None:  # the shards it cuts on each axis, multiplied
-                    shards = 1
-                    for a, size, unit, p in zip(axes, meta.shape, meta.layout.unit_shape, per):
-                        shards *= (min(a.stop, size) - 1) // unit // p - max(a.start, 0) // unit // p + 1
-                    if shards > self.shard_limit:
-                        self.over.append((sample, shards))
-            return covered >= wanted
-        ndim = meta.ndim
-        per_axis = [self._axis(a, size, unit) for a, size, unit in zip(axes, meta.shape, meta.layout.unit_shape)]
-        covered = math.prod(sum(p[3] for p in parts) for parts in per_axis)
-        counts = [len(parts) for parts in per_axis]
-        total = math.prod(counts)
-        if total and per is not None:  # its units are every combination of each axis' units
-            shards = math.prod(len({part[0] // p for part in parts}) for parts, p in zip(per_axis, per))
-            if shards > self.shard_limit:
-                self.over.append((sample, shards))
-        if total:
-            block = np.empty((total, 1 + 4 * ndim), dtype=np.int64)
-            block[:, 0] = sample
-            if ndim:
-                grid = np.indices(counts).reshape(ndim, total)
-                for a, parts in enumerate(per_axis):
-                    # columns 1 + a + k * ndim: unit coordinate, source, destination, extent
-                    block[:, 1 + a :: ndim] = np.asarray(parts, dtype=np.int64)[grid[a]]
-            self.blocks.append(block)
-        return covered >= math.prod(a.size for a in axes)
-
-    def _axis(self, sel: AxisSelection, size: int, unit: int) -> list[tuple[int, int, int, int]]:
-        """(unit index, source start or index-list reference, destination start, extent) of
-        each read unit one axis touches."""
-        if isinstance(sel, AxisRange):
-            lo, hi = max(sel.start, 0), min(sel.stop, size)
-            out = []
-            for u in range(lo // unit, (hi - 1) // unit + 1) if lo < hi else ():
-                a, b = max(lo, u * unit), min(hi, (u + 1) * unit)
-                out.append((u, a - u * unit, a - sel.start, b - a))
-            return out
-        out = []
-        for u, dst, src in axis_parts(sel, size, unit):
-            start = src.start if isinstance(src, slice) else self.pooled(np.asarray(src, dtype=np.int64))
-            to = dst.start if isinstance(dst, slice) else self.pooled(np.asarray(dst, dtype=np.int64))
-            out.append((u, start, to, _part_len(dst)))
-        return out
-
-    def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All rows, in sample order; the unique units (n, ndim) they touch; each row's unit
-        (index into them)."""
-        ndim = self.meta.ndim
-        blocks = self.blocks
-        if self.boxes:
-            boxes = _box_rows(np.array(self.boxes, dtype=np.int64), self.meta.shape, self.meta.layout.unit_shape)
-            blocks = [boxes, *blocks]
-        rows = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
-        if self.boxes and self.blocks:  # boxes and index lists: back in sample order
-            rows = rows[np.argsort(rows[:, 0], kind="stable")]
-        coords = rows[:, 1 : 1 + ndim]
-        grid = tuple(-(-s // u) for s, u in zip(self.meta.shape, self.meta.layout.unit_shape))
-        if ndim == 0:
-            return rows, np.zeros((1, 0), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
-        if math.prod(grid) >= 1 << 62:
-            units, inverse = np.unique(coords, axis=0, return_inverse=True)
-            return rows, units, inverse.reshape(-1)
-        units, inverse = _unique_units(rows, grid)
-        return rows, units, inverse
-
-
-def _box_rows(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray:
-    """The rows of boxes (per box: sample, starts, stops; each reaching into the array), as
-    :meth:`_ArrayRows.add` makes them for one sample: per box the units it cuts in C order,
-    each row the sample, then per axis the unit coordinate, source start, destination start
-    and extent (columns ``1 + a + k * ndim``). In one native pass where the native module is
-    built (numpy takes tens of calls, each costing more than the rows of a batch)."""
-    rows = native.box_rows(boxes, shape, unit_shape)
-    return rows if rows is not None else _box_rows_numpy(boxes, shape, unit_shape)
-
-
-def _unique_units(rows: np.ndarray, grid: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct units of ``rows`` (coordinates in columns 1 to ndim, in a grid of fewer
-    than 2**62 units), in C order, and each row's index in them."""
-    found = native.unique_units(rows, 1, grid)
-    return found if found is not None else _unique_units_numpy(rows, grid)
-
-
-def _unique_units_numpy(rows: np.ndarray, grid: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_unique_units` with numpy (no native module)."""
-    ids = np.ravel_multi_index(tuple(rows[:, 1 : 1 + len(grid)].T), grid)
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    return np.stack(np.unravel_index(uniq, grid), axis=1).astype(np.int64, copy=False), inverse.reshape(-1)
-
-
-def _box_rows_numpy(boxes: np.ndarray, shape: tuple[int, ...], unit_shape: tuple[int, ...]) -> np.ndarray:
-    """:func:`_box_rows` with numpy (no native module)."""
-    ndim = len(shape)
-    starts, stops = boxes[:, 1 : 1 + ndim], boxes[:, 1 + ndim :]
-    size, unit = np.asarray(shape, dtype=np.int64), np.asarray(unit_shape, dtype=np.int64)
-    lo, hi = np.maximum(starts, 0), np.minimum(stops, size)
-    first, last = lo // unit, (hi - 1) // unit
-    counts = last - first + 1  # units cut per axis
-    per_box = np.prod(counts, axis=1)
-    total = int(per_box.sum())
-    box = np.repeat(np.arange(len(boxes)), per_box)
-    rows = np.empty((total, 1 + 4 * ndim), dtype=np.int64)
-    rows[:, 0] = boxes[box, 0]
-    # the position of each row in its box's grid of units, last axis fastest
-    left = np.arange(total) - np.repeat(np.cumsum(per_box) - per_box, per_box)
-    for a in range(ndim - 1, -1, -1):
-        n = counts[box, a]
-        u = first[box, a] + left % n
-        left //= n
-        begin = u * unit[a]
-        a0 = np.maximum(lo[box, a], begin)
-        rows[:, 1 + a] = u
-        rows[:, 1 + ndim + a] = a0 - begin
-        rows[:, 1 + 2 * ndim + a] = a0 - starts[box, a]
-        rows[:, 1 + 3 * ndim + a] = np.minimum(hi[box, a], begin + unit[a]) - a0
-    return rows
 
 
 class ChunkPlanner:
@@ -369,7 +211,7 @@ class Planner:
         metas: list[ArrayMetadata | None] = [None] * n
         errors: dict[int, DamacyError] = {}
         fills: list[tuple[int, Any]] = []
-        by_array: dict[str, _ArrayRows] = {}
+        by_array: dict[str, ArrayRows] = {}
         # every array the batch names, those not cached read together (Resolver.arrays)
         requests = [(s.uri, s.level) for s in samples if isinstance(s, (Sample, IndexQuery, Selected))]
         if self.fresh_after is not None:
@@ -410,7 +252,7 @@ class Planner:
                 norms[i] = norm
                 acc = by_array.get(meta.root)
                 if acc is None:
-                    acc = by_array[meta.root] = _ArrayRows(meta, self.limits.max_shards_per_sample if self.batch_limits else None)
+                    acc = by_array[meta.root] = ArrayRows(meta, self.limits.max_shards_per_sample if self.batch_limits else None)
                 if not acc.add(i, axes):
                     fills.append((i, meta.fill_value))  # pads outside the array
             except DamacyError as e:
@@ -434,7 +276,7 @@ class Planner:
             # a batch's rows bound its chunk uses: counted exactly only when the bound is over
             uses = sum(len(t[1]) for t in tables)
             if uses > self.limits.max_chunks:
-                uses = sum(_uses(rows, inverse, len(units)) for _, rows, units, inverse in tables)
+                uses = sum(chunk_uses(rows, inverse, len(units)) for _, rows, units, inverse in tables)
             self._check_batch(uses, tables, samples, errors)
 
         # where the units are; units that cannot be located fail their samples
@@ -472,7 +314,7 @@ class Planner:
         for acc, rows, units, inverse, locs, hits, hit, names in located:
             meta = acc.meta
             ndim = meta.ndim
-            order, table_rows, spans, bounds, fill_samples, n_hit = _plan_table(rows, ndim, inverse, hit, dropped, locs)
+            order, table_rows, spans, bounds, fill_samples, n_hit = plan_table(rows, ndim, inverse, hit, dropped, locs)
             fills.extend((s, meta.fill_value) for s in fill_samples.tolist())
             pool = np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64)
             table = CopyTable(ndim, table_rows, pool, spans)
@@ -510,14 +352,6 @@ class Planner:
         )
 
 
-def _uses(rows: np.ndarray, inverse: np.ndarray, n_units: int) -> int:
-    """Chunk uses of one array's rows: each (sample, unit) once (an index list reading a
-    chunk at several places uses it once)."""
-    if not len(rows):
-        return 0
-    return int(np.unique(rows[:, 0] * max(n_units, 1) + inverse).size)
-
-
 def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, locs: UnitLocations, cap: int, samples, errors) -> None:
     """Samples reading a unit stored in more than ``cap`` bytes fail (BudgetExceeded)."""
     big = np.flatnonzero(locs.nbytes > cap)
@@ -534,58 +368,6 @@ def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, lo
             ).with_context(uri=samples[s].uri, sample=samples[s])
 
 
-def _plan_table(rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None, locs: UnitLocations):
-    """One array's copy table once its units are located: (order, table rows, spans, bounds,
-    fill samples, cached units), as :func:`_plan_table_numpy` says; in one native pass where
-    the native module is built."""
-    args = (rows, ndim, inverse, hit, dropped, locs.missing, locs.owners, locs.offsets, locs.nbytes)
-    found = native.plan_table(*args)
-    return found if found is not None else _plan_table_numpy(*args)
-
-
-def _plan_table_numpy(
-    rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None,
-    missing: np.ndarray, owners: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """The copy table of one array's ``rows`` (each row's unit ``inverse``), leaving out the
-    rows of samples ``dropped`` marks (None: none) and of units ``missing`` (never written:
-    their samples read the fill value). Returns
-
-    - ``order``: the units copied from, those the chunk cache holds (``hit``) first, by index
-      (their copies are the head of the table, made in one go), then the others by owner,
-      offset, index (what merging and the executors expect);
-    - the table rows (k, 2 + 3 * ndim): position in ``order``, sample, then per axis source
-      start, destination start, extent; grouped by position, rows in their order within one;
-    - ``spans``: per position (offset, stored bytes), offset 0 where nothing is stored;
-    - ``bounds``: per position its first row, then the table's length;
-    - the samples that read a missing unit (ascending, once each), and how many units of
-      ``order`` are cached."""
-    ok = ~dropped[rows[:, 0]] if dropped is not None else np.ones(len(rows), dtype=bool)
-    gone = missing[inverse]
-    fill_samples = np.unique(rows[ok & gone, 0])
-    keep = ok & ~gone
-    used = np.zeros(len(missing), dtype=bool)
-    used[inverse[keep]] = True
-    idx = np.flatnonzero(used)
-    hit_idx = idx[hit[idx]] if hit is not None else idx[:0]
-    if len(hit_idx):
-        idx = idx[~hit[idx]]
-    order = np.concatenate([hit_idx, idx[np.lexsort((offsets[idx], owners[idx]))]])
-    pos_of = np.full(len(missing), -1, dtype=np.int64)
-    pos_of[order] = np.arange(len(order))
-    kept = rows[keep]
-    pos = pos_of[inverse[keep]]
-    by_pos = np.argsort(pos, kind="stable")
-    kept, pos = kept[by_pos], pos[by_pos]
-    table_rows = np.empty((len(kept), 2 + 3 * ndim), dtype=np.int64)
-    table_rows[:, 0] = pos
-    table_rows[:, 1] = kept[:, 0]
-    table_rows[:, 2:] = kept[:, 1 + ndim :]
-    spans = np.ascontiguousarray(np.stack([np.where(nbytes[order] < 0, 0, offsets[order]), nbytes[order]], axis=1), dtype=np.int64)
-    bounds = np.searchsorted(pos, np.arange(len(order) + 1)).astype(np.int64)
-    return order.astype(np.int64), table_rows, spans, bounds, fill_samples.astype(np.int64), len(hit_idx)
-
-
 def _cache_hits(names: list, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
     """The decoded arrays of the units named ``names`` (:func:`unit_keys`) that the chunk
     cache holds, in unit order, and a mask of which units those are; (None, None) when it
@@ -595,10 +377,6 @@ def _cache_hits(names: list, cache: LRUCache | None) -> tuple[list | None, np.nd
         return None, None
     hit, found = cache.get_hits(names)
     return (found, hit) if found else (None, None)
-
-
-def _part_len(p) -> int:
-    return p.stop - p.start if isinstance(p, slice) else len(p)
 
 
 def _check_normalized(dtype: np.dtype, norm: tuple[float, float]) -> None:
@@ -613,80 +391,3 @@ def _check_normalized(dtype: np.dtype, norm: tuple[float, float]) -> None:
     for name, v in zip(("offset", "scale"), norm):
         if abs(v) > float(info.max) or (v != 0 and abs(v) < float(info.smallest_subnormal)):
             raise InvalidArgument(f"normalize's {name} {v!r} is outside what {ct.name} holds (normalisation into {dtype.name} computes in {ct.name})")
-
-
-def transform_of(sample: Any, shape: tuple[int, ...], drop: Sequence[int]) -> tuple | None:
-    """A sample's (flip, transpose, dropped axes), checked against the axes of its result
-    (``shape`` without the ``drop`` ped ones, which integers select); None: none."""
-    flip, order = sample.flip, sample.transpose
-    if not flip and order is None:
-        return None
-    ndim = len(shape) - len(drop)
-    if flip and flip[-1] >= ndim:
-        raise InvalidArgument(f"flip names axis {flip[-1]}, the selection has {ndim} axes")
-    if order is not None and len(order) != ndim:
-        raise InvalidArgument(f"transpose {order} names {len(order)} axes, the selection has {ndim}")
-    return flip, order, tuple(drop)
-
-
-def sample_view(target: Any, shape: tuple[int, ...], transform: tuple | None) -> Any:
-    """Sample ``target`` (its slot's region, numpy or device memory) as the executors write
-    it: in the selection's axis order and ``shape``. A transformed sample's view is permuted
-    and reversed so that writing the selection as it is stores
-    ``np.transpose(np.flip(selection, flip), transpose)`` in the slot: the copies make the
-    transform, no pass of its own."""
-    if transform is None:
-        return target.reshape(shape)
-    flip, order, drop = transform
-    result = tuple(n for a, n in enumerate(shape) if a not in drop)  # the axes the sample has
-    if order is None:
-        view = target.reshape(result)
-    else:
-        view = target.reshape(tuple(result[a] for a in order)).transpose(tuple(int(a) for a in np.argsort(order)))
-    if flip:
-        view = np.flip(view, flip) if isinstance(view, np.ndarray) else view.flip(flip)
-    if drop:  # the axes an integer selects, back as length-1 axes
-        view = np.expand_dims(view, tuple(drop)) if isinstance(view, np.ndarray) else view.expand_dims(tuple(drop))
-    return view
-
-
-class BadSample:
-    """A sample that was refused before planning (e.g. a path the daemon may not serve); its
-    pop reports ``error`` like any other bad sample."""
-
-    __slots__ = ("uri", "error", "description")
-
-    def __init__(self, uri: str | None, error: DamacyError, description: str | None = None) -> None:
-        self.uri = uri
-        self.error = error
-        self.description = description or f"sample of {uri!r}"
-
-    def __repr__(self) -> str:
-        return self.description
-
-
-class Selected:
-    """A sample whose per-axis selection is already parsed (``damacy.read``'s): no level of
-    its own, no transform."""
-
-    __slots__ = ("uri", "axes")
-    level = None
-    flip: tuple[int, ...] = ()
-    transpose = None
-    normalize = None
-
-    def __init__(self, uri: str, axes: list[AxisSelection]) -> None:
-        self.uri = uri
-        self.axes = axes
-
-    def __repr__(self) -> str:
-        return f"damacy.read({self.uri!r})"
-
-
-def sample_axes(sample: Any, meta: ArrayMetadata, out_of_bounds: BoundsPolicy | str) -> list[AxisSelection]:
-    """The per-axis selection of a :class:`Sample` or :class:`IndexQuery` on ``meta``."""
-    if isinstance(sample, Selected):
-        return sample.axes
-    if isinstance(sample, (Sample, IndexQuery)):
-        return resolve(sample.selection, meta.shape, out_of_bounds)[0]
-    raise InvalidArgument(f"expected a Sample or an IndexQuery, got {type(sample).__name__}")
