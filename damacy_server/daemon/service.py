@@ -113,6 +113,7 @@ class Daemon:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages other threads post
         self._waker = Waker()
         self._loop_thread: int | None = None  # the thread serving the socket (serve_forever's)
+        self._handling = False  # the loop is between its poll and its pump
         self._stop = threading.Event()
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -145,10 +146,10 @@ class Daemon:
 
     def wake(self, session: Session) -> None:
         """A session's engine has news (from any thread): the loop pumps it (on the loop
-        thread itself no wake-up is written: it pumps before it polls again)."""
+        thread, while it handles messages, no wake-up is written: it pumps next)."""
         with self._news_lock:
             self._news.add(session)
-        if threading.get_ident() != self._loop_thread:
+        if not (self._handling and threading.get_ident() == self._loop_thread):
             self._waker.wake()
 
     def _pump(self) -> None:
@@ -192,11 +193,13 @@ class Daemon:
                 events = dict(poller.poll(250))
                 turn = time.monotonic()  # silence is judged against this: what came during a long turn is read next
                 busy = time.thread_time()
+                self._handling = True  # (news from here on is pumped below: see wake)
                 if self.socket in events:
                     self._receive_all()
                 if self._waker.fd in events:
                     self._waker.drain()
                 self._pump()
+                self._handling = False
                 self._flush()
                 self.loop_cpu_s += time.thread_time() - busy
                 now = time.monotonic()
