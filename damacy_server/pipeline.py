@@ -33,7 +33,8 @@ from damacy_runtime.warn import warn_once
 from damacy_server.cpu.executor import CpuExecutor
 from damacy_server.engine.batches import BatchEngine, Delivery
 from damacy_server.engine.figures import Figures
-from damacy_server.engine.slots import Policy, SlotMemory
+from damacy_server.engine.policy import Policy
+from damacy_server.engine.slots import SlotMemory
 from damacy_server.plan.planner import ChunkPlanner
 from damacy_server.plan.resolve import ZarrMetadata
 from damacy_server.store import RemoteStores

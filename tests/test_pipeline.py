@@ -145,7 +145,7 @@ def test_native_dtype_is_the_first_batchs_when_batches_plan_side_by_side(store):
     import threading
 
     from damacy_server.engine.batches import BatchEngine
-    from damacy_server.engine.slots import Policy
+    from damacy_server.engine.policy import Policy
     from damacy_server.plan.planner import Planner as PlanMachinery
     from damacy_server.workers import WorkerPool
 

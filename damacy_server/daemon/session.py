@@ -32,7 +32,8 @@ from damacy_server.daemon.endpoint import Peer
 from damacy_server.daemon.host import SessionHost
 from damacy_server.daemon.warm import start_warm
 from damacy_server.engine.batches import BatchEngine, Delivery
-from damacy_server.engine.slots import Policy, ShmSlots, SlotMemory
+from damacy_server.engine.policy import Policy
+from damacy_server.engine.slots import ShmSlots, SlotMemory
 from damacy_server.plan.planner import Planner
 from damacy_server.procs import pid_alive
 

@@ -1,8 +1,8 @@
 """The batch engine: samples in, assembled batches out, in batch order.
 
 One engine per pipeline (embedded) or per daemon session. It owns the batch slots, plans
-each batch, hands the plan to the executor, applies the error policy (raise, fill, skip)
-and delivers finished batches by batch id. It pulls no iterables and knows no sockets: a
+each batch, hands the plan to the executor, applies the error policy (raise, fill, skip:
+:mod:`damacy_server.engine.policy`) and delivers finished batches by batch id. It pulls no iterables and knows no sockets: a
 front end starts batches with the samples it has (:meth:`BatchEngine.start`), supplies
 replacements for skipped samples when asked (:meth:`take_patch` / :meth:`refill`) and takes
 deliveries in order (:meth:`next_delivery`). ``on_change`` tells the front end, from
@@ -38,10 +38,9 @@ from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument
 from damacy_protocol.limits import BatchSpec
 from damacy_runtime.batch import Slot
 from damacy_server.cache import LRUCache
-from damacy_server.decode import contract
-from damacy_server.decode.chunks import cast_fill
 from damacy_server.engine.budget import StageStats
-from damacy_server.engine.slots import HostSlots, Policy, SlotMemory
+from damacy_server.engine.policy import SKIPPED, Policy, PolicyRounds
+from damacy_server.engine.slots import HostSlots, SlotMemory
 from damacy_server.plan.planner import BatchPlan
 from damacy_server.plan.reads import Caps
 
@@ -93,16 +92,6 @@ class Delivery:
     seconds: float = 0.0  # from its start to ready (the front end may call a batch slow)
 
 
-class Patch:
-    """A batch whose failed samples were dropped (``on_error="skip"``): it wants ``needed``
-    samples in their place (the front end gives what it has, possibly none)."""
-
-    def __init__(self, pending: _Pending, dropped: list[tuple[Any, DamacyError]]) -> None:
-        self.pending = pending
-        self.dropped = dropped
-        self.needed = len(dropped)
-
-
 class _Pending:
     """A batch being assembled (possibly in several rounds when samples are skipped)."""
 
@@ -121,10 +110,7 @@ class _Pending:
         self.abandoned = False
 
 
-_SKIPPED = object()  # the delivery of a batch whose samples were all skipped: passed over
-
-
-class BatchEngine:
+class BatchEngine(PolicyRounds):
     def __init__(
         self,
         output: BatchSpec,
@@ -376,91 +362,13 @@ class BatchEngine:
         if self.closed:
             pending.slot.release()
             return
-        policy = self.policy.on_error
-        if errors:
-            with self.cond:
-                self.sample_errors += len(errors)
-            if self._on_errors is not None:
-                self._on_errors(list(errors.values()))
-        for i, err in errors.items():
-            pos = positions[i]
-            pending.errors[pos] = err
-            if policy is ErrorPolicy.FILL:
-                meta = plan.metas[i]
-                # normalised as its elements would be (not when the sample failed for wanting a non-float batch)
-                norm = getattr(plan.samples[i], "normalize", None)
-                dtype = targets[i].dtype
-                norm = norm if contract.is_float(dtype) else None
-                self.executor.fill(targets[i], cast_fill(meta.fill_value if meta is not None else 0, dtype, norm))
-            elif policy is ErrorPolicy.SKIP:
-                pending.holes.append(pos)
-        if policy is ErrorPolicy.SKIP and pending.holes:
-            with self.cond:
-                self._patches.append(pending)
-                self.cond.notify_all()
-            self._changed()
-            return
-        self._finish(pending)
-
-    # -- on_error="skip" -----------------------------------------------------------------
-    def patches_waiting(self) -> bool:
-        with self.cond:
-            return bool(self._patches)
-
-    def take_patch(self) -> Patch | None:
-        """The next batch whose failed samples are dropped, compacted in its slot (the good
-        samples move up, keeping their order), waiting for replacements."""
-        with self.cond:
-            if not self._patches:
-                return None
-            pending = self._patches.popleft()
-        holes = set(pending.holes)
-        pending.holes = []
-        dropped = [(pending.samples[p], pending.errors[p]) for p in sorted(holes) if p in pending.errors]
-        pending.skipped.extend(dropped)
-        keep = [p for p in range(len(pending.samples)) if p not in holes]
-        view = self.slot_view(pending.slot, pending.dtype or np.dtype("float32"))
-        for new, old in enumerate(keep):
-            if new != old:
-                self.executor.move(view[new], view[old])
-        pending.samples = [pending.samples[p] for p in keep]
-        pending.metas = [pending.metas[p] for p in keep]
-        pending.errors = {}
-        return Patch(pending, dropped)
-
-    def refill(self, patch: Patch, samples: list[Any]) -> None:
-        """Put ``samples`` (at most ``patch.needed``) where the dropped ones were; with none,
-        the batch is delivered short."""
-        pending = patch.pending
-        if len(samples) < patch.needed:  # the input ran out
-            with self.cond:
-                self._dry = True
-        positions = list(range(len(pending.samples), len(pending.samples) + len(samples)))
-        pending.samples.extend(samples)
-        pending.metas.extend([None] * len(samples))
-        if positions:
-            self._run(pending, positions)
-        else:
+        if not self._apply_policy(pending, positions, plan, errors, targets):  # (else it waits for replacements)
             self._finish(pending)
-
-    def discard(self, patch: Patch, samples: list[Any]) -> list[Any]:
-        """Leave out a batch that too few replacements would leave short (``drop_last``):
-        its slot goes back, it is passed over as a batch all skipped is (the next batch
-        handed out lists its skipped samples); returns its good samples and ``samples``
-        (the rest of the input), which are not delivered."""
-        pending = patch.pending
-        gone = [*pending.samples, *samples]
-        pending.samples = []
-        with self.cond:
-            self._dry = True
-        pending.slot.release()
-        self._deliver(Delivery(pending.batch_id, None, [], [], error=_SKIPPED, skipped=pending.skipped))  # type: ignore[arg-type]
-        return gone
 
     # -- delivering ---------------------------------------------------------------------
     def _finish(self, pending: _Pending) -> None:
         errors = sorted(pending.errors.items())
-        if self.policy.on_error in (ErrorPolicy.STOP, ErrorPolicy.RAISE) and errors:
+        if self._failed_whole(pending):
             first = errors[0][1]
             # every failure of the batch, and every sample it consumed (good ones included)
             first.batch_errors = tuple((pending.samples[p], e) for p, e in errors)
@@ -468,7 +376,7 @@ class BatchEngine:
             delivery = Delivery(pending.batch_id, None, pending.samples, errors, error=first)
             pending.slot.release()
         elif not pending.samples:  # every sample was skipped and the input ran out
-            delivery = Delivery(pending.batch_id, None, [], [], error=_SKIPPED, skipped=pending.skipped)  # type: ignore[arg-type]
+            delivery = Delivery(pending.batch_id, None, [], [], error=SKIPPED, skipped=pending.skipped)  # type: ignore[arg-type]
             pending.slot.release()
         else:
             delivery = Delivery(
@@ -476,6 +384,11 @@ class BatchEngine:
             )
         delivery.seconds = time.monotonic() - pending.started
         self._deliver(delivery)
+
+    def _pass_over(self, pending: _Pending) -> None:
+        """Deliver ``pending`` as a batch all skipped: passed over in order, the next batch
+        handed out listing its skipped samples."""
+        self._deliver(Delivery(pending.batch_id, None, [], [], error=SKIPPED, skipped=pending.skipped))  # type: ignore[arg-type]
 
     def _deliver(self, delivery: Delivery) -> None:
         with self.cond:
@@ -513,7 +426,7 @@ class BatchEngine:
     def _pass_skipped(self) -> None:
         """Pass over the batches next in order that ended all skipped, keeping their samples
         for the next batch handed out (the lock held)."""
-        while (delivery := self._ready.get(self._next_out)) is not None and delivery.error is _SKIPPED:
+        while (delivery := self._ready.get(self._next_out)) is not None and delivery.error is SKIPPED:
             del self._ready[self._next_out]
             self._next_out += 1
             self._carried.extend(delivery.skipped)

@@ -1,4 +1,4 @@
-"""Batch slots: where an engine's slots live (SlotMemory), and its error policy (Policy).
+"""Batch slots: where an engine's slots live (SlotMemory).
 
 Host memory for an embedded pipeline (:class:`HostSlots`), POSIX shared memory a client
 maps for a daemon session (:class:`ShmSlots`), a GPU's memory for an embedded pipeline with
@@ -18,24 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from damacy_protocol.enums import BoundsPolicy, ErrorPolicy
 from damacy_runtime import pinning
 from damacy_server.engine.shm import Segment
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What the engine does about what goes wrong, beside what a batch is (a
-    :class:`~damacy_protocol.limits.BatchSpec`): ``on_error`` ("stop" and "raise": the
-    batch's pop raises the error; "fill"; "skip": :class:`ErrorPolicy`) and ``out_of_bounds``
-    ("error", "pad": :class:`BoundsPolicy`), given as members or their strings."""
-
-    on_error: ErrorPolicy = ErrorPolicy.STOP
-    out_of_bounds: BoundsPolicy = BoundsPolicy.ERROR
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "on_error", ErrorPolicy.coerce(self.on_error))
-        object.__setattr__(self, "out_of_bounds", BoundsPolicy.coerce(self.out_of_bounds))
 
 
 class SlotMemory(ABC):
