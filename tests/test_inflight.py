@@ -107,7 +107,7 @@ class GatedReader(FileReader):
 @pytest.fixture(autouse=True)
 def share_small_units(monkeypatch):
     """The test volume's units are small (2 KiB); share them anyway."""
-    monkeypatch.setattr("damacy_server.cpu.executor.SHARE_MIN_BYTES", 0)
+    monkeypatch.setattr("damacy_server.cpu.sharing.SHARE_MIN_BYTES", 0)
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_overlapping_batches_in_flight_read_right(volume):
 
 def test_small_units_are_not_shared(volume, monkeypatch):
     """Below SHARE_MIN_BYTES a unit's decode costs less than sharing it: nothing registers."""
-    monkeypatch.setattr("damacy_server.cpu.executor.SHARE_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr("damacy_server.cpu.sharing.SHARE_MIN_BYTES", 1 << 20)
     uri, data = volume
     reader = GatedReader()
     executor = cpu_executor(reader, decode_workers=2)

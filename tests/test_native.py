@@ -489,7 +489,7 @@ def test_decode_threads_read_page_cached_groups_themselves(tmp_path):
 
 
 def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch):
-    from damacy_server.cpu import executor as cpu
+    from damacy_server.cpu import reads as cpu
 
     uri, data = _sharded(tmp_path)
     calls = []

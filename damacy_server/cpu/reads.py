@@ -1,0 +1,260 @@
+"""The CPU executor's reads: a read of a file on an I/O thread, or by a decode thread itself
+in the same native call that decodes it (page-cached bytes only; after many misses in a row
+the direct reads pause), an object store's through the fetcher (many requests in flight) or
+the local disk tier of fetched bytes; what landed is handed to decode tasks of about
+``TASK_BYTES`` each, or filled (a chunk never written), or its error given to its samples.
+
+:class:`ReadTasks` is that part of :class:`~damacy_server.cpu.executor.CpuExecutor`: it
+uses the executor's reader, pools, budget, native tasks, disk tier and decode
+(``_decode_units``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from damacy_protocol.enums import Stage
+from damacy_protocol.errors import BudgetExceeded, DamacyError
+from damacy_server import native
+from damacy_server.cpu import optable
+from damacy_server.cpu.run import GroupState, Run, samples_of
+from damacy_server.plan.reads import ReadGroup
+from damacy_server.plan.units import UnitJob
+from damacy_server.plan.versions import known
+from damacy_server.store.fetch import Fetcher
+
+log = logging.getLogger("damacy")
+
+#: decoded bytes per decode task (small chunks are decoded several per task)
+TASK_BYTES = 1 << 20
+#: direct reads that may miss the page cache in a row before reads go to the I/O threads
+#: only, for the next DIRECT_BACKOFF reads
+DIRECT_MISSES = 32
+DIRECT_BACKOFF = 1024
+
+
+class ReadTasks:
+    """The executor's part that reads (see the module's docstring)."""
+
+    def _over_cap(self, group: ReadGroup, nbytes: int) -> BudgetExceeded | None:
+        """A whole-object read (a chunk of an unsharded array) of more stored bytes than
+        ``CpuLimits.max_encoded_chunk_bytes`` admits (a shard's chunks are checked in the
+        plan, where their sizes are known)."""
+        cap = self.limits.max_encoded_chunk_bytes
+        if nbytes <= cap:
+            return None
+        unit = group.units[0]
+        return BudgetExceeded(
+            f"a chunk is stored in {nbytes} bytes, more than CpuLimits.max_encoded_chunk_bytes={cap}",
+            uri=unit.meta.uri, path=group.key, chunk=unit.unit,
+        )
+
+    def _direct_ok(self, run: Run, group: ReadGroup) -> bool:
+        """Should a decode thread try to read this group itself (from the page cache)?"""
+        if self._direct_skip > 0:
+            self._direct_skip -= 1
+            return False
+        return (
+            self._direct
+            and run.dtype is not None
+            and group.length <= native.RUN_FILE_MAX
+            and self.native.kernel(run, group.units) is not None
+        )
+
+    def _read_direct(self, run: Run, groups: list[ReadGroup]) -> None:
+        """Read, decode and copy reads of one object (see :func:`_joins`) in one native call
+        when their bytes are in the page cache (no I/O thread, no GIL between the steps; of
+        several reads only their units' bytes are read); otherwise hand them to the I/O
+        threads. Each read's memory was reserved (its ``reserve_nbytes``)."""
+        finished = True
+        first, last = groups[0], groups[-1]
+        group = first if len(groups) == 1 else ReadGroup(
+            first.key, first.offset, last.offset + last.length - first.offset, [u for g in groups for u in g.units]
+        )
+        try:
+            if run.cancelled() or self._closed:
+                return
+            units = group.units
+            kernel = self.native.kernel(run, units)
+            where = self.reader.direct(group.key)
+            if kernel is None:
+                finished = False
+                return
+            t0 = time.perf_counter()
+            code, read_ns, nbytes, (encoded, decoded, assembled), over = self.native.read_file(
+                kernel, run, group, where, sparse=len(groups) > 1,
+                refuse=(lambda n: self._over_cap(group, n)) if group.length < 0 else None,
+            )
+            if code != 0:
+                if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
+                    self._direct_missed()
+                finished = False
+                return
+            self._direct_misses = 0
+            if over is not None:  # (neither kept nor handed to waiting batches)
+                run.fail(samples_of(units), over)
+            seconds = time.perf_counter() - t0
+            read_s = read_ns / 1e9
+            self.stats.add(Stage.READ, read_s, bytes_out=nbytes)
+            self.stats.add(Stage.DIRECT, read_s, bytes_out=nbytes)
+            self.stats.add(Stage.NATIVE, seconds - read_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
+            self.stats.add_units(len(units), seconds - read_s, encoded, decoded, 0.0, assembled)
+        except Exception as e:
+            run.crash(group.units, e)
+        finally:
+            if finished:
+                self._abandon(group.units)
+                self.budget.release(sum(g.reserve_nbytes for g in groups))
+                run.group_done(len(groups))
+            else:  # the ordinary path reads them, reports errors fully and settles the groups
+                for g in groups:
+                    self._io_slots.acquire()
+                    self._io.submit(self._read, run, g, g.reserve_nbytes, key=run.key, priority=run.order)
+
+    def _direct_missed(self) -> None:
+        """After many direct reads in a row found their data out of the page cache (or a file
+        system that cannot tell), stop trying for a while."""
+        self._direct_misses += 1
+        if self._direct_misses >= DIRECT_MISSES:
+            self._direct_misses = 0
+            self._direct_skip = DIRECT_BACKOFF
+
+    def _read(self, run: Run, group: ReadGroup, reserved: int) -> None:
+        self._io_slots.release()
+        if run.cancelled() or self._closed:
+            self._landed(run, group, reserved, skip=True)
+            return
+        t0 = time.perf_counter()
+        try:
+            if group.length < 0:
+                data = self.reader.read(group.key)
+            else:
+                data = self.reader.read_range(group.key, group.offset, group.length)
+        except Exception as e:  # reported per sample (a DamacyError) or as a crash
+            self._landed(run, group, reserved, error=e)
+            return
+        self.stats.add(Stage.READ, time.perf_counter() - t0, bytes_out=len(data) if data else 0)
+        self._landed(run, group, reserved, data)
+
+    def _fetch(self, run: Run, group: ReadGroup, reserved: int) -> None:
+        """Read a group from an object store: from the disk tier when it holds the bytes (an
+        I/O thread reads them), else the request waits its turn in the fetcher (many in
+        flight, by batch order) and lands like a read of a file (and goes to the tier)."""
+        if self._tiered(group):
+            self._io.submit(self._from_disk, run, group, reserved, key=run.key, priority=run.order)
+            return
+        self._fetch_remote(run, group, reserved)
+
+    @staticmethod
+    def _disk_key(group: ReadGroup) -> str:
+        """A read's name in the disk tier: its object as the store names it for caches that
+        outlive the process (a branch's snapshot, a bucket's endpoint), its range, and the
+        version of its array's metadata where it was asked (an array written again under the
+        same name is not read from the old one's entries)."""
+        meta = group.units[0].meta
+        key = f"{meta.store.cache_key(group.key)}#{group.offset}+{group.length}"
+        return key if meta.version is None else f"{key}@{meta.version!r}"
+
+    def _tiered(self, group: ReadGroup) -> bool:
+        """Does the disk tier take this read? Not one of an array whose metadata's versions
+        could not all be asked (its entries could be taken for another content's)."""
+        version = group.units[0].meta.version
+        return self.disk_tier is not None and (version is None or known(version))
+
+    def _from_disk(self, run: Run, group: ReadGroup, reserved: int) -> None:
+        if run.cancelled() or self._closed:
+            self._landed(run, group, reserved, skip=True)
+            return
+        t0 = time.perf_counter()
+        try:
+            data = self.disk_tier.get(self._disk_key(group))
+        except Exception as e:  # a cache: a read it cannot make is a miss
+            log.warning("the disk tier could not read %s: %s", group.key, e)
+            data = None
+        if data is None:
+            try:
+                self._fetch_remote(run, group, reserved)
+            except Exception as e:  # reported per sample, as a failed fetch is
+                self._landed(run, group, reserved, error=e)
+            return
+        self.stats.add(Stage.DISK, time.perf_counter() - t0, bytes_out=len(data))
+        self._landed(run, group, reserved, data)
+
+    def _to_disk(self, key: str, data: bytes) -> None:
+        if not self._closed:
+            self.disk_tier.put(key, data)
+
+    def _fetch_remote(self, run: Run, group: ReadGroup, reserved: int) -> None:
+        if self._fetcher is None:
+            with self._fetcher_lock:
+                if self._fetcher is None:
+                    self._fetcher = Fetcher(max_inflight=self.limits.max_inflight_requests)
+        store = group.units[0].meta.store
+        t0 = [0.0]
+
+        def request():
+            if run.cancelled() or self._closed:
+                self._landed(run, group, reserved, skip=True)
+                return None
+            t0[0] = time.perf_counter()
+            return store.fetch(group.key, group.offset, group.length)
+
+        def done(data, error) -> None:
+            if error is None:
+                self.stats.add(Stage.READ, time.perf_counter() - t0[0], bytes_out=len(data) if data else 0)
+                if data is not None and self._tiered(group):  # written off the fetcher's loop
+                    self._io.submit(self._to_disk, self._disk_key(group), data, key=run.key, priority=run.order)
+            self._landed(run, group, reserved, data, error)
+
+        self._fetcher.submit((run.order, group.offset), request, done)
+
+    def _landed(self, run: Run, group: ReadGroup, reserved: int, data=None, error: BaseException | None = None, skip: bool = False) -> None:
+        """A group's bytes arrived (``None``: the object does not exist), or its read failed
+        with ``error``, or it was not read (``skip``): decode it, fill it, or report it, and
+        settle the group."""
+        handed_over = False
+        try:
+            if skip or run.cancelled() or self._closed:
+                return
+            if error is None and data is not None and group.length < 0:
+                error = self._over_cap(group, len(data))
+            if isinstance(error, DamacyError):
+                err = error.with_context(uri=group.units[0].meta.uri)
+                run.fail(samples_of(group.units), err)
+                for u in group.units:
+                    if u.shared is not None:
+                        self.inflight.settle(u.shared, error=err)
+                return
+            if error is not None:
+                raise error
+            if data is None:
+                # a chunk that was never written: its regions read as the fill value
+                for u in group.units:
+                    optable.fill_rows(u.rows, u.table.ndim, u.table.pool, run.views, u.meta.fill_value, run.plan.norms)
+                    if u.shared is not None:
+                        self.inflight.settle(u.shared, missing=True)
+                return
+            # Units are decoded in tasks of about TASK_BYTES of output, so small chunks do
+            # not pay a thread handoff each; the group's memory is returned as tasks finish.
+            tasks: list[list[UnitJob]] = [[]]
+            size = 0
+            for u in group.units:
+                if size >= TASK_BYTES:
+                    tasks.append([])
+                    size = 0
+                tasks[-1].append(u)
+                size += u.decoded_nbytes
+            state = GroupState(len(tasks), reserved - group.decoded_nbytes)
+            view = memoryview(data)
+            for units in tasks:
+                self._decode.submit(self._decode_units, run, group, units, view, state, key=run.key, priority=run.order)
+            handed_over = True
+        except Exception as e:
+            run.crash(group.units, e)
+        finally:
+            if not handed_over:
+                self._abandon(group.units)
+                self.budget.release(reserved)
+                run.group_done()
+
