@@ -32,8 +32,9 @@ from damacy_server.cache import LRUCache
 from damacy_server.claim import Claim
 from damacy_server.decode import contract
 from damacy_server.plan.items import BadSample, Selected, sample_axes
+from damacy_server.plan.locate import UnitLocations
 from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
-from damacy_server.plan.resolve import Resolver, UnitLocations, ZarrMetadata
+from damacy_server.plan.resolve import Resolver, ZarrMetadata
 from damacy_server.plan.rows import ArrayRows, chunk_uses, plan_table
 from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.plan.transforms import transform_of

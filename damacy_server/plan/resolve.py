@@ -4,9 +4,10 @@
 daemon): parsed ``zarr.json`` files and shard indexes are read once and kept in bounded
 LRU caches.
 
+Units are located in the shard indexes those caches keep by :mod:`damacy_server.plan.locate`.
+
 (Over 400 lines: one job, metadata behind uris: arrays, NGFF images and plates resolve
-through the same node loading, consolidated metadata and caches, and units are located in
-the shard indexes those caches keep.)
+through the same node loading, consolidated metadata, freshness checks and caches.)
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
-from damacy_protocol.errors import DamacyError, DecodeError, InvalidArgument, MetadataError, NotFound, StorageError
+from damacy_protocol.errors import DamacyError, InvalidArgument, MetadataError, NotFound, StorageError
 from damacy_protocol.limits import MetadataCache
 from damacy_server.cache import LRUCache
+from damacy_server.plan.locate import ShardIndexes
 from damacy_server.plan.versions import Generations, Seen, differs, node_version
 from damacy_server.store import RemoteStores, Store, is_remote, resolve_uri
 from damacy_server.store.failures import first_line
 from damacy_server.store.latency import MetadataReads
-from damacy_server.zarr.codecs import CorruptData
-from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import (
     ArrayMetadata,
     check_node,
@@ -79,27 +78,6 @@ class Caches:
 
 def _index_nbytes(entry: tuple[np.ndarray, int]) -> int:
     return int(entry[0].nbytes) + 64
-
-
-@dataclass(frozen=True)
-class UnitLocations:
-    """Where the bytes of each of n read units are.
-
-    ``nbytes[i] == -1`` means unit i is a whole object; ``missing[i]`` means it was never
-    written (its chunk object or its shard-index entry is absent) and reads as fill value.
-    """
-
-    keys: list[str]
-    owners: np.ndarray  # int64 (n,): each unit's object, an index into ``objects``
-    objects: list[str]  # the objects' keys, in chunk-grid order
-    offsets: np.ndarray  # int64 (n,)
-    nbytes: np.ndarray  # int64 (n,)
-    missing: np.ndarray  # bool (n,)
-    errors: dict[int, DamacyError]  # units whose shard index could not be read
-
-    def raise_first(self) -> None:
-        if self.errors:
-            raise self.errors[min(self.errors)]
 
 
 #: metadata and shard-index reads in flight while planning, when the reader does not say
@@ -159,7 +137,7 @@ class _Entry:
         self.seen = seen
 
 
-class Resolver:
+class Resolver(ShardIndexes):
     """Array metadata and shard indexes, loaded through ``reader`` and kept in ``cache``.
 
     While a batch is planned, the ``zarr.json`` files of the arrays it names and the outer
@@ -523,140 +501,6 @@ class Resolver:
             raise levels[0].error.copy()
         name = multiscale.get("name") if isinstance(multiscale.get("name"), str) else None
         return Image(str(uri), version if isinstance(version, str) else None, name, axes or (), tuple(levels))
-
-    def locate(self, meta: ArrayMetadata, units: np.ndarray) -> UnitLocations:
-        """Where the read units ``units`` (n, ndim) of ``meta`` are stored; reads the shard
-        indexes it needs (each once, then from the cache)."""
-        layout = meta.layout
-        units = np.asarray(units, dtype=np.int64)
-        if units.ndim != 2 or units.shape[1] != layout.ndim:
-            raise InvalidArgument(f"units must have shape (n, {layout.ndim}), got {units.shape}", uri=meta.uri)
-        n = len(units)
-        chunk_coords = layout.chunk_coords(units)
-        grid = tuple(-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape))
-        if layout.ndim and n and math.prod(grid) < 1 << 62:
-            ids = np.ravel_multi_index(tuple(chunk_coords.T), grid)
-            uniq, owners = np.unique(ids, return_inverse=True)
-            chunks = np.stack(np.unravel_index(uniq, grid), axis=1)
-            owners = owners.reshape(-1).astype(np.int64, copy=False)
-        elif layout.ndim and n:  # a grid too large for flat ids
-            chunks, owners = np.unique(chunk_coords, axis=0, return_inverse=True)
-            owners = owners.reshape(-1).astype(np.int64, copy=False)
-        else:
-            chunks = np.zeros((1 if n else 0, layout.ndim), dtype=np.int64)
-            owners = np.zeros(n, dtype=np.int64)
-        chunk_list = [tuple(c) for c in chunks.tolist()]
-        objects = [meta.chunk_key(c) for c in chunk_list]
-        keys = [objects[i] for i in owners.tolist()]
-        offsets = np.zeros(n, dtype=np.int64)
-        nbytes = np.full(n, -1, dtype=np.int64)
-        missing = np.zeros(n, dtype=bool)
-        errors: dict[int, DamacyError] = {}
-        if not layout.levels or not n:
-            return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
-
-        prefetched = self._prefetch_indexes(meta, [objects[o] for o in np.unique(owners).tolist()])
-        for depth, slots in enumerate(layout.level_slots(units)):
-            # the units of each container (a shard object, or a shard within an outer shard)
-            live = np.flatnonzero(~missing)
-            if not len(live):
-                break
-            o, b, z = owners[live], offsets[live], nbytes[live]
-            order = np.lexsort((z, b, o))
-            o, b, z = o[order], b[order], z[order]
-            starts = np.flatnonzero(np.r_[True, (o[1:] != o[:-1]) | (b[1:] != b[:-1]) | (z[1:] != z[:-1])])
-            bounds = [*starts.tolist(), len(order)]
-            for c, (owner, base, size) in enumerate(zip(o[starts].tolist(), b[starts].tolist(), z[starts].tolist())):
-                idx = live[order[bounds[c] : bounds[c + 1]]]
-                try:
-                    found = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner], prefetched if depth == 0 else None)
-                except DamacyError as e:
-                    errors.update((i, e) for i in idx.tolist())
-                    missing[idx] = True  # nothing more to read for them
-                    continue
-                if found is None:
-                    missing[idx] = True
-                    continue
-                table, container = found
-                entries = table[slots[idx]]
-                empty = entries[:, 0] == EMPTY
-                missing[idx[empty]] = True
-                # an entry that reaches past the end of its shard is corrupt (entries are
-                # below 2**62, so the sum cannot overflow)
-                past = ~empty & (entries[:, 0] + entries[:, 1] > np.uint64(container))
-                for i, (off, n) in zip(idx[past].tolist(), entries[past].tolist()):
-                    errors[i] = DecodeError(
-                        f"shard index: the inner chunk at bytes [{off}, {off + n}) ends past the shard's {container} bytes",
-                        uri=meta.uri,
-                        path=objects[owner],
-                        chunk=tuple(units[i].tolist()),
-                    )
-                missing[idx[past]] = True
-                full = idx[~empty & ~past]
-                ok = ~empty & ~past
-                offsets[full] = base + entries[ok, 0].astype(np.int64)
-                nbytes[full] = entries[ok, 1].astype(np.int64)
-        return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
-
-    def _prefetch_indexes(self, meta: ArrayMetadata, keys: list[str]) -> dict[str, object] | None:
-        """The (index bytes, object size) of the outer shards among ``keys`` not yet cached,
-        read :attr:`concurrency` at a time (an object store's requests together, in one
-        round trip's time rather than one each); ``None`` (missing) or the exception per key."""
-        if not meta.layout.levels or len(keys) < 2:
-            return None
-        want = [k for k in keys if self.cache.shard_indexes.peek((k, 0, 0, meta.generation)) is None]
-        if len(want) < 2:
-            return None
-        start, length = meta.layout.levels[0].index_range()
-        store = meta.store
-        fetch_many = getattr(store, "read_ranges_sized", None)
-        if fetch_many is not None:
-            return dict(zip(want, fetch_many(want, start, length, most=self.concurrency)))
-
-        def one(key: str) -> object:
-            try:
-                return store.read_range_sized(key, start, length)
-            except DamacyError as e:
-                return e
-
-        return dict(zip(want, self._map(one, want)))
-
-    def shard_index(
-        self, meta: ArrayMetadata, key: str, base: int, size: int, depth: int, chunk: tuple[int, ...],
-        prefetched: dict[str, object] | None = None,
-    ) -> tuple[np.ndarray, int] | None:
-        """The index table of the shard at ``key`` bytes [base, base+size) (size -1: the whole
-        object) and the shard's size in bytes, or ``None`` when the shard object does not
-        exist (``prefetched``: outer shards' reads already made, see :meth:`_prefetch_indexes`)."""
-        cache_key = (key, base, depth, meta.generation)  # the array's version: a re-created one's are other entries
-        found = self.cache.shard_indexes.get(cache_key)
-        if found is not None:
-            return found
-        level = meta.layout.levels[depth]
-        start, length = level.index_range()
-        try:
-            if size >= 0:
-                if size < length:
-                    raise CorruptData(f"truncated shard: {size} bytes cannot hold its {length}-byte index")
-                data = meta.store.read_range(key, base + (start if start >= 0 else size - length), length)
-                container = size
-            else:
-                if prefetched is not None and key in prefetched:
-                    got = prefetched[key]
-                    if isinstance(got, BaseException):
-                        raise got
-                else:
-                    got = meta.store.read_range_sized(key, start, length)
-                data, container = (None, 0) if got is None else got
-            if data is None:
-                return None
-            found = (level.parse_index(data), container)
-        except CorruptData as e:
-            raise DecodeError(f"shard index: {e}", uri=meta.uri, path=key, chunk=chunk) from e
-        except DamacyError as e:
-            raise e.with_context(uri=meta.uri) from None
-        self.cache.shard_indexes.put(cache_key, found)
-        return found
 
 
 class ZarrMetadata:

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from damacy_server import native
-from damacy_server.plan.resolve import UnitLocations
+from damacy_server.plan.locate import UnitLocations
 from damacy_server.plan.selection import AxisRange, AxisSelection, axis_parts
 from damacy_server.zarr.metadata import ArrayMetadata
 
