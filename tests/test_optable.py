@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from zarr.codecs import BytesCodec, ShardingCodec, ZstdCodec
 
 import damacy
@@ -83,3 +84,30 @@ def test_op_table_of_units_in_any_order_numbers_them_as_given(tmp_path):
     assert np.array_equal(out[0], data)
     run = optable.build(units)  # in table order: a view of the table
     assert run.base == units[0].pos and np.shares_memory(run.ops, units[0].table.rows)
+
+
+def test_op_tables_of_units_apart_are_their_rows_gathered_and_renumbered():
+    # random plan tables and random subsets of their units in any order: the op table is each
+    # unit's rows in the order given, numbered 0, 1, ... (a run in table order is a view,
+    # numbered from its first position), with each unit's span
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n_units, ndim = int(rng.integers(1, 30)), 3
+        counts = rng.integers(0, 5, n_units)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        rows = rng.integers(0, 100, (int(bounds[-1]), 2 + 3 * ndim)).astype(np.int64)
+        rows[:, 0] = np.repeat(np.arange(n_units), counts)
+        spans = rng.integers(0, 100, (n_units, 2)).astype(np.int64)
+        table = SimpleNamespace(rows=rows, ndim=ndim, pool=np.zeros(0, np.int64), spans=spans)
+        units = [SimpleNamespace(table=table, pos=p, lo=int(bounds[p]), hi=int(bounds[p + 1])) for p in range(n_units)]
+        pick = [units[i] for i in rng.permutation(n_units)[: int(rng.integers(1, n_units + 1))]]
+        got = optable.build(pick)
+        want = rows[[r for u in pick for r in range(u.lo, u.hi)]]
+        numbers = [k + got.base for k, u in enumerate(pick) for _ in range(u.hi - u.lo)]
+        assert got.ops[:, 1:].tolist() == want[:, 1:].tolist() and got.ops[:, 0].tolist() == numbers, trial
+        assert got.spans.tolist() == spans[[u.pos for u in pick]].tolist(), trial
+    other = SimpleNamespace(rows=rows, ndim=3, pool=np.zeros(0, np.int64), spans=spans)
+    with pytest.raises(ValueError, match="one plan table"):
+        optable.build([units[0], SimpleNamespace(table=other, pos=1, lo=0, hi=0)])

@@ -30,18 +30,21 @@ def build(units: Sequence[Any]) -> OpTable:
     units of a plan table (a task's usual case) are views of it, not copies."""
     first = units[0]
     table = first.table
-    last = units[-1]
-    if last.pos - first.pos == len(units) - 1 and all(u.table is table and u.pos == first.pos + k for k, u in enumerate(units)):
-        return OpTable(table.rows[first.lo : last.hi], table.ndim, table.pool, first.pos, table.spans[first.pos : last.pos + 1])
     if any(u.table is not table for u in units):
         raise ValueError("an op table holds the units of one plan table")
-    parts = []
-    for k, u in enumerate(units):
-        part = table.rows[u.lo : u.hi].copy()
-        part[:, 0] = k
-        parts.append(part)
-    spans = table.spans[[u.pos for u in units]]
-    return OpTable(np.concatenate(parts), table.ndim, table.pool, 0, spans)
+    n = len(units)
+    pos = [u.pos for u in units]
+    if pos == list(range(pos[0], pos[0] + n)):
+        last = units[-1]
+        return OpTable(table.rows[first.lo : last.hi], table.ndim, table.pool, first.pos, table.spans[first.pos : last.pos + 1])
+    # units apart (others were taken from another batch's decode, or come in another order):
+    # their rows gathered at once, renumbered 0, 1, ... in the order given
+    lo = np.fromiter((u.lo for u in units), dtype=np.int64, count=n)
+    counts = np.fromiter((u.hi - u.lo for u in units), dtype=np.int64, count=n)
+    ends = np.cumsum(counts)
+    rows = table.rows[np.repeat(lo - ends + counts, counts) + np.arange(int(ends[-1]) if n else 0)]
+    rows[:, 0] = np.repeat(np.arange(n, dtype=np.int64), counts)
+    return OpTable(rows, table.ndim, table.pool, 0, table.spans[pos])
 
 
 def _op(row: list[int], ndim: int, pool: np.ndarray) -> SliceCopy | CopyOp:
