@@ -129,7 +129,7 @@ class RemotePipeline(PipelineAPI):
         self._next_batch = 0  # the id the next batch should have (for messages)
         self._next_call: Call | None = None  # the pop already sent for the next batch
         self._lent: dict[int, Slot] = {}  # batch id -> its slot, until the release is sent
-        self._push_calls: deque = deque()  # pushes not yet acknowledged
+        self._push_calls: deque = deque()  # pushes not yet settled (a refusal answers one; an answer to a later request settles it)
         self._closed = False
         self._pid = os.getpid()
         self._feeder: threading.Thread | None = None
