@@ -86,37 +86,51 @@ class ShardIndexes:
             order = np.lexsort((z, b, o))
             o, b, z = o[order], b[order], z[order]
             starts = np.flatnonzero(np.r_[True, (o[1:] != o[:-1]) | (b[1:] != b[:-1]) | (z[1:] != z[:-1])])
-            bounds = [*starts.tolist(), len(order)]
+            counts = np.diff(np.r_[starts, len(order)])
+            # each container's index table (read once, then cached): the Python per container,
+            # the lookups of its units below in one pass over all of them
+            tables, sizes, first_entry = [], [], []
+            read = np.zeros(len(starts), dtype=bool)
+            n_entries = 0
             for c, (owner, base, size) in enumerate(zip(o[starts].tolist(), b[starts].tolist(), z[starts].tolist())):
-                idx = live[order[bounds[c] : bounds[c + 1]]]
                 try:
                     found = self.shard_index(meta, objects[owner], base, size, depth, chunk_list[owner], prefetched if depth == 0 else None)
                 except DamacyError as e:
-                    errors.update((i, e) for i in idx.tolist())
-                    missing[idx] = True  # nothing more to read for them
+                    idx = live[order[starts[c] : starts[c] + counts[c]]]
+                    errors.update((i, e) for i in idx.tolist())  # nothing more to read for them
                     continue
-                if found is None:
-                    missing[idx] = True
+                if found is None:  # the shard was never written
                     continue
                 table, container = found
-                entries = table[slots[idx]]
-                empty = entries[:, 0] == EMPTY
-                missing[idx[empty]] = True
-                # an entry that reaches past the end of its shard is corrupt (entries are
-                # below 2**62, so the sum cannot overflow)
-                past = ~empty & (entries[:, 0] + entries[:, 1] > np.uint64(container))
-                for i, (off, n) in zip(idx[past].tolist(), entries[past].tolist()):
-                    errors[i] = DecodeError(
-                        f"shard index: the inner chunk at bytes [{off}, {off + n}) ends past the shard's {container} bytes",
-                        uri=meta.uri,
-                        path=objects[owner],
-                        chunk=tuple(units[i].tolist()),
-                    )
-                missing[idx[past]] = True
-                full = idx[~empty & ~past]
-                ok = ~empty & ~past
-                offsets[full] = base + entries[ok, 0].astype(np.int64)
-                nbytes[full] = entries[ok, 1].astype(np.int64)
+                read[c] = True
+                tables.append(table)
+                sizes.append(container)
+                first_entry.append(n_entries)
+                n_entries += len(table)
+            in_read = np.repeat(read, counts)  # per unit (in container order): its container read
+            missing[live[order[~in_read]]] = True
+            if not tables:
+                continue
+            idx = live[order[in_read]]
+            which = np.repeat(np.cumsum(read) - 1, counts)[in_read]  # each unit's index among the tables read
+            entries = (np.concatenate(tables) if len(tables) > 1 else tables[0])[np.asarray(first_entry, dtype=np.int64)[which] + slots[idx]]
+            empty = entries[:, 0] == EMPTY
+            # an entry that reaches past the end of its shard is corrupt (entries are below
+            # 2**62, so the sum cannot overflow)
+            shard_bytes = np.asarray(sizes, dtype=np.uint64)[which]
+            past = ~empty & (entries[:, 0] + entries[:, 1] > shard_bytes)
+            for i, (off, n), size in zip(idx[past].tolist(), entries[past].tolist(), shard_bytes[past].tolist()):
+                errors[i] = DecodeError(
+                    f"shard index: the inner chunk at bytes [{off}, {off + n}) ends past the shard's {size} bytes",
+                    uri=meta.uri,
+                    path=keys[i],
+                    chunk=tuple(units[i].tolist()),
+                )
+            missing[idx[empty | past]] = True
+            ok = ~empty & ~past
+            full = idx[ok]
+            offsets[full] = offsets[full] + entries[ok, 0].astype(np.int64)
+            nbytes[full] = entries[ok, 1].astype(np.int64)
         return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
     def _prefetch_indexes(self, meta: ArrayMetadata, keys: list[str]) -> dict[str, object] | None:
