@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from damacy_protocol.errors import DamacyError, DecodeError, InvalidArgument
+from damacy_server import native
 from damacy_server.zarr.codecs import CorruptData
 from damacy_server.zarr.codecs.sharding import EMPTY
 from damacy_server.zarr.metadata import ArrayMetadata
@@ -55,7 +56,10 @@ class ShardIndexes:
         n = len(units)
         chunk_coords = layout.chunk_coords(units)
         grid = tuple(-(-s // c) for s, c in zip(layout.shape, layout.chunk_shape))
-        if layout.ndim and n and math.prod(grid) < 1 << 62:
+        found = native.unique_units(chunk_coords, 0, grid) if layout.ndim and n and math.prod(grid) < 1 << 62 else None
+        if found is not None:  # one native pass
+            chunks, owners = found
+        elif layout.ndim and n and math.prod(grid) < 1 << 62:
             ids = np.ravel_multi_index(tuple(chunk_coords.T), grid)
             uniq, owners = np.unique(ids, return_inverse=True)
             chunks = np.stack(np.unravel_index(uniq, grid), axis=1)
@@ -76,7 +80,7 @@ class ShardIndexes:
         if not layout.levels or not n:
             return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
 
-        prefetched = self._prefetch_indexes(meta, [objects[o] for o in np.unique(owners).tolist()])
+        prefetched = self._prefetch_indexes(meta, objects)  # (every object holds a unit: owners index them all)
         for depth, slots in enumerate(layout.level_slots(units)):
             # the units of each container (a shard object, or a shard within an outer shard)
             live = np.flatnonzero(~missing)
@@ -85,8 +89,12 @@ class ShardIndexes:
             o, b, z = owners[live], offsets[live], nbytes[live]
             order = np.lexsort((z, b, o))
             o, b, z = o[order], b[order], z[order]
-            starts = np.flatnonzero(np.r_[True, (o[1:] != o[:-1]) | (b[1:] != b[:-1]) | (z[1:] != z[:-1])])
-            counts = np.diff(np.r_[starts, len(order)])
+            new = np.ones(len(o), dtype=bool)
+            new[1:] = (o[1:] != o[:-1]) | (b[1:] != b[:-1]) | (z[1:] != z[:-1])
+            starts = np.flatnonzero(new)
+            counts = np.empty_like(starts)  # units per container
+            counts[:-1] = starts[1:] - starts[:-1]
+            counts[-1] = len(order) - starts[-1]
             # each container's index table (read once, then cached): the Python per container,
             # the lookups of its units below in one pass over all of them
             tables, sizes, first_entry = [], [], []
