@@ -51,19 +51,13 @@ class InFlight:
     def claim_or_join(self, key: Hashable, waiter: Waiter) -> Shared | None:
         """A new :class:`Shared` when nobody has ``key`` in flight (the caller decodes it and
         must settle it); else ``waiter`` will be called with the owner's result, and None."""
-        with self._lock:
-            shared = self._units.get(key)
-            if shared is None:
-                shared = self._units[key] = Shared(key)
-                return shared
-            shared.waiters.append(waiter)
-            self.joined += 1
-            return None
+        return self.claim_or_join_many([key], lambda _: waiter)[0]
 
     def claim_or_join_many(self, keys: Sequence[Hashable], waiter_for: Callable[[int], Waiter]) -> list[Shared | None]:
-        """:meth:`claim_or_join` of each key under one acquisition of the lock (a batch
-        registers its units a read at a time); ``waiter_for(i)`` makes key i's waiter, asked
-        only for keys another batch has in flight."""
+        """For each key, a new :class:`Shared` when nobody has it in flight (the caller decodes
+        it and must settle it), else None and key i's waiter ``waiter_for(i)`` (made only
+        then) will be called with the owner's result; under one acquisition of the lock (a
+        batch registers its units a read at a time)."""
         out: list[Shared | None] = []
         with self._lock:
             units = self._units

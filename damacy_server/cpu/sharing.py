@@ -64,7 +64,7 @@ class SharedUnits:
                     run.pending -= len(mine)
             else:
                 mine = units
-            kept = g if len(mine) == len(g.units) else shrink(g, mine)
+            kept = shrink(g, mine)  # (the group itself when it keeps every unit)
             if kept is not None:
                 out.append(kept)
         return out, late
