@@ -488,24 +488,129 @@ def test_decode_threads_read_page_cached_groups_themselves(tmp_path):
     assert stages["direct"]["count"] > 0 and stages["direct"]["count"] == stages["read"]["count"]
 
 
+class _Outcomes:
+    """Decode threads' direct reads (``native.file_job``'s) whose outcome ``code(read, sparse)``
+    decides: None, the read as made; -1, its bytes found out of the page cache (it was made,
+    but its job reports it not made, as native code reports a read it cannot make without
+    waiting: the executor must then read it the ordinary way). ``reads``: every direct read
+    asked for, as (sparse,)."""
+
+    def __init__(self, monkeypatch, code, build=None):
+        self.reads: list[bool] = []
+        self._code = code
+        real = native.file_job
+        outer = self
+
+        class Job:
+            def __init__(self, handle, sparse):
+                self.handle, self.codes = handle, [code(len(outer.reads) + i, bool(s)) for i, s in enumerate(sparse)]
+                outer.reads.extend(bool(s) for s in sparse)
+
+            def work(self, skip=False, most=-1):
+                return self.handle.work(skip, most)
+
+            def results(self):
+                raw, failures = self.handle.results()
+                figures = np.frombuffer(raw, dtype=np.int64).reshape(-1, 6).copy()
+                for r, c in enumerate(self.codes):
+                    if c is not None:
+                        figures[r] = (c, 0, 0, 0, 0, 0)
+                made = set(np.flatnonzero(figures[:, 0] == 0).tolist())
+                bounds = self.bounds
+                failures = [f for f in failures if int(np.searchsorted(bounds, f[0], side="right")) - 1 in made]
+                return figures.tobytes(), failures
+
+        def file_job(kernel, where, paths, offsets, lengths, sparse, bounds, *rest):
+            if build is not None:
+                build(len(outer.reads))
+            job = Job(real(kernel, where, paths, offsets, lengths, sparse, bounds, *rest), sparse)
+            job.bounds = np.asarray(bounds)
+            return job
+
+        monkeypatch.setattr(native, "file_job", file_job)
+
+
 def test_groups_not_in_the_page_cache_go_to_the_io_threads(tmp_path, monkeypatch):
     from damacy_server.cpu import reads as cpu
 
     uri, data = _sharded(tmp_path)
-    calls = []
-
-    def not_cached(*args):
-        calls.append(args)
-        return -1, None, 0, 0, 0, 0
-
-    monkeypatch.setattr(native, "run_file", not_cached)
+    direct = _Outcomes(monkeypatch, lambda r, sparse: -1)
     monkeypatch.setattr(cpu, "DIRECT_MISSES", 3)
     executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     stages = _read_all(uri, data, BOXES * 3, executor)
     assert stages["direct"]["count"] == 0 and stages["read"]["count"] > 3
-    # then it stops trying for a while (groups already handed to decode threads still try)
-    assert 3 <= len(calls) < stages["read"]["count"]
+    # then it stops trying for a while (reads already handed to decode threads still try)
+    assert 3 <= len(direct.reads) < stages["read"]["count"]
     assert executor._direct_skip > 0
+
+
+def test_a_job_of_direct_reads_taken_by_several_threads_makes_every_read_once(tmp_path):
+    # the reads of a plan's units (one a unit), one job: four threads
+    # take its reads in turns of at most 2; exactly one call completes the last read, and the
+    # values, bytes and elements equal the arrays' and what a read each by run_file makes
+    import os
+    import threading
+
+    from damacy_server.cpu import optable
+
+    uri, data = _sharded(tmp_path)
+    plan = _plan([damacy.Sample(uri, ((3, 11), (2, 17), (5, 20)))], (8, 15, 15), max_gap_bytes=0, max_read_bytes=1)
+    units = [u for g in plan.groups for u in g.units]
+    assert len(plan.groups) == len(units) > 4  # a read per unit
+    meta = damacy.open_array(uri)
+    kernel = native.kernel_for(meta, np.dtype("f4"))
+    out = np.zeros((1, 8, 15, 15), dtype="f4")
+    targets = native.targets(list(out), 3)
+    table = optable.build(units)
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    n = len(units)
+    job = native.file_job(
+        kernel, (flags, None), tuple(os.fsencode(g.key) for g in plan.groups), np.array([g.offset for g in plan.groups]),
+        np.array([g.length for g in plan.groups]), np.zeros(n, dtype=np.uint8), np.arange(n + 1), table, targets,
+    )
+    lasts, turns, lock = [], [0], threading.Lock()
+
+    def worker():
+        more = True
+        while more:
+            last, more = job.work(False, 2)
+            with lock:
+                lasts.append(last)
+                turns[0] += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert lasts.count(True) == 1 and turns[0] >= n // 2
+    res = native.file_job_results(job)
+    assert res.codes.tolist() == [0] * n and res.failures == []
+    assert np.array_equal(out[0], data[3:11, 2:17, 5:20].astype("f4"))
+    assert res.nread.tolist() == res.encoded.tolist() == [u.nbytes for u in units]
+    assert int(res.elements.sum()) == out.size and (res.ns >= res.read_ns).all()
+    # each read alone, by run_file: the same figures
+    for r, g in enumerate(plan.groups):
+        code, failures, _, nbytes, encoded, elements = native.run_file(kernel, (g.key, flags, None), g.offset, g.length, optable.build(g.units), targets)
+        assert (code, failures, nbytes, encoded, elements) == (0, [], res.nread[r], res.encoded[r], res.elements[r])
+    # a job skipped (its batch cancelled): nothing read or written, every read NOT_RUN
+    out[...] = 0
+    job = native.file_job(
+        kernel, (flags, None), tuple(os.fsencode(g.key) for g in plan.groups), np.array([g.offset for g in plan.groups]),
+        np.array([g.length for g in plan.groups]), np.zeros(n, dtype=np.uint8), np.arange(n + 1), table, targets,
+    )
+    with pytest.raises(RuntimeError, match="not all completed"):
+        job.results()
+    assert job.work(True) == (True, False) and job.work(False) == (False, False)
+    assert native.file_job_results(job).codes.tolist() == [native.NOT_RUN] * n and not out.any()
+    # reads that do not hold every unit, or bounds that fall, are refused when made
+    for bounds in (np.arange(n), np.r_[0, 2, 1, np.arange(3, n + 1)], np.r_[np.arange(n), n + 1]):
+        with pytest.raises(ValueError):
+            native.file_job(
+                kernel, (flags, None), tuple(os.fsencode(g.key) for g in plan.groups)[: len(bounds) - 1],
+                np.zeros(len(bounds) - 1, dtype=np.int64), np.full(len(bounds) - 1, -1), np.zeros(len(bounds) - 1, dtype=np.uint8),
+                bounds, table, targets,
+            )
 
 
 def test_direct_reads_refuse_what_the_ordinary_path_must_report(tmp_path):
@@ -628,20 +733,18 @@ def test_direct_reads_of_whole_objects_and_empty_files(tmp_path):
 
 
 def test_every_direct_read_outcome_settles_its_memory_once(tmp_path, monkeypatch):
+    # a job of direct reads that cannot be built (an unexpected error), reads out of the
+    # page cache and reads made, mixed: every sample is exact or failed with the error, and
+    # every read's memory comes back
     uri, data = _sharded(tmp_path)
-    real = native.run_file
-    calls = []
+    jobs = []
 
-    def flaky(*args):
-        calls.append(1)
-        k = len(calls) % 3
-        if k == 0:
+    def build(_):
+        jobs.append(1)
+        if len(jobs) % 3 == 0:
             raise RuntimeError("boom")
-        if k == 1:
-            return -1, None, 0, 0, 0, 0
-        return real(*args)
 
-    monkeypatch.setattr(native, "run_file", flaky)
+    direct = _Outcomes(monkeypatch, lambda r, sparse: -1 if r % 2 else None, build)
     executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     pipe = damacy.Pipeline(
         planner=_planner(), executor=executor, output=damacy.BatchSpec(2, (8, 10, 12), "f32"), queues=_queues(2), on_error="fill"
@@ -658,7 +761,7 @@ def test_every_direct_read_outcome_settles_its_memory_once(tmp_path, monkeypatch
                         good += 1
                         assert np.array_equal(batch.numpy()[j], data[tuple(slice(a, c) for a, c in b)].astype("f4"))
         assert executor.budget.used == executor.budget.slots  # nothing in flight is left behind
-    assert errors and good and len(calls) > 3
+    assert errors and good and len(jobs) > 3 and len(direct.reads) > 1
     assert all("internal error: RuntimeError: boom" in str(e) for e in errors)
 
 
@@ -728,18 +831,10 @@ def test_reads_of_one_object_apart_are_decoded_in_one_direct_task(tmp_path):
 
 def test_reads_made_in_one_task_go_to_the_io_threads_one_by_one_when_not_cached(tmp_path, monkeypatch):
     uri, data = _thin_sharded(tmp_path)
-    real, sparse_calls = native.run_file, []
-
-    def not_cached_when_sparse(*args):
-        if args[-1]:
-            sparse_calls.append(args)
-            return -1, None, 0, 0, 0, 0
-        return real(*args)
-
-    monkeypatch.setattr(native, "run_file", not_cached_when_sparse)
+    direct = _Outcomes(monkeypatch, lambda r, sparse: -1 if sparse else None)
     executor = _executor(max_memory_bytes=64 << 20, decode_workers=2)
     stages = _read_planes(uri, data, executor)
-    assert len(sparse_calls) == 4 and stages["direct"]["count"] == 0
+    assert direct.reads.count(True) == 4 and stages["direct"]["count"] == 0
     assert stages["read"]["count"] == 16 and stages["native"]["count"] == 16
 
 

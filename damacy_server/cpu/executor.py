@@ -123,7 +123,7 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
         self.native = (
             NativeTasks(self.chunk_cache, self.inflight, self._copies_deferred) if native.available() and self.limits.native else None
         )
-        # decode threads read page-cached groups themselves (see _read_direct)
+        # decode threads read page-cached groups themselves (see ReadTasks._read_direct)
         self._direct = self.native is not None and getattr(self.reader, "direct", None) is not None
         self._direct_misses = 0
         self._direct_skip = 0
@@ -187,21 +187,29 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
         else:
             run.group_done()  # no copies from the cache
         stop = lambda: cancelled() or self._closed  # noqa: E731
-        bundle: list[ReadGroup] = []  # direct reads of one object, made in one task
+        bundle: list[ReadGroup] = []  # direct reads of one object, made in one go
         bundled = bundled_units = 0  # the bytes their units decode to, and how many units
+        direct: list[list[ReadGroup]] = []  # the bundles not yet handed to the decode threads
 
         def send() -> None:
             nonlocal bundle, bundled, bundled_units
-            self._decode.submit(self._read_direct, run, bundle, key=key, priority=run.order)
+            direct.append(bundle)
             bundle, bundled, bundled_units = [], 0, 0
+
+        def flush() -> None:  # the bundles so far, as one job per array
+            nonlocal direct
+            if bundle:
+                send()
+            if direct:
+                self._read_direct(run, direct)
+                direct = []
 
         for group in groups:
             need = group.reserve_nbytes
-            if bundle and self.budget.try_reserve(need):
+            if (bundle or direct) and self.budget.try_reserve(need):
                 status = Reservation.TAKEN
             else:
-                if bundle:  # before waiting for memory: the reads held here free theirs once made
-                    send()
+                flush()  # before waiting for memory: the reads held here free theirs once made
                 status = self.budget.reserve(need, stop)
             if status is Reservation.TAKEN:
                 if is_remote(group.key):
@@ -223,8 +231,7 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
             if status is Reservation.TOO_BIG:
                 run.fail(samples_of(group.units), self._too_big(group.key, need))
             run.group_done()
-        if bundle:
-            send()
+        flush()
         run.group_done()
 
     def _too_big(self, key: str, need: int) -> BudgetExceeded:

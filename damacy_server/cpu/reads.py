@@ -12,7 +12,11 @@ uses the executor's reader, pools, budget, native tasks, disk tier and decode
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+
+import numpy as np
 
 from damacy_protocol.enums import Stage
 from damacy_protocol.errors import BudgetExceeded, DamacyError
@@ -32,6 +36,27 @@ TASK_BYTES = 1 << 20
 #: only, for the next DIRECT_BACKOFF reads
 DIRECT_MISSES = 32
 DIRECT_BACKOFF = 1024
+#: the reads of a job a decode thread makes in one turn before it queues its turn again
+#: (pipelines and daemon sessions sharing the threads take turns between them)
+DIRECT_READS_PER_TURN = 4
+
+
+class DirectJob:
+    """A run's page-cached reads of one array, as one native job the decode threads work on
+    (see :meth:`ReadTasks._read_direct`): built by the first thread to take a turn at it."""
+
+    __slots__ = ("run", "kernel", "bundles", "lock", "native", "error")
+
+    def __init__(self, run: Run, kernel, bundles: list[list[ReadGroup]]) -> None:
+        self.run = run
+        self.kernel = kernel
+        self.bundles = bundles
+        self.lock = threading.Lock()
+        self.native = None  # the FileJob, once built
+        self.error: BaseException | None = None  # why it could not be built or worked on
+
+    def units(self) -> list[UnitJob]:
+        return [u for b in self.bundles for g in b for u in g.units]
 
 
 class ReadTasks:
@@ -62,55 +87,113 @@ class ReadTasks:
             and self.native.kernel(run, group.units) is not None
         )
 
-    def _read_direct(self, run: Run, groups: list[ReadGroup]) -> None:
-        """Read, decode and copy reads of one object (see :func:`_joins`) in one native call
-        when their bytes are in the page cache (no I/O thread, no GIL between the steps; of
-        several reads only their units' bytes are read); otherwise hand them to the I/O
-        threads. Each read's memory was reserved (its ``reserve_nbytes``)."""
-        finished = True
-        first, last = groups[0], groups[-1]
-        group = first if len(groups) == 1 else ReadGroup(
-            first.key, first.offset, last.offset + last.length - first.offset, [u for g in groups for u in g.units]
-        )
+    def _read_direct(self, run: Run, bundles: list[list[ReadGroup]]) -> None:
+        """Hand a run's page-cached reads to the decode threads: ``bundles``, each reads of one
+        object made and decoded in one go (see :func:`~damacy_server.cpu.executor._joins`),
+        become a job per array (:class:`DirectJob`), which every decode thread that takes one of
+        its tasks works on, taking its reads in turn in native code. Each read's memory was
+        reserved (its ``reserve_nbytes``)."""
+        by_kernel: dict[int, tuple[object, list[list[ReadGroup]]]] = {}
+        for bundle in bundles:
+            kernel = self.native.kernel(run, bundle[0].units)  # (_direct_ok: not None)
+            by_kernel.setdefault(id(kernel), (kernel, []))[1].append(bundle)
+        for kernel, part in by_kernel.values():
+            job = DirectJob(run, kernel, part)
+            for _ in range(min(self._decode.workers, len(part))):
+                self._decode.submit(self._direct_work, job, key=run.key, priority=run.order)
+
+    def _direct_work(self, job: DirectJob) -> None:
+        """A decode thread's turn at a job: the first builds its native job (its units' op
+        table and the buffers of those it keeps, as late as possible: a unit decoded whole
+        takes waiting batches until then); each takes up to DIRECT_READS_PER_TURN reads and
+        queues its turn again while reads are left; the one that completes the last read
+        settles the job."""
+        run = job.run
+        failed = False
+        with job.lock:
+            if job.native is None and job.error is None:
+                try:
+                    job.native = self._build_direct(job)
+                except Exception as e:  # (its units fail, as a task's that raised)
+                    job.error, failed = e, True
+        if job.native is None:
+            if failed:  # this thread built it: it settles it
+                run.crash(job.units(), job.error)
+                self._direct_finished(job, job.bundles)
+            return
+        last, more = job.native.handle.work(run.cancelled() or self._closed, DIRECT_READS_PER_TURN)
+        if more:
+            self._decode.submit(self._direct_work, job, key=run.key, priority=run.order)
+        if last:
+            self._direct_done(job)
+
+    def _build_direct(self, job: DirectJob):
+        first = job.bundles[0][0]
+        _, flags, roots = self.reader.direct(first.key)
+        paths = tuple(os.fsencode(self.reader.direct(b[0].key)[0]) for b in job.bundles)
+        return self.native.file_job(job.kernel, job.run, job.bundles, flags, roots, paths)
+
+    def _direct_done(self, job: DirectJob) -> None:
+        """Every read of a job is completed: fail, keep and hand over its units, count its
+        figures, settle the reads made and skipped, and give those not made (not in the page
+        cache, or refused) to the I/O threads, which read them the ordinary way."""
+        run, fj = job.run, job.native
+        finished: list[list[ReadGroup]] = []
+        again: list[list[ReadGroup]] = []
         try:
-            if run.cancelled() or self._closed:
-                return
-            units = group.units
-            kernel = self.native.kernel(run, units)
-            where = self.reader.direct(group.key)
-            if kernel is None:
-                finished = False
-                return
-            t0 = time.perf_counter()
-            code, read_ns, nbytes, (encoded, decoded, assembled), over = self.native.read_file(
-                kernel, run, group, where, sparse=len(groups) > 1,
-                refuse=(lambda n: self._over_cap(group, n)) if group.length < 0 else None,
-            )
-            if code != 0:
-                if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
-                    self._direct_missed()
-                finished = False
-                return
-            self._direct_misses = 0
-            if over is not None:  # (neither kept nor handed to waiting batches)
-                run.fail(samples_of(units), over)
-            seconds = time.perf_counter() - t0
-            read_s = read_ns / 1e9
-            self.stats.add(Stage.READ, read_s, bytes_out=nbytes)
-            self.stats.add(Stage.DIRECT, read_s, bytes_out=nbytes)
-            self.stats.add(Stage.NATIVE, seconds - read_s, count=len(units), bytes_in=encoded, bytes_out=assembled)
-            self.stats.add_units(len(units), seconds - read_s, encoded, decoded, 0.0, assembled)
+            res = native.file_job_results(fj.handle)
+            codes = res.codes.tolist()
+            refused: dict[int, DamacyError] = {}
+            for r, (bundle, code) in enumerate(zip(job.bundles, codes)):
+                if code == 0:
+                    self._direct_misses = 0
+                    group = bundle[0]
+                    over = self._over_cap(group, int(res.nread[r])) if group.length < 0 else None
+                    if over is not None:  # (neither kept nor handed to waiting batches)
+                        refused[r] = over
+                        run.fail(samples_of(group.units), over)
+                    finished.append(bundle)
+                elif code == native.NOT_RUN:
+                    finished.append(bundle)
+                else:
+                    if code == -1:  # not in the page cache (a missing chunk or a large file is no sign of that)
+                        self._direct_missed()
+                    again.append(bundle)
+            decoded = self.native.file_job_done(run, fj, res, refused)
+            made = res.codes == 0
+            if made.any():
+                n_made = int(made.sum())
+                units = int(np.diff(fj.bounds)[made].sum())
+                read_s = float(res.read_ns[made].sum()) / 1e9
+                best_read = float(res.read_ns[made].min()) / 1e9
+                work_s = float((res.ns - res.read_ns)[made].sum()) / 1e9
+                nbytes, encoded = int(res.nread[made].sum()), int(res.encoded[made].sum())
+                assembled = int(res.elements[made].sum()) * run.dtype.itemsize
+                self.stats.add(Stage.READ, read_s, count=n_made, bytes_out=nbytes, best=best_read)
+                self.stats.add(Stage.DIRECT, read_s, count=n_made, bytes_out=nbytes, best=best_read)
+                self.stats.add(Stage.NATIVE, work_s, count=units, bytes_in=encoded, bytes_out=assembled)
+                self.stats.add_units(units, work_s, encoded, int(decoded[made].sum()), 0.0, assembled)
         except Exception as e:
-            run.crash(group.units, e)
+            done = {id(b) for b in finished}
+            run.crash([u for b in job.bundles if id(b) not in done for g in b for u in g.units], e)
+            finished, again = job.bundles, []
+        self._direct_finished(job, finished)
+        for bundle in again:  # the ordinary path reads them, reports errors fully and settles them
+            for g in bundle:
+                self._io_slots.acquire()
+                self._io.submit(self._read, run, g, g.reserve_nbytes, key=run.key, priority=run.order)
+
+    def _direct_finished(self, job: DirectJob, bundles: list[list[ReadGroup]]) -> None:
+        """Reads of a job that are done with: their units' registrations, memory and places
+        in the run."""
+        groups = [g for b in bundles for g in b]
+        if not groups:
+            return
+        try:
+            self._abandon([u for g in groups for u in g.units])
         finally:
-            if finished:
-                self._abandon(group.units)
-                self.budget.release(sum(g.reserve_nbytes for g in groups))
-                run.group_done(len(groups))
-            else:  # the ordinary path reads them, reports errors fully and settles the groups
-                for g in groups:
-                    self._io_slots.acquire()
-                    self._io.submit(self._read, run, g, g.reserve_nbytes, key=run.key, priority=run.order)
+            self.budget.release(sum(g.reserve_nbytes for g in groups))
+            job.run.group_done(len(groups))
 
     def _direct_missed(self) -> None:
         """After many direct reads in a row found their data out of the page cache (or a file

@@ -2,7 +2,8 @@
 
 :class:`NativeTasks` serves one executor: it picks the kernel for a task (per array and
 output dtype), builds the op table, decodes from bytes in memory, from the page cache
-(``read_file``) or from chunk cache entries (``copy_cached`` for a plan's, ``copy_decoded``
+(``file_job``: a batch's page-cached reads of one array, which the decode threads take in
+turn in native code) or from chunk cache entries (``copy_cached`` for a plan's, ``copy_decoded``
 for units the cache took while a batch was planned), fills the chunk cache with
 the units it would admit and hands units other batches wait for to them (both decoded
 whole, straight into their buffer), and turns the units that failed into errors of their
@@ -14,7 +15,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,6 +27,24 @@ from damacy_server.cpu.inflight import InFlight
 from damacy_server.cpu.run import Run, samples_of
 from damacy_server.plan.reads import ReadGroup
 from damacy_server.plan.units import CachedUnits, UnitJob
+
+
+class FileJob(NamedTuple):
+    """A run's page-cached reads of one array as one native job (:meth:`NativeTasks.file_job`):
+    the native handle, the kernel, the reads (``bundles``: groups read together), their units
+    in read order with the job's op table and the buffers of the units kept whole (None:
+    none), and per read its units' bounds, offset, length and sparse flag."""
+
+    handle: Any
+    kernel: native.NativeKernel
+    bundles: list[list[ReadGroup]]
+    units: list[UnitJob]
+    table: native.OpTable
+    kept: list[np.ndarray | None] | None
+    bounds: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    sparse: np.ndarray
 
 
 class NativeTasks:
@@ -77,34 +96,50 @@ class NativeTasks:
         self._cache_kept(units, kept, failures)
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
-    def read_file(
-        self, kernel, run: Run, group: ReadGroup, where, sparse: bool = False,
-        refuse: Callable[[int], DamacyError | None] | None = None,
-    ) -> tuple[int, int, int, tuple[int, int, int], DamacyError | None]:
-        """As :meth:`decode`, reading the group from the page cache in the same call (see
-        :func:`native.run_file`; ``sparse``: only its units' bytes). ``refuse(nbytes)``: the
-        error of a read of that many bytes that must not be served (a chunk over the stored
-        cap, known once read): then nothing is kept or handed to waiting batches, which get
-        the error. Returns (code, read_ns, nbytes, (encoded, decoded, assembled), refused);
-        a non-zero code means nothing was done."""
-        units = group.units
+    def file_job(self, kernel, run: Run, bundles: list[list[ReadGroup]], flags: int, roots: bytes | None, paths: tuple[bytes, ...]) -> FileJob:
+        """The page-cached reads ``bundles`` (each reads of one file, see
+        :func:`~damacy_server.cpu.executor._joins`; their units one array's, of ``kernel``) as
+        one native job the decode threads take in turn (see :func:`native.file_job`): one op
+        table, one pass choosing the units to keep, for all of them."""
+        units = [u for b in bundles for g in b for u in g.units]
         table, targets = self._tables(run, units)
         kept, keep = self._keep(kernel, units)
-        code, failures, read_ns, nbytes, encoded, elements = native.run_file(
-            kernel, where, group.offset, group.length, table, targets, keep, sparse
+        bounds = np.zeros(len(bundles) + 1, dtype=np.int64)
+        np.cumsum([sum(len(g.units) for g in b) for b in bundles], out=bounds[1:])
+        offsets = np.fromiter((b[0].offset for b in bundles), dtype=np.int64, count=len(bundles))
+        lengths = np.fromiter(
+            (b[0].length if len(b) == 1 else b[-1].offset + b[-1].length - b[0].offset for b in bundles),
+            dtype=np.int64, count=len(bundles),
         )
-        if code != 0:
-            return code, read_ns, 0, (0, 0, 0), None
-        refused = refuse(nbytes) if refuse is not None else None
-        if refused is not None:
-            for u in units:
+        sparse = np.fromiter((len(b) > 1 for b in bundles), dtype=np.uint8, count=len(bundles))
+        handle = native.file_job(kernel, (flags, roots), paths, offsets, lengths, sparse, bounds, table, targets, keep)
+        return FileJob(handle, kernel, bundles, units, table, kept, bounds, offsets, lengths, sparse)
+
+    def file_job_done(self, run: Run, job: FileJob, results: native.FileJobResults, refused: dict[int, DamacyError]) -> np.ndarray:
+        """Settle the units of a finished job's reads that were made (``results.codes`` 0):
+        the failed ones fail their samples (and the batches waiting for them), the kept ones
+        go to the chunk cache and to those batches; the units of a read in ``refused`` (read
+        index -> error: a chunk over the stored cap) are neither kept nor handed over, their
+        waiters get the error. Returns per read the bytes its units decoded to."""
+        units, bounds, kernel = job.units, job.bounds, job.kernel
+        made = results.codes == 0
+        ok = np.repeat(made, np.diff(bounds))  # per unit: its read was made
+        failed = np.zeros(len(units), dtype=bool)
+        for f in results.failures:
+            failed[f.unit] = True
+            r = int(np.searchsorted(bounds, f.unit, side="right")) - 1
+            data_len = int(job.lengths[r]) if job.sparse[r] else int(results.nread[r])
+            self._fail_unit(kernel, run, units[f.unit], f, table_span=job.table.spans[f.unit], offset=max(int(job.offsets[r]), 0), data_len=data_len)
+        for r, err in refused.items():
+            ok[bounds[r] : bounds[r + 1]] = False
+            for u in units[bounds[r] : bounds[r + 1]]:
                 if u.shared is not None:
-                    self.inflight.settle(u.shared, error=refused)
-            return 0, read_ns, nbytes, (0, 0, 0), refused
-        self._cache_kept(units, kept, failures)
-        offset = max(group.offset, 0)
-        data_len = group.length if sparse else nbytes  # the range read, holes and all
-        return 0, read_ns, nbytes, self._done(kernel, run, units, table, failures, encoded, elements, offset, data_len), None
+                    self.inflight.settle(u.shared, error=err)
+        if job.kept is not None:
+            settle = ok & ~failed
+            self._cache_kept([u for u, s in zip(units, settle.tolist()) if s], [a for a, s in zip(job.kept, settle.tolist()) if s], ())
+        per_read_failed = np.bincount(np.searchsorted(bounds, np.flatnonzero(failed), side="right") - 1, minlength=len(job.bundles))
+        return (np.diff(bounds) - per_read_failed) * kernel.decoded_nbytes
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
         """Copy units of one plan table from their decoded arrays (chunk cache entries) in one
@@ -192,15 +227,20 @@ class NativeTasks:
         """Fail the samples of units native code could not decode; returns (encoded,
         decoded, assembled) bytes of the others."""
         for f in failures:
-            u = units[f.unit]
-            start, length = table.spans[f.unit].tolist()
-            got = max(0, min(length if length >= 0 else data_len, data_len - (start - offset)))
-            if u.nbytes >= 0 and got != u.nbytes:  # the read came short: the file was cut off
-                reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
-            else:
-                reason = f.describe(kernel.decoded_nbytes)
-            err = DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit)
-            run.fail(samples_of((u,)), err)
-            if u.shared is not None:
-                self.inflight.settle(u.shared, error=err)
+            self._fail_unit(kernel, run, units[f.unit], f, table.spans[f.unit], offset, data_len)
         return encoded, (len(units) - len(failures)) * kernel.decoded_nbytes, elements * run.dtype.itemsize
+
+    def _fail_unit(self, kernel, run: Run, u: UnitJob, f: native.Failure, table_span: np.ndarray, offset: int, data_len: int) -> None:
+        """Unit ``u`` failed in native code (``f``): its samples fail, and the batches waiting
+        for it. ``table_span``: its (offset, length) in its object; ``offset``, ``data_len``:
+        where the bytes read start in the object, and how many there were."""
+        start, length = table_span.tolist()
+        got = max(0, min(length if length >= 0 else data_len, data_len - (start - offset)))
+        if u.nbytes >= 0 and got != u.nbytes:  # the read came short: the file was cut off
+            reason = f"truncated data: expected {u.nbytes} bytes, the file has {got} there"
+        else:
+            reason = f.describe(kernel.decoded_nbytes)
+        err = DecodeError(reason, uri=u.meta.uri, path=u.key, chunk=u.unit)
+        run.fail(samples_of((u,)), err)
+        if u.shared is not None:
+            self.inflight.settle(u.shared, error=err)

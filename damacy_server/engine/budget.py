@@ -232,15 +232,19 @@ class StageStats:
         with self._lock:
             self.data = self._empty()
 
-    def add(self, stage: Stage, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
+    def add(self, stage: Stage, seconds: float, count: int = 1, bytes_in: int = 0, bytes_out: int = 0, best: float | None = None) -> None:
+        """``count`` observations taking ``seconds`` in all; ``best``: the shortest of them
+        (None: ``seconds``, one observation's)."""
+        if best is None:
+            best = seconds
         with self._lock:
             d = self.data[stage]
             d["seconds"] += seconds
             d["count"] += count
             d["bytes_in"] += bytes_in
             d["bytes_out"] += bytes_out
-            if count and seconds < d["best"]:
-                d["best"] = seconds
+            if count and best < d["best"]:
+                d["best"] = best
 
     def add_units(self, n: int, decode_s: float, encoded: int, decoded: int, assemble_s: float, assembled: int) -> None:
         """Decode and assembly of ``n`` units, under one lock."""

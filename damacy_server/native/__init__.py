@@ -240,6 +240,59 @@ def run_file(
     return code, None if failures is None else _failures(failures), read_ns, nbytes, encoded, elements
 
 
+class FileJobResults(NamedTuple):
+    """What a :func:`file_job`'s reads did, per read (int64 arrays): run_file's code (or
+    :data:`NOT_RUN`), the ns spent reading, the bytes read, the bytes decoded, the elements
+    written and the ns of the whole read; and the units that failed, numbered over the job."""
+
+    codes: np.ndarray
+    read_ns: np.ndarray
+    nread: np.ndarray
+    encoded: np.ndarray
+    elements: np.ndarray
+    ns: np.ndarray
+    failures: list[Failure]
+
+
+#: a job's read that was not made (its batch was cancelled: ``work(skip=True)``)
+NOT_RUN = 1
+
+
+def file_job(
+    kernel: NativeKernel,
+    where: tuple[int, bytes | None],
+    paths: tuple[bytes, ...],
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    sparse: np.ndarray,
+    bounds: np.ndarray,
+    table: OpTable,
+    targets: np.ndarray,
+    keep: np.ndarray | None = None,
+):
+    """A job of reads of one store's files, made as :func:`run_file` makes one, each by
+    whichever thread calling its ``work(skip=False, most=-1)`` takes it next, without the GIL
+    between the reads: ``paths`` (file system encoded) with ``where`` = (open flags, roots) of
+    their store, per read its offset, length (-1: the whole file) and sparse flag (uint8),
+    ``bounds`` (n_reads + 1): read r holds units ``bounds[r]:bounds[r + 1]`` of ``table`` (the
+    job's units, in read order) and of ``keep``. ``work`` returns (last, more): whether that
+    call completed the job's last read (then :func:`file_job_results`), and whether reads are
+    left to take. The caller keeps ``targets``' memory alive until the job is done."""
+    flags, roots = where
+    return _assemble.file_job(
+        paths, flags, roots, np.ascontiguousarray(offsets, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
+        np.ascontiguousarray(sparse, dtype=np.uint8), np.ascontiguousarray(bounds, dtype=np.int64),
+        *_task(kernel, table, targets, keep),
+    )
+
+
+def file_job_results(job) -> FileJobResults:
+    """The results of a :func:`file_job` whose reads are all completed."""
+    raw, failures = job.results()
+    cols = np.frombuffer(raw, dtype=np.int64).reshape(-1, 6).T
+    return FileJobResults(*cols, _failures(failures))
+
+
 def run(
     kernel: NativeKernel, data, offset: int, table: OpTable, targets: np.ndarray, keep: np.ndarray | None = None
 ) -> tuple[list[Failure], int, int]:

@@ -35,6 +35,73 @@ static int read_cached(int fd, char *buf, long long offset, long long length) {
 }
 #endif
 
+/* Without the GIL: read the task's bytes as run_file does (only from the page cache), then
+ * locate and assemble its units. Returns run_file's code (0: done); the time spent reading
+ * and the bytes read into *read_ns and *nread. */
+int dm_file_task(const char *path, int flags, const char *roots, size_t roots_len, long long offset, long long length,
+                 int sparse, task_t *t, long long *read_ns, long long *nread) {
+    int code = -1;
+    *read_ns = 0;
+    *nread = 0;
+#ifdef RWF_NOWAIT
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    char *buf = NULL;
+    long long size = -1;
+    int fd = dm_open_checked(path, flags, roots, roots_len, &code, &size);
+    if (fd >= 0) {
+        code = -1;
+        if (length < 0) {
+            offset = 0;
+            length = size;
+        }
+        if (length > RUN_FILE_MAX) code = -2;
+        if (offset >= 0 && length >= 0 && length <= RUN_FILE_MAX && (buf = malloc((size_t)length + 1))) {
+            if (!sparse) {
+                code = read_cached(fd, buf, offset, length);
+                *nread = length;
+            } else { /* each run of adjacent spans in one read, at its place in buf */
+                const int64_t *spans = (const int64_t *)t->spans.buf;
+                long long from = 0, to = 0; /* the run being gathered, relative to offset */
+                code = 0;
+                for (Py_ssize_t u = 0; u <= t->n_units && code == 0; u++) {
+                    long long a = 0, b = 0;
+                    if (u < t->n_units) {
+                        a = spans[2 * u] - offset;
+                        b = a + spans[2 * u + 1];
+                        if (spans[2 * u + 1] < 0 || a < 0 || b > length) code = -1;
+                        if (code == 0 && a <= to && b >= from && to > from) { /* touches the run: extend it */
+                            if (a < from) from = a;
+                            if (b > to) to = b;
+                            continue;
+                        }
+                    }
+                    if (code == 0 && to > from) {
+                        code = read_cached(fd, buf + from, offset + from, to - from);
+                        *nread += to - from;
+                    }
+                    from = a;
+                    to = b;
+                }
+            }
+        }
+        close(fd);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    *read_ns = (long long)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+    if (code == 0) {
+        dm_task_locate(t, buf, (Py_ssize_t)length, offset);
+        dm_task_assemble(t);
+    } else {
+        *nread = 0;
+    }
+    free(buf);
+#else
+    (void)path, (void)flags, (void)roots, (void)roots_len, (void)offset, (void)length, (void)sparse, (void)t;
+#endif
+    return code;
+}
+
 PyObject *dm_py_run_file(PyObject *self, PyObject *args) {
     PyObject *path_obj;
     int flags;
@@ -53,59 +120,7 @@ PyObject *dm_py_run_file(PyObject *self, PyObject *args) {
     if (dm_task_prepare(&t) == 0) {
         const char *path = PyBytes_AS_STRING(path_obj);
         Py_BEGIN_ALLOW_THREADS;
-        code = -1;
-#ifdef RWF_NOWAIT
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        char *buf = NULL;
-        long long size = -1;
-        int fd = dm_open_checked(path, flags, roots, (size_t)roots_len, &code, &size);
-        if (fd >= 0) {
-            code = -1;
-            if (length < 0) {
-                offset = 0;
-                length = size;
-            }
-            if (length > RUN_FILE_MAX) code = -2;
-            if (offset >= 0 && length >= 0 && length <= RUN_FILE_MAX && (buf = malloc((size_t)length + 1))) {
-                if (!sparse) {
-                    code = read_cached(fd, buf, offset, length);
-                    nread = length;
-                } else { /* each run of adjacent spans in one read, at its place in buf */
-                    const int64_t *spans = (const int64_t *)t.spans.buf;
-                    long long from = 0, to = 0; /* the run being gathered, relative to offset */
-                    code = 0;
-                    for (Py_ssize_t u = 0; u <= t.n_units && code == 0; u++) {
-                        long long a = 0, b = 0;
-                        if (u < t.n_units) {
-                            a = spans[2 * u] - offset;
-                            b = a + spans[2 * u + 1];
-                            if (spans[2 * u + 1] < 0 || a < 0 || b > length) code = -1;
-                            if (code == 0 && a <= to && b >= from && to > from) { /* touches the run: extend it */
-                                if (a < from) from = a;
-                                if (b > to) to = b;
-                                continue;
-                            }
-                        }
-                        if (code == 0 && to > from) {
-                            code = read_cached(fd, buf + from, offset + from, to - from);
-                            nread += to - from;
-                        }
-                        from = a;
-                        to = b;
-                    }
-                }
-            }
-            close(fd);
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        read_ns = (long long)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
-        if (code == 0) {
-            dm_task_locate(&t, buf, (Py_ssize_t)length, offset);
-            dm_task_assemble(&t);
-        }
-        free(buf);
-#endif
+        code = dm_file_task(path, flags, roots, (size_t)roots_len, offset, length, sparse, &t, &read_ns, &nread);
         Py_END_ALLOW_THREADS;
         if (code == 0) {
             PyObject *failures = dm_task_failures(&t);

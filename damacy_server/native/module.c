@@ -88,6 +88,7 @@ static PyMethodDef methods[] = {
     {"run", dm_py_run, METH_VARARGS, "Decode units and copy their boxes into the targets, without the GIL."},
     {"run_decoded", dm_py_run_decoded, METH_VARARGS, "Copy the boxes of units already decoded into the targets, without the GIL."},
     {"run_file", dm_py_run_file, METH_VARARGS, "Read a byte range from the page cache, then run, without the GIL."},
+    {"file_job", dm_py_file_job, METH_VARARGS, "A job of page-cached reads of one array, taken in turn by the threads calling its work() (a FileJob)."},
     {"box_rows", dm_py_box_rows, METH_VARARGS, "The planner's copy rows of boxes: per box the units it cuts (int64 bytearray)."},
     {"unique_units", dm_py_unique_units, METH_VARARGS, "The distinct units of rows and each row's index in them (int64 bytearrays)."},
     {"plan_table", dm_py_plan_table, METH_VARARGS, "One array's copy table from its rows and its units' places (int64 bytearrays and the count of cached units)."},
@@ -105,5 +106,6 @@ PyMODINIT_FUNC PyInit__assemble(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "RUN_FILE_MAX", RUN_FILE_MAX) < 0) Py_CLEAR(m);
     if (m && PyModule_AddIntConstant(m, "NO_READAHEAD", DM_NO_READAHEAD) < 0) Py_CLEAR(m);
+    if (m && dm_job_ready(m) < 0) Py_CLEAR(m);
     return m;
 }

@@ -4,6 +4,7 @@
  *   task.c     a decode task: tables checked (with the GIL), units decoded and copied
  *              (without it), failures reported; run and run_decoded
  *   file.c     run_file: a read from the page cache, then the task, all without the GIL
+ *   job.c      a batch's page-cached reads of one array, taken in turn by the decode threads
  *   zstd.c     libzstd found at run time, a context per thread, frames decoded as far as needed
  *   blosc.c    C-Blosc through numcodecs' library, frames checked before it reads them
  *   convert.c  element conversions (numpy's rounding): rows, gathers, scatters, their tables
@@ -126,6 +127,10 @@ PyObject *dm_py_run_decoded(PyObject *self, PyObject *args);
 int dm_open_checked(const char *path, int flags, const char *roots, size_t roots_len, int *code, long long *size);
 PyObject *dm_py_open_checked(PyObject *self, PyObject *args);
 PyObject *dm_py_run_file(PyObject *self, PyObject *args);
+int dm_file_task(const char *path, int flags, const char *roots, size_t roots_len, long long offset, long long length,
+                 int sparse, task_t *t, long long *read_ns, long long *nread);
+PyObject *dm_py_file_job(PyObject *self, PyObject *args);
+int dm_job_ready(PyObject *module);
 PyObject *dm_py_box_rows(PyObject *self, PyObject *args);
 PyObject *dm_py_unique_units(PyObject *self, PyObject *args);
 PyObject *dm_py_plan_table(PyObject *self, PyObject *args);
