@@ -87,9 +87,14 @@ def test_a_batch_whose_execution_raised_keeps_its_slot_until_its_work_is_reporte
             return real(self, plan, targets, on_done, cancelled, key)
 
         def late(errors):  # the queued work, written and reporting after the raise
-            reporting.set()
-            assert gate.wait(30)
-            on_done(errors)
+            def report():
+                reporting.set()
+                assert gate.wait(30)
+                on_done(errors)
+
+            # on a thread of its own: the work may be done before execute returns (on_done is
+            # then called on the engine's thread, which must go on to the raise)
+            threading.Thread(target=report, daemon=True).start()
 
         real(self, plan, targets, late, cancelled, key)
         raise RuntimeError("a bug after queuing")
@@ -290,16 +295,24 @@ def test_a_slot_that_cannot_be_allocated_leaves_the_budget_as_it_was(volume, mon
 
 def test_closing_mid_stream_returns_every_reservation(tmp_path):
     # closed with reads and decodes queued: each still runs, sees the close and gives back
-    # what it reserved and the units it registered
+    # what it reserved and the units it registered (the decode thread is held until the
+    # close has begun, so tasks are queued behind it when it does)
     write_array(tmp_path / "p", random_data((32, 256, 256), "uint16", 4), chunks=(16, 64, 64), compressors=[ZstdCodec(level=1)])
     samples = [damacy.Sample(str(tmp_path / "p"), np.s_[z, 0:256, 0:256]) for z in range(32)] * 2
     for _ in range(3):
         p = damacy.Pipeline(damacy.Config(samples_per_batch=2, sample_shape=(256, 256), prepared_batches=3, decode_workers=1, n_io_threads=1))
+        hold = threading.Event()
+        p.executor._decode.submit(hold.wait, 60)
         p.push(samples)
-        deadline = time.monotonic() + 60
-        while sum(p.executor.queue_depths().values()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.001)  # until tasks wait in the queues
-        p.close()
+        # a batch's reads queued behind the held thread, the next batches waiting for its units
+        ex = p.executor
+        assert wait_for(lambda ex=ex: ex.queue_depths()["decode"] >= 1 and len(ex.inflight) > 0, what="reads queued behind the held thread")
+        closing = threading.Thread(target=p.close)
+        closing.start()
+        assert wait_for(lambda ex=ex: ex._closed, what="the close to begin")
+        hold.set()
+        closing.join(60)
+        assert not closing.is_alive()
         assert p.executor.budget.used == p.executor.budget.slots == 0
         assert len(p.executor.inflight) == 0
 

@@ -75,27 +75,51 @@ class InFlight:
     def start(self, shared: Shared, whole: bool) -> bool:
         """The owner is about to decode: whether to decode whole (it would anyway, or someone
         waits). A unit decoded only in part takes no more waiters."""
+        return self.start_many([shared], [whole])[0]
+
+    def start_many(self, shareds: Sequence[Shared | None], whole: Sequence[bool]) -> list[bool]:
+        """:meth:`start` for each registered unit (None: a unit not registered, decoded whole
+        as ``whole`` says), under one acquisition of the lock."""
+        out = list(whole)
+        units = self._units
         with self._lock:
-            if shared.settled:
-                return whole
-            if whole or shared.waiters or shared.whole:
-                shared.whole = True
-                return True
-            self._drop(shared)
-            return False
+            for i, shared in enumerate(shareds):
+                if shared is None or shared.settled:
+                    continue
+                if out[i] or shared.waiters or shared.whole:
+                    shared.whole = out[i] = True
+                elif units.get(shared.key) is shared:
+                    del units[shared.key]
+        return out
 
     def settle(
         self, shared: Shared, array: np.ndarray | None = None, error: DamacyError | None = None, missing: bool = False
     ) -> None:
         """The owner is done with the unit (nothing given: abandoned). Later calls do nothing."""
+        self.settle_many([shared], None if array is None else [array], error, missing)
+
+    def settle_many(
+        self, shareds: Sequence[Shared | None], arrays: Sequence[np.ndarray | None] | None = None,
+        error: DamacyError | None = None, missing: bool = False,
+    ) -> None:
+        """:meth:`settle` each registered unit (None: not registered, skipped), with its array
+        ``arrays[i]`` (None: none) or all with ``error`` or as ``missing`` or abandoned, under one
+        acquisition of the lock; the waiters are called after it, in order."""
+        calls = []
+        units = self._units
         with self._lock:
-            if shared.settled:
-                return
-            shared.settled = True
-            self._drop(shared)
-            waiters, shared.waiters = shared.waiters, []
-        for waiter in waiters:
-            waiter(array, error, missing)
+            for i, shared in enumerate(shareds):
+                if shared is None or shared.settled:
+                    continue
+                shared.settled = True
+                if units.get(shared.key) is shared:
+                    del units[shared.key]
+                if shared.waiters:
+                    calls.append((shared.waiters, None if arrays is None else arrays[i]))
+                    shared.waiters = []
+        for waiters, array in calls:
+            for waiter in waiters:
+                waiter(array, error, missing)
 
     def _drop(self, shared: Shared) -> None:
         if self._units.get(shared.key) is shared:

@@ -40,31 +40,41 @@ class SharedUnits:
         those) or decoded into the chunk cache since the plan looked (returned, with their
         arrays, to be copied from there); the units left are registered as this run's to
         decode and settle."""
-        out = []
         late: list[tuple[UnitJob, np.ndarray]] = []
         cache = self.chunk_cache
+        units = [u for g in groups for u in g.units]  # every read's, in order: one pass each
+        keep = [True] * len(units)  # per unit: still this run's to read
+        if cache is not None and units:
+            found = cache.peek_many([u.name for u in units])
+            for k, a in enumerate(found):
+                if a is not None:
+                    late.append((units[k], a))
+                    keep[k] = False
+        # a read's units decode to one size (one array's): shared all, or none
+        share = [k for k, u in enumerate(units) if keep[k] and u.decoded_nbytes >= SHARE_MIN_BYTES]
+        if share:
+            with run.lock:
+                run.pending += len(share)  # the waiters', for those that become one
+            claimed = self.inflight.claim_or_join_many(
+                [units[k].name for k in share], lambda i: self._waiter(run, units[share[i]])
+            )
+            mine = 0
+            for k, shared in zip(share, claimed):
+                if shared is not None:
+                    units[k].shared = shared
+                    mine += 1
+                else:
+                    keep[k] = False
+            with run.lock:
+                run.pending -= mine
+        if all(keep):
+            return groups, late
+        out = []
+        k = 0
         for g in groups:
-            units = g.units
-            if cache is not None:
-                found = cache.peek_many([u.name for u in units])
-                if any(a is not None for a in found):
-                    late.extend((u, a) for u, a in zip(units, found) if a is not None)
-                    units = [u for u, a in zip(units, found) if a is None]
-            # a read's units decode to one size (one array's): shared all, or none
-            if units and units[0].decoded_nbytes >= SHARE_MIN_BYTES:
-                with run.lock:
-                    run.pending += len(units)  # the waiters', for those that become one
-                claimed = self.inflight.claim_or_join_many([u.name for u in units], lambda i, units=units: self._waiter(run, units[i]))
-                mine = []
-                for u, shared in zip(units, claimed):
-                    if shared is not None:
-                        u.shared = shared
-                        mine.append(u)
-                with run.lock:
-                    run.pending -= len(mine)
-            else:
-                mine = units
-            kept = shrink(g, mine)  # (the group itself when it keeps every unit)
+            n = len(g.units)
+            kept = shrink(g, [u for u, y in zip(g.units, keep[k : k + n]) if y])  # (the group itself when whole)
+            k += n
             if kept is not None:
                 out.append(kept)
         return out, late
@@ -150,9 +160,7 @@ class SharedUnits:
 
     def _abandon(self, units: Sequence[UnitJob]) -> None:
         """Units this run registered and did not settle: their waiters read them alone."""
-        for u in units:
-            if u.shared is not None:
-                self.inflight.settle(u.shared)
+        self.inflight.settle_many([u.shared for u in units])
 
     def _read_alone(self, run: Run, u: UnitJob) -> None:
         """Read, decode and copy one unit another batch abandoned (numpy path). A unit more

@@ -132,9 +132,7 @@ class NativeTasks:
             self._fail_unit(kernel, run, units[f.unit], f, table_span=job.table.spans[f.unit], offset=max(int(job.offsets[r]), 0), data_len=data_len)
         for r, err in refused.items():
             ok[bounds[r] : bounds[r + 1]] = False
-            for u in units[bounds[r] : bounds[r + 1]]:
-                if u.shared is not None:
-                    self.inflight.settle(u.shared, error=err)
+            self.inflight.settle_many([u.shared for u in units[bounds[r] : bounds[r + 1]]], error=err)
         if job.kept is not None:
             settle = ok & ~failed
             self._cache_kept([u for u, s in zip(units, settle.tolist()) if s], [a for a, s in zip(job.kept, settle.tolist()) if s], ())
@@ -194,13 +192,10 @@ class NativeTasks:
         which native code decodes the unit into whole (the others are decoded only as far as
         the copies need)."""
         cache = self.chunk_cache
-        wanted = [
-            cache is not None and cache.would_admit(u.name, kernel.decoded_nbytes) for u in units
-        ]
+        size = kernel.decoded_nbytes
+        wanted = [cache.would_admit(u.name, size) for u in units] if cache is not None else [False] * len(units)
         if self.inflight is not None:
-            wanted = [
-                self.inflight.start(u.shared, w) if u.shared is not None else w for u, w in zip(units, wanted)
-            ]
+            wanted = self.inflight.start_many([u.shared for u in units], wanted)
         if not any(wanted):
             return None, None
         arrays, addresses = native.keep_buffers(kernel, sum(wanted))
@@ -214,14 +209,17 @@ class NativeTasks:
         if kept is None:
             return
         bad = {f.unit for f in failures}
-        with self._settling():
-            for k, (u, arr) in enumerate(zip(units, kept)):
-                if arr is not None and k not in bad:
-                    arr.flags.writeable = False
-                    if self.chunk_cache is not None:
-                        self.chunk_cache.put(u.name, arr)
-                    if u.shared is not None:
-                        self.inflight.settle(u.shared, array=arr)
+        good = [(u, arr) for k, (u, arr) in enumerate(zip(units, kept)) if arr is not None and k not in bad]
+        if not good:
+            return
+        cache = self.chunk_cache
+        for u, arr in good:
+            arr.flags.writeable = False
+            if cache is not None:
+                cache.put(u.name, arr)
+        if self.inflight is not None:
+            with self._settling():
+                self.inflight.settle_many([u.shared for u, _ in good], [arr for _, arr in good])
 
     def _done(self, kernel, run: Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int) -> tuple[int, int, int]:
         """Fail the samples of units native code could not decode; returns (encoded,
