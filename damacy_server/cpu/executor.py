@@ -204,9 +204,11 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
                 self._read_direct(run, direct)
                 direct = []
 
-        for group in groups:
-            need = group.reserve_nbytes
-            if (bundle or direct) and self.budget.try_reserve(need):
+        needs = [g.reserve_nbytes for g in groups]
+        # every read's memory at once when there is room for all now (else read by read)
+        prepaid = len(groups) > 1 and max(needs) <= self.budget.capacity and self.budget.try_reserve(sum(needs))
+        for group, need in zip(groups, needs):
+            if prepaid or ((bundle or direct) and self.budget.try_reserve(need)):
                 status = Reservation.TAKEN
             else:
                 flush()  # before waiting for memory: the reads held here free theirs once made
