@@ -16,8 +16,6 @@ import os
 import threading
 import time
 
-import numpy as np
-
 from damacy_protocol.enums import Stage
 from damacy_protocol.errors import BudgetExceeded, DamacyError
 from damacy_server import native
@@ -142,17 +140,25 @@ class ReadTasks:
         again: list[list[ReadGroup]] = []
         try:
             res = native.file_job_results(fj.handle)
-            codes = res.codes.tolist()
             refused: dict[int, DamacyError] = {}
-            for r, (bundle, code) in enumerate(zip(job.bundles, codes)):
+            n_made = units = read_ns = best_read = work_ns = nbytes = encoded = elements = 0
+            for r, (bundle, code) in enumerate(zip(job.bundles, res.codes)):
                 if code == 0:
                     self._direct_misses = 0
                     group = bundle[0]
-                    over = self._over_cap(group, int(res.nread[r])) if group.length < 0 else None
+                    over = self._over_cap(group, res.nread[r]) if group.length < 0 else None
                     if over is not None:  # (neither kept nor handed to waiting batches)
                         refused[r] = over
                         run.fail(samples_of(group.units), over)
                     finished.append(bundle)
+                    n_made += 1
+                    units += fj.bounds[r + 1] - fj.bounds[r]
+                    read_ns += res.read_ns[r]
+                    best_read = res.read_ns[r] if n_made == 1 else min(best_read, res.read_ns[r])
+                    work_ns += res.ns[r] - res.read_ns[r]
+                    nbytes += res.nread[r]
+                    encoded += res.encoded[r]
+                    elements += res.elements[r]
                 elif code == native.NOT_RUN:
                     finished.append(bundle)
                 else:
@@ -160,19 +166,13 @@ class ReadTasks:
                         self._direct_missed()
                     again.append(bundle)
             decoded = self.native.file_job_done(run, fj, res, refused)
-            made = res.codes == 0
-            if made.any():
-                n_made = int(made.sum())
-                units = int(np.diff(fj.bounds)[made].sum())
-                read_s = float(res.read_ns[made].sum()) / 1e9
-                best_read = float(res.read_ns[made].min()) / 1e9
-                work_s = float((res.ns - res.read_ns)[made].sum()) / 1e9
-                nbytes, encoded = int(res.nread[made].sum()), int(res.encoded[made].sum())
-                assembled = int(res.elements[made].sum()) * run.dtype.itemsize
-                self.stats.add(Stage.READ, read_s, count=n_made, bytes_out=nbytes, best=best_read)
-                self.stats.add(Stage.DIRECT, read_s, count=n_made, bytes_out=nbytes, best=best_read)
+            if n_made:
+                read_s, work_s = read_ns / 1e9, work_ns / 1e9
+                assembled = elements * run.dtype.itemsize
+                self.stats.add(Stage.READ, read_s, count=n_made, bytes_out=nbytes, best=best_read / 1e9)
+                self.stats.add(Stage.DIRECT, read_s, count=n_made, bytes_out=nbytes, best=best_read / 1e9)
                 self.stats.add(Stage.NATIVE, work_s, count=units, bytes_in=encoded, bytes_out=assembled)
-                self.stats.add_units(units, work_s, encoded, int(decoded[made].sum()), 0.0, assembled)
+                self.stats.add_units(units, work_s, encoded, sum(decoded), 0.0, assembled)
         except Exception as e:
             done = {id(b) for b in finished}
             run.crash([u for b in job.bundles if id(b) not in done for g in b for u in g.units], e)

@@ -41,10 +41,10 @@ class FileJob(NamedTuple):
     units: list[UnitJob]
     table: native.OpTable
     kept: list[np.ndarray | None] | None
-    bounds: np.ndarray
-    offsets: np.ndarray
-    lengths: np.ndarray
-    sparse: np.ndarray
+    bounds: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    sparse: list[bool]
 
 
 class NativeTasks:
@@ -104,40 +104,51 @@ class NativeTasks:
         units = [u for b in bundles for g in b for u in g.units]
         table, targets = self._tables(run, units)
         kept, keep = self._keep(kernel, units)
-        bounds = np.zeros(len(bundles) + 1, dtype=np.int64)
-        np.cumsum([sum(len(g.units) for g in b) for b in bundles], out=bounds[1:])
-        offsets = np.fromiter((b[0].offset for b in bundles), dtype=np.int64, count=len(bundles))
-        lengths = np.fromiter(
-            (b[0].length if len(b) == 1 else b[-1].offset + b[-1].length - b[0].offset for b in bundles),
-            dtype=np.int64, count=len(bundles),
+        bounds = [0]
+        offsets, lengths, sparse = [], [], []
+        for b in bundles:
+            first, last = b[0], b[-1]
+            bounds.append(bounds[-1] + sum(len(g.units) for g in b))
+            offsets.append(first.offset)
+            lengths.append(first.length if len(b) == 1 else last.offset + last.length - first.offset)
+            sparse.append(len(b) > 1)
+        handle = native.file_job(
+            kernel, (flags, roots), paths, np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64),
+            np.array(sparse, dtype=np.uint8), np.array(bounds, dtype=np.int64), table, targets, keep,
         )
-        sparse = np.fromiter((len(b) > 1 for b in bundles), dtype=np.uint8, count=len(bundles))
-        handle = native.file_job(kernel, (flags, roots), paths, offsets, lengths, sparse, bounds, table, targets, keep)
         return FileJob(handle, kernel, bundles, units, table, kept, bounds, offsets, lengths, sparse)
 
-    def file_job_done(self, run: Run, job: FileJob, results: native.FileJobResults, refused: dict[int, DamacyError]) -> np.ndarray:
+    def file_job_done(self, run: Run, job: FileJob, results: native.FileJobResults, refused: dict[int, DamacyError]) -> list[int]:
         """Settle the units of a finished job's reads that were made (``results.codes`` 0):
         the failed ones fail their samples (and the batches waiting for them), the kept ones
         go to the chunk cache and to those batches; the units of a read in ``refused`` (read
         index -> error: a chunk over the stored cap) are neither kept nor handed over, their
-        waiters get the error. Returns per read the bytes its units decoded to."""
+        waiters get the error. Returns per read the bytes its units decoded to (0 for a read
+        not made)."""
         units, bounds, kernel = job.units, job.bounds, job.kernel
-        made = results.codes == 0
-        ok = np.repeat(made, np.diff(bounds))  # per unit: its read was made
-        failed = np.zeros(len(units), dtype=bool)
-        for f in results.failures:
-            failed[f.unit] = True
-            r = int(np.searchsorted(bounds, f.unit, side="right")) - 1
-            data_len = int(job.lengths[r]) if job.sparse[r] else int(results.nread[r])
-            self._fail_unit(kernel, run, units[f.unit], f, table_span=job.table.spans[f.unit], offset=max(int(job.offsets[r]), 0), data_len=data_len)
-        for r, err in refused.items():
-            ok[bounds[r] : bounds[r + 1]] = False
-            self.inflight.settle_many([u.shared for u in units[bounds[r] : bounds[r + 1]]], error=err)
-        if job.kept is not None:
-            settle = ok & ~failed
-            self._cache_kept([u for u, s in zip(units, settle.tolist()) if s], [a for a, s in zip(job.kept, settle.tolist()) if s], ())
-        per_read_failed = np.bincount(np.searchsorted(bounds, np.flatnonzero(failed), side="right") - 1, minlength=len(job.bundles))
-        return (np.diff(bounds) - per_read_failed) * kernel.decoded_nbytes
+        failed = {f.unit: f for f in results.failures}
+        decoded = [0] * len(job.bundles)
+        settled_units: list[UnitJob] = []
+        settled_arrays: list[np.ndarray] = []
+        for r, code in enumerate(results.codes):
+            if code != 0:
+                continue
+            lo, hi = bounds[r], bounds[r + 1]
+            bad = [k for k in failed if lo <= k < hi] if failed else ()
+            decoded[r] = (hi - lo - len(bad)) * kernel.decoded_nbytes
+            for k in bad:
+                data_len = job.lengths[r] if job.sparse[r] else results.nread[r]
+                self._fail_unit(kernel, run, units[k], failed[k], job.table.spans[k], max(job.offsets[r], 0), data_len)
+            if r in refused:
+                self.inflight.settle_many([u.shared for u in units[lo:hi]], error=refused[r])
+            elif job.kept is not None:
+                for k in range(lo, hi):
+                    if job.kept[k] is not None and k not in failed:
+                        settled_units.append(units[k])
+                        settled_arrays.append(job.kept[k])
+        if settled_units:
+            self._cache_kept(settled_units, settled_arrays, ())
+        return decoded
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
         """Copy units of one plan table from their decoded arrays (chunk cache entries) in one

@@ -241,16 +241,16 @@ def run_file(
 
 
 class FileJobResults(NamedTuple):
-    """What a :func:`file_job`'s reads did, per read (int64 arrays): run_file's code (or
+    """What a :func:`file_job`'s reads did, per read (lists of ints): run_file's code (or
     :data:`NOT_RUN`), the ns spent reading, the bytes read, the bytes decoded, the elements
     written and the ns of the whole read; and the units that failed, numbered over the job."""
 
-    codes: np.ndarray
-    read_ns: np.ndarray
-    nread: np.ndarray
-    encoded: np.ndarray
-    elements: np.ndarray
-    ns: np.ndarray
+    codes: list[int]
+    read_ns: list[int]
+    nread: list[int]
+    encoded: list[int]
+    elements: list[int]
+    ns: list[int]
     failures: list[Failure]
 
 
@@ -289,7 +289,7 @@ def file_job(
 def file_job_results(job) -> FileJobResults:
     """The results of a :func:`file_job` whose reads are all completed."""
     raw, failures = job.results()
-    cols = np.frombuffer(raw, dtype=np.int64).reshape(-1, 6).T
+    cols = np.frombuffer(raw, dtype=np.int64).reshape(-1, 6).T.tolist()
     return FileJobResults(*cols, _failures(failures))
 
 
