@@ -413,6 +413,102 @@ def check_plan_table(t: dict) -> None:
     assert got[5] == want[5], "plan_table's count of cached units differs from numpy"
 
 
+@st.composite
+def file_jobs(draw) -> dict:
+    """A job of reads of one file for ``file_job`` (native/job.c): mostly valid (each read's
+    units in its range, ops on them), sometimes ranges past the file's end, spans outside
+    their read, or bounds that do not hold every unit in order."""
+    ndim = draw(st.integers(1, 2))
+    unit_shape = draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
+    n_reads = draw(st.integers(1, 4))
+    per_read = [draw(st.integers(0, 3)) for _ in range(n_reads)]
+    bounds = [0]
+    for k in per_read:
+        bounds.append(bounds[-1] + k)
+    n_units = bounds[-1]
+    unit_bytes = int(np.prod(unit_shape)) * 2
+    spans = [(draw(st.integers(-1, 12)) * unit_bytes // 2, draw(st.sampled_from([unit_bytes, unit_bytes - 2, -1, 0]))) for _ in range(n_units)]
+    reads = [(draw(st.integers(-2, 8 * unit_bytes)), draw(st.integers(-1, 16 * unit_bytes)), draw(st.booleans())) for _ in range(n_reads)]
+    rows = []
+    for u in range(n_units):
+        for _ in range(draw(st.integers(0, 2))):
+            src = [draw(st.integers(0, n - 1)) for n in unit_shape]
+            ext = [draw(st.integers(0, n - a)) for n, a in zip(unit_shape, src)]
+            dst = [draw(st.integers(-1, 3)) for _ in range(ndim)]
+            rows.append([u, draw(st.integers(0, 1))] + src + [max(d, 0) for d in dst] + ext)
+    spoil = draw(st.sampled_from([None] * 6 + ["short", "fall", "long"]))
+    if spoil == "short":
+        bounds[-1] -= 1
+    elif spoil == "fall" and n_reads > 1:
+        bounds[1], bounds[2] = bounds[2] + 1, bounds[1]
+    elif spoil == "long":
+        bounds[-1] += 1
+    else:
+        spoil = None
+    spoiled = spoil is not None and bounds != sorted(bounds) or bounds[-1] != n_units or bounds[0] != 0
+    return dict(ndim=ndim, unit_shape=unit_shape, bounds=bounds, spans=spans, reads=reads, rows=rows, threads=draw(st.integers(1, 3)), spoiled=spoiled)
+
+
+def check_file_job(t: dict) -> None:
+    """``file_job`` on any job: a ValueError (bounds or tables refused), or every read
+    completed once (exactly one ``work`` call reports the last), each code run_file's, and
+    never a write outside a target."""
+    import threading
+
+    from damacy_server import native
+
+    if not native.available():
+        return
+    unit_shape = t["unit_shape"]
+    unit_bytes = int(np.prod(unit_shape)) * 2
+    path = _scratch() / "job.bin"
+    if not path.exists():
+        path.write_bytes(np.arange(8 * 64 * 4, dtype="<u2").tobytes())  # 16 units of the largest shape
+    meta_kernel = native.NativeKernel(native.CODEC_RAW, native.dtype_code(np.dtype("u2")), native.dtype_code(np.dtype("f4")), False,
+                                      np.array(unit_shape, dtype=np.int64), unit_bytes, np.dtype("u2"))
+    outs, arenas = [], []
+    for _ in range(2):
+        size = 4 ** t["ndim"] * 4
+        arena = np.full(size + 2 * GUARD, 0x5A, dtype=np.uint8)
+        arenas.append(arena)
+        outs.append(arena[GUARD : GUARD + size].view(np.float32).reshape((4,) * t["ndim"]))
+    targets = native.targets(outs, t["ndim"])
+    table = native.OpTable(
+        np.array(t["rows"], dtype=np.int64).reshape(-1, 2 + 3 * t["ndim"]), t["ndim"], np.zeros(0, dtype=np.int64), 0,
+        np.array(t["spans"], dtype=np.int64).reshape(-1, 2),
+    )
+    n = len(t["reads"])
+    import os
+
+    try:
+        job = native.file_job(
+            meta_kernel, (os.O_RDONLY | os.O_CLOEXEC, None), (os.fsencode(str(path)),) * n,
+            np.array([r[0] for r in t["reads"]]), np.array([r[1] for r in t["reads"]]), np.array([r[2] for r in t["reads"]], dtype=np.uint8),
+            np.array(t["bounds"]), table, targets,
+        )
+    except ValueError:
+        return
+    assert not t["spoiled"], f"file_job took bounds {t['bounds']}"
+    lasts = []
+
+    def work():
+        more = True
+        while more:
+            last, more = job.work(False, 1)
+            lasts.append(last)
+
+    threads = [threading.Thread(target=work) for _ in range(t["threads"])]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert lasts.count(True) == 1, "not exactly one call completed the job"
+    res = native.file_job_results(job)
+    assert all(c in (0, -1, -2) for c in res.codes), f"unexpected codes {res.codes}"
+    for arena in arenas:
+        assert np.all(arena[:GUARD] == 0x5A) and np.all(arena[len(arena) - GUARD :] == 0x5A), "a write outside its target"
+
+
 STRATEGIES = {
     "zarr_json_v3": (st.deferred(lambda: mutated_json(V3)), check_zarr_json_v3),
     "zarr_json_v2": (st.deferred(lambda: mutated_json(V2)), check_zarr_json_v2),
@@ -421,4 +517,5 @@ STRATEGIES = {
     "copy_table": (st.deferred(copy_tables), check_copy_table),
     "plan_passes": (plan_passes(), check_plan_passes),
     "plan_table": (plan_tables(), check_plan_table),
+    "file_job": (file_jobs(), check_file_job),
 }
