@@ -493,17 +493,17 @@ class _Outcomes:
     decides: None, the read as made; -1, its bytes found out of the page cache (it was made,
     but its job reports it not made, as native code reports a read it cannot make without
     waiting: the executor must then read it the ordinary way). ``reads``: every direct read
-    asked for, as (sparse,)."""
+    asked for, as its sparse flag."""
 
     def __init__(self, monkeypatch, code, build=None):
         self.reads: list[bool] = []
-        self._code = code
         real = native.file_job
         outer = self
 
         class Job:
-            def __init__(self, handle, sparse):
-                self.handle, self.codes = handle, [code(len(outer.reads) + i, bool(s)) for i, s in enumerate(sparse)]
+            def __init__(self, handle, sparse, bounds):
+                self.handle, self.bounds = handle, np.asarray(bounds)
+                self.codes = [code(len(outer.reads) + i, bool(s)) for i, s in enumerate(sparse)]
                 outer.reads.extend(bool(s) for s in sparse)
 
             def work(self, skip=False, most=-1):
@@ -523,9 +523,7 @@ class _Outcomes:
         def file_job(kernel, where, paths, offsets, lengths, sparse, bounds, *rest):
             if build is not None:
                 build(len(outer.reads))
-            job = Job(real(kernel, where, paths, offsets, lengths, sparse, bounds, *rest), sparse)
-            job.bounds = np.asarray(bounds)
-            return job
+            return Job(real(kernel, where, paths, offsets, lengths, sparse, bounds, *rest), sparse, bounds)
 
         monkeypatch.setattr(native, "file_job", file_job)
 

@@ -206,7 +206,7 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
 
         needs = [g.reserve_nbytes for g in groups]
         # every read's memory at once when there is room for all now (else read by read)
-        prepaid = len(groups) > 1 and max(needs) <= self.budget.capacity and self.budget.try_reserve(sum(needs))
+        prepaid = bool(groups) and self.budget.try_reserve(sum(needs))
         for group, need in zip(groups, needs):
             if prepaid or ((bundle or direct) and self.budget.try_reserve(need)):
                 status = Reservation.TAKEN

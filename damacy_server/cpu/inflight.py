@@ -81,15 +81,14 @@ class InFlight:
         """:meth:`start` for each registered unit (None: a unit not registered, decoded whole
         as ``whole`` says), under one acquisition of the lock."""
         out = list(whole)
-        units = self._units
         with self._lock:
             for i, shared in enumerate(shareds):
                 if shared is None or shared.settled:
                     continue
                 if out[i] or shared.waiters or shared.whole:
                     shared.whole = out[i] = True
-                elif units.get(shared.key) is shared:
-                    del units[shared.key]
+                else:
+                    self._drop(shared)
         return out
 
     def settle(
@@ -106,14 +105,12 @@ class InFlight:
         ``arrays[i]`` (None: none) or all with ``error`` or as ``missing`` or abandoned, under one
         acquisition of the lock; the waiters are called after it, in order."""
         calls = []
-        units = self._units
         with self._lock:
             for i, shared in enumerate(shareds):
                 if shared is None or shared.settled:
                     continue
                 shared.settled = True
-                if units.get(shared.key) is shared:
-                    del units[shared.key]
+                self._drop(shared)
                 if shared.waiters:
                     calls.append((shared.waiters, None if arrays is None else arrays[i]))
                     shared.waiters = []

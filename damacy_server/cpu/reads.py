@@ -51,7 +51,7 @@ class DirectJob:
         self.bundles = bundles
         self.lock = threading.Lock()
         self.native = None  # the FileJob, once built
-        self.error: BaseException | None = None  # why it could not be built or worked on
+        self.error: BaseException | None = None  # why it could not be built
 
     def units(self) -> list[UnitJob]:
         return [u for b in self.bundles for g in b for u in g.units]
@@ -126,9 +126,9 @@ class ReadTasks:
             self._direct_done(job)
 
     def _build_direct(self, job: DirectJob):
-        first = job.bundles[0][0]
-        _, flags, roots = self.reader.direct(first.key)
-        paths = tuple(os.fsencode(self.reader.direct(b[0].key)[0]) for b in job.bundles)
+        wheres = [self.reader.direct(b[0].key) for b in job.bundles]  # (one array's: one store's flags and roots)
+        _, flags, roots = wheres[0]
+        paths = tuple(os.fsencode(path) for path, _, _ in wheres)
         return self.native.file_job(job.kernel, job.run, job.bundles, flags, roots, paths)
 
     def _direct_done(self, job: DirectJob) -> None:

@@ -51,7 +51,12 @@ class SharedUnits:
                     late.append((units[k], a))
                     keep[k] = False
         # a read's units decode to one size (one array's): shared all, or none
-        share = [k for k, u in enumerate(units) if keep[k] and u.decoded_nbytes >= SHARE_MIN_BYTES]
+        share, k = [], 0
+        for g in groups:
+            n = len(g.units)
+            if g.units[0].decoded_nbytes >= SHARE_MIN_BYTES:
+                share.extend(j for j in range(k, k + n) if keep[j])
+            k += n
         if share:
             with run.lock:
                 run.pending += len(share)  # the waiters', for those that become one
