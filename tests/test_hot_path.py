@@ -195,7 +195,7 @@ def test_a_batch_planned_by_the_native_passes_equals_the_numpy_plan(tmp_path, mo
     # random batches of boxes (some padded), index queries with repeats, flips and transposes
     # over several arrays (sharded, plain, with chunks never written), some units in the chunk
     # cache, some samples failing (too many shards): the plan the native passes make
-    # (box_rows, unique_units, plan_table) is the plan numpy's forms make, to every value
+    # (box_rows, unique_units, plan_table, merge_reads) is the plan numpy's forms make, to every value
     import zarr
 
     from damacy_protocol.limits import PlanLimits
@@ -214,7 +214,7 @@ def test_a_batch_planned_by_the_native_passes_equals_the_numpy_plan(tmp_path, mo
     metas = {u: found[(u, None)] for u in uris}
     out = (3, 4, 5)
     rng = np.random.default_rng(11)
-    natives = {name: getattr(native, name) for name in ("box_rows", "unique_units", "plan_table")}
+    natives = {name: getattr(native, name) for name in ("box_rows", "unique_units", "plan_table", "merge_reads")}
     seen: set = set()
     for trial in range(40):
         samples = []
@@ -245,3 +245,100 @@ def test_a_batch_planned_by_the_native_passes_equals_the_numpy_plan(tmp_path, mo
         seen.update(("failed",) if plans[0]["errors"] else ())
     assert plan_rows.native is native  # (the passes the forms were swapped in for)
     assert {"groups", "cached", "fills", "failed"} <= seen  # every part of a plan was compared, not empty
+
+
+def _calls_planning_a_batch(tmp_path, name: str, chunks: tuple[int, ...]) -> tuple[int, int, int]:
+    """The Python calls made planning a batch of 4 boxes of a sharded array none of whose
+    units are cached (the second time: the first reads the shard indexes), the units it cut
+    and the reads it made; the plan's reads checked against the units' places."""
+    from damacy_server.plan.planner import Planner
+
+    data = random_data((8, 64, 64), "uint16", seed=5)
+    write_array(tmp_path / f"{name}.zarr", data, chunks=chunks, shards=(8, 32, 32))
+    uri = str(tmp_path / f"{name}.zarr")
+    samples = [damacy.Sample(uri, np.s_[:, y : y + 48, x : x + 48]) for y, x in ((0, 0), (16, 16), (8, 0), (16, 8))]
+    planner = Planner()
+    planner.plan(samples, (8, 48, 48), "error")
+    with _Calls() as counted:
+        plan = planner.plan(samples, (8, 48, 48), "error")
+    units = [u for g in plan.groups for u in g.units]
+    assert len(units) == plan.units_unique and len({u.name for u in units}) == len(units)
+    for g in plan.groups:  # every read holds its units' bytes
+        assert all(g.key == u.key and g.offset <= u.offset and u.offset + u.nbytes <= g.offset + g.length for u in g.units)
+    return counted.n, plan.units_unique, len(plan.groups)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native extension is not built (the numpy form merges reads per unit)")
+def test_a_batch_to_read_is_planned_without_python_per_unit(tmp_path):
+    # two batches alike but for the units they cut (tens, and hundreds) in the same shards:
+    # planning their reads (rows, units, places, merged reads) makes as many Python calls
+    few, few_units, few_reads = _calls_planning_a_batch(tmp_path, "few", (8, 16, 16))
+    lots, many_units, many_reads = _calls_planning_a_batch(tmp_path, "many", (2, 8, 8))
+    assert many_units >= 8 * few_units  # (the batches differ by hundreds of units)
+    assert many_reads == few_reads  # (a shard's units a batch needs are one read in both)
+    assert abs(lots - few) < 0.05 * few, (few, lots)  # no Python call per unit
+
+
+def _merge_reference(units, gap, most, most_units):
+    """Reads as one would group them unit by unit (the rule merge_reads documents), from
+    (owner, offset, nbytes) tuples: per read its units' indices, offset and length."""
+    reads = []
+    for i, (owner, off, nb) in enumerate(units):
+        if nb < 0:
+            reads.append(([i], 0, -1, None))
+            continue
+        last = reads[-1] if reads else None
+        if last is not None and last[3] == owner and last[2] >= 0:
+            idx, start, length, _ = last
+            end = start + length
+            if off - end <= gap and off + nb - start <= most and len(idx) < most_units:
+                reads[-1] = (idx + [i], start, max(end, off + nb) - start, owner)
+                continue
+        reads.append(([i], off, nb, owner))
+    return [(idx, start, length) for idx, start, length, _ in reads]
+
+
+def test_reads_are_merged_as_the_rule_says_by_both_forms():
+    # random units of a few objects in plan order (by object, then offset; some stored whole,
+    # some overlapping, gaps of every size) and random caps: the native pass and numpy's form
+    # group them as a unit-by-unit reading of the rule does
+    from damacy_protocol.limits import PlanLimits
+    from damacy_server.plan.reads import Caps, merge_reads, merge_reads_numpy
+    from damacy_server.plan.units import UnitBlock
+
+    rng = np.random.default_rng(3)
+    forms = [("numpy", lambda *a: None)] + ([("native", native.merge_reads)] if native.available() else [])
+    merged_some = whole_some = 0
+    for trial in range(400):
+        n = int(rng.integers(1, 40))
+        owners = np.sort(rng.integers(0, 4, n)).astype(np.int64)
+        offsets = np.zeros(n, dtype=np.int64)
+        nbytes = rng.integers(1, 3000, n).astype(np.int64)
+        for o in np.unique(owners):
+            at = np.flatnonzero(owners == o)
+            if rng.random() < 0.2:  # an object stored whole (an unsharded chunk)
+                nbytes[at] = -1
+            else:
+                offsets[at] = np.sort(rng.integers(0, 20000, len(at)))
+        gap, most, most_units = int(rng.integers(0, 3000)), int(rng.integers(1000, 20000)), int(rng.integers(1, 12))
+        units = list(zip(owners.tolist(), offsets.tolist(), nbytes.tolist()))
+        want = _merge_reference(units, gap, most, most_units)
+        block = UnitBlock(
+            None, None, 0, np.zeros((n, 1), np.int64), [f"/data/o{k}" for k in range(4)], owners, offsets, nbytes,
+            np.zeros(n + 1, np.int64), list(range(n)),
+        )
+        limits = PlanLimits(max_gap_bytes=gap, max_read_bytes=most)
+        for how, fn in forms:
+            merge = native.merge_reads
+            native.merge_reads = fn
+            try:
+                groups, saved = merge_reads(block, limits, Caps(max_units_per_read=most_units))
+            finally:
+                native.merge_reads = merge
+            got = [(list(g.picks), g.offset, g.length) for g in groups]
+            assert got == want, (trial, how)
+            assert saved == n - len(want) and all(g.key == f"/data/o{owners[g.picks[0]]}" for g in groups)
+        assert np.array_equal(merge_reads_numpy(owners, offsets, nbytes, gap, most, most_units)[0][-1:], [n])
+        merged_some += any(len(idx) > 1 for idx, _, _ in want)
+        whole_some += any(length < 0 for _, _, length in want)
+    assert merged_some > 100 and whole_some > 50

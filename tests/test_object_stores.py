@@ -402,16 +402,20 @@ def test_prefixes_are_checked_on_every_key():
 
 
 def test_remote_reads_merge_across_larger_gaps():
-    from types import SimpleNamespace
 
     from damacy_server.plan.reads import PlanLimits, merge_reads
+    from damacy_server.plan.units import UnitBlock
 
-    def job(key, offset):
-        return SimpleNamespace(key=key, offset=offset, nbytes=1000, decoded_nbytes=4000)
+    def block(key, offsets):
+        n = len(offsets)
+        return UnitBlock(
+            None, None, 0, np.zeros((n, 1), np.int64), [key], np.zeros(n, np.int64), np.asarray(offsets, np.int64),
+            np.full(n, 1000, np.int64), np.zeros(n + 1, np.int64), list(range(n)),
+        )
 
     gap = 200 << 10  # more than a local disk's gap, less than a remote one's
-    local = [job("/data/s", 0), job("/data/s", gap)]
-    remote = [job("s3://b/s", 0), job("s3://b/s", gap)]
+    local = block("/data/s", [0, gap])
+    remote = block("s3://b/s", [0, gap])
     assert is_remote("s3://b/s") and not is_remote("/data/s")
     assert len(merge_reads(local, PlanLimits())[0]) == 2
     assert len(merge_reads(remote, PlanLimits())[0]) == 1

@@ -87,27 +87,40 @@ def test_op_table_of_units_in_any_order_numbers_them_as_given(tmp_path):
 
 
 def test_op_tables_of_units_apart_are_their_rows_gathered_and_renumbered():
-    # random plan tables and random subsets of their units in any order: the op table is each
+    # random plan tables, their units to read a block from a random position on (those before
+    # it cached), and random subsets of the block's units in any order: the op table is each
     # unit's rows in the order given, numbered 0, 1, ... (a run in table order is a view,
     # numbered from its first position), with each unit's span
     from types import SimpleNamespace
 
     rng = np.random.default_rng(0)
+    views = 0
     for trial in range(300):
         n_units, ndim = int(rng.integers(1, 30)), 3
+        first = int(rng.integers(0, n_units))  # the table's positions before it are cached units
         counts = rng.integers(0, 5, n_units)
         bounds = np.concatenate([[0], np.cumsum(counts)])
         rows = rng.integers(0, 100, (int(bounds[-1]), 2 + 3 * ndim)).astype(np.int64)
         rows[:, 0] = np.repeat(np.arange(n_units), counts)
         spans = rng.integers(0, 100, (n_units, 2)).astype(np.int64)
         table = SimpleNamespace(rows=rows, ndim=ndim, pool=np.zeros(0, np.int64), spans=spans)
-        units = [SimpleNamespace(table=table, pos=p, lo=int(bounds[p]), hi=int(bounds[p + 1])) for p in range(n_units)]
-        pick = [units[i] for i in rng.permutation(n_units)[: int(rng.integers(1, n_units + 1))]]
+        block = SimpleNamespace(table=table, first=first, bounds=bounds[first:])
+        m = n_units - first
+        units = [SimpleNamespace(block=block, i=i) for i in range(m)]
+        if trial % 3 == 0:  # a run in table order
+            lo = int(rng.integers(0, m))
+            pick = units[lo : int(rng.integers(lo + 1, m + 1))]
+        else:
+            pick = [units[i] for i in rng.permutation(m)[: int(rng.integers(1, m + 1))]]
         got = optable.build(pick)
-        want = rows[[r for u in pick for r in range(u.lo, u.hi)]]
-        numbers = [k + got.base for k, u in enumerate(pick) for _ in range(u.hi - u.lo)]
+        want = rows[[r for u in pick for r in range(bounds[first + u.i], bounds[first + u.i + 1])]]
+        numbers = [k + got.base for k, u in enumerate(pick) for _ in range(bounds[first + u.i + 1] - bounds[first + u.i])]
         assert got.ops[:, 1:].tolist() == want[:, 1:].tolist() and got.ops[:, 0].tolist() == numbers, trial
-        assert got.spans.tolist() == spans[[u.pos for u in pick]].tolist(), trial
-    other = SimpleNamespace(rows=rows, ndim=3, pool=np.zeros(0, np.int64), spans=spans)
+        assert got.spans.tolist() == spans[[first + u.i for u in pick]].tolist(), trial
+        in_order = [u.i for u in pick] == list(range(pick[0].i, pick[0].i + len(pick)))
+        assert (got.base == first + pick[0].i and np.shares_memory(got.ops, rows)) if in_order and len(want) else got.base in (0, first + pick[0].i)
+        views += in_order
+    assert views > 100
+    other = SimpleNamespace(table=table, first=0, bounds=bounds)
     with pytest.raises(ValueError, match="one plan table"):
-        optable.build([units[0], SimpleNamespace(table=other, pos=1, lo=0, hi=0)])
+        optable.build([units[0], SimpleNamespace(block=other, i=0)])

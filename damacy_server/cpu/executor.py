@@ -219,7 +219,7 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
                     continue
                 if self._direct_ok(run, group):
                     decoded = group.decoded_nbytes
-                    n = len(group.units)
+                    n = len(group)
                     if bundle and not _joins(bundle, group, bundled + decoded, bundled_units + n, self.limits.chunks_per_input_buffer):
                         send()
                     bundle.append(group)
@@ -229,7 +229,7 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
                 self._io_slots.acquire()
                 self._io.submit(self._read, run, group, need, key=key, priority=run.order)
                 continue
-            self._abandon(group.units)  # a batch waiting for one of them reads it itself
+            self._abandon_reads([group])  # a batch waiting for one of them reads it itself
             if status is Reservation.TOO_BIG:
                 run.fail(samples_of(group.units), self._too_big(group.key, need))
             run.group_done()

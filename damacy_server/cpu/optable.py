@@ -26,25 +26,33 @@ from damacy_server.plan.selection import CopyOp, SliceCopy
 
 
 def build(units: Sequence[Any]) -> OpTable:
-    """The copies of ``units`` (planned units of one array), in the order given. Consecutive
-    units of a plan table (a task's usual case) are views of it, not copies."""
-    first = units[0]
-    table = first.table
-    if any(u.table is not table for u in units):
+    """The copies of ``units`` (planned units of one array: views of one block), in the
+    order given."""
+    block = units[0].block
+    if any(u.block is not block for u in units):
         raise ValueError("an op table holds the units of one plan table")
-    n = len(units)
-    pos = [u.pos for u in units]
-    if pos == list(range(pos[0], pos[0] + n)):
-        last = units[-1]
-        return OpTable(table.rows[first.lo : last.hi], table.ndim, table.pool, first.pos, table.spans[first.pos : last.pos + 1])
+    return build_block(block, np.fromiter((u.i for u in units), dtype=np.int64, count=len(units)))
+
+
+def build_block(block: Any, picks: np.ndarray) -> OpTable:
+    """The copies of the units ``picks`` (int64 indices in ``block``, a
+    :class:`~damacy_server.plan.units.UnitBlock`), in the order given. Consecutive units (a
+    job's usual case) are a view of the plan table, not a copy."""
+    table = block.table
+    n = len(picks)
+    bounds = block.bounds
+    first = int(picks[0]) if n else 0
+    if n and int(picks[-1]) - first == n - 1 and (n < 3 or bool((np.diff(picks) == 1).all())):
+        pos = block.first + first
+        return OpTable(table.rows[bounds[first] : bounds[first + n]], table.ndim, table.pool, pos, table.spans[pos : pos + n])
     # units apart (others were taken from another batch's decode, or come in another order):
     # their rows gathered at once, renumbered 0, 1, ... in the order given
-    lo = np.fromiter((u.lo for u in units), dtype=np.int64, count=n)
-    counts = np.fromiter((u.hi - u.lo for u in units), dtype=np.int64, count=n)
+    lo = bounds[picks]
+    counts = bounds[picks + 1] - lo
     ends = np.cumsum(counts)
     rows = table.rows[np.repeat(lo - ends + counts, counts) + np.arange(int(ends[-1]) if n else 0)]
     rows[:, 0] = np.repeat(np.arange(n, dtype=np.int64), counts)
-    return OpTable(rows, table.ndim, table.pool, 0, table.spans[pos])
+    return OpTable(rows, table.ndim, table.pool, 0, table.spans[block.first + picks])
 
 
 def _op(row: list[int], ndim: int, pool: np.ndarray) -> SliceCopy | CopyOp:

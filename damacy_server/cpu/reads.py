@@ -82,20 +82,20 @@ class ReadTasks:
             self._direct
             and run.dtype is not None
             and group.length <= native.RUN_FILE_MAX
-            and self.native.kernel(run, group.units) is not None
+            and self.native.kernel_of(run, group.meta) is not None
         )
 
     def _read_direct(self, run: Run, bundles: list[list[ReadGroup]]) -> None:
         """Hand a run's page-cached reads to the decode threads: ``bundles``, each reads of one
         object made and decoded in one go (see :func:`~damacy_server.cpu.executor._joins`),
-        become a job per array (:class:`DirectJob`), which every decode thread that takes one of
-        its tasks works on, taking its reads in turn in native code. Each read's memory was
-        reserved (its ``reserve_nbytes``)."""
-        by_kernel: dict[int, tuple[object, list[list[ReadGroup]]]] = {}
+        become a job per array (per plan table: :class:`DirectJob`), which every decode thread
+        that takes one of its tasks works on, taking its reads in turn in native code. Each
+        read's memory was reserved (its ``reserve_nbytes``)."""
+        by_block: dict[int, list[list[ReadGroup]]] = {}
         for bundle in bundles:
-            kernel = self.native.kernel(run, bundle[0].units)  # (_direct_ok: not None)
-            by_kernel.setdefault(id(kernel), (kernel, []))[1].append(bundle)
-        for kernel, part in by_kernel.values():
+            by_block.setdefault(id(bundle[0].block), []).append(bundle)
+        for part in by_block.values():
+            kernel = self.native.kernel_of(run, part[0][0].meta)  # (_direct_ok: not None)
             job = DirectJob(run, kernel, part)
             for _ in range(min(self._decode.workers, len(part))):
                 self._decode.submit(self._direct_work, job, key=run.key, priority=run.order)
@@ -190,7 +190,7 @@ class ReadTasks:
         if not groups:
             return
         try:
-            self._abandon([u for g in groups for u in g.units])
+            self._abandon_reads(groups)
         finally:
             self.budget.release(sum(g.reserve_nbytes for g in groups))
             job.run.group_done(len(groups))
@@ -235,14 +235,14 @@ class ReadTasks:
         outlive the process (a branch's snapshot, a bucket's endpoint), its range, and the
         version of its array's metadata where it was asked (an array written again under the
         same name is not read from the old one's entries)."""
-        meta = group.units[0].meta
+        meta = group.meta
         key = f"{meta.store.cache_key(group.key)}#{group.offset}+{group.length}"
         return key if meta.version is None else f"{key}@{meta.version!r}"
 
     def _tiered(self, group: ReadGroup) -> bool:
         """Does the disk tier take this read? Not one of an array whose metadata's versions
         could not all be asked (its entries could be taken for another content's)."""
-        version = group.units[0].meta.version
+        version = group.meta.version
         return self.disk_tier is not None and (version is None or known(version))
 
     def _from_disk(self, run: Run, group: ReadGroup, reserved: int) -> None:
@@ -273,7 +273,7 @@ class ReadTasks:
             with self._fetcher_lock:
                 if self._fetcher is None:
                     self._fetcher = Fetcher(max_inflight=self.limits.max_inflight_requests)
-        store = group.units[0].meta.store
+        store = group.meta.store
         t0 = [0.0]
 
         def request():
@@ -303,7 +303,7 @@ class ReadTasks:
             if error is None and data is not None and group.length < 0:
                 error = self._over_cap(group, len(data))
             if isinstance(error, DamacyError):
-                err = error.with_context(uri=group.units[0].meta.uri)
+                err = error.with_context(uri=group.meta.uri)
                 run.fail(samples_of(group.units), err)
                 for u in group.units:
                     if u.shared is not None:
@@ -337,7 +337,7 @@ class ReadTasks:
             run.crash(group.units, e)
         finally:
             if not handed_over:
-                self._abandon(group.units)
+                self._abandon_reads([group])
                 self.budget.release(reserved)
                 run.group_done()
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from itertools import accumulate, chain, compress, repeat
+from operator import is_, not_
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from damacy_protocol.errors import DamacyError
 from damacy_server.cpu import optable
 from damacy_server.cpu.run import Run, samples_of
 from damacy_server.decode.chunks import check_length, decode_unit
-from damacy_server.plan.reads import ReadGroup, shrink
+from damacy_server.plan.reads import ReadGroup, shrink, take
 from damacy_server.plan.units import UnitJob
 from damacy_server.store import is_remote
 
@@ -39,47 +41,63 @@ class SharedUnits:
         """The run's reads without the units another batch is decoding (the run waits for
         those) or decoded into the chunk cache since the plan looked (returned, with their
         arrays, to be copied from there); the units left are registered as this run's to
-        decode and settle."""
+        decode and settle. The reads' units are taken by name from their blocks (a view is
+        made for a unit taken from the cache or waited for)."""
         late: list[tuple[UnitJob, np.ndarray]] = []
         cache = self.chunk_cache
-        units = [u for g in groups for u in g.units]  # every read's, in order: one pass each
-        keep = [True] * len(units)  # per unit: still this run's to read
-        if cache is not None and units:
-            found = cache.peek_many([u.name for u in units])
-            for k, a in enumerate(found):
-                if a is not None:
-                    late.append((units[k], a))
-                    keep[k] = False
+        names = [g.names() for g in groups]
+        flat = list(chain.from_iterable(names))  # every read's units, in order: one pass each
+        starts = [0, *accumulate(map(len, names))]
+        keep: list[bool] | None = None  # per unit: still this run's to read (None: all)
+        where: tuple[list[int], list[int]] | None = None  # per unit its read and its place in it
+
+        def unit(k: int) -> UnitJob:
+            g = groups[where[0][k]]
+            return g.block.job(g.picks[where[1][k]])
+
+        def locate() -> tuple[list[int], list[int]]:
+            return (
+                list(chain.from_iterable(map(repeat, range(len(names)), map(len, names)))),
+                list(chain.from_iterable(map(range, map(len, names)))),
+            )
+
+        if cache is not None and flat:
+            found = cache.peek_many(flat)
+            keep = list(map(is_, found, repeat(None)))  # (arrays: compared by identity, never by value)
+            if all(keep):
+                keep = None
+            else:
+                where = locate()
+                late.extend((unit(k), found[k]) for k in compress(range(len(flat)), map(not_, keep)))
         # a read's units decode to one size (one array's): shared all, or none
-        share, k = [], 0
-        for g in groups:
-            n = len(g.units)
-            if g.units[0].decoded_nbytes >= SHARE_MIN_BYTES:
-                share.extend(j for j in range(k, k + n) if keep[j])
-            k += n
+        share: list[int] = []
+        for j, g in enumerate(groups):
+            if g.block.decoded_nbytes >= SHARE_MIN_BYTES:
+                span = range(starts[j], starts[j + 1])
+                share.extend(span if keep is None else compress(span, keep[span.start : span.stop]))
         if share:
+            if where is None:
+                where = locate()
             with run.lock:
                 run.pending += len(share)  # the waiters', for those that become one
-            claimed = self.inflight.claim_or_join_many(
-                [units[k].name for k in share], lambda i: self._waiter(run, units[share[i]])
-            )
+            claimed = self.inflight.claim_or_join_many(take(flat, share), lambda i: self._waiter(run, unit(share[i])))
             mine = 0
             for k, shared in zip(share, claimed):
+                g = groups[where[0][k]]
                 if shared is not None:
-                    units[k].shared = shared
+                    g.block.shared[g.picks[where[1][k]]] = shared
                     mine += 1
                 else:
+                    if keep is None:
+                        keep = [True] * len(flat)
                     keep[k] = False
             with run.lock:
                 run.pending -= mine
-        if all(keep):
+        if keep is None or all(keep):
             return groups, late
         out = []
-        k = 0
-        for g in groups:
-            n = len(g.units)
-            kept = shrink(g, [u for u, y in zip(g.units, keep[k : k + n]) if y])  # (the group itself when whole)
-            k += n
+        for j, g in enumerate(groups):
+            kept = shrink(g, keep[starts[j] : starts[j + 1]])  # (the group itself when whole)
             if kept is not None:
                 out.append(kept)
         return out, late
@@ -167,12 +185,18 @@ class SharedUnits:
         """Units this run registered and did not settle: their waiters read them alone."""
         self.inflight.settle_many([u.shared for u in units])
 
+    def _abandon_reads(self, groups: Sequence[ReadGroup]) -> None:
+        """:meth:`_abandon` of the units of ``groups`` (taken from their blocks)."""
+        shareds = list(chain.from_iterable(g.shareds() for g in groups))
+        if shareds.count(None) != len(shareds):
+            self.inflight.settle_many(shareds)
+
     def _read_alone(self, run: Run, u: UnitJob) -> None:
         """Read, decode and copy one unit another batch abandoned (numpy path). A unit more
         than the budget can ever hold fails as it failed its owner; otherwise it is rare (the
         owner's batch was cancelled first) and a decode thread must not wait for memory, so
         without room now it reads outside the memory budget: one unit."""
-        need = ReadGroup(u.key, u.offset, u.nbytes, [u]).reserve_nbytes  # as its owner counted it
+        need = ReadGroup.of_unit(u.block, u.i).reserve_nbytes  # as its owner counted it
         held = 0
         try:
             if run.cancelled() or self._closed:

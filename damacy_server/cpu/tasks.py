@@ -15,6 +15,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from itertools import accumulate, chain, compress, repeat
+from operator import is_not
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,20 +27,22 @@ from damacy_server.cache import LRUCache
 from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
 from damacy_server.cpu.run import Run, samples_of
-from damacy_server.plan.reads import ReadGroup
-from damacy_server.plan.units import CachedUnits, UnitJob
+from damacy_server.plan.reads import ReadGroup, take
+from damacy_server.plan.units import CachedUnits, UnitBlock, UnitJob
 
 
 class FileJob(NamedTuple):
     """A run's page-cached reads of one array as one native job (:meth:`NativeTasks.file_job`):
     the native handle, the kernel, the reads (``bundles``: groups read together), their units
-    in read order with the job's op table and the buffers of the units kept whole (None:
-    none), and per read its units' bounds, offset, length and sparse flag."""
+    (``idx``: indices in ``block``, in read order) with the job's op table and the buffers of
+    the units kept whole (None: none), and per read its units' bounds, offset, length and
+    sparse flag."""
 
     handle: Any
     kernel: native.NativeKernel
     bundles: list[list[ReadGroup]]
-    units: list[UnitJob]
+    block: UnitBlock
+    idx: list[int]
     table: native.OpTable
     kept: list[np.ndarray | None] | None
     bounds: list[int]
@@ -91,32 +95,37 @@ class NativeTasks:
         (encoded, decoded, assembled) bytes of the units that did not fail."""
         table, targets = self._tables(run, units)
         offset = max(group.offset, 0)
-        kept, keep = self._keep(kernel, units)
+        names, shareds = [u.name for u in units], [u.shared for u in units]
+        kept, keep = self._keep(kernel, names, shareds)
         failures, encoded, elements = native.run(kernel, view, offset, table, targets, keep)
-        self._cache_kept(units, kept, failures)
+        if kept is not None:
+            bad = {f.unit for f in failures}
+            good = [k for k, a in enumerate(kept) if a is not None and k not in bad]
+            self._cache_kept(take(names, good), take(shareds, good), take(kept, good))
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
     def file_job(self, kernel, run: Run, bundles: list[list[ReadGroup]], flags: int, roots: bytes | None, paths: tuple[bytes, ...]) -> FileJob:
         """The page-cached reads ``bundles`` (each reads of one file, see
-        :func:`~damacy_server.cpu.executor._joins`; their units one array's, of ``kernel``) as
+        :func:`~damacy_server.cpu.executor._joins`; their units one block's, of ``kernel``) as
         one native job the decode threads take in turn (see :func:`native.file_job`): one op
-        table, one pass choosing the units to keep, for all of them."""
-        units = [u for b in bundles for g in b for u in g.units]
-        table, targets = self._tables(run, units)
-        kept, keep = self._keep(kernel, units)
-        bounds = [0]
-        offsets, lengths, sparse = [], [], []
-        for b in bundles:
-            first, last = b[0], b[-1]
-            bounds.append(bounds[-1] + sum(len(g.units) for g in b))
-            offsets.append(first.offset)
-            lengths.append(first.length if len(b) == 1 else last.offset + last.length - first.offset)
-            sparse.append(len(b) > 1)
+        table, one pass choosing the units to keep, for all of them, from the block's arrays
+        (no Python per unit)."""
+        block = bundles[0][0].block
+        groups = [g for b in bundles for g in b]
+        idx = list(chain.from_iterable(g.picks for g in groups))
+        table = optable.build_block(block, np.asarray(idx, dtype=np.int64))
+        targets = self._targets(run, table.ndim)
+        kept, keep = self._keep(kernel, take(block.names, idx), take(block.shared, idx))
+        counts = [sum(map(len, b)) for b in bundles]
+        bounds = [0, *accumulate(counts)]
+        offsets = [b[0].offset for b in bundles]
+        lengths = [b[0].length if len(b) == 1 else b[-1].offset + b[-1].length - b[0].offset for b in bundles]
+        sparse = [len(b) > 1 for b in bundles]
         handle = native.file_job(
             kernel, (flags, roots), paths, np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64),
             np.array(sparse, dtype=np.uint8), np.array(bounds, dtype=np.int64), table, targets, keep,
         )
-        return FileJob(handle, kernel, bundles, units, table, kept, bounds, offsets, lengths, sparse)
+        return FileJob(handle, kernel, bundles, block, idx, table, kept, bounds, offsets, lengths, sparse)
 
     def file_job_done(self, run: Run, job: FileJob, results: native.FileJobResults, refused: dict[int, DamacyError]) -> list[int]:
         """Settle the units of a finished job's reads that were made (``results.codes`` 0):
@@ -125,11 +134,10 @@ class NativeTasks:
         index -> error: a chunk over the stored cap) are neither kept nor handed over, their
         waiters get the error. Returns per read the bytes its units decoded to (0 for a read
         not made)."""
-        units, bounds, kernel = job.units, job.bounds, job.kernel
+        block, idx, bounds, kernel = job.block, job.idx, job.bounds, job.kernel
         failed = {f.unit: f for f in results.failures}
         decoded = [0] * len(job.bundles)
-        settled_units: list[UnitJob] = []
-        settled_arrays: list[np.ndarray] = []
+        made: list[int] = []  # the reads made and not refused
         for r, code in enumerate(results.codes):
             if code != 0:
                 continue
@@ -138,16 +146,24 @@ class NativeTasks:
             decoded[r] = (hi - lo - len(bad)) * kernel.decoded_nbytes
             for k in bad:
                 data_len = job.lengths[r] if job.sparse[r] else results.nread[r]
-                self._fail_unit(kernel, run, units[k], failed[k], job.table.spans[k], max(job.offsets[r], 0), data_len)
+                self._fail_unit(kernel, run, block.job(idx[k]), failed[k], job.table.spans[k], max(job.offsets[r], 0), data_len)
             if r in refused:
-                self.inflight.settle_many([u.shared for u in units[lo:hi]], error=refused[r])
-            elif job.kept is not None:
-                for k in range(lo, hi):
-                    if job.kept[k] is not None and k not in failed:
-                        settled_units.append(units[k])
-                        settled_arrays.append(job.kept[k])
-        if settled_units:
-            self._cache_kept(settled_units, settled_arrays, ())
+                self.inflight.settle_many(take(block.shared, idx[lo:hi]), error=refused[r])
+            else:
+                made.append(r)
+        if job.kept is None or not made:
+            return decoded
+        if len(made) == len(job.bundles) and not failed:  # (the usual case: every unit, by C loops)
+            ks: range | list[int] = range(len(idx))
+        else:
+            ks = [k for r in made for k in range(bounds[r], bounds[r + 1]) if k not in failed]
+        arrays = take(job.kept, ks)
+        held = list(map(is_not, arrays, repeat(None)))
+        if any(held):
+            at = take(idx, ks)
+            self._cache_kept(
+                list(compress(take(block.names, at), held)), list(compress(take(block.shared, at), held)), list(compress(arrays, held)),
+            )
         return decoded
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
@@ -198,39 +214,37 @@ class NativeTasks:
             targets = run.targets.setdefault(ndim, native.targets(run.views, ndim, run.plan.norms))
         return targets
 
-    def _keep(self, kernel, units: list[UnitJob]) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
-        """A buffer for each unit the chunk cache would admit or another batch waits for,
-        which native code decodes the unit into whole (the others are decoded only as far as
-        the copies need)."""
+    def _keep(self, kernel, names: list, shareds: list) -> tuple[list[np.ndarray | None] | None, np.ndarray | None]:
+        """A buffer for each unit (``names``, ``shareds``: their names and registrations) the
+        chunk cache would admit or another batch waits for, which native code decodes the unit
+        into whole (the others are decoded only as far as the copies need)."""
         cache = self.chunk_cache
         size = kernel.decoded_nbytes
-        wanted = [cache.would_admit(u.name, size) for u in units] if cache is not None else [False] * len(units)
-        if self.inflight is not None:
-            wanted = self.inflight.start_many([u.shared for u in units], wanted)
+        wanted = [cache.would_admit(name, size) for name in names] if cache is not None else [False] * len(names)
+        if self.inflight is not None and shareds.count(None) != len(shareds):
+            wanted = self.inflight.start_many(shareds, wanted)
         if not any(wanted):
             return None, None
         arrays, addresses = native.keep_buffers(kernel, sum(wanted))
         it = iter(arrays)
         kept = [next(it) if w else None for w in wanted]
-        keep = np.zeros(len(units), dtype=np.int64)
+        keep = np.zeros(len(names), dtype=np.int64)
         keep[np.flatnonzero(wanted)] = addresses
         return kept, keep
 
-    def _cache_kept(self, units: list[UnitJob], kept: list[np.ndarray | None] | None, failures: Any) -> None:
-        if kept is None:
-            return
-        bad = {f.unit for f in failures}
-        good = [(u, arr) for k, (u, arr) in enumerate(zip(units, kept)) if arr is not None and k not in bad]
-        if not good:
+    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray]) -> None:
+        """Units decoded whole (``names``, ``shareds`` and their ``arrays``, each made): to the
+        chunk cache, and to the batches waiting for them."""
+        if not arrays:
             return
         cache = self.chunk_cache
-        for u, arr in good:
+        for name, arr in zip(names, arrays):
             arr.flags.writeable = False
             if cache is not None:
-                cache.put(u.name, arr)
-        if self.inflight is not None:
+                cache.put(name, arr)
+        if self.inflight is not None and shareds.count(None) != len(shareds):
             with self._settling():
-                self.inflight.settle_many([u.shared for u, _ in good], [arr for _, arr in good])
+                self.inflight.settle_many(shareds, arrays)
 
     def _done(self, kernel, run: Run, units, table, failures, encoded: int, elements: int, offset: int, data_len: int) -> tuple[int, int, int]:
         """Fail the samples of units native code could not decode; returns (encoded,

@@ -132,9 +132,10 @@ def _load_chunks(meta, units, coords, locs, cache, stats) -> tuple[int, int, lis
     failed: list[DamacyError] = []
     present = [k for k in range(len(units)) if not locs.missing[k] and k not in locs.errors]
     names = unit_keys(meta, coords)
+    keys = locs.keys
     for done, k in enumerate(present):
         unit = units[k]
-        key = locs.keys[k]
+        key = keys[k]
         size = meta.layout.leaf.spec.nbytes
         if cache.peek(names[k]) is not None:
             n += 1

@@ -358,6 +358,19 @@ def unique_units(rows: np.ndarray, column: int, grid: tuple[int, ...]) -> tuple[
     return np.frombuffer(units, dtype=np.int64).reshape(-1, len(grid)), np.frombuffer(inverse, dtype=np.int64)
 
 
+def merge_reads(
+    owners: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, gap: int, most: int, most_units: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A table's units grouped into reads as :func:`damacy_server.plan.reads.merge_reads_numpy`
+    groups them (per read its first unit, then the count; per read the end of its bytes, -1
+    for a whole object), in one pass; None without the native module."""
+    if _assemble is None:
+        return None
+    as_i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+    starts, ends = _assemble.merge_reads(as_i64(owners), as_i64(offsets), as_i64(nbytes), gap, most, most_units)
+    return np.frombuffer(starts, dtype=np.int64), np.frombuffer(ends, dtype=np.int64)
+
+
 def plan_table(
     rows: np.ndarray, ndim: int, inverse: np.ndarray, hit: np.ndarray | None, dropped: np.ndarray | None,
     missing: np.ndarray, owners: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,

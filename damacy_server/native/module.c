@@ -92,6 +92,7 @@ static PyMethodDef methods[] = {
     {"box_rows", dm_py_box_rows, METH_VARARGS, "The planner's copy rows of boxes: per box the units it cuts (int64 bytearray)."},
     {"unique_units", dm_py_unique_units, METH_VARARGS, "The distinct units of rows and each row's index in them (int64 bytearrays)."},
     {"plan_table", dm_py_plan_table, METH_VARARGS, "One array's copy table from its rows and its units' places (int64 bytearrays and the count of cached units)."},
+    {"merge_reads", dm_py_merge_reads, METH_VARARGS, "A table's units to read grouped into reads: each read's first unit and the end of its bytes (int64 bytearrays)."},
     {"supports", supports, METH_VARARGS, "Whether the cast (or with normalized=True the normalising one) from one dtype code to another is offered."},
     {"check_lz4", dm_py_check_lz4, METH_VARARGS, "None, or why an LZ4 block does not decode to exactly the given size."},
     {"has_zstd", has_zstd, METH_NOARGS, "Whether libzstd could be loaded."},

@@ -134,6 +134,7 @@ int dm_job_ready(PyObject *module);
 PyObject *dm_py_box_rows(PyObject *self, PyObject *args);
 PyObject *dm_py_unique_units(PyObject *self, PyObject *args);
 PyObject *dm_py_plan_table(PyObject *self, PyObject *args);
+PyObject *dm_py_merge_reads(PyObject *self, PyObject *args);
 PyObject *dm_py_check_lz4(PyObject *self, PyObject *args);
 
 #endif

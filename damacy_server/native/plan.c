@@ -362,3 +362,72 @@ done:
     PyBuffer_Release(&nbytes);
     return result;
 }
+
+/*
+ * merge_reads(owners, offsets, nbytes, gap, most, most_units): a table's units to read, in
+ * plan order (the units of one object together, by offset), grouped into reads: a unit joins
+ * the read before it when both are of one object (owners: an int64 naming each unit's), it
+ * starts at most gap bytes after that read's end, the read then spans at most most bytes and
+ * holds fewer than most_units units; a unit stored as a whole object (nbytes -1) is a read of
+ * its own. Returns (starts, ends) as bytearrays of int64:
+ * per read its first unit, then the count of units; per read the end of its bytes in its
+ * object (-1 for a whole object). plan/reads.py's merge_reads_numpy is the form it equals.
+ */
+PyObject *dm_py_merge_reads(PyObject *self, PyObject *args) {
+    Py_buffer owners, offsets, nbytes;
+    long long gap, most, most_units;
+    if (!PyArg_ParseTuple(args, "y*y*y*LLL", &owners, &offsets, &nbytes, &gap, &most, &most_units)) return NULL;
+    PyObject *o_starts = NULL, *o_ends = NULL, *result = NULL;
+    Py_ssize_t n = owners.len / (Py_ssize_t)sizeof(int64_t);
+    if (owners.len % (Py_ssize_t)sizeof(int64_t) || offsets.len != owners.len || nbytes.len != owners.len) {
+        PyErr_SetString(PyExc_ValueError, "merge_reads: owners, offsets and nbytes need an int64 per unit");
+        goto done;
+    }
+    const int64_t *own = owners.buf, *off = offsets.buf, *nb = nbytes.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (nb[i] >= 0 && (off[i] < 0 || off[i] > PLAN_LIMIT || nb[i] > PLAN_LIMIT)) {
+            PyErr_Format(PyExc_ValueError, "merge_reads: unit %zd's range is negative or beyond 2**62", i);
+            goto done;
+        }
+    }
+    o_starts = PyByteArray_FromStringAndSize(NULL, (n + 1) * (Py_ssize_t)sizeof(int64_t));
+    o_ends = PyByteArray_FromStringAndSize(NULL, (n ? n : 1) * (Py_ssize_t)sizeof(int64_t));
+    if (!o_starts || !o_ends) goto done;
+    int64_t *starts = (int64_t *)PyByteArray_AS_STRING(o_starts), *ends = (int64_t *)PyByteArray_AS_STRING(o_ends);
+    Py_ssize_t g = 0;  /* reads so far; the current one is g - 1 while open */
+    int open = 0;
+    int64_t first = 0, end = 0, held = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (nb[i] < 0) {
+            starts[g] = i;
+            ends[g++] = -1;
+            open = 0;
+            continue;
+        }
+        int64_t stop = off[i] + nb[i];
+        if (open && own[i] == own[starts[g - 1]] && off[i] - end <= gap && stop - first <= most && held < most_units) {
+            if (stop > end) end = stop;
+            ends[g - 1] = end;
+            held++;
+            continue;
+        }
+        starts[g] = i;
+        first = off[i];
+        end = stop;
+        ends[g++] = end;
+        held = 1;
+        open = 1;
+    }
+    starts[g] = n;
+    if (PyByteArray_Resize(o_starts, (g + 1) * (Py_ssize_t)sizeof(int64_t)) < 0 ||
+        PyByteArray_Resize(o_ends, g * (Py_ssize_t)sizeof(int64_t)) < 0)
+        goto done;
+    result = Py_BuildValue("OO", o_starts, o_ends);
+done:
+    Py_XDECREF(o_starts);
+    Py_XDECREF(o_ends);
+    PyBuffer_Release(&owners);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&nbytes);
+    return result;
+}

@@ -30,13 +30,18 @@ class UnitLocations:
     written (its chunk object or its shard-index entry is absent) and reads as fill value.
     """
 
-    keys: list[str]
-    owners: np.ndarray  # int64 (n,): each unit's object, an index into ``objects``
+    owners: np.ndarray  # int64 (n,): each unit's object, an index into ``objects`` (-1: not located)
     objects: list[str]  # the objects' keys, in chunk-grid order
     offsets: np.ndarray  # int64 (n,)
     nbytes: np.ndarray  # int64 (n,)
     missing: np.ndarray  # bool (n,)
     errors: dict[int, DamacyError]  # units whose shard index could not be read
+
+    @property
+    def keys(self) -> list[str]:
+        """Each unit's object ("" for one not located)."""
+        objects = self.objects
+        return [objects[o] if o >= 0 else "" for o in self.owners.tolist()]
 
     def raise_first(self) -> None:
         if self.errors:
@@ -72,13 +77,12 @@ class ShardIndexes:
             owners = np.zeros(n, dtype=np.int64)
         chunk_list = [tuple(c) for c in chunks.tolist()]
         objects = [meta.chunk_key(c) for c in chunk_list]
-        keys = [objects[i] for i in owners.tolist()]
         offsets = np.zeros(n, dtype=np.int64)
         nbytes = np.full(n, -1, dtype=np.int64)
         missing = np.zeros(n, dtype=bool)
         errors: dict[int, DamacyError] = {}
         if not layout.levels or not n:
-            return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
+            return UnitLocations(owners, objects, offsets, nbytes, missing, errors)
 
         prefetched = self._prefetch_indexes(meta, objects)  # (every object holds a unit: owners index them all)
         for depth, slots in enumerate(layout.level_slots(units)):
@@ -131,7 +135,7 @@ class ShardIndexes:
                 errors[i] = DecodeError(
                     f"shard index: the inner chunk at bytes [{off}, {off + n}) ends past the shard's {size} bytes",
                     uri=meta.uri,
-                    path=keys[i],
+                    path=objects[int(owners[i])],
                     chunk=tuple(units[i].tolist()),
                 )
             missing[idx[empty | past]] = True
@@ -139,7 +143,7 @@ class ShardIndexes:
             full = idx[ok]
             offsets[full] = offsets[full] + entries[ok, 0].astype(np.int64)
             nbytes[full] = entries[ok, 1].astype(np.int64)
-        return UnitLocations(keys, owners, objects, offsets, nbytes, missing, errors)
+        return UnitLocations(owners, objects, offsets, nbytes, missing, errors)
 
     def _prefetch_indexes(self, meta: ArrayMetadata, keys: list[str]) -> dict[str, object] | None:
         """The (index bytes, object size) of the outer shards among ``keys`` not yet cached,

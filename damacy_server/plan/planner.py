@@ -33,12 +33,12 @@ from damacy_server.claim import Claim
 from damacy_server.decode import contract
 from damacy_server.plan.items import BadSample, Selected, sample_axes
 from damacy_server.plan.locate import UnitLocations
-from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
+from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads, take
 from damacy_server.plan.resolve import Resolver, ZarrMetadata
 from damacy_server.plan.rows import ArrayRows, chunk_uses, plan_table
 from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.plan.transforms import transform_of
-from damacy_server.plan.units import CachedUnits, CopyTable, UnitJob, unit_keys
+from damacy_server.plan.units import CachedUnits, CopyTable, UnitBlock, unit_keys
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -170,17 +170,14 @@ class Planner:
         nbytes = np.zeros(n, dtype=np.int64)
         missing = np.zeros(n, dtype=bool)
         if not len(idx):  # all in the cache
-            return UnitLocations([""] * n, owners, [], offsets, nbytes, missing, {})
+            return UnitLocations(owners, [], offsets, nbytes, missing, {})
         sub = self.metadata.locate(meta, units[idx])
-        keys = [""] * n
-        for j, k in enumerate(idx.tolist()):
-            keys[k] = sub.keys[j]
         owners[idx] = sub.owners
         offsets[idx] = sub.offsets
         nbytes[idx] = sub.nbytes
         missing[idx] = sub.missing
         errors = {int(idx[j]): e for j, e in sub.errors.items()}
-        return UnitLocations(keys, owners, sub.objects, offsets, nbytes, missing, errors)
+        return UnitLocations(owners, sub.objects, offsets, nbytes, missing, errors)
 
     def plan(
         self,
@@ -310,7 +307,8 @@ class Planner:
         if errors:  # per sample whether it failed
             dropped = np.zeros(n, dtype=bool)
             dropped[np.fromiter(errors, dtype=np.int64, count=len(errors))] = True
-        present: list[UnitJob] = []
+        groups: list[ReadGroup] = []
+        merged = 0
         cached: list[CachedUnits] = []
         for acc, rows, units, inverse, locs, hits, hit, names in located:
             meta = acc.meta
@@ -325,14 +323,15 @@ class Planner:
                 cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[order[:n_hit]]))
             if n_hit == len(order):
                 continue
-            keys = locs.keys
-            bounds = bounds.tolist()
-            coords = units.tolist()
-            offsets, nbytes = locs.offsets.tolist(), locs.nbytes.tolist()
-            for p, k in enumerate(order[n_hit:].tolist(), n_hit):
-                present.append(UnitJob(meta, tuple(coords[k]), keys[k], offsets[k], nbytes[k], table, p, bounds[p], bounds[p + 1], names[k]))
+            at = order[n_hit:]
+            block = UnitBlock(
+                meta, table, n_hit, units[at], locs.objects, locs.owners[at], locs.offsets[at], locs.nbytes[at],
+                bounds[n_hit:], take(names, at.tolist()),
+            )
+            reads, saved = merge_reads(block, self.limits, caps)
+            groups.extend(reads)
+            merged += saved
 
-        groups, merged = merge_reads(present, self.limits, caps)
         groups = fit_reads(groups, capacity)
         seen = set()
         fills = [f for f in fills if f[0] not in errors and not (f[0] in seen or seen.add(f[0]))]

@@ -1,6 +1,7 @@
 """What a plan is made of: per array one copy table (the copies from read units into the
-samples of a batch, in the one form executors consume), per read unit a job (where its
-bytes are, and its rows of the table), and per table the units the chunk cache holds (their
+samples of a batch, in the one form executors consume), per table the units to read as
+arrays (where their bytes are, their rows of the table, their names) with a view per unit
+made only where one is handled alone, and per table the units the chunk cache holds (their
 decoded arrays, and the head of the table that copies them)."""
 
 from __future__ import annotations
@@ -35,35 +36,97 @@ class CopyTable:
 
 
 
-class UnitJob:
-    """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`)."""
+class UnitBlock:
+    """The units of one copy table that are to be read (its positions ``first`` on, in plan
+    order: by object, then offset), as arrays: no object per unit. Reads
+    (:class:`~damacy_server.plan.reads.ReadGroup`) name their units by index in a block; a
+    :class:`UnitJob` view of one is made only where a unit is handled alone (an error, the
+    numpy path, a unit shared with another batch).
 
-    __slots__ = ("meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "name", "shared")
+    ``objects[owners[i]]`` is unit i's object; ``offsets``/``nbytes`` where its bytes are
+    (nbytes -1: the whole object); ``bounds[i]`` to ``bounds[i + 1]`` its rows of the table;
+    ``names[i]`` its name in the chunk cache and among the units in flight (:func:`unit_keys`);
+    ``shared[i]`` its registration while a run executes it (``inflight.Shared``, or None)."""
+
+    __slots__ = ("meta", "table", "first", "coords", "objects", "owners", "offsets", "nbytes", "bounds", "names", "shared", "_jobs", "_lists")
 
     def __init__(
-        self,
-        meta: ArrayMetadata,
-        unit: tuple[int, ...],
-        key: str,
-        offset: int,  # within the object (-1: the whole object)
-        nbytes: int,  # encoded size (-1: the whole object, size unknown)
-        table: CopyTable,
-        pos: int,
-        lo: int,
-        hi: int,
-        name: int | tuple[int, int],
+        self, meta: ArrayMetadata, table: CopyTable, first: int, coords: np.ndarray, objects: list[str], owners: np.ndarray,
+        offsets: np.ndarray, nbytes: np.ndarray, bounds: np.ndarray, names: list,
     ) -> None:
         self.meta = meta
-        self.unit = unit
-        self.key = key
-        self.offset = offset
-        self.nbytes = nbytes
         self.table = table
-        self.pos = pos
-        self.lo = lo
-        self.hi = hi
-        self.name = name  # in the chunk cache and among the units in flight (unit_keys)
-        self.shared = None  # while executed: the executor's registration (inflight.Shared)
+        self.first = first
+        self.coords = coords  # int64 (n, ndim)
+        self.objects = objects
+        self.owners = owners  # int64 (n,)
+        self.offsets = offsets  # int64 (n,)
+        self.nbytes = nbytes  # int64 (n,)
+        self.bounds = bounds  # int64 (n + 1,): rows of the table
+        self.names = names
+        self.shared: list = [None] * len(names)
+        self._jobs: list[UnitJob | None] | None = None
+        self._lists: tuple | None = None  # the arrays as lists, for the views
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def decoded_nbytes(self) -> int:
+        """What each of its units decodes to."""
+        return self.meta.layout.leaf.spec.nbytes
+
+    def key(self, i: int) -> str:
+        return self.objects[int(self.owners[i])]
+
+    def job(self, i: int) -> UnitJob:
+        """The view of unit ``i`` (one per unit: the same object each time)."""
+        jobs = self._jobs
+        if jobs is None:
+            jobs = self._jobs = [None] * len(self.names)
+        u = jobs[i]
+        if u is None:
+            if self._lists is None:
+                self._lists = (self.coords.tolist(), self.owners.tolist(), self.offsets.tolist(), self.nbytes.tolist(), self.bounds.tolist())
+            u = jobs[i] = UnitJob(self, i)
+        return u
+
+    def jobs(self, picks) -> list[UnitJob]:
+        return [self.job(i) for i in picks]
+
+    def __repr__(self) -> str:
+        return f"UnitBlock({self.meta.uri!r}, units={len(self)}, first={self.first})"
+
+
+class UnitJob:
+    """One read unit to decode, and where its pieces go (its rows of a :class:`CopyTable`): a
+    view of unit ``i`` of a :class:`UnitBlock`."""
+
+    __slots__ = ("block", "i", "meta", "unit", "key", "offset", "nbytes", "table", "pos", "lo", "hi", "name")
+
+    def __init__(self, block: UnitBlock, i: int) -> None:
+        coords, owners, offsets, nbytes, bounds = block._lists
+        self.block = block
+        self.i = i
+        self.meta = block.meta
+        self.unit = tuple(coords[i])
+        self.key = block.objects[owners[i]]
+        self.offset = offsets[i]  # within the object (-1: the whole object)
+        self.nbytes = nbytes[i]  # encoded size (-1: the whole object, size unknown)
+        self.table = block.table
+        self.pos = block.first + i
+        self.lo = bounds[i]
+        self.hi = bounds[i + 1]
+        self.name = block.names[i]  # in the chunk cache and among the units in flight (unit_keys)
+
+    @property
+    def shared(self):
+        """While executed: the executor's registration (inflight.Shared), or None."""
+        return self.block.shared[self.i]
+
+    @shared.setter
+    def shared(self, value) -> None:
+        self.block.shared[self.i] = value
 
     @property
     def rows(self) -> np.ndarray:
