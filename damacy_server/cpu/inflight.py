@@ -61,6 +61,10 @@ class InFlight:
         out: list[Shared | None] = []
         with self._lock:
             units = self._units
+            if not any(map(units.__contains__, keys)) and len(set(keys)) == len(keys):
+                out = list(map(Shared, keys))  # none in flight (the usual case): all claimed, by C loops
+                units.update(zip(keys, out))
+                return out
             for i, key in enumerate(keys):
                 shared = units.get(key)
                 if shared is None:

@@ -42,7 +42,7 @@ class SharedUnits:
         those) or decoded into the chunk cache since the plan looked (returned, with their
         arrays, to be copied from there); the units left are registered as this run's to
         decode and settle. The reads' units are taken by name from their blocks (a view is
-        made for a unit taken from the cache or waited for)."""
+        made only for a unit taken from the cache or waited for)."""
         late: list[tuple[UnitJob, np.ndarray]] = []
         cache = self.chunk_cache
         names = [g.names() for g in groups]
@@ -51,15 +51,19 @@ class SharedUnits:
         keep: list[bool] | None = None  # per unit: still this run's to read (None: all)
         where: tuple[list[int], list[int]] | None = None  # per unit its read and its place in it
 
-        def unit(k: int) -> UnitJob:
-            g = groups[where[0][k]]
-            return g.block.job(g.picks[where[1][k]])
-
         def locate() -> tuple[list[int], list[int]]:
-            return (
-                list(chain.from_iterable(map(repeat, range(len(names)), map(len, names)))),
-                list(chain.from_iterable(map(range, map(len, names)))),
-            )
+            nonlocal where
+            if where is None:
+                where = (
+                    list(chain.from_iterable(map(repeat, range(len(names)), map(len, names)))),
+                    list(chain.from_iterable(map(range, map(len, names)))),
+                )
+            return where
+
+        def unit(k: int) -> UnitJob:
+            read, place = locate()
+            g = groups[read[k]]
+            return g.block.job(g.picks[place[k]])
 
         if cache is not None and flat:
             found = cache.peek_many(flat)
@@ -67,40 +71,60 @@ class SharedUnits:
             if all(keep):
                 keep = None
             else:
-                where = locate()
                 late.extend((unit(k), found[k]) for k in compress(range(len(flat)), map(not_, keep)))
         # a read's units decode to one size (one array's): shared all, or none
         share: list[int] = []
+        sharing: list[int] = []  # the reads whose units are shared
         for j, g in enumerate(groups):
             if g.block.decoded_nbytes >= SHARE_MIN_BYTES:
                 span = range(starts[j], starts[j + 1])
                 share.extend(span if keep is None else compress(span, keep[span.start : span.stop]))
-        if share:
-            if where is None:
-                where = locate()
-            with run.lock:
-                run.pending += len(share)  # the waiters', for those that become one
-            claimed = self.inflight.claim_or_join_many(take(flat, share), lambda i: self._waiter(run, unit(share[i])))
-            mine = 0
-            for k, shared in zip(share, claimed):
-                g = groups[where[0][k]]
-                if shared is not None:
-                    g.block.shared[g.picks[where[1][k]]] = shared
-                    mine += 1
+                sharing.append(j)
+        if not share:
+            return self._shrunk(groups, keep, starts), late
+        with run.lock:
+            run.pending += len(share)  # the waiters', for those that become one
+        claimed = self.inflight.claim_or_join_many(take(flat, share), lambda i: self._waiter(run, unit(share[i])))
+        if keep is None and claimed.count(None) == 0:  # every unit of those reads claimed: set a read at a time
+            c = 0
+            for j in sharing:
+                g = groups[j]
+                n = len(g)
+                if isinstance(g.picks, range):
+                    g.block.shared[g.picks.start : g.picks.stop] = claimed[c : c + n]
                 else:
-                    if keep is None:
-                        keep = [True] * len(flat)
-                    keep[k] = False
+                    for i, shared in zip(g.picks, claimed[c : c + n]):
+                        g.block.shared[i] = shared
+                c += n
             with run.lock:
-                run.pending -= mine
-        if keep is None or all(keep):
+                run.pending -= len(share)
             return groups, late
+        read, place = locate()
+        mine = 0
+        for k, shared in zip(share, claimed):
+            g = groups[read[k]]
+            if shared is not None:
+                g.block.shared[g.picks[place[k]]] = shared
+                mine += 1
+            else:
+                if keep is None:
+                    keep = [True] * len(flat)
+                keep[k] = False
+        with run.lock:
+            run.pending -= mine
+        return self._shrunk(groups, keep, starts), late
+
+    @staticmethod
+    def _shrunk(groups: list[ReadGroup], keep: list[bool] | None, starts: list[int]) -> list[ReadGroup]:
+        """``groups`` holding only the units ``keep`` marks (None: all)."""
+        if keep is None or all(keep):
+            return groups
         out = []
         for j, g in enumerate(groups):
             kept = shrink(g, keep[starts[j] : starts[j + 1]])  # (the group itself when whole)
             if kept is not None:
                 out.append(kept)
-        return out, late
+        return out
 
     def _waiter(self, run: Run, u: UnitJob):
         """What a run does with a unit another batch decoded (see :mod:`damacy_server.cpu.inflight`)."""
