@@ -229,7 +229,11 @@ class Pipeline(PipelineAPI):
             if dropped and self._on_skip is not None:
                 self._on_skip(dropped)
             with self._cond:
-                self._cond.notify_all()  # a pop may be waiting to learn that the input ran out
+                # a pop waiting to learn that the input ran out, of an error found ahead, of
+                # samples dropped or of every slot being held is woken (a delivery wakes it
+                # itself): not every round, which would wake it once per batch for nothing
+                if not self._sources or dropped or self._deferred is not None or self._all_slots_held():
+                    self._cond.notify_all()
             return True
         except BaseException as e:  # never expected: pops say so instead of waiting forever
             log.exception("damacy: the feeder thread failed")
