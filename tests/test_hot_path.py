@@ -61,14 +61,16 @@ def test_units_past_the_key_bits_are_named_by_tuples_and_read_the_same(tmp_path,
 
 
 class _Calls:
-    """Python function calls (not C ones) made by every thread while it is on."""
+    """Python function calls (not C ones) made while it counts (``counting``) by the thread
+    that entered it and by every thread started after that."""
 
-    def __init__(self) -> None:
+    def __init__(self, counting: bool = True) -> None:
         self.n = 0
+        self.counting = counting
         self._lock = threading.Lock()
 
     def __call__(self, frame, event, arg):
-        if event == "call":
+        if event == "call" and self.counting:
             with self._lock:
                 self.n += 1
 
@@ -342,3 +344,55 @@ def test_reads_are_merged_as_the_rule_says_by_both_forms():
         merged_some += any(len(idx) > 1 for idx, _, _ in want)
         whole_some += any(length < 0 for _, _, length in want)
     assert merged_some > 100 and whole_some > 50
+
+
+def _calls_of_a_read_batch(tmp_path, name: str, chunks: tuple[int, ...]) -> tuple[int, int, int]:
+    """The Python calls made, by every thread of the pipeline (its feeder, I/O and decode
+    threads are started while calls are watched), planning and executing a batch of 4 boxes
+    of a sharded array with no chunk cache, its bytes in the page cache (just written and
+    read once), the units and reads it made, and the reads the decode threads made
+    themselves; its values checked."""
+    data = random_data((8, 64, 64), "uint16", seed=5)
+    write_array(tmp_path / f"{name}.zarr", data, chunks=chunks, shards=(8, 32, 32))
+    uri = str(tmp_path / f"{name}.zarr")
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 48, 48), dtype="f32", pop_timeout_s=30)
+    samples = [damacy.Sample(uri, np.s_[:, y : y + 48, x : x + 48]) for y, x in ((0, 0), (16, 16), (8, 0), (16, 8))]
+    with _Calls(counting=False) as counted, damacy.Pipeline(cfg) as pipe:
+        pipe.push(samples)
+        pipe.pop().release()  # reads the shard indexes, and the data into the page cache
+        planner, executor = pipe.planner, pipe.executor
+        assert executor.chunk_cache is None
+        out = np.zeros((4, 8, 48, 48), dtype=np.float32)
+        done = threading.Event()
+
+        def step():
+            plan = planner.plan(
+                samples, (8, 48, 48), "error", capacity=executor.inflight_capacity, dtype=np.dtype("f4"), caps=executor.caps,
+            )
+            done.clear()
+            executor.execute(plan, list(out), lambda errors: done.set())
+            assert done.wait(30)
+            return plan
+
+        step()
+        before = executor.stats.snapshot()["direct"]["count"]
+        counted.counting = True
+        plan = step()
+        counted.counting = False
+        direct = executor.stats.snapshot()["direct"]["count"] - before
+    assert np.array_equal(out, np.stack([data[s.selection] for s in samples]).astype(np.float32))
+    return counted.n, plan.units_unique, len(plan.groups), direct
+
+
+@pytest.mark.skipif(not native.available(), reason="the native extension is not built (the numpy path decodes per unit)")
+def test_a_batch_read_from_the_page_cache_is_planned_and_executed_without_python_per_unit(tmp_path):
+    # two batches alike but for the units they cut (tens, and hundreds) in the same shards,
+    # read by the decode threads from the page cache: planning, reading, decoding and
+    # assembling them makes as many Python calls in every thread
+    few, few_units, few_reads, few_direct = _calls_of_a_read_batch(tmp_path, "few", (8, 16, 16))
+    lots, many_units, many_reads, many_direct = _calls_of_a_read_batch(tmp_path, "many", (2, 8, 8))
+    assert many_units >= 8 * few_units and many_reads == few_reads
+    assert few_direct == few_reads and many_direct == many_reads  # (every read made by a decode thread itself)
+    # no Python call per unit: one would add at least 220; the threads' turns (which takes a
+    # job's next reads, how often a worker waits) vary the count by a few dozen between runs
+    assert abs(lots - few) < 0.15 * few, (few, lots)
