@@ -100,8 +100,8 @@ class NativeTasks:
         failures, encoded, elements = native.run(kernel, view, offset, table, targets, keep)
         if kept is not None:
             bad = {f.unit for f in failures}
-            good = [k for k, a in enumerate(kept) if a is not None and k not in bad]
-            self._cache_kept(take(names, good), take(shareds, good), take(kept, good))
+            ok = [k for k in range(len(units)) if k not in bad] if bad else range(len(units))
+            self._cache_kept(take(names, ok), take(shareds, ok), take(kept, ok))
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
     def file_job(self, kernel, run: Run, bundles: list[list[ReadGroup]], flags: int, roots: bytes | None, paths: tuple[bytes, ...]) -> FileJob:
@@ -157,13 +157,8 @@ class NativeTasks:
             ks: range | list[int] = range(len(idx))
         else:
             ks = [k for r in made for k in range(bounds[r], bounds[r + 1]) if k not in failed]
-        arrays = take(job.kept, ks)
-        held = list(map(is_not, arrays, repeat(None)))
-        if any(held):
-            at = take(idx, ks)
-            self._cache_kept(
-                list(compress(take(block.names, at), held)), list(compress(take(block.shared, at), held)), list(compress(arrays, held)),
-            )
+        at = take(idx, ks)
+        self._cache_kept(take(block.names, at), take(block.shared, at), take(job.kept, ks))
         return decoded
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
@@ -232,11 +227,15 @@ class NativeTasks:
         keep[np.flatnonzero(wanted)] = addresses
         return kept, keep
 
-    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray]) -> None:
-        """Units decoded whole (``names``, ``shareds`` and their ``arrays``, each made): to the
-        chunk cache, and to the batches waiting for them."""
-        if not arrays:
+    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray | None]) -> None:
+        """Units made (``names``, ``shareds`` and their buffers, ``arrays``: None for a unit
+        not decoded whole): those decoded whole to the chunk cache, and to the batches
+        waiting for them."""
+        held = list(map(is_not, arrays, repeat(None)))
+        if not any(held):
             return
+        if not all(held):
+            names, shareds, arrays = list(compress(names, held)), list(compress(shareds, held)), list(compress(arrays, held))
         cache = self.chunk_cache
         for name, arr in zip(names, arrays):
             arr.flags.writeable = False

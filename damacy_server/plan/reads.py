@@ -70,13 +70,6 @@ class ReadGroup:
         """Its units' registrations while executed (None: none)."""
         return take(self.block.shared, self.picks)
 
-    def indices(self) -> np.ndarray:
-        """Its units' indices in the block, as int64."""
-        p = self.picks
-        if isinstance(p, range):
-            return np.arange(p.start, p.stop, dtype=np.int64)
-        return np.asarray(p, dtype=np.int64)
-
     @property
     def decoded_nbytes(self) -> int:
         """The bytes its units decode to."""

@@ -140,7 +140,7 @@ class UnitJob:
 
     @property
     def decoded_nbytes(self) -> int:
-        return self.meta.layout.leaf.spec.nbytes
+        return self.block.decoded_nbytes
 
     def __repr__(self) -> str:
         return f"UnitJob({self.key!r}, unit={self.unit}, offset={self.offset}, nbytes={self.nbytes}, copies={self.hi - self.lo})"
