@@ -48,6 +48,10 @@ SWITCH_MIN_HITS = 16
 #: a windowed epoch it may win a period or two, then lose.
 SWITCH_PERIODS = {True: 4, False: 2}  # keyed by the rule the shadow plays: by frequency or not
 
+#: the numbers above as a native index takes them (:class:`IndexedCache`): the margin, the
+#: ratio as a fraction, the minimum hits, the periods for taking frequency and recency
+INDEX_RULES = (ADMIT_MARGIN, *SWITCH_RATIO.as_integer_ratio(), SWITCH_MIN_HITS, SWITCH_PERIODS[True], SWITCH_PERIODS[False])
+
 
 class LRUCache(Generic[V]):
     """Holds at most ``max_entries`` values (and, when ``max_bytes`` is given, at most that
@@ -277,6 +281,11 @@ class LRUCache(Generic[V]):
                 self._shadow_bytes -= self._shadow.pop(k)
             return len(gone)
 
+    def items(self) -> list[tuple[Hashable, V]]:
+        """The entries, (key, value) pairs from the least recently used (a snapshot)."""
+        with self._lock:
+            return [(k, v) for k, (v, _) in self._data.items()]
+
     def __len__(self) -> int:
         return len(self._data)
 
@@ -296,3 +305,107 @@ class LRUCache(Generic[V]):
                 "admission": self.admission,
                 "switches": self.switches,
             }
+
+
+class IndexedCache(Generic[V]):
+    """:class:`LRUCache`'s behaviour, rule for rule, kept by a native index (``index``: a
+    ``CacheIndex`` made with :data:`INDEX_RULES` and this cache's bounds, see
+    :func:`damacy_server.native.cache_index`): a batch's hundreds of lookups are one C loop
+    over a hash table, not several dict passes. The chunk cache is one where the native module
+    is built; the tests hold it to :class:`LRUCache` operation by operation. Thread-safe: calls
+    into the index hold a lock (as LRUCache's do; a collection of garbage inside a call could
+    otherwise let another thread in)."""
+
+    def __init__(
+        self, index: Any, *, max_entries: int | None, max_bytes: int | None, sizeof: Callable[[V], int] | None, adaptive: bool
+    ) -> None:
+        self._index = index
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._sizeof = sizeof
+        self._adaptive = adaptive
+        self._lock = threading.Lock()
+
+    @property
+    def admission(self) -> str:
+        if not self._adaptive:
+            return "lru"
+        with self._lock:
+            return "frequency" if self._index.state()["by_frequency"] else "recency"
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            _, values = self._index.get_hits((key,))
+        return values[0] if values else None
+
+    def get_many(self, keys: list[Hashable]) -> list[V | None]:
+        with self._lock:
+            mask, values = self._index.get_hits(keys)
+        out: list[V | None] = [None] * len(keys)
+        for i, v in zip(np.flatnonzero(np.frombuffer(mask, dtype=bool)).tolist(), values):
+            out[i] = v
+        return out
+
+    def get_hits(self, keys: list[Hashable]) -> tuple[np.ndarray, list[V]]:
+        """As :meth:`LRUCache.get_hits`: a bool mask of the keys held, their values in order."""
+        with self._lock:
+            mask, values = self._index.get_hits(keys)
+        return np.frombuffer(mask, dtype=bool), values
+
+    def peek(self, key: Hashable) -> V | None:
+        with self._lock:
+            return self._index.peek_many((key,))[0]
+
+    def peek_many(self, keys: list[Hashable]) -> list[V | None]:
+        with self._lock:
+            return self._index.peek_many(keys)
+
+    def has_room(self, size: int) -> bool:
+        with self._lock:
+            return self._index.has_room(size)
+
+    def would_admit(self, key: Hashable, size: int) -> bool:
+        with self._lock:
+            return self._index.would_admit(key, size)
+
+    def put(self, key: Hashable, value: V) -> bool:
+        with self._lock:
+            return self._index.put(key, value, self._sizeof(value) if self._sizeof is not None else 0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._index.clear()
+
+    def discard_where(self, drop: Callable[[Hashable], bool]) -> int:
+        with self._lock:
+            keys = {k for k in self._index.keys() if drop(k)} | {k for k, _ in self._index.shadow() if drop(k)}
+            return self._index.discard(list(keys))
+
+    def items(self) -> list[tuple[Hashable, V]]:
+        """The entries, (key, value) pairs from the least recently used (a snapshot)."""
+        with self._lock:
+            return self._index.items()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        return self._index.nbytes
+
+    def __getattr__(self, name: str) -> int:
+        """The figures (hits, misses, evictions, rejections, switches), as LRUCache's attributes."""
+        if name in ("hits", "misses", "evictions", "rejections", "switches"):
+            with self._lock:
+                return self._index.state()[name]
+        raise AttributeError(name)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            st = self._index.state()
+        figures = {k: st[k] for k in ("entries", "bytes", "hits", "misses", "evictions", "rejections")}
+        return figures | {"admission": self.admission, "switches": st["switches"]}
+
+
+#: a cache of either form (the chunk cache is an IndexedCache where the native module is built)
+AnyCache = LRUCache | IndexedCache

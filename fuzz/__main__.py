@@ -1,7 +1,7 @@
 """Long fuzzing runs: ``python -m fuzz TARGET [--minutes N] [--inputs K] [--sanitize]``.
 
 TARGET is one of the targets of ``fuzz/targets.py`` (zarr_json_v3, zarr_json_v2,
-shard_index, blosc_frame, copy_table, plan_passes, plan_table), ``wire`` (a real damacyd, started here), or ``all``.
+shard_index, blosc_frame, copy_table, plan_passes, plan_table, file_job, cache_index), ``wire`` (a real damacyd, started here), or ``all``.
 Each runs until K inputs (default 100,000) or N minutes, whichever comes first, and prints
 the inputs run. ``--sanitize`` first builds damacy's native extension with AddressSanitizer
 and UndefinedBehaviorSanitizer and runs the targets in a child process that loads it (any

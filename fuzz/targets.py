@@ -509,6 +509,56 @@ def check_file_job(t: dict) -> None:
         assert np.all(arena[:GUARD] == 0x5A) and np.all(arena[len(arena) - GUARD :] == 0x5A), "a write outside its target"
 
 
+@st.composite
+def cache_traces(draw) -> dict:
+    """A trace of chunk-cache operations (lookups in batches, offers, puts, peeks, clears,
+    discards) on a small cache bounded by entries or bytes, keys of one kind."""
+    ops = draw(st.lists(st.tuples(st.sampled_from("gpwakcd"), st.lists(st.integers(0, 40), max_size=12), st.integers(0, 30)), max_size=60))
+    return dict(
+        ops=ops, entries=draw(st.sampled_from([None, 0, 1, 3, 8])), nbytes=draw(st.sampled_from([None, 0, 20, 60])),
+        adaptive=draw(st.booleans()), kind=draw(st.sampled_from(["int", "tuple", "big"])),
+    )
+
+
+def check_cache_index(t: dict) -> None:
+    """The native cache index (native/cache.c) against LRUCache on any trace: the same
+    answers and the same state after every operation (under --sanitize, no memory error)."""
+    from damacy_server import native
+    from damacy_server.cache import INDEX_RULES, IndexedCache, LRUCache
+
+    if not native.available():
+        return
+    entries, nbytes = t["entries"], t["nbytes"]
+    if entries is None and nbytes is None:
+        entries = 4
+    sizeof = len if nbytes is not None else None
+    ref = LRUCache(entries, max_bytes=nbytes, sizeof=sizeof, admit_by_frequency=t["adaptive"])
+    nat = IndexedCache(native.cache_index(entries, nbytes, t["adaptive"], INDEX_RULES), max_entries=entries, max_bytes=nbytes, sizeof=sizeof, adaptive=t["adaptive"])
+    name = {"int": lambda k: k, "tuple": lambda k: (k % 3, k), "big": lambda k: k << 70}[t["kind"]]
+    for op, raw, size in t["ops"]:
+        keys = [name(k) for k in raw]
+        value = b"x" * size
+        if op == "g":
+            (m1, v1), (m2, v2) = nat.get_hits(keys), ref.get_hits(keys)
+            assert m1.tolist() == m2.tolist() and v1 == v2, "get_hits differs"
+        elif op == "p" and keys:
+            assert nat.put(keys[0], value) == ref.put(keys[0], value), "put differs"
+        elif op == "w" and keys:
+            assert nat.would_admit(keys[0], size) == ref.would_admit(keys[0], size), "would_admit differs"
+        elif op == "a":
+            assert nat.peek_many(keys) == ref.peek_many(keys), "peek_many differs"
+        elif op == "k":
+            assert nat.has_room(size) == ref.has_room(size), "has_room differs"
+        elif op == "c":
+            nat.clear()
+            ref.clear()
+        elif op == "d":
+            drop = set(keys).__contains__
+            assert nat.discard_where(drop) == ref.discard_where(drop), "discard_where differs"
+        assert nat.stats() == ref.stats() and nat.items() == ref.items(), "the entries differ"
+        assert nat._index.shadow() == list(ref._shadow.items()) and nat._index.counts() == dict(ref._freq or {}), "admission state differs"
+
+
 STRATEGIES = {
     "zarr_json_v3": (st.deferred(lambda: mutated_json(V3)), check_zarr_json_v3),
     "zarr_json_v2": (st.deferred(lambda: mutated_json(V2)), check_zarr_json_v2),
@@ -518,4 +568,5 @@ STRATEGIES = {
     "plan_passes": (plan_passes(), check_plan_passes),
     "plan_table": (plan_tables(), check_plan_table),
     "file_job": (file_jobs(), check_file_job),
+    "cache_index": (cache_traces(), check_cache_index),
 }

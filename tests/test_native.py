@@ -130,8 +130,8 @@ def test_native_path_fills_and_serves_the_chunk_cache(tmp_path, src, codec, monk
         got, _ = run(str(tmp_path / "a"), out, False, aabbs, executor=plain)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)) and plain.chunk_cache.stats()["hits"] > 0
         meta = damacy.open_array(tmp_path / "a")
-        assert len({key >> UNIT_BITS for key in cache._data}) == 1  # one array's entries, all of them
-        for key, (arr, _) in list(cache._data.items()):
+        assert len({key >> UNIT_BITS for key, _ in cache.items()}) == 1  # one array's entries, all of them
+        for key, arr in cache.items():
             unit = _unit_of(meta, key)
             assert not arr.flags.writeable
             box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(unit, (4, 4, 5), SHAPE))
@@ -156,7 +156,7 @@ def test_a_corrupt_chunk_is_never_cached(tmp_path):
                 assert i == 1 and isinstance(err, damacy.DecodeError) and "chunk [1, 0, 0]" in str(err)
                 assert np.array_equal(b.numpy()[0], data[0:4].astype("f4"))
         meta = damacy.open_array(uri)
-        assert [_unit_of(meta, k) for k in p.executor.chunk_cache._data] == [(0, 0, 0)]
+        assert [_unit_of(meta, k) for k, _ in p.executor.chunk_cache.items()] == [(0, 0, 0)]
 
 
 def test_native_reports_corrupt_and_truncated_chunks(tmp_path):

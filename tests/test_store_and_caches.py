@@ -9,6 +9,7 @@ import pytest
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 import damacy
+from damacy_server import native
 from damacy_server.cache import LRUCache
 from damacy_server.plan.resolve import Caches, Resolver
 from damacy_server.store import FileStore
@@ -380,3 +381,87 @@ def test_taking_the_frequency_rule_needs_longer_evidence_than_leaving_it():
     assert c.admission == "frequency"
     shadow_wins_a_period()
     assert c.admission == "recency" and c.switches == 2
+
+
+def _every_third(key) -> bool:
+    return hash(key) % 3 == 0
+
+
+def _state(c) -> tuple:
+    """Everything an LRUCache or an IndexedCache decides by: figures, order, counts, shadow."""
+    if isinstance(c, LRUCache):
+        seen, hits, shadow_hits = c._period
+        order = (list(c._data), dict(c._freq or {}), list(c._shadow.items()))
+        return (c.stats(), *order, c._lookups, seen, hits, shadow_hits, c._wins, c.nbytes, len(c))
+    st, index = c._index.state(), c._index
+    order = (index.keys(), index.counts(), index.shadow())
+    period = (st["lookups"], st["seen"], st["period_hits"], st["shadow_hits"], st["wins"])
+    return (c.stats(), *order, *period, c.nbytes, len(c))
+
+
+@pytest.mark.skipif(not native.available(), reason="the native module is not built")
+@pytest.mark.parametrize("bound", ["entries", "bytes"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
+    # random traces of every operation (epochs re-read in new orders, working sets that
+    # move, keys of three kinds, values of random sizes, clears and discards): after each
+    # operation the native index answers and holds exactly what LRUCache does (order,
+    # counts, shadow, period, figures); the traces evict, refuse and switch rules
+    import random
+
+    from damacy_server.cache import INDEX_RULES, IndexedCache
+
+    rnd = random.Random(11 + adaptive)
+    switches = evictions = rejections = 0
+    for trial in range(24):
+        size = (6, 40, 90)[trial % 3]
+        entries, nbytes = (size, None) if bound == "entries" else (None, 10 * size)
+        sizeof = len if bound == "bytes" else None
+        ref = LRUCache(entries, max_bytes=nbytes, sizeof=sizeof, admit_by_frequency=adaptive)
+        index = native.cache_index(entries, nbytes, adaptive, INDEX_RULES)
+        nat = IndexedCache(index, max_entries=entries, max_bytes=nbytes, sizeof=sizeof, adaptive=adaptive)
+        kind = trial % 3  # ints (the planner's), tuples (arrays past 2**40 units), strings
+        name = (lambda k: k) if kind == 0 else (lambda k: (k // 7, k % 7)) if kind == 1 else str
+        base, epoch = 0, []
+        for step in range(400):
+            if rnd.random() < 0.04:
+                base += 2 * size  # the working set moves
+            if not epoch:
+                epoch = rnd.sample(range(base, base + 3 * size), 3 * size)
+            keys = [name(epoch.pop()) for _ in range(min(len(epoch), rnd.randrange(1, 40)))]
+            keys += [name(base + rnd.randrange(3 * size)) for _ in range(rnd.randrange(3))]  # repeats
+            op = rnd.random()
+            if op < 0.45:
+                assert nat.get_many(keys) == ref.get_many(keys)
+                for k in keys:
+                    if ref.peek(k) is None:
+                        value = "v" * rnd.randrange(1, 25)
+                        assert nat.would_admit(k, len(value)) == ref.would_admit(k, len(value))
+                        assert nat.put(k, value) == ref.put(k, value)
+            elif op < 0.75:
+                (m1, v1), (m2, v2) = nat.get_hits(keys), ref.get_hits(keys)
+                assert m1.tolist() == m2.tolist() and v1 == v2
+                for k in keys[:3]:
+                    value = "w" * rnd.randrange(1, 12)
+                    assert nat.put(k, value) == ref.put(k, value)
+            elif op < 0.85:
+                assert nat.peek_many(keys) == ref.peek_many(keys) and nat.peek(keys[0]) == ref.peek(keys[0])
+                assert nat.get(keys[0]) == ref.get(keys[0])
+                room = rnd.randrange(30)
+                assert nat.has_room(room) == ref.has_room(room)
+            elif op < 0.99:
+                for k in keys[:4]:
+                    value = "x" * rnd.randrange(0, 40)  # some over the byte bound
+                    assert nat.put(k, value) == ref.put(k, value)
+            elif rnd.random() < 0.5:
+                nat.clear()
+                ref.clear()
+            else:
+                assert nat.discard_where(_every_third) == ref.discard_where(_every_third)
+            assert _state(nat) == _state(ref), (trial, step)
+            assert nat.admission == ref.admission and nat.items() == ref.items()
+        switches += ref.switches
+        evictions += ref.evictions
+        rejections += ref.rejections
+        assert nat.hits == ref.hits and nat.switches == ref.switches
+    assert evictions and (switches and rejections if adaptive else not switches)

@@ -33,7 +33,7 @@ from damacy_protocol.enums import Stage
 from damacy_protocol.errors import BudgetExceeded, DamacyError
 from damacy_protocol.limits import CpuLimits
 from damacy_server import native
-from damacy_server.cache import LRUCache
+from damacy_server.cache import INDEX_RULES, AnyCache, IndexedCache, LRUCache
 from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
 from damacy_server.cpu.reads import TASK_BYTES, ReadTasks
@@ -86,6 +86,22 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+def chunk_cache(max_bytes: int, *, native_index: bool = True) -> AnyCache | None:
+    """The chunk cache of decoded units: ``max_bytes`` of them (0: none), admitted adaptively;
+    kept by the native index where the module is built (and ``native_index``), else by
+    :class:`LRUCache` (the same rules)."""
+    if not max_bytes:
+        return None
+    index = native.cache_index(None, max_bytes, True, INDEX_RULES) if native_index else None
+    if index is None:
+        return LRUCache(max_bytes=max_bytes, sizeof=_nbytes, admit_by_frequency=True)
+    return IndexedCache(index, max_entries=None, max_bytes=max_bytes, sizeof=_nbytes, adaptive=True)
+
+
+def _nbytes(a: np.ndarray) -> int:
+    return a.nbytes
+
+
 class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
     """Reads, decodes and assembles batches in host memory: chunk data through ``reader`` (a
     :class:`~damacy_server.store.file.FileReader`: its I/O threads), decodes and copies on
@@ -112,11 +128,7 @@ class CpuExecutor(SharedUnits, ReadTasks, BudgetedExecutor):
         self._io_slots = threading.BoundedSemaphore(self.reader.max_inflight_reads)
         self._closed = False
         self._runs = itertools.count()
-        self.chunk_cache: LRUCache[np.ndarray] | None = (
-            LRUCache(max_bytes=self.limits.chunk_cache_bytes, sizeof=lambda a: a.nbytes, admit_by_frequency=True)
-            if self.limits.chunk_cache_bytes
-            else None
-        )
+        self.chunk_cache = chunk_cache(self.limits.chunk_cache_bytes, native_index=self.limits.native)
         # units scheduled and not yet decoded: a batch that needs one waits for it
         self.inflight = InFlight()
         self._deferred = threading.local()  # per thread: copies for waiting runs held to the end of a settling

@@ -23,7 +23,7 @@ import numpy as np
 
 from damacy_protocol.errors import DamacyError, DecodeError
 from damacy_server import native
-from damacy_server.cache import LRUCache
+from damacy_server.cache import AnyCache
 from damacy_server.cpu import optable
 from damacy_server.cpu.inflight import InFlight
 from damacy_server.cpu.run import Run, samples_of
@@ -53,7 +53,7 @@ class FileJob(NamedTuple):
 
 class NativeTasks:
     def __init__(
-        self, chunk_cache: LRUCache[np.ndarray] | None, inflight: InFlight | None = None,
+        self, chunk_cache: AnyCache | None, inflight: InFlight | None = None,
         settling: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         """``settling()``: the context units decoded together are settled in, for the runs

@@ -37,7 +37,7 @@ from damacy_protocol.errors import BudgetExceeded, DamacyError, DecodeError
 from damacy_protocol.limits import CudaLimits
 from damacy_runtime.device import DeviceArray
 from damacy_runtime.devices import check_gds
-from damacy_server.cache import LRUCache
+from damacy_server.cache import AnyCache, LRUCache
 from damacy_server.cpu.run import samples_of
 from damacy_server.cuda import nvcomp
 from damacy_server.cuda.device import Device, DeviceBuffer, bind_device, numa_cpus, open_backend
@@ -112,7 +112,7 @@ class CudaExecutor(BudgetedExecutor):
     def _start(self) -> None:
         self.budget = MemoryBudget(self.limits.max_gpu_memory_bytes, 4 * self.limits.max_chunk_bytes, "max_gpu_memory_bytes")
         self.stats = StageStats()
-        self.chunk_cache: LRUCache | None = None  # a device chunk cache is future work
+        self.chunk_cache: AnyCache | None = None  # a device chunk cache is future work
         self.inflight = None
         self.host_decoded = 0  # units of codec chains the device does not decode
         self._readers = WorkerPool(max(2, self.reader.workers // 2), "damacy-cuda-read")

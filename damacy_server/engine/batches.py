@@ -37,7 +37,7 @@ from damacy_protocol.enums import ErrorPolicy, Stage
 from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument
 from damacy_protocol.limits import BatchSpec
 from damacy_runtime.batch import Slot
-from damacy_server.cache import LRUCache
+from damacy_server.cache import AnyCache
 from damacy_server.engine.budget import StageStats
 from damacy_server.engine.policy import SKIPPED, Policy, PolicyRounds
 from damacy_server.engine.slots import HostSlots, SlotMemory
@@ -52,7 +52,7 @@ class Executor(Protocol):
     :class:`~damacy_server.cuda.executor.CudaExecutor`)."""
 
     stats: StageStats
-    chunk_cache: LRUCache | None
+    chunk_cache: AnyCache | None
 
     @property
     def inflight_capacity(self) -> int: ...
@@ -73,7 +73,7 @@ class Planner(Protocol):
 
     def plan(
         self, samples: Sequence[Any], sample_shape: tuple[int, ...], out_of_bounds: str = "pad", *,
-        capacity: int | None = None, cache: LRUCache | None = None, accept: Callable[[Any], Any] | None = None,
+        capacity: int | None = None, cache: AnyCache | None = None, accept: Callable[[Any], Any] | None = None,
         dtype: np.dtype | None = None, caps: Caps | None = None,
     ) -> BatchPlan: ...
 

@@ -9,6 +9,9 @@ else goes through the Python path; the values are identical (the tests compare b
 not decoded is not checked: a chunk corrupt only past what its boxes read is read where the
 Python path (or a unit decoded whole for the chunk cache) reports it corrupt; a checksum,
 where the frame has one, is always verified.
+
+(Over 400 lines: one job, the Python face of the one native module: what each of its entry
+points takes and gives, beside the numpy forms they are held to.)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import enum
 import functools
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -100,6 +103,16 @@ def _failures(raw: list[tuple[int, int, str | int | None]]) -> list[Failure]:
 
 def available() -> bool:
     return _assemble is not None
+
+
+def cache_index(max_entries: int | None, max_bytes: int | None, adaptive: bool, rules: tuple[int, ...]) -> Any:
+    """A native cache index (``CacheIndex``, cache.c) with these bounds (None: none), adaptive
+    admission or not and its ``rules`` (:data:`damacy_server.cache.INDEX_RULES`), for an
+    :class:`~damacy_server.cache.IndexedCache`; None without the native module."""
+    if _assemble is None:
+        return None
+    bounds = (-1 if max_entries is None else max_entries, -1 if max_bytes is None else max_bytes)
+    return _assemble.CacheIndex(*bounds, adaptive, rules)
 
 
 def _blosc_available() -> bool:

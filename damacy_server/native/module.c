@@ -108,5 +108,6 @@ PyMODINIT_FUNC PyInit__assemble(void) {
     if (m && PyModule_AddIntConstant(m, "RUN_FILE_MAX", RUN_FILE_MAX) < 0) Py_CLEAR(m);
     if (m && PyModule_AddIntConstant(m, "NO_READAHEAD", DM_NO_READAHEAD) < 0) Py_CLEAR(m);
     if (m && dm_job_ready(m) < 0) Py_CLEAR(m);
+    if (m && dm_cache_ready(m) < 0) Py_CLEAR(m);
     return m;
 }

@@ -12,6 +12,7 @@
  *   open.c     files opened inside the roots (openat2, else the descriptor's location)
  *   lz4.c      the walk that checks an LZ4 block before nvCOMP decodes it
  *   plan.c     the planner's box rows, distinct units and copy tables, in one pass each
+ *   cache.c    the chunk cache's index: keys, values, order and adaptive admission
  * Shared symbols are prefixed dm_ and hidden from other libraries (-fvisibility=hidden).
  */
 #ifndef DAMACY_NATIVE_H
@@ -136,5 +137,6 @@ PyObject *dm_py_unique_units(PyObject *self, PyObject *args);
 PyObject *dm_py_plan_table(PyObject *self, PyObject *args);
 PyObject *dm_py_merge_reads(PyObject *self, PyObject *args);
 PyObject *dm_py_check_lz4(PyObject *self, PyObject *args);
+int dm_cache_ready(PyObject *module);
 
 #endif

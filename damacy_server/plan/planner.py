@@ -28,7 +28,7 @@ from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import BudgetExceeded, DamacyError, InvalidArgument, RankMismatch
 from damacy_protocol.limits import PlanLimits
 from damacy_protocol.samples import PUSHED_ITEM, IndexQuery, Sample, describe_item
-from damacy_server.cache import LRUCache
+from damacy_server.cache import AnyCache
 from damacy_server.claim import Claim
 from damacy_server.decode import contract
 from damacy_server.plan.items import BadSample, Selected, sample_axes
@@ -186,7 +186,7 @@ class Planner:
         out_of_bounds: BoundsPolicy | str = BoundsPolicy.PAD,
         *,
         capacity: int | None = None,
-        cache: LRUCache | None = None,
+        cache: AnyCache | None = None,
         accept: Callable[[ArrayMetadata], np.dtype | None] | None = None,
         dtype: np.dtype | None = None,
         caps: Caps | None = None,
@@ -368,7 +368,7 @@ def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, lo
             ).with_context(uri=samples[s].uri, sample=samples[s])
 
 
-def _cache_hits(names: list, cache: LRUCache | None) -> tuple[list | None, np.ndarray | None]:
+def _cache_hits(names: list, cache: AnyCache | None) -> tuple[list | None, np.ndarray | None]:
     """The decoded arrays of the units named ``names`` (:func:`unit_keys`) that the chunk
     cache holds, in unit order, and a mask of which units those are; (None, None) when it
     holds none. Looked up before the units are located: a unit in the cache needs no shard
