@@ -465,3 +465,20 @@ def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
         rejections += ref.rejections
         assert nat.hits == ref.hits and nat.switches == ref.switches
     assert evictions and (switches and rejections if adaptive else not switches)
+
+
+def test_a_uri_resolves_the_same_when_remembered_and_a_relative_one_follows_the_working_directory(tmp_path, monkeypatch):
+    from damacy_server.store import _ROOTS, resolve_uri
+
+    absolute = f"{tmp_path}/a/../b.zarr/"
+    first = resolve_uri(absolute)
+    assert first[1] == str(tmp_path / "b.zarr") and _ROOTS[absolute] == first[1]
+    assert resolve_uri(absolute) == first and resolve_uri(f"file://{tmp_path}/b.zarr")[1] == first[1]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    monkeypatch.chdir(tmp_path / "one")
+    assert resolve_uri("v.zarr")[1] == str(tmp_path / "one" / "v.zarr") and "v.zarr" not in _ROOTS
+    monkeypatch.chdir(tmp_path / "two")
+    assert resolve_uri("v.zarr")[1] == str(tmp_path / "two" / "v.zarr")
+    with pytest.raises(damacy.InvalidArgument, match="NUL"):
+        resolve_uri(f"{tmp_path}/x\0")

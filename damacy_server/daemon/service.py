@@ -61,6 +61,20 @@ from damacy_server.zarr.codecs.chain import registry
 
 log = logging.getLogger("damacyd")
 
+#: the send flags as plain ints (zmq's are enum flags, combined anew on every call otherwise)
+_NOW = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+
+
+def _recv_frames(socket: zmq.Socket) -> list[zmq.Frame]:
+    """The next message's frames, without waiting (zmq.Again when none): recv_multipart's
+    work without its socket option lookup per frame (each frame says whether more follow;
+    the frames of a message arrive together)."""
+    parts = [socket.recv(_NOW, copy=False)]
+    while parts[-1].more:
+        parts.append(socket.recv(_NOW, copy=False))
+    return parts
+
 #: messages read from the socket per loop turn before replies are flushed: a client flooding
 #: the daemon delays another client's answer by at most this many messages (ZeroMQ takes
 #: turns between clients with messages waiting)
@@ -215,7 +229,7 @@ class Daemon:
         replies and comes back for the rest)."""
         for _ in range(MESSAGES_PER_TURN):
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = _recv_frames(self.socket)
             except zmq.Again:
                 return
             self.received += 1
@@ -244,8 +258,8 @@ class Daemon:
     def _send(self, identity: bytes, payload: bytes) -> None:
         """Write one message to the socket (on the loop thread, which owns it)."""
         try:
-            self.socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
-            self.socket.send(payload, zmq.NOBLOCK)
+            self.socket.send(identity, _MORE)
+            self.socket.send(payload, _NOW)
             self.sent += 1
         except zmq.ZMQError as e:  # the peer is gone (or its queue is full)
             log.debug("dropped a reply to a gone client: %s", e)

@@ -17,6 +17,11 @@ __all__ = ["MISSING", "ByteRange", "FileStore", "ObjectStore", "RemoteStores", "
 
 _FILE_STORE = FileStore()
 _REMOTE = RemoteStores()
+#: local uris whose root key does not depend on the working directory (absolute paths and
+#: file uris of them), with it: the planner and damacyd's socket loop resolve a uri per
+#: sample, mostly of a few arrays, and parsing each cost more than the rest of its handling
+_ROOTS: dict[str, str] = {}
+_ROOTS_REMEMBERED = 4096
 
 
 def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, str]:
@@ -27,6 +32,10 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
     object-store uri or an icechunk uri, read through ``remote`` (default: the process's,
     options from the environment).
     """
+    if type(uri) is str:
+        root = _ROOTS.get(uri)
+        if root is not None:
+            return _FILE_STORE, root
     if not isinstance(uri, (str, os.PathLike)):
         raise InvalidArgument(f"a uri must be a string or path, not {type(uri).__name__}")
     text = os.fspath(uri)
@@ -58,4 +67,9 @@ def resolve_uri(uri: str, remote: RemoteStores | None = None) -> tuple[Store, st
         )
     else:
         path = text
-    return _FILE_STORE, os.path.abspath(path).rstrip(os.sep) or os.sep
+    root = os.path.abspath(path).rstrip(os.sep) or os.sep
+    if type(uri) is str and os.path.isabs(path):  # (a relative path follows the working directory)
+        if len(_ROOTS) >= _ROOTS_REMEMBERED:
+            _ROOTS.clear()
+        _ROOTS[uri] = root
+    return _FILE_STORE, root
