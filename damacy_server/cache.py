@@ -15,6 +15,11 @@ A key-only shadow of the cache plays the other rule on the same lookups (a dict 
 key, no values); when over a period of lookups the shadow hits clearly more often, the cache
 switches rules (and the shadow starts playing the one it left). Counts are halved every
 ``10 x`` entries lookups, so recent reads weigh most.
+
+The chunk cache keeps these rules in a native index where the module is built
+(:class:`IndexedCache`); :class:`LRUCache` is their reference and the form everywhere else.
+
+(Over 400 lines: one job, the cache and its admission rules, in the two forms held equal.)
 """
 
 from __future__ import annotations
