@@ -252,12 +252,17 @@ static int table_pop(table_t *t, PyObject *key, Py_hash_t hash, int64_t *size, d
     return 1;
 }
 
+/* the slot of node `n` (in the table): found by its place, no key compared */
+static Py_ssize_t slot_of(table_t *t, int32_t n) {
+    size_t i = home(t->nodes[n].hash, t->mask);
+    while (t->slots[i] != n) i = (i + 1) & t->mask;
+    return (Py_ssize_t)i;
+}
+
 static void table_pop_oldest(table_t *t, int64_t *size, dead_t *dead) {
     int32_t n = t->head;
-    int found;
-    Py_ssize_t s = table_slot(t, t->nodes[n].key, t->nodes[n].hash, &found); /* (identity: no error) */
     *size = t->nodes[n].size;
-    table_remove_at(t, s, n, dead);
+    table_remove_at(t, slot_of(t, n), n, dead);
 }
 
 /* ---- the index ----------------------------------------------------------------------------- */
@@ -351,7 +356,7 @@ static int switch_rule(index_t *c, dead_t *dead) {
     return 0;
 }
 
-static int age_counts(index_t *c, dead_t *dead) {
+static void age_counts(index_t *c, dead_t *dead) {
     table_t *f = &c->freq;
     for (int32_t n = 0; n < f->top; n++) {
         node_t *x = &f->nodes[n];
@@ -359,13 +364,9 @@ static int age_counts(index_t *c, dead_t *dead) {
         if (x->size > 1) {
             x->size >>= 1;
         } else {
-            int found;
-            Py_ssize_t s = table_slot(f, x->key, x->hash, &found);
-            if (s < 0) return -1;
-            table_remove_at(f, s, n, dead);
+            table_remove_at(f, slot_of(f, n), n, dead);
         }
     }
-    return 0;
 }
 
 /* one lookup counted for admission (see LRUCache._count) */
@@ -377,7 +378,7 @@ static int count_lookup(index_t *c, PyObject *key, Py_hash_t hash, int hit, long
     f->nodes[n].size++;
     if (++c->lookups >= 10 * span) {
         c->lookups = 0;
-        if (age_counts(c, dead) < 0) return -1;
+        age_counts(c, dead);
     }
     c->seen++;
     c->period_hits += hit;
