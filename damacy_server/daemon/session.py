@@ -161,7 +161,7 @@ class Session:
         elif isinstance(msg, m.Push):
             self._push(msg)
         elif isinstance(msg, m.Pop):  # the stream queued it behind the pops before it
-            self.pump()
+            self.host.wake(self)  # pumped once the loop has read what came with it
         elif isinstance(msg, m.Release):  # of a batch the stream knows lent (answered only if refused)
             self.lent.pop(msg.batch_id).release()  # the engine hears of it, and the loop pumps this session
         elif isinstance(msg, m.Stats):
@@ -186,7 +186,7 @@ class Session:
             samples.append(sample)
         self.core.add(samples, final=self.stream.final, cut=msg.cut)  # the stream counted the push already
         self.pushed += len(msg.samples)  # (answered only if refused)
-        self.pump()
+        self.host.wake(self)  # pumped once the loop has read what came with it (a pop, a release)
 
     # -- the engine's side (on the loop thread) -------------------------------------------
     def pump(self) -> None:
