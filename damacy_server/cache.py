@@ -248,9 +248,20 @@ class LRUCache(Generic[V]):
             self._play_shadow(key, size)
             return self._admits(key, size, self._by_frequency, self._data, self._bytes)
 
-    def put(self, key: Hashable, value: V) -> bool:
-        """Keep ``value``; False when it was not admitted (or the cache is off)."""
-        size = self._sizeof(value) if self._sizeof is not None else 0
+    def would_admit_many(self, keys: Sequence[Hashable], size: int) -> list[bool]:
+        """:meth:`would_admit` of each key in turn (a batch's units of one size)."""
+        return [self.would_admit(k, size) for k in keys]
+
+    def put_many(self, keys: Sequence[Hashable], values: Sequence[V], size: int | None = None) -> int:
+        """:meth:`put` of each (key, value) in turn; ``size``: every value's, when the caller
+        knows it (a batch's units of one array), else measured; how many were kept."""
+        return sum(self.put(k, v, size) for k, v in zip(keys, values, strict=True))
+
+    def put(self, key: Hashable, value: V, size: int | None = None) -> bool:
+        """Keep ``value`` (of ``size`` bytes; None: as ``sizeof`` measures it); False when it
+        was not admitted (or the cache is off)."""
+        if size is None:
+            size = self._sizeof(value) if self._sizeof is not None else 0
         if self.max_entries == 0 or (self.max_bytes is not None and size > self.max_bytes):
             return False
         with self._lock:
@@ -373,9 +384,24 @@ class IndexedCache(Generic[V]):
         with self._lock:
             return self._index.would_admit(key, size)
 
-    def put(self, key: Hashable, value: V) -> bool:
+    def would_admit_many(self, keys: Sequence[Hashable], size: int) -> list[bool]:
         with self._lock:
-            return self._index.put(key, value, self._sizeof(value) if self._sizeof is not None else 0)
+            mask = self._index.would_admit_many(keys, size)
+        return np.frombuffer(mask, dtype=bool).tolist()
+
+    def put(self, key: Hashable, value: V, size: int | None = None) -> bool:
+        if size is None:
+            size = self._sizeof(value) if self._sizeof is not None else 0
+        with self._lock:
+            return self._index.put(key, value, size)
+
+    def put_many(self, keys: Sequence[Hashable], values: Sequence[V], size: int | None = None) -> int:
+        if len(keys) != len(values):
+            raise ValueError("put_many: as many values as keys")
+        with self._lock:
+            if size is not None:
+                return self._index.put_many(keys, values, size)
+        return sum(self.put(k, v) for k, v in zip(keys, values))
 
     def clear(self) -> None:
         with self._lock:

@@ -513,7 +513,7 @@ def check_file_job(t: dict) -> None:
 def cache_traces(draw) -> dict:
     """A trace of chunk-cache operations (lookups in batches, offers, puts, peeks, clears,
     discards) on a small cache bounded by entries or bytes, keys of one kind."""
-    ops = draw(st.lists(st.tuples(st.sampled_from("gpwakcd"), st.lists(st.integers(0, 40), max_size=12), st.integers(0, 30)), max_size=60))
+    ops = draw(st.lists(st.tuples(st.sampled_from("gpwakcdWP"), st.lists(st.integers(0, 40), max_size=12), st.integers(0, 30)), max_size=60))
     return dict(
         ops=ops, entries=draw(st.sampled_from([None, 0, 1, 3, 8])), nbytes=draw(st.sampled_from([None, 0, 20, 60])),
         adaptive=draw(st.booleans()), kind=draw(st.sampled_from(["int", "tuple", "big"])),
@@ -549,6 +549,11 @@ def check_cache_index(t: dict) -> None:
             assert nat.peek_many(keys) == ref.peek_many(keys), "peek_many differs"
         elif op == "k":
             assert nat.has_room(size) == ref.has_room(size), "has_room differs"
+        elif op == "W":
+            assert nat.would_admit_many(keys, size) == ref.would_admit_many(keys, size), "would_admit_many differs"
+        elif op == "P":
+            values = [value] * len(keys)
+            assert nat.put_many(keys, values, size) == ref.put_many(keys, values, size), "put_many differs"
         elif op == "c":
             nat.clear()
             ref.clear()

@@ -449,10 +449,16 @@ def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
                 assert nat.get(keys[0]) == ref.get(keys[0])
                 room = rnd.randrange(30)
                 assert nat.has_room(room) == ref.has_room(room)
-            elif op < 0.99:
+            elif op < 0.93:
                 for k in keys[:4]:
                     value = "x" * rnd.randrange(0, 40)  # some over the byte bound
                     assert nat.put(k, value) == ref.put(k, value)
+            elif op < 0.99:  # the executor's forms: a batch's units of one size offered, then kept
+                size = rnd.randrange(1, 30)
+                assert nat.would_admit_many(keys, size) == ref.would_admit_many(keys, size)
+                values = ["y" * size] * len(keys)
+                assert nat.put_many(keys, values, size) == ref.put_many(keys, values, size)
+                assert nat.put_many(keys[:2], values[:2]) == ref.put_many(keys[:2], values[:2])
             elif rnd.random() < 0.5:
                 nat.clear()
                 ref.clear()

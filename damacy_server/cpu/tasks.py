@@ -101,7 +101,7 @@ class NativeTasks:
         if kept is not None:
             bad = {f.unit for f in failures}
             ok = [k for k in range(len(units)) if k not in bad] if bad else range(len(units))
-            self._cache_kept(take(names, ok), take(shareds, ok), take(kept, ok))
+            self._cache_kept(take(names, ok), take(shareds, ok), take(kept, ok), kernel.decoded_nbytes)
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
     def file_job(self, kernel, run: Run, bundles: list[list[ReadGroup]], flags: int, roots: bytes | None, paths: tuple[bytes, ...]) -> FileJob:
@@ -158,7 +158,7 @@ class NativeTasks:
         else:
             ks = [k for r in made for k in range(bounds[r], bounds[r + 1]) if k not in failed]
         at = take(idx, ks)
-        self._cache_kept(take(block.names, at), take(block.shared, at), take(job.kept, ks))
+        self._cache_kept(take(block.names, at), take(block.shared, at), take(job.kept, ks), kernel.decoded_nbytes)
         return decoded
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
@@ -215,7 +215,7 @@ class NativeTasks:
         into whole (the others are decoded only as far as the copies need)."""
         cache = self.chunk_cache
         size = kernel.decoded_nbytes
-        wanted = [cache.would_admit(name, size) for name in names] if cache is not None else [False] * len(names)
+        wanted = cache.would_admit_many(names, size) if cache is not None else [False] * len(names)
         if self.inflight is not None and shareds.count(None) != len(shareds):
             wanted = self.inflight.start_many(shareds, wanted)
         if not any(wanted):
@@ -227,20 +227,19 @@ class NativeTasks:
         keep[np.flatnonzero(wanted)] = addresses
         return kept, keep
 
-    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray | None]) -> None:
+    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray | None], size: int) -> None:
         """Units made (``names``, ``shareds`` and their buffers, ``arrays``: None for a unit
-        not decoded whole): those decoded whole to the chunk cache, and to the batches
-        waiting for them."""
+        not decoded whole; each buffer ``size`` bytes, a kernel's decoded unit): those decoded
+        whole to the chunk cache, and to the batches waiting for them."""
         held = list(map(is_not, arrays, repeat(None)))
         if not any(held):
             return
         if not all(held):
             names, shareds, arrays = list(compress(names, held)), list(compress(shareds, held)), list(compress(arrays, held))
-        cache = self.chunk_cache
-        for name, arr in zip(names, arrays):
+        for arr in arrays:
             arr.flags.writeable = False
-            if cache is not None:
-                cache.put(name, arr)
+        if self.chunk_cache is not None:
+            self.chunk_cache.put_many(names, arrays, size)
         if self.inflight is not None and shareds.count(None) != len(shareds):
             with self._settling():
                 self.inflight.settle_many(shareds, arrays)

@@ -509,21 +509,81 @@ fail:
     return NULL;
 }
 
+/* whether put would keep a value of `size` under `key` now (the shadow plays it): 1, 0, -1 error */
+static int would_admit_one(index_t *c, PyObject *key, long long size, dead_t *dead) {
+    if (c->max_entries == 0 || (c->max_bytes >= 0 && size > c->max_bytes)) return 0;
+    if (!c->adaptive) return 1;
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1 && PyErr_Occurred()) return -1;
+    int ok = play_shadow(c, key, h, size, dead);
+    if (ok == 0) ok = admits(c, key, h, size, c->by_frequency, &c->data, c->bytes);
+    return ok;
+}
+
+/* keep `value` (of `size`) under `key`: 1 kept, 0 not admitted (or the cache is off), -1 error */
+static int put_one(index_t *c, PyObject *key, PyObject *value, long long size, dead_t *dead) {
+    if (c->max_entries == 0 || (c->max_bytes >= 0 && size > c->max_bytes)) return 0;
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1 && PyErr_Occurred()) return -1;
+    int64_t old;
+    int had = table_pop(&c->data, key, h, &old, dead);
+    if (had < 0) return -1;
+    if (had) {
+        c->bytes -= old;
+    } else if (c->adaptive) {
+        int ok = play_shadow(c, key, h, size, dead);
+        if (ok == 0) ok = admits(c, key, h, size, c->by_frequency, &c->data, c->bytes);
+        if (ok < 0) return -1;
+        if (!ok) {
+            c->rejections++;
+            return 0;
+        }
+    }
+    int32_t n = table_insert(&c->data, key, h);
+    if (n < 0) return -1;
+    Py_INCREF(value);
+    c->data.nodes[n].value = value;
+    c->data.nodes[n].size = size;
+    c->bytes += size;
+    while (full(c, 0, c->data.used, c->bytes)) {
+        int64_t gone;
+        table_pop_oldest(&c->data, &gone, dead);
+        c->bytes -= gone;
+        c->evictions++;
+    }
+    return 1;
+}
+
 /* would_admit(key, size): whether put would keep a value of `size` now (the shadow plays it) */
 static PyObject *index_would_admit(index_t *c, PyObject *args) {
     PyObject *key;
     long long size;
     if (!PyArg_ParseTuple(args, "OL", &key, &size)) return NULL;
-    if (c->max_entries == 0 || (c->max_bytes >= 0 && size > c->max_bytes)) Py_RETURN_FALSE;
-    if (!c->adaptive) Py_RETURN_TRUE;
-    Py_hash_t h = PyObject_Hash(key);
-    if (h == -1 && PyErr_Occurred()) return NULL;
     dead_t dead = {0};
-    int ok = play_shadow(c, key, h, size, &dead);
-    if (ok == 0) ok = admits(c, key, h, size, c->by_frequency, &c->data, c->bytes);
+    int ok = would_admit_one(c, key, size, &dead);
     dead_release(&dead);
-    if (ok < 0) return NULL;
-    return PyBool_FromLong(ok);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
+}
+
+/* would_admit_many(keys, size): would_admit of each key in turn, as bytes (1: admitted) */
+static PyObject *index_would_admit_many(index_t *c, PyObject *args) {
+    PyObject *seq;
+    long long size;
+    if (!PyArg_ParseTuple(args, "OL", &seq, &size)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "would_admit_many needs a sequence of keys");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **keys = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    dead_t dead = {0};
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        int ok = would_admit_one(c, keys[i], size, &dead);
+        if (ok < 0) Py_CLEAR(out);
+        else PyBytes_AS_STRING(out)[i] = (char)ok;
+    }
+    Py_DECREF(fast);
+    dead_release(&dead);
+    return out;
 }
 
 /* put(key, value, size): keep the value; False when it was not admitted (or the cache is off) */
@@ -531,43 +591,42 @@ static PyObject *index_put(index_t *c, PyObject *args) {
     PyObject *key, *value;
     long long size;
     if (!PyArg_ParseTuple(args, "OOL", &key, &value, &size)) return NULL;
-    if (c->max_entries == 0 || (c->max_bytes >= 0 && size > c->max_bytes)) Py_RETURN_FALSE;
-    Py_hash_t h = PyObject_Hash(key);
-    if (h == -1 && PyErr_Occurred()) return NULL;
     dead_t dead = {0};
-    PyObject *out = NULL;
-    int64_t old;
-    int had = table_pop(&c->data, key, h, &old, &dead);
-    if (had < 0) goto done;
-    if (had) {
-        c->bytes -= old;
-    } else if (c->adaptive) {
-        int ok = play_shadow(c, key, h, size, &dead);
-        if (ok == 0) ok = admits(c, key, h, size, c->by_frequency, &c->data, c->bytes);
-        if (ok < 0) goto done;
-        if (!ok) {
-            c->rejections++;
-            out = Py_False;
-            Py_INCREF(out);
-            goto done;
-        }
-    }
-    int32_t n = table_insert(&c->data, key, h);
-    if (n < 0) goto done;
-    Py_INCREF(value);
-    c->data.nodes[n].value = value;
-    c->data.nodes[n].size = size;
-    c->bytes += size;
-    while (full(c, 0, c->data.used, c->bytes)) {
-        int64_t gone;
-        table_pop_oldest(&c->data, &gone, &dead);
-        c->bytes -= gone;
-        c->evictions++;
-    }
-    out = Py_True;
-    Py_INCREF(out);
-done:
+    int ok = put_one(c, key, value, size, &dead);
     dead_release(&dead);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
+}
+
+/* put_many(keys, values, size): put of each (key, value) in turn, every value of `size`
+ * bytes; how many were kept */
+static PyObject *index_put_many(index_t *c, PyObject *args) {
+    PyObject *kseq, *vseq;
+    long long size;
+    if (!PyArg_ParseTuple(args, "OOL", &kseq, &vseq, &size)) return NULL;
+    PyObject *kf = PySequence_Fast(kseq, "put_many needs a sequence of keys");
+    if (!kf) return NULL;
+    PyObject *vf = PySequence_Fast(vseq, "put_many needs a sequence of values");
+    if (!vf) {
+        Py_DECREF(kf);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(kf);
+    PyObject *out = NULL;
+    if (PySequence_Fast_GET_SIZE(vf) != n) {
+        PyErr_SetString(PyExc_ValueError, "put_many: as many values as keys");
+    } else {
+        dead_t dead = {0};
+        long long kept = 0;
+        int ok = 0;
+        for (Py_ssize_t i = 0; i < n && ok >= 0; i++) {
+            ok = put_one(c, PySequence_Fast_ITEMS(kf)[i], PySequence_Fast_ITEMS(vf)[i], size, &dead);
+            kept += ok > 0;
+        }
+        dead_release(&dead);
+        if (ok >= 0) out = PyLong_FromLongLong(kept);
+    }
+    Py_DECREF(kf);
+    Py_DECREF(vf);
     return out;
 }
 
@@ -695,7 +754,9 @@ static PyMethodDef index_methods[] = {
     {"get_hits", (PyCFunction)index_get_hits, METH_O, "Look keys up, counted: (held mask as bytes, their values in order)."},
     {"peek_many", (PyCFunction)index_peek_many, METH_O, "The value of each key (None: not held), nothing counted."},
     {"would_admit", (PyCFunction)index_would_admit, METH_VARARGS, "Whether put(key, value, size) would keep the value now."},
+    {"would_admit_many", (PyCFunction)index_would_admit_many, METH_VARARGS, "would_admit of each key in turn (bytes: 1 admitted)."},
     {"put", (PyCFunction)index_put, METH_VARARGS, "Keep a value of size bytes under key; False when not admitted."},
+    {"put_many", (PyCFunction)index_put_many, METH_VARARGS, "put of each (key, value) in turn, each of size bytes; how many were kept."},
     {"has_room", (PyCFunction)index_has_room, METH_O, "Whether a value of size bytes fits without evicting."},
     {"clear", (PyCFunction)index_clear, METH_NOARGS, "Forget every entry."},
     {"discard", (PyCFunction)index_discard, METH_O, "Forget these keys (entries and shadow); how many entries went."},
