@@ -346,22 +346,24 @@ def test_reads_are_merged_as_the_rule_says_by_both_forms():
     assert merged_some > 100 and whole_some > 50
 
 
-def _calls_of_a_read_batch(tmp_path, name: str, chunks: tuple[int, ...]) -> tuple[int, int, int]:
+def _calls_of_a_read_batch(tmp_path, name: str, chunks: tuple[int, ...], cache_bytes: int = 0) -> tuple[int, int, int]:
     """The Python calls made, by every thread of the pipeline (its feeder, I/O and decode
     threads are started while calls are watched), planning and executing a batch of 4 boxes
-    of a sharded array with no chunk cache, its bytes in the page cache (just written and
-    read once), the units and reads it made, and the reads the decode threads made
-    themselves; its values checked."""
+    of a sharded array, its bytes in the page cache (just written and read once), the units
+    and reads it made, and the reads the decode threads made themselves; its values checked.
+    With ``cache_bytes`` the executor has a chunk cache, emptied before the batch: every unit
+    it decodes is offered to it and kept (the plan does not look it up)."""
     data = random_data((8, 64, 64), "uint16", seed=5)
     write_array(tmp_path / f"{name}.zarr", data, chunks=chunks, shards=(8, 32, 32))
     uri = str(tmp_path / f"{name}.zarr")
-    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 48, 48), dtype="f32", pop_timeout_s=30)
+    cfg = damacy.Config(samples_per_batch=4, sample_shape=(8, 48, 48), dtype="f32", pop_timeout_s=30, chunk_cache_bytes=cache_bytes)
     samples = [damacy.Sample(uri, np.s_[:, y : y + 48, x : x + 48]) for y, x in ((0, 0), (16, 16), (8, 0), (16, 8))]
     with _Calls(counting=False) as counted, damacy.Pipeline(cfg) as pipe:
         pipe.push(samples)
         pipe.pop().release()  # reads the shard indexes, and the data into the page cache
         planner, executor = pipe.planner, pipe.executor
-        assert executor.chunk_cache is None
+        cache = executor.chunk_cache
+        assert (cache is None) == (not cache_bytes)
         out = np.zeros((4, 8, 48, 48), dtype=np.float32)
         done = threading.Event()
 
@@ -376,10 +378,14 @@ def _calls_of_a_read_batch(tmp_path, name: str, chunks: tuple[int, ...]) -> tupl
 
         step()
         before = executor.stats.snapshot()["direct"]["count"]
+        if cache is not None:
+            cache.clear()
         counted.counting = True
         plan = step()
         counted.counting = False
         direct = executor.stats.snapshot()["direct"]["count"] - before
+        if cache is not None:  # every unit decoded was kept
+            assert len(cache) == plan.units_unique, (len(cache), plan.units_unique)
     assert np.array_equal(out, np.stack([data[s.selection] for s in samples]).astype(np.float32))
     return counted.n, plan.units_unique, len(plan.groups), direct
 
@@ -395,4 +401,15 @@ def test_a_batch_read_from_the_page_cache_is_planned_and_executed_without_python
     assert few_direct == few_reads and many_direct == many_reads  # (every read made by a decode thread itself)
     # no Python call per unit: one would add at least 220; the threads' turns (which takes a
     # job's next reads, how often a worker waits) vary the count by a few dozen between runs
+    assert abs(lots - few) < 0.15 * few, (few, lots)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native extension is not built (the numpy path decodes per unit)")
+def test_units_decoded_for_the_chunk_cache_are_offered_and_kept_without_python_per_unit(tmp_path):
+    # the same two batches with a chunk cache: every unit is offered to it before it is
+    # decoded whole and kept after, a native call per task (the cache's index in C), so the
+    # calls do not grow with the units either
+    few, few_units, few_reads, _ = _calls_of_a_read_batch(tmp_path, "few", (8, 16, 16), cache_bytes=64 << 20)
+    lots, many_units, many_reads, _ = _calls_of_a_read_batch(tmp_path, "many", (2, 8, 8), cache_bytes=64 << 20)
+    assert many_units >= 8 * few_units and many_reads == few_reads
     assert abs(lots - few) < 0.15 * few, (few, lots)
