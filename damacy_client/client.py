@@ -28,7 +28,7 @@ from damacy_client.shm import map_segment
 from damacy_client.transport import Call, Connection
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
-from damacy_protocol.dtypes import canonical_dtype, numpy_dtype
+from damacy_protocol.dtypes import canonical_dtype, numpy_dtype, numpy_name
 from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import (
     DamacyError,
@@ -427,7 +427,7 @@ class RemotePipeline(PipelineAPI):
             self._cond.notify_all()
         errors = tuple((r.seqs.index(w.seq) if w.seq in r.seqs else -1, error_from_wire(w)) for w in r.errors)
         device = f"cuda:{self.config.device}" if self._link is not None else "cpu"
-        info = front.batch_info(self.output, r.count, dtype.name, r.batch_id, samples, errors, skipped, device=device)
+        info = front.batch_info(self.output, r.count, numpy_name(dtype), r.batch_id, samples, errors, skipped, device=device)
         slot = Slot(full, lambda _slot, bid=r.batch_id: self._release(bid), index=r.slot)
         batch = Batch(slot, info, dtype, full)
         with self._cond:

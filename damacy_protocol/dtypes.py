@@ -6,10 +6,14 @@ numpy (bf16 through ml_dtypes, imported only when asked for).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 from damacy_protocol.enums import Dtype
 from damacy_protocol.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: canonical name → numpy dtype name ("native": the array's own dtype)
 OUTPUT_DTYPES: dict[str, str] = {
@@ -46,6 +50,13 @@ def output_dtype(value: Any) -> Dtype | str:
         if name in EXTRA_DTYPES:
             return name
     return Dtype.coerce(value)
+
+
+@functools.lru_cache(maxsize=256)
+def numpy_name(dtype: np.dtype) -> str:
+    """numpy's name of ``dtype`` (``"float32"``), remembered: numpy works it out in Python
+    on every ask, and a front end asks per batch."""
+    return dtype.name
 
 
 def dtype_name(dtype: Dtype | str) -> str:

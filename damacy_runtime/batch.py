@@ -40,6 +40,15 @@ class Slot:
         self._users = 0
         # reentrant: a lease collected (and released) while this thread holds the lock
         self._lock = threading.RLock()
+        self._address: int | None = None
+
+    @property
+    def address(self) -> int:
+        """The address of the slot's first byte (a slot in host memory; found once: a batch
+        in it starts there)."""
+        if self._address is None:
+            self._address = int(self.array.__array_interface__["data"][0])
+        return self._address
 
     def acquire(self) -> None:
         with self._lock:

@@ -293,13 +293,15 @@ def pop_timeout(batch_id: int, timeout: float, why: str, slots: int, in_use: int
 
 
 def batch_info(
-    output: BatchSpec, count: int, dtype_name: str, batch_id: int, samples, errors=(), skipped=(), device: str = "cpu"
+    output: BatchSpec, count: int, dtype_name: str, batch_id: int, samples, errors=(), skipped=(), device: str = "cpu",
+    device_ptr: int = 0,
 ) -> BatchInfo:
     """What a batch of ``count`` samples carries; ``dtype_name`` is the batch's own dtype
-    (what it is when the pipeline asks for ``native``)."""
+    (what it is when the pipeline asks for ``native``); ``device_ptr``: its first element's
+    address when the caller knows it (0: the :class:`Batch` finds it)."""
     dtype = output.dtype if output.dtype != "native" else output_dtype(dtype_name)
     return BatchInfo(
-        device_ptr=0,
+        device_ptr=device_ptr,
         shape=(count, *output.shape),
         dtype=dtype,
         ready_stream=0,

@@ -19,7 +19,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from damacy_protocol.config import Config
+from damacy_protocol.dtypes import numpy_name
 from damacy_protocol.enums import BoundsPolicy
 from damacy_protocol.errors import DamacyError, InvalidArgument, PipelineDrained, ShutdownError, stage
 from damacy_protocol.limits import BatchSpec, CpuLimits, CudaLimits, QueueLimits
@@ -304,11 +307,12 @@ class Pipeline(PipelineAPI):
 
     def _batch(self, delivery: Delivery) -> Batch:
         slot, dtype = delivery.slot, delivery.dtype
+        view = self.engine.slot_view(slot, dtype)  # (from the slot's start)
         info = front.batch_info(
-            self.output, len(delivery.samples), dtype.name, delivery.batch_id, delivery.samples, delivery.errors, delivery.skipped,
-            device=self._device_name(),
+            self.output, len(delivery.samples), numpy_name(dtype), delivery.batch_id, delivery.samples, delivery.errors,
+            delivery.skipped, device=self._device_name(), device_ptr=slot.address if isinstance(view, np.ndarray) else 0,
         )
-        batch = Batch(slot, info, dtype, self.engine.slot_view(slot, dtype))
+        batch = Batch(slot, info, dtype, view)
         slot.release()  # the engine's hold; the batch holds its own
         return batch
 

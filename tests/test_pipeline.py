@@ -1233,3 +1233,24 @@ def test_a_pipeline_dropped_without_close_is_collected_and_closed(store, make):
     gc.collect()
     assert wait_for(lambda: ref() is None, what="the pipeline to be collected")  # its threads held it only for a step
     assert wait_for(lambda: not any(t.is_alive() for t in threads), what="its threads to end (it was closed)")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "native"])
+def test_each_batch_says_the_address_of_its_own_slot(tmp_path, dtype):
+    # batches cycle through the slots: each one's device_ptr is its array's first element,
+    # taken from its slot (found once per slot), for a fixed dtype and the array's own
+    data = random_data((16, 8, 8), "uint16", seed=4)
+    write_array(tmp_path / "a.zarr", data, chunks=(4, 8, 8))
+    uri = str(tmp_path / "a.zarr")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(2, 8, 8), dtype=dtype, prepared_batches=3, pop_timeout_s=30)
+    seen = set()
+    with damacy.Pipeline(cfg) as p:
+        p.push([damacy.Sample(uri, np.s_[z : z + 2, :, :]) for z in range(0, 16, 2)] * 2)
+        for k, b in enumerate(p.batches()):
+            with b:
+                arr = b.numpy()
+                assert b.info.device_ptr == arr.__array_interface__["data"][0] == b.info.data
+                z = (2 * 2 * k) % 16
+                assert np.array_equal(arr, data[z : z + 4].reshape(2, 2, 8, 8).astype(arr.dtype))
+                seen.add(b.info.device_ptr)
+    assert len(seen) >= 2  # (more than one slot was used)

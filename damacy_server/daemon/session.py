@@ -21,7 +21,7 @@ from typing import Any
 from damacy_protocol import messages as m
 from damacy_protocol.config import Config
 from damacy_protocol.connection import ServerConnection
-from damacy_protocol.dtypes import dtype_name
+from damacy_protocol.dtypes import dtype_name, numpy_name
 from damacy_protocol.errors import BatchFailed, DamacyError, InvalidArgument, PipelineDrained, ProtocolError
 from damacy_protocol.stats import SessionFigures
 from damacy_protocol.wire import error_to_wire
@@ -259,7 +259,7 @@ class Session:
             batch_id=d.batch_id,
             slot=d.slot.index,
             count=len(d.samples),
-            dtype=d.dtype.name,
+            dtype=numpy_name(d.dtype),
             seqs=[self._seq(s) for s in d.samples],
             errors=errors,
             skipped=skipped,
