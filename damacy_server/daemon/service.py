@@ -75,6 +75,7 @@ def _recv_frames(socket: zmq.Socket) -> list[zmq.Frame]:
         parts.append(socket.recv(_NOW, copy=False))
     return parts
 
+
 #: messages read from the socket per loop turn before replies are flushed: a client flooding
 #: the daemon delays another client's answer by at most this many messages (ZeroMQ takes
 #: turns between clients with messages waiting)
