@@ -61,7 +61,8 @@ if kind == "planes-cached":
     cfg = runners.damacy_config(scn, chunk_cache_bytes=2 * data_bytes)
     warm = epoch
     rng = np.random.default_rng(seed)
-    measured = [epoch[i] for i in rng.permutation(len(epoch))] * max(1, batches * scn.samples_per_batch // len(epoch))
+    # at least 4 epochs: one of cached planes passes in under a second, too short a phase to sample
+    measured = [epoch[i] for i in rng.permutation(len(epoch))] * max(4, -(-batches * scn.samples_per_batch // len(epoch)))
 else:
     scn = SCENARIOS[kind]
     cfg = runners.damacy_config(scn)
