@@ -150,11 +150,10 @@ class Batch:
         self._array: Any = shaped  # a numpy array, or a DeviceArray in a GPU's memory
         device: StreamOrder | None = None
         if isinstance(shaped, DeviceArray):
-            device, ptr = shaped.device, shaped.ptr
-        else:
-            ptr = int(shaped.__array_interface__["data"][0])
+            device = shaped.device
         self._device = device
         if info.device_ptr == 0:  # (its device_type and device_id are the front end's: front.batch_info)
+            ptr = shaped.ptr if isinstance(shaped, DeviceArray) else int(shaped.__array_interface__["data"][0])
             info = dataclasses.replace(
                 info, device_ptr=ptr, ready_stream=(device.stream_handle or 0) if device is not None else 0
             )
