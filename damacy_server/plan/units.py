@@ -6,6 +6,7 @@ decoded arrays, and the head of the table that copies them)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -167,12 +168,18 @@ def _array_token(meta: ArrayMetadata) -> int:
 
 def _unit_strides(meta: ArrayMetadata) -> tuple[np.ndarray, int]:
     """The C-order strides of ``meta``'s read-unit grid, and how many units it has."""
-    grid = meta.layout.grid
+    return _grid_strides(meta.layout.grid)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_strides(grid: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """:func:`_unit_strides` of a grid, worked out once (the array is not to be written)."""
     strides = np.ones(len(grid), dtype=np.int64)
     n = 1
     for axis in range(len(grid) - 1, -1, -1):
         strides[axis] = n
         n *= max(int(grid[axis]), 1)
+    strides.flags.writeable = False
     return strides, n
 
 

@@ -9,6 +9,7 @@ is a few numpy operations.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,12 +42,13 @@ class ChunkLayout:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
-        """Read units per axis (the last ones may reach past the array's end)."""
+        """Read units per axis (the last ones may reach past the array's end; worked out once:
+        the planner asks per batch and per sample)."""
         return tuple(-(-s // u) for s, u in zip(self.shape, self.unit_shape))
 
-    @property
+    @functools.cached_property
     def units_per_chunk(self) -> tuple[int, ...]:
         return tuple(c // u for c, u in zip(self.chunk_shape, self.unit_shape))
 
