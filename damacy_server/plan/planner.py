@@ -215,6 +215,7 @@ class Planner:
         if self.fresh_after is not None:
             self.metadata.recheck(requests, self.fresh_after)
         found = self.metadata.arrays(requests, self.fresh_after)
+        sized: set[int] = set()  # the arrays whose chunk size passed (by id): checked once a batch
         for i, sample in enumerate(samples):
             try:
                 if isinstance(sample, BadSample):
@@ -225,8 +226,9 @@ class Planner:
                 if isinstance(meta, DamacyError):
                     raise meta.copy() from meta.__cause__
                 metas[i] = meta
-                if self.batch_limits:
+                if self.batch_limits and id(meta) not in sized:
                     self._check_chunk_size(meta, caps)
+                    sized.add(id(meta))
                 fixed = accept(meta) if accept is not None else None
                 if isinstance(sample, (Sample, IndexQuery)):
                     named = len(sample.selection)
@@ -237,7 +239,7 @@ class Planner:
                     axes, drop = sample_axes(sample, meta, out_of_bounds), []
                 shape = selection_shape(axes)
                 transform = transform_of(sample, shape, drop)
-                result = tuple(n for a, n in enumerate(shape) if a not in drop)
+                result = tuple(n for a, n in enumerate(shape) if a not in drop) if drop else shape
                 out = result if transform is None or transform[1] is None else tuple(result[a] for a in transform[1])
                 if tuple(out) != tuple(sample_shape):
                     what = f"selects shape {result}" + (f", {out} transposed" if out != result else "")
