@@ -117,11 +117,7 @@ class LRUCache(Generic[V]):
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
         """:meth:`get` of each key, under one acquisition of the lock."""
-        hit, values = self.get_hits(keys)
-        out: list[V | None] = [None] * len(keys)
-        for i, v in zip(np.flatnonzero(hit).tolist(), values):
-            out[i] = v
-        return out
+        return _spread(*self.get_hits(keys))
 
     def get_hits(self, keys: list[Hashable]) -> tuple[np.ndarray, list[V]]:
         """Look up ``keys`` at once (the planner asks for a batch's units, hundreds at a time:
@@ -323,31 +319,41 @@ class LRUCache(Generic[V]):
             }
 
 
+def _spread(hit: np.ndarray, values: list) -> list:
+    """``get_hits``' answer as one entry per key: its value, None where not held."""
+    out: list = [None] * len(hit)
+    for i, v in zip(np.flatnonzero(hit).tolist(), values):
+        out[i] = v
+    return out
+
+
 class IndexedCache(Generic[V]):
     """:class:`LRUCache`'s behaviour, rule for rule, kept by a native index (``index``: a
-    ``CacheIndex`` made with :data:`INDEX_RULES` and this cache's bounds, see
+    ``CacheIndex`` made with :data:`INDEX_RULES`, its bounds and admission this cache's, see
     :func:`damacy_server.native.cache_index`): a batch's hundreds of lookups are one C loop
     over a hash table, not several dict passes. The chunk cache is one where the native module
     is built; the tests hold it to :class:`LRUCache` operation by operation. Thread-safe: calls
     into the index hold a lock (as LRUCache's do; a collection of garbage inside a call could
     otherwise let another thread in)."""
 
-    def __init__(
-        self, index: Any, *, max_entries: int | None, max_bytes: int | None, sizeof: Callable[[V], int] | None, adaptive: bool
-    ) -> None:
+    def __init__(self, index: Any, *, sizeof: Callable[[V], int] | None = None) -> None:
         self._index = index
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        st = index.state()
+        self.max_entries: int | None = None if st["max_entries"] < 0 else st["max_entries"]
+        self.max_bytes: int | None = None if st["max_bytes"] < 0 else st["max_bytes"]
         self._sizeof = sizeof
-        self._adaptive = adaptive
+        self._adaptive = st["adaptive"]
         self._lock = threading.Lock()
 
     @property
     def admission(self) -> str:
+        with self._lock:
+            return self._rule(self._index.state())
+
+    def _rule(self, state: dict) -> str:
         if not self._adaptive:
             return "lru"
-        with self._lock:
-            return "frequency" if self._index.state()["by_frequency"] else "recency"
+        return "frequency" if state["by_frequency"] else "recency"
 
     def get(self, key: Hashable) -> V | None:
         with self._lock:
@@ -355,12 +361,7 @@ class IndexedCache(Generic[V]):
         return values[0] if values else None
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
-        with self._lock:
-            mask, values = self._index.get_hits(keys)
-        out: list[V | None] = [None] * len(keys)
-        for i, v in zip(np.flatnonzero(np.frombuffer(mask, dtype=bool)).tolist(), values):
-            out[i] = v
-        return out
+        return _spread(*self.get_hits(keys))
 
     def get_hits(self, keys: list[Hashable]) -> tuple[np.ndarray, list[V]]:
         """As :meth:`LRUCache.get_hits`: a bool mask of the keys held, their values in order."""
@@ -424,18 +425,22 @@ class IndexedCache(Generic[V]):
     def nbytes(self) -> int:
         return self._index.nbytes
 
-    def __getattr__(self, name: str) -> int:
-        """The figures (hits, misses, evictions, rejections, switches), as LRUCache's attributes."""
-        if name in ("hits", "misses", "evictions", "rejections", "switches"):
-            with self._lock:
-                return self._index.state()[name]
-        raise AttributeError(name)
+    def _figure(self, name: str) -> int:
+        with self._lock:
+            return self._index.state()[name]
+
+    # the figures, as LRUCache's attributes
+    hits = property(lambda self: self._figure("hits"))
+    misses = property(lambda self: self._figure("misses"))
+    evictions = property(lambda self: self._figure("evictions"))
+    rejections = property(lambda self: self._figure("rejections"))
+    switches = property(lambda self: self._figure("switches"))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             st = self._index.state()
         figures = {k: st[k] for k in ("entries", "bytes", "hits", "misses", "evictions", "rejections")}
-        return figures | {"admission": self.admission, "switches": st["switches"]}
+        return figures | {"admission": self._rule(st), "switches": st["switches"]}
 
 
 #: a cache of either form (the chunk cache is an IndexedCache where the native module is built)

@@ -533,7 +533,7 @@ def check_cache_index(t: dict) -> None:
         entries = 4
     sizeof = len if nbytes is not None else None
     ref = LRUCache(entries, max_bytes=nbytes, sizeof=sizeof, admit_by_frequency=t["adaptive"])
-    nat = IndexedCache(native.cache_index(entries, nbytes, t["adaptive"], INDEX_RULES), max_entries=entries, max_bytes=nbytes, sizeof=sizeof, adaptive=t["adaptive"])
+    nat = IndexedCache(native.cache_index(entries, nbytes, t["adaptive"], INDEX_RULES), sizeof=sizeof)
     name = {"int": lambda k: k, "tuple": lambda k: (k % 3, k), "big": lambda k: k << 70}[t["kind"]]
     for op, raw, size in t["ops"]:
         keys = [name(k) for k in raw]

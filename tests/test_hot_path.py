@@ -346,7 +346,7 @@ def test_reads_are_merged_as_the_rule_says_by_both_forms():
     assert merged_some > 100 and whole_some > 50
 
 
-def _calls_of_a_read_batch(tmp_path, name: str, chunks: tuple[int, ...], cache_bytes: int = 0) -> tuple[int, int, int]:
+def _calls_of_a_read_batch(tmp_path, name: str, chunks: tuple[int, ...], cache_bytes: int = 0) -> tuple[int, int, int, int]:
     """The Python calls made, by every thread of the pipeline (its feeder, I/O and decode
     threads are started while calls are watched), planning and executing a batch of 4 boxes
     of a sharded array, its bytes in the page cache (just written and read once), the units

@@ -95,7 +95,7 @@ def chunk_cache(max_bytes: int, *, native_index: bool = True) -> AnyCache | None
     index = native.cache_index(None, max_bytes, True, INDEX_RULES) if native_index else None
     if index is None:
         return LRUCache(max_bytes=max_bytes, sizeof=_nbytes, admit_by_frequency=True)
-    return IndexedCache(index, max_entries=None, max_bytes=max_bytes, sizeof=_nbytes, adaptive=True)
+    return IndexedCache(index, sizeof=_nbytes)
 
 
 def _nbytes(a: np.ndarray) -> int:

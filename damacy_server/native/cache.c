@@ -673,28 +673,17 @@ static PyObject *index_discard(index_t *c, PyObject *arg) {
     return failed ? NULL : PyLong_FromLongLong(gone);
 }
 
-static PyObject *keys_of(table_t *t, int with_size) {
+enum { KEYS, KEY_VALUE, KEY_SIZE };
+
+/* a table in order, oldest first: its keys, (key, value) or (key, size) pairs */
+static PyObject *walk(table_t *t, int form) {
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     for (int32_t n = t->head; n != NONE; n = t->nodes[n].next) {
-        PyObject *item = with_size ? Py_BuildValue("(OL)", t->nodes[n].key, (long long)t->nodes[n].size) : t->nodes[n].key;
-        if (with_size && !item) goto fail;
-        int r = PyList_Append(out, item);
-        if (with_size) Py_DECREF(item);
-        if (r < 0) goto fail;
-    }
-    return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
-}
-
-/* items(): the entries' (key, value) pairs, oldest first */
-static PyObject *index_items(index_t *c, PyObject *noargs) {
-    PyObject *out = PyList_New(0);
-    if (!out) return NULL;
-    for (int32_t n = c->data.head; n != NONE; n = c->data.nodes[n].next) {
-        PyObject *item = PyTuple_Pack(2, c->data.nodes[n].key, c->data.nodes[n].value);
+        node_t *x = &t->nodes[n];
+        PyObject *item = form == KEYS        ? (Py_INCREF(x->key), x->key)
+                         : form == KEY_VALUE ? PyTuple_Pack(2, x->key, x->value)
+                                             : Py_BuildValue("(OL)", x->key, (long long)x->size);
         if (!item || PyList_Append(out, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(out);
@@ -705,11 +694,11 @@ static PyObject *index_items(index_t *c, PyObject *noargs) {
     return out;
 }
 
-/* keys(): the entries' keys, oldest first */
-static PyObject *index_keys(index_t *c, PyObject *noargs) { return keys_of(&c->data, 0); }
-
-/* shadow(): the shadow's (key, size) pairs, oldest first */
-static PyObject *index_shadow(index_t *c, PyObject *noargs) { return keys_of(&c->shadow, 1); }
+/* keys(), items(), shadow(): the entries' keys, the entries' (key, value) pairs, the
+ * shadow's (key, size) pairs, oldest first */
+static PyObject *index_keys(index_t *c, PyObject *noargs) { return walk(&c->data, KEYS); }
+static PyObject *index_items(index_t *c, PyObject *noargs) { return walk(&c->data, KEY_VALUE); }
+static PyObject *index_shadow(index_t *c, PyObject *noargs) { return walk(&c->shadow, KEY_SIZE); }
 
 /* counts(): the admission counts, a dict */
 static PyObject *index_counts(index_t *c, PyObject *noargs) {
@@ -729,21 +718,14 @@ static PyObject *index_counts(index_t *c, PyObject *noargs) {
     return out;
 }
 
-/* state(): the figures and the admission state, a dict */
+/* state(): the bounds (-1: none), the figures and the admission state, a dict */
 static PyObject *index_state(index_t *c, PyObject *noargs) {
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsO}", "entries", (long long)c->data.used, "bytes", c->bytes, "hits", c->hits, "misses",
+        "{sLsLsOsLsLsLsLsLsLsLsLsLsLsLsLsLsLsO}", "max_entries", c->max_entries, "max_bytes", c->max_bytes, "adaptive",
+        c->adaptive ? Py_True : Py_False, "entries", (long long)c->data.used, "bytes", c->bytes, "hits", c->hits, "misses",
         c->misses, "evictions", c->evictions, "rejections", c->rejections, "switches", c->switches, "lookups", c->lookups,
         "seen", c->seen, "period_hits", c->period_hits, "shadow_hits", c->shadow_hits, "wins", c->wins, "shadow_bytes",
         c->shadow_bytes, "shadow_entries", (long long)c->shadow.used, "by_frequency", c->by_frequency ? Py_True : Py_False);
-}
-
-/* set_by_frequency(flag): the rule in force (a test starts a cache under either rule) */
-static PyObject *index_set_by_frequency(index_t *c, PyObject *arg) {
-    int flag = PyObject_IsTrue(arg);
-    if (flag < 0) return NULL;
-    c->by_frequency = flag;
-    Py_RETURN_NONE;
 }
 
 static Py_ssize_t index_len(index_t *c) { return c->data.used; }
@@ -765,7 +747,6 @@ static PyMethodDef index_methods[] = {
     {"shadow", (PyCFunction)index_shadow, METH_NOARGS, "The shadow's (key, size) pairs, oldest first."},
     {"counts", (PyCFunction)index_counts, METH_NOARGS, "The admission counts (a dict)."},
     {"state", (PyCFunction)index_state, METH_NOARGS, "The figures and the admission state (a dict)."},
-    {"set_by_frequency", (PyCFunction)index_set_by_frequency, METH_O, "Set the admission rule in force."},
     {NULL, NULL, 0, NULL},
 };
 
