@@ -659,14 +659,16 @@ static PyObject *index_discard(index_t *c, PyObject *arg) {
         Py_hash_t h = PyObject_Hash(keys[i]);
         int64_t size;
         int r;
-        if (h == -1 && PyErr_Occurred()) failed = 1;
-        else if ((r = table_pop(&c->data, keys[i], h, &size, &dead)) < 0) failed = 1;
-        else if (r) {
+        if ((h == -1 && PyErr_Occurred()) || (r = table_pop(&c->data, keys[i], h, &size, &dead)) < 0) {
+            failed = 1;
+            break;
+        }
+        if (r) {
             c->bytes -= size;
             gone++;
         }
-        if (!failed && (r = table_pop(&c->shadow, keys[i], h, &size, &dead)) < 0) failed = 1;
-        else if (!failed && r) c->shadow_bytes -= size;
+        if ((r = table_pop(&c->shadow, keys[i], h, &size, &dead)) < 0) failed = 1;
+        else if (r) c->shadow_bytes -= size;
     }
     Py_DECREF(fast);
     dead_release(&dead);
