@@ -115,7 +115,7 @@ class ArrayRows:
         if self.boxes and self.blocks:  # boxes and index lists: back in sample order
             rows = rows[np.argsort(rows[:, 0], kind="stable")]
         coords = rows[:, 1 : 1 + ndim]
-        grid = tuple(-(-s // u) for s, u in zip(self.meta.shape, self.meta.layout.unit_shape))
+        grid = self.meta.layout.grid
         if ndim == 0:
             return rows, np.zeros((1, 0), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
         if math.prod(grid) >= 1 << 62:
