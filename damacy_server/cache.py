@@ -34,6 +34,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 V = TypeVar("V")
+#: keys as the many-key methods take them: a sequence, or an int64 array of int keys (the
+#: planner's, a batch's units at once: :func:`damacy_server.plan.units.unit_keys`)
+Keys = Sequence[Hashable] | np.ndarray
 _VALUE = itemgetter(0)  # an entry's value (entries are (value, size))
 
 #: how many more lookups a key needs than the entry it would evict: keys read at the same
@@ -117,13 +120,16 @@ class LRUCache(Generic[V]):
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
         """:meth:`get` of each key, under one acquisition of the lock."""
-        return _spread(*self.get_hits(keys))
+        return _spread(*self.get_hits(keys)[:2])
 
-    def get_hits(self, keys: list[Hashable]) -> tuple[np.ndarray, list[V]]:
+    def get_hits(self, keys: Keys) -> tuple[np.ndarray, list[V], np.ndarray | None]:
         """Look up ``keys`` at once (the planner asks for a batch's units, hundreds at a time:
-        this is the cache's hot loop): a bool mask of the keys it holds, and their values in
-        the keys' order. Counted and ordered as :meth:`get` of each key would be, by C loops
-        (no Python per key)."""
+        this is the cache's hot loop): a bool mask of the keys it holds, their values in the
+        keys' order, and their addresses as :meth:`put_many` was given them (None here: this
+        form keeps none, :class:`IndexedCache` does). Counted and ordered as :meth:`get` of
+        each key would be, by C loops (no Python per key). ``keys``: a list, or an int64 key
+        array."""
+        keys = _listed(keys)
         n = len(keys)
         with self._lock:
             data = self._data
@@ -141,7 +147,7 @@ class LRUCache(Generic[V]):
             self.misses += n - found
             if self._freq is not None:
                 self._count(keys, held)
-            return np.ones(n, dtype=bool) if held is None else np.array(held, dtype=bool), values
+            return np.ones(n, dtype=bool) if held is None else np.array(held, dtype=bool), values, None
 
     def peek(self, key: Hashable) -> V | None:
         """The value under ``key`` (None: none) without counting a lookup or touching its
@@ -150,8 +156,9 @@ class LRUCache(Generic[V]):
             item = self._data.get(key)
         return None if item is None else item[0]
 
-    def peek_many(self, keys: list[Hashable]) -> list[V | None]:
+    def peek_many(self, keys: Keys) -> list[V | None]:
         """:meth:`peek` of each key, under one acquisition of the lock (by C loops)."""
+        keys = _listed(keys)
         with self._lock:
             items = list(map(self._data.get, keys))
         return [None if item is None else item[0] for item in items] if items.count(None) != len(items) else items
@@ -244,14 +251,16 @@ class LRUCache(Generic[V]):
             self._play_shadow(key, size)
             return self._admits(key, size, self._by_frequency, self._data, self._bytes)
 
-    def would_admit_many(self, keys: Sequence[Hashable], size: int) -> list[bool]:
+    def would_admit_many(self, keys: Keys, size: int) -> list[bool]:
         """:meth:`would_admit` of each key in turn (a batch's units of one size)."""
-        return [self.would_admit(k, size) for k in keys]
+        return [self.would_admit(k, size) for k in _listed(keys)]
 
-    def put_many(self, keys: Sequence[Hashable], values: Sequence[V], size: int | None = None) -> int:
+    def put_many(self, keys: Keys, values: Sequence[V], size: int | None = None, addresses: np.ndarray | None = None) -> int:
         """:meth:`put` of each (key, value) in turn; ``size``: every value's, when the caller
-        knows it (a batch's units of one array), else measured; how many were kept."""
-        return sum(self.put(k, v, size) for k, v in zip(keys, values, strict=True))
+        knows it (a batch's units of one array), else measured; how many were kept.
+        ``addresses``: the values' (kept by :class:`IndexedCache`; of no use here: no native
+        copies without the native module)."""
+        return sum(self.put(k, v, size) for k, v in zip(_listed(keys), values, strict=True))
 
     def put(self, key: Hashable, value: V, size: int | None = None) -> bool:
         """Keep ``value`` (of ``size`` bytes; None: as ``sizeof`` measures it); False when it
@@ -319,6 +328,11 @@ class LRUCache(Generic[V]):
             }
 
 
+def _listed(keys: Keys) -> Sequence[Hashable]:
+    """Keys as this form looks them up: a key array as the ints it holds."""
+    return keys.tolist() if isinstance(keys, np.ndarray) else keys
+
+
 def _spread(hit: np.ndarray, values: list) -> list:
     """``get_hits``' answer as one entry per key: its value, None where not held."""
     out: list = [None] * len(hit)
@@ -357,23 +371,25 @@ class IndexedCache(Generic[V]):
 
     def get(self, key: Hashable) -> V | None:
         with self._lock:
-            _, values = self._index.get_hits((key,))
+            _, values, _ = self._index.get_hits((key,))
         return values[0] if values else None
 
     def get_many(self, keys: list[Hashable]) -> list[V | None]:
-        return _spread(*self.get_hits(keys))
+        return _spread(*self.get_hits(keys)[:2])
 
-    def get_hits(self, keys: list[Hashable]) -> tuple[np.ndarray, list[V]]:
-        """As :meth:`LRUCache.get_hits`: a bool mask of the keys held, their values in order."""
+    def get_hits(self, keys: Keys) -> tuple[np.ndarray, list[V], np.ndarray]:
+        """As :meth:`LRUCache.get_hits`: a bool mask of the keys held, their values in order,
+        and the address :meth:`put_many` gave each (0: none). An int64 key array is looked up
+        without a Python object per key."""
         with self._lock:
-            mask, values = self._index.get_hits(keys)
-        return np.frombuffer(mask, dtype=bool), values
+            mask, values, addresses = self._index.get_hits(keys)
+        return np.frombuffer(mask, dtype=bool), values, np.frombuffer(addresses, dtype=np.int64)
 
     def peek(self, key: Hashable) -> V | None:
         with self._lock:
             return self._index.peek_many((key,))[0]
 
-    def peek_many(self, keys: list[Hashable]) -> list[V | None]:
+    def peek_many(self, keys: Keys) -> list[V | None]:
         with self._lock:
             return self._index.peek_many(keys)
 
@@ -385,7 +401,7 @@ class IndexedCache(Generic[V]):
         with self._lock:
             return self._index.would_admit(key, size)
 
-    def would_admit_many(self, keys: Sequence[Hashable], size: int) -> list[bool]:
+    def would_admit_many(self, keys: Keys, size: int) -> list[bool]:
         with self._lock:
             mask = self._index.would_admit_many(keys, size)
         return np.frombuffer(mask, dtype=bool).tolist()
@@ -396,13 +412,16 @@ class IndexedCache(Generic[V]):
         with self._lock:
             return self._index.put(key, value, size)
 
-    def put_many(self, keys: Sequence[Hashable], values: Sequence[V], size: int | None = None) -> int:
+    def put_many(self, keys: Keys, values: Sequence[V], size: int | None = None, addresses: np.ndarray | None = None) -> int:
+        """As :meth:`LRUCache.put_many`; ``addresses`` (with ``size``): the values' (an int64
+        array), handed back by :meth:`get_hits`: native copies from them need no lookup of
+        each value's buffer."""
         if len(keys) != len(values):
             raise ValueError("put_many: as many values as keys")
         with self._lock:
             if size is not None:
-                return self._index.put_many(keys, values, size)
-        return sum(self.put(k, v) for k, v in zip(keys, values))
+                return self._index.put_many(keys, values, size, addresses)
+        return sum(self.put(k, v) for k, v in zip(_listed(keys), values))
 
     def clear(self) -> None:
         with self._lock:

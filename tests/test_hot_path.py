@@ -13,7 +13,7 @@ import pytest
 import damacy
 from damacy_server import native
 from damacy_server.plan import units as plan_units
-from damacy_server.plan.units import unit_key, unit_keys
+from damacy_server.plan.units import unit_key, unit_keys, unit_names
 
 from conftest import random_data, write_array
 
@@ -28,10 +28,13 @@ def test_unit_keys_name_each_unit_of_an_array_version_once(tmp_path):
     a, _ = _meta(tmp_path, "a")
     b, _ = _meta(tmp_path, "b")
     units = np.indices(a.layout.grid).reshape(a.ndim, -1).T
-    keys = unit_keys(a, units)
-    assert len(set(keys)) == len(units) and all(isinstance(k, int) for k in keys)
+    batch = unit_keys(a, units)  # an int64 array, for the chunk cache to look up as it is
+    assert isinstance(batch, np.ndarray) and batch.dtype == np.int64
+    keys = unit_names(batch)  # as Python holds them (the units in flight, per-unit jobs)
+    assert len(set(keys)) == len(units) and all(type(k) is int for k in keys) and keys == batch.tolist()
     assert keys == [unit_key(a, tuple(u)) for u in units.tolist()]  # one unit's name is the batch form's
-    assert not set(keys) & set(unit_keys(b, units))  # another array: other names
+    assert unit_names(batch, np.array([3, 1])) == [keys[3], keys[1]]
+    assert not set(keys) & set(unit_names(unit_keys(b, units)))  # another array: other names
     # a unit's name is its array version's token above UNIT_BITS and its C-order index below
     assert [k & ((1 << plan_units.UNIT_BITS) - 1) for k in keys] == list(range(len(units)))
 
@@ -45,6 +48,7 @@ def test_units_past_the_key_bits_are_named_by_tuples_and_read_the_same(tmp_path,
     keys = unit_keys(meta, units)
     assert all(isinstance(k, tuple) for k in keys) and len(set(keys)) == len(units)
     assert [k[1] for k in keys] == list(range(len(units)))
+    assert unit_names(keys) == keys and unit_names(keys, np.array([2, 0])) == [keys[2], keys[0]]
     uri = str(tmp_path / "big")
     cfg = damacy.Config(samples_per_batch=2, sample_shape=(4, 10, 12), dtype="u16", chunk_cache_bytes=1 << 20, pop_timeout_s=30)
     samples = [damacy.Sample(uri, np.s_[1:5, 3:13, 7:19]), damacy.Sample(uri, np.s_[8:12, 10:20, 18:30])]

@@ -299,11 +299,11 @@ def test_get_many_is_get_of_each_key():
             c.put(k, k.upper())
     keys = ["a", "x", "c", "a", "y"]
     assert many.get_many(keys) == [one.get(k) for k in keys] == ["A", None, "C", "A", None]
-    mask, values = hits.get_hits(keys)  # the planner's form: which keys hit, and their values
-    assert mask.tolist() == [True, False, True, True, False] and values == ["A", "C", "A"]
+    mask, values, addresses = hits.get_hits(keys)  # the planner's form: which keys hit, and their values
+    assert mask.tolist() == [True, False, True, True, False] and values == ["A", "C", "A"] and addresses is None
     for c in (many, hits):
         assert c.stats() == one.stats() and list(c._data) == list(one._data) and c._freq == one._freq
-    mask, values = hits.get_hits([])
+    mask, values, _ = hits.get_hits([])
     assert mask.shape == (0,) and values == []
 
 
@@ -433,6 +433,9 @@ def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
                 epoch = rnd.sample(range(base, base + 3 * size), 3 * size)
             keys = [name(epoch.pop()) for _ in range(min(len(epoch), rnd.randrange(1, 40)))]
             keys += [name(base + rnd.randrange(3 * size)) for _ in range(rnd.randrange(3))]  # repeats
+            # int keys also as the planner gives them, an int64 key array (the index holds
+            # ints as numbers: the two forms name the same entries)
+            many = np.asarray(keys, dtype=np.int64) if kind == 0 and step % 2 else keys
             op = rnd.random()
             if op < 0.45:
                 assert nat.get_many(keys) == ref.get_many(keys)
@@ -442,13 +445,13 @@ def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
                         assert nat.would_admit(k, len(value)) == ref.would_admit(k, len(value))
                         assert nat.put(k, value) == ref.put(k, value)
             elif op < 0.75:
-                (m1, v1), (m2, v2) = nat.get_hits(keys), ref.get_hits(keys)
+                (m1, v1, _), (m2, v2, _) = nat.get_hits(many), ref.get_hits(many)
                 assert m1.tolist() == m2.tolist() and v1 == v2
                 for k in keys[:3]:
                     value = "w" * rnd.randrange(1, 12)
                     assert nat.put(k, value) == ref.put(k, value)
             elif op < 0.85:
-                assert nat.peek_many(keys) == ref.peek_many(keys) and nat.peek(keys[0]) == ref.peek(keys[0])
+                assert nat.peek_many(many) == ref.peek_many(many) and nat.peek(keys[0]) == ref.peek(keys[0])
                 assert nat.get(keys[0]) == ref.get(keys[0])
                 room = rnd.randrange(30)
                 assert nat.has_room(room) == ref.has_room(room)
@@ -458,9 +461,9 @@ def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
                     assert nat.put(k, value) == ref.put(k, value)
             elif op < 0.99:  # the executor's forms: a batch's units of one size offered, then kept
                 size = rnd.randrange(1, 30)
-                assert nat.would_admit_many(keys, size) == ref.would_admit_many(keys, size)
+                assert nat.would_admit_many(many, size) == ref.would_admit_many(many, size)
                 values = ["y" * size] * len(keys)
-                assert nat.put_many(keys, values, size) == ref.put_many(keys, values, size)
+                assert nat.put_many(many, values, size) == ref.put_many(many, values, size)
                 assert nat.put_many(keys[:2], values[:2]) == ref.put_many(keys[:2], values[:2])
             elif rnd.random() < 0.5:
                 nat.clear()
@@ -474,6 +477,26 @@ def test_the_native_index_keeps_the_cache_rule_for_rule(bound, adaptive):
         rejections += ref.rejections
         assert nat.hits == ref.hits and nat.switches == ref.switches
     assert evictions and (switches and rejections if adaptive else not switches)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native module is not built")
+def test_the_native_index_hands_back_the_address_each_value_was_kept_at():
+    from damacy_server.cache import INDEX_RULES, IndexedCache
+
+    c = IndexedCache(native.cache_index(None, 100, True, INDEX_RULES), sizeof=len)
+    keys = np.arange(10, 16, dtype=np.int64)
+    assert c.put_many(keys[:4], ["a", "b", "c", "d"], 1, np.array([101, 102, 103, 104], dtype=np.int64)) == 4
+    assert c.put_many(keys[4:], ["e", "f"], 1) == 2  # without addresses: 0
+    c.put(11, "B")  # put again without one: the new value's address is unknown
+    mask, values, addresses = c.get_hits(np.array([15, 99, 10, 11, 13], dtype=np.int64))
+    assert mask.tolist() == [True, False, True, True, True] and values == ["f", "a", "B", "d"]
+    assert addresses.tolist() == [0, 101, 0, 104]
+    # Python ints, numpy ints and the key array's int64s name the same entries
+    assert c.peek_many([10, np.int64(12), np.uint8(13)]) == ["a", "c", "d"] and c.get(np.int32(14)) == "e"
+    with pytest.raises(TypeError, match="int64"):
+        c.get_hits(np.array([10.0]))
+    with pytest.raises(ValueError, match="an address"):
+        c.put_many(keys[:2], ["x", "y"], 1, np.zeros(3, dtype=np.int64))
 
 
 def test_a_uri_resolves_the_same_when_remembered_and_a_relative_one_follows_the_working_directory(tmp_path, monkeypatch):

@@ -177,16 +177,19 @@ class NativeTasks:
         return self._from_arrays(
             run, self.kernel_of(run, block.meta), block.meta, block.arrays,
             lambda: native.OpTable(block.rows, t.ndim, t.pool, 0, t.spans[: len(block)]),
-            lambda k: (set(block.unit_rows(k)[:, 1].tolist()), None, block.unit(k)),
+            lambda k: (set(block.unit_rows(k)[:, 1].tolist()), None, block.unit(k)), block.sources,
         )
 
-    def _from_arrays(self, run: Run, kernel, meta, arrays: list[np.ndarray], ops, unit) -> int | None:
+    def _from_arrays(self, run: Run, kernel, meta, arrays: list[np.ndarray], ops, unit, sources: np.ndarray | None = None) -> int | None:
         """Copy units of ``meta`` from their decoded ``arrays`` in one native call: ``ops()``
         their op table, ``unit(k)`` unit k's samples, object key and coordinates (for a
-        failure). The bytes written, or None when the native path does not apply."""
+        failure); ``sources``: the arrays' addresses as the chunk cache kept them (those this
+        executor's kernels decoded into; None, or a 0 among them: each array's buffer is
+        checked). The bytes written, or None when the native path does not apply."""
         if kernel is None:
             return None
-        sources = native.decoded_sources(kernel, arrays)
+        if sources is None or not sources.all():
+            sources = native.decoded_sources(kernel, arrays)
         if sources is None:
             return None
         table = ops()
@@ -239,7 +242,8 @@ class NativeTasks:
         for arr in arrays:
             arr.flags.writeable = False
         if self.chunk_cache is not None:
-            self.chunk_cache.put_many(names, arrays, size)
+            # with their addresses: a kernel's decoded units, which native copies read as they are
+            self.chunk_cache.put_many(names, arrays, size, native.buffer_addresses(arrays, size))
         if self.inflight is not None and shareds.count(None) != len(shareds):
             with self._settling():
                 self.inflight.settle_many(shareds, arrays)

@@ -8,22 +8,118 @@
  * key-only shadow that plays the other rule on the same lookups, counts halved every
  * 10 x entries lookups. The rule's numbers are given by the caller (cache.py is their home).
  *
- * Keys are any hashable objects (the planner's are ints); values any objects. Every method
- * runs with the GIL held and calls no Python code for int or tuple-of-int keys; values that
- * leave are released only once the index is consistent again (their deallocation may run
- * code).
+ * Keys are any hashable objects; an int (or an object with __index__, as numpy's ints) that
+ * fits in 64 bits is held as that number, not as an object: it is hashed and compared
+ * without touching an object, and a key array (an int64 buffer: the planner's, a batch's
+ * units at once) is looked up without a Python object per key. (A float equal to such an int
+ * is another key, unlike in a dict.) Values are any objects, each with the address a put
+ * gave it (0: none), handed back by get_hits so that native copies need no buffer lookup
+ * per value. Every method runs with the GIL held and calls no Python code for int or
+ * tuple-of-int keys; values that leave are released only once the index is consistent again
+ * (their deallocation may run code).
  */
 #include "native.h"
 
 #define NONE -1
 
+enum { K_FREE, K_INT, K_OBJ };
+
+/* a key: an int held as its number (obj NULL), or any other object (borrowed) */
 typedef struct {
-    PyObject *key;   /* owned; NULL: the node is free */
+    PyObject *obj;
+    int64_t i;
+    Py_hash_t hash;
+} ckey_t;
+
+typedef struct {
+    PyObject *key;   /* owned, K_OBJ keys only */
     PyObject *value; /* owned (the entries' table only) */
+    int64_t ikey;    /* K_INT keys */
     Py_hash_t hash;
     int64_t size;        /* bytes (entries, shadow) or the count (frequencies) */
+    int64_t address;     /* the value's, as put gave it (entries only; 0: none) */
     int32_t prev, next;  /* the order, oldest first (entries, shadow); next also links free nodes */
+    int8_t kind;         /* K_FREE: the node is free */
 } node_t;
+
+/* a key of an object: an int that fits in 64 bits held as its number; 0, or -1 (an error set) */
+static int key_of(PyObject *o, ckey_t *k) {
+    if (PyLong_Check(o) || (!PyFloat_Check(o) && PyIndex_Check(o))) {
+        PyObject *num = PyLong_Check(o) ? (Py_INCREF(o), o) : PyNumber_Index(o);
+        if (!num) return -1;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(num, &overflow);
+        Py_DECREF(num);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (!overflow) {
+            k->obj = NULL;
+            k->i = v;
+            k->hash = (Py_hash_t)v;
+            return 0;
+        }
+    }
+    k->obj = o;
+    k->i = 0;
+    k->hash = PyObject_Hash(o);
+    return k->hash == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* a node's key (borrowed) */
+static ckey_t node_key(const node_t *n) {
+    ckey_t k = {n->kind == K_OBJ ? n->key : NULL, n->ikey, n->hash};
+    return k;
+}
+
+/* a node's key as an object (a new reference) */
+static PyObject *key_object(const node_t *n) {
+    if (n->kind == K_INT) return PyLong_FromLongLong(n->ikey);
+    Py_INCREF(n->key);
+    return n->key;
+}
+
+/* the keys a method is given: a sequence of objects, or an int64 buffer (a key array) */
+typedef struct {
+    PyObject *fast;
+    Py_buffer buf;
+    int is_buf;
+    Py_ssize_t n;
+} keys_in;
+
+static int keys_open(PyObject *arg, keys_in *ks, const char *what) {
+    memset(ks, 0, sizeof *ks);
+    if (PyObject_CheckBuffer(arg) && !PyBytes_Check(arg) && !PyByteArray_Check(arg)) {
+        if (PyObject_GetBuffer(arg, &ks->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+        ks->is_buf = 1;
+        const char *f = ks->buf.format ? ks->buf.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (ks->buf.itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+            PyBuffer_Release(&ks->buf);
+            PyErr_Format(PyExc_TypeError, "%s: a key array must hold int64s", what);
+            return -1;
+        }
+        ks->n = ks->buf.len / 8;
+        return 0;
+    }
+    ks->fast = PySequence_Fast(arg, what);
+    if (!ks->fast) return -1;
+    ks->n = PySequence_Fast_GET_SIZE(ks->fast);
+    return 0;
+}
+
+static int keys_get(keys_in *ks, Py_ssize_t i, ckey_t *k) {
+    if (ks->is_buf) {
+        k->obj = NULL;
+        k->i = ((const int64_t *)ks->buf.buf)[i];
+        k->hash = (Py_hash_t)k->i;
+        return 0;
+    }
+    return key_of(PySequence_Fast_ITEMS(ks->fast)[i], k);
+}
+
+static void keys_close(keys_in *ks) {
+    if (ks->is_buf) PyBuffer_Release(&ks->buf);
+    Py_XDECREF(ks->fast);
+}
 
 typedef struct {
     node_t *nodes;
@@ -69,8 +165,8 @@ static void table_init(table_t *t) {
 
 static void table_free(table_t *t, dead_t *dead) {
     for (int32_t i = 0; i < t->top; i++) {
-        if (t->nodes[i].key) {
-            dead_add(dead, t->nodes[i].key);
+        if (t->nodes[i].kind != K_FREE) {
+            if (t->nodes[i].kind == K_OBJ) dead_add(dead, t->nodes[i].key);
             dead_add(dead, t->nodes[i].value);
         }
     }
@@ -91,22 +187,24 @@ static size_t home(Py_hash_t hash, size_t mask) {
     return (size_t)x & mask;
 }
 
-/* 1 equal, 0 not, -1 error */
-static int same_key(node_t *n, PyObject *key, Py_hash_t hash) {
-    if (n->hash != hash) return 0;
-    if (n->key == key) return 1;
-    return PyObject_RichCompareBool(n->key, key, Py_EQ);
+/* 1 equal, 0 not, -1 error; int keys are compared as numbers, no object touched */
+static int same_key(const node_t *n, const ckey_t *k) {
+    if (n->hash != k->hash) return 0;
+    if (!k->obj) return n->kind == K_INT && n->ikey == k->i;
+    if (n->kind != K_OBJ) return 0;
+    if (n->key == k->obj) return 1;
+    return PyObject_RichCompareBool(n->key, k->obj, Py_EQ);
 }
 
 /* the slot holding `key`, or the empty slot where it would go (*found 0); -1: error */
-static Py_ssize_t table_slot(table_t *t, PyObject *key, Py_hash_t hash, int *found) {
-    size_t i = home(hash, t->mask);
+static Py_ssize_t table_slot(table_t *t, const ckey_t *key, int *found) {
+    size_t i = home(key->hash, t->mask);
     *found = 0;
     if (!t->mask) return 0;
     for (;;) {
         int32_t n = t->slots[i];
         if (n == NONE) return (Py_ssize_t)i;
-        int eq = same_key(&t->nodes[n], key, hash);
+        int eq = same_key(&t->nodes[n], key);
         if (eq < 0) return -1;
         if (eq) {
             *found = 1;
@@ -117,9 +215,9 @@ static Py_ssize_t table_slot(table_t *t, PyObject *key, Py_hash_t hash, int *fou
 }
 
 /* the node of `key`, NONE if absent, or -2 on error */
-static int32_t table_find(table_t *t, PyObject *key, Py_hash_t hash) {
+static int32_t table_find(table_t *t, const ckey_t *key) {
     int found;
-    Py_ssize_t s = table_slot(t, key, hash, &found);
+    Py_ssize_t s = table_slot(t, key, &found);
     if (s < 0) return -2;
     return found ? t->slots[s] : NONE;
 }
@@ -133,7 +231,7 @@ static int table_resize(table_t *t, size_t nslots) {
     for (size_t i = 0; i < nslots; i++) slots[i] = NONE;
     size_t mask = nslots - 1;
     for (int32_t n = 0; n < t->top; n++) {
-        if (!t->nodes[n].key) continue;
+        if (t->nodes[n].kind == K_FREE) continue;
         size_t i = home(t->nodes[n].hash, mask);
         while (slots[i] != NONE) i = (i + 1) & mask;
         slots[i] = n;
@@ -177,7 +275,7 @@ static void move_to_end(table_t *t, int32_t n) {
 }
 
 /* a new node for `key` (absent: the caller looked) at the end of the order; -1: no memory */
-static int32_t table_insert(table_t *t, PyObject *key, Py_hash_t hash) {
+static int32_t table_insert(table_t *t, const ckey_t *key) {
     if ((size_t)(t->used + 1) * 2 > (t->mask ? t->mask + 1 : 0)) {
         size_t nslots = t->mask ? 2 * (t->mask + 1) : 16;
         while ((size_t)(t->used + 1) * 2 > nslots) nslots *= 2;
@@ -201,12 +299,15 @@ static int32_t table_insert(table_t *t, PyObject *key, Py_hash_t hash) {
         n = t->top++;
     }
     node_t *x = &t->nodes[n];
-    Py_INCREF(key);
-    x->key = key;
+    x->kind = key->obj ? K_OBJ : K_INT;
+    x->key = key->obj;
+    Py_XINCREF(key->obj);
+    x->ikey = key->i;
     x->value = NULL;
-    x->hash = hash;
+    x->hash = key->hash;
     x->size = 0;
-    size_t i = home(hash, t->mask);
+    x->address = 0;
+    size_t i = home(key->hash, t->mask);
     while (t->slots[i] != NONE) i = (i + 1) & t->mask;
     t->slots[i] = n;
     t->used++;
@@ -232,18 +333,19 @@ static void table_remove_at(table_t *t, Py_ssize_t s, int32_t n, dead_t *dead) {
     t->slots[i] = NONE;
     unlink_node(t, n);
     node_t *x = &t->nodes[n];
-    dead_add(dead, x->key);
+    if (x->kind == K_OBJ) dead_add(dead, x->key);
     dead_add(dead, x->value);
     x->key = x->value = NULL;
+    x->kind = K_FREE;
     x->next = t->free;
     t->free = n;
     t->used--;
 }
 
 /* remove the node of `key` if present: 1 removed (its size in *size), 0 absent, -1 error */
-static int table_pop(table_t *t, PyObject *key, Py_hash_t hash, int64_t *size, dead_t *dead) {
+static int table_pop(table_t *t, const ckey_t *key, int64_t *size, dead_t *dead) {
     int found;
-    Py_ssize_t s = table_slot(t, key, hash, &found);
+    Py_ssize_t s = table_slot(t, key, &found);
     if (s < 0) return -1;
     if (!found) return 0;
     int32_t n = t->slots[s];
@@ -283,8 +385,8 @@ static int full(index_t *c, long long extra, long long entries, long long nbytes
     return (c->max_entries >= 0 && entries > c->max_entries) || (c->max_bytes >= 0 && nbytes + extra > c->max_bytes);
 }
 
-static long long count_of(index_t *c, PyObject *key, Py_hash_t hash, int *err) {
-    int32_t n = table_find(&c->freq, key, hash);
+static long long count_of(index_t *c, const ckey_t *key, int *err) {
+    int32_t n = table_find(&c->freq, key);
     if (n == -2) {
         *err = 1;
         return 0;
@@ -293,27 +395,27 @@ static long long count_of(index_t *c, PyObject *key, Py_hash_t hash, int *err) {
 }
 
 /* whether a cache holding table `t` (`nbytes`) under a rule admits `key`: 1, 0, -1 error */
-static int admits(index_t *c, PyObject *key, Py_hash_t hash, long long size, int by_frequency, table_t *t, long long nbytes) {
+static int admits(index_t *c, const ckey_t *key, long long size, int by_frequency, table_t *t, long long nbytes) {
     if (!by_frequency || t->used == 0) return 1;
-    int32_t n = table_find(t, key, hash);
+    int32_t n = table_find(t, key);
     if (n == -2) return -1;
     if (n != NONE || !full(c, size, (long long)t->used + 1, nbytes)) return 1;
     int err = 0;
-    node_t *oldest = &t->nodes[t->head];
-    long long mine = count_of(c, key, hash, &err);
-    long long theirs = count_of(c, oldest->key, oldest->hash, &err);
+    ckey_t oldest = node_key(&t->nodes[t->head]);
+    long long mine = count_of(c, key, &err);
+    long long theirs = count_of(c, &oldest, &err);
     if (err) return -1;
     return mine > theirs + c->margin;
 }
 
-static int play_shadow(index_t *c, PyObject *key, Py_hash_t hash, long long size, dead_t *dead) {
+static int play_shadow(index_t *c, const ckey_t *key, long long size, dead_t *dead) {
     table_t *s = &c->shadow;
-    int32_t n = table_find(s, key, hash);
+    int32_t n = table_find(s, key);
     if (n == -2) return -1;
     if (n != NONE) return 0;
-    int ok = admits(c, key, hash, size, !c->by_frequency, s, c->shadow_bytes);
+    int ok = admits(c, key, size, !c->by_frequency, s, c->shadow_bytes);
     if (ok <= 0) return ok;
-    n = table_insert(s, key, hash);
+    n = table_insert(s, key);
     if (n < 0) return -1;
     s->nodes[n].size = size;
     c->shadow_bytes += size;
@@ -337,7 +439,8 @@ static int switch_rule(index_t *c, dead_t *dead) {
     int32_t front = NONE; /* the first node moved: the walk stops before reaching it again */
     while (n != NONE && n != front) {
         int32_t prev = d->nodes[n].prev;
-        int32_t in = table_find(s, d->nodes[n].key, d->nodes[n].hash);
+        ckey_t k = node_key(&d->nodes[n]);
+        int32_t in = table_find(s, &k);
         if (in == -2) return -1;
         if (in == NONE) {
             unlink_node(d, n);
@@ -348,7 +451,8 @@ static int switch_rule(index_t *c, dead_t *dead) {
     }
     table_free(s, dead);
     for (n = d->head; n != NONE; n = d->nodes[n].next) {
-        int32_t m = table_insert(s, d->nodes[n].key, d->nodes[n].hash);
+        ckey_t k = node_key(&d->nodes[n]);
+        int32_t m = table_insert(s, &k);
         if (m < 0) return -1;
         s->nodes[m].size = d->nodes[n].size;
     }
@@ -360,7 +464,7 @@ static void age_counts(index_t *c, dead_t *dead) {
     table_t *f = &c->freq;
     for (int32_t n = 0; n < f->top; n++) {
         node_t *x = &f->nodes[n];
-        if (!x->key) continue;
+        if (x->kind == K_FREE) continue;
         if (x->size > 1) {
             x->size >>= 1;
         } else {
@@ -370,11 +474,11 @@ static void age_counts(index_t *c, dead_t *dead) {
 }
 
 /* one lookup counted for admission (see LRUCache._count) */
-static int count_lookup(index_t *c, PyObject *key, Py_hash_t hash, int hit, long long span, dead_t *dead) {
+static int count_lookup(index_t *c, const ckey_t *key, int hit, long long span, dead_t *dead) {
     table_t *f = &c->freq;
-    int32_t n = table_find(f, key, hash);
+    int32_t n = table_find(f, key);
     if (n == -2) return -1;
-    if (n == NONE && (n = table_insert(f, key, hash)) < 0) return -1;
+    if (n == NONE && (n = table_insert(f, key)) < 0) return -1;
     f->nodes[n].size++;
     if (++c->lookups >= 10 * span) {
         c->lookups = 0;
@@ -382,7 +486,7 @@ static int count_lookup(index_t *c, PyObject *key, Py_hash_t hash, int hit, long
     }
     c->seen++;
     c->period_hits += hit;
-    int32_t m = table_find(&c->shadow, key, hash);
+    int32_t m = table_find(&c->shadow, key);
     if (m == -2) return -1;
     if (m != NONE) {
         c->shadow_hits++;
@@ -435,36 +539,38 @@ static void index_dealloc(index_t *c) {
     dead_release(&dead);
 }
 
-/* get_hits(keys): (per key 1 if held else 0, as bytes; the values held, in the keys' order);
- * each held one becomes the newest; hits and misses counted; with `adaptive` the lookups
- * counted for admission. */
+/* get_hits(keys): (per key 1 if held else 0, as bytes; the values held, in the keys' order;
+ * their addresses as put gave them, int64 bytes, 0 where none was given); each held one
+ * becomes the newest; hits and misses counted; with `adaptive` the lookups counted for
+ * admission. `keys`: a sequence, or an int64 buffer. */
 static PyObject *index_get_hits(index_t *c, PyObject *arg) {
-    PyObject *fast = PySequence_Fast(arg, "get_hits needs a sequence of keys");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **keys = PySequence_Fast_ITEMS(fast);
+    keys_in ks;
+    if (keys_open(arg, &ks, "get_hits needs a sequence of keys or an int64 key array") < 0) return NULL;
+    Py_ssize_t n = ks.n;
     PyObject *mask = PyBytes_FromStringAndSize(NULL, n);
-    PyObject *values = PyList_New(0);
-    Py_hash_t *hashes = PyMem_Malloc((n ? n : 1) * sizeof(Py_hash_t));
+    PyObject *values = PyList_New(n);
+    PyObject *addresses = PyBytes_FromStringAndSize(NULL, 8 * n);
+    ckey_t *keys = PyMem_Malloc((n ? n : 1) * sizeof(ckey_t));
     dead_t dead = {0};
     PyObject *out = NULL;
-    if (!mask || !values || !hashes) {
-        if (!hashes) PyErr_NoMemory();
+    Py_ssize_t found = 0;
+    if (!mask || !values || !addresses || !keys) {
+        if (!keys) PyErr_NoMemory();
         goto done;
     }
     char *held = PyBytes_AS_STRING(mask);
-    long long found = 0;
+    int64_t *at = (int64_t *)PyBytes_AS_STRING(addresses);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_hash_t h = PyObject_Hash(keys[i]);
-        if (h == -1 && PyErr_Occurred()) goto done;
-        hashes[i] = h;
-        int32_t k = table_find(&c->data, keys[i], h);
+        if (keys_get(&ks, i, &keys[i]) < 0) goto done;
+        int32_t k = table_find(&c->data, &keys[i]);
         if (k == -2) goto done;
         held[i] = k != NONE;
         if (k != NONE) {
-            found++;
+            node_t *x = &c->data.nodes[k];
             move_to_end(&c->data, k);
-            if (PyList_Append(values, c->data.nodes[k].value) < 0) goto done;
+            Py_INCREF(x->value);
+            PyList_SET_ITEM(values, found, x->value);
+            at[found++] = x->address;
         }
     }
     c->hits += found;
@@ -472,78 +578,79 @@ static PyObject *index_get_hits(index_t *c, PyObject *arg) {
     if (c->adaptive) {
         long long span = c->data.used > 64 ? c->data.used : 64; /* lookups do not change the size */
         for (Py_ssize_t i = 0; i < n; i++)
-            if (count_lookup(c, keys[i], hashes[i], held[i], span, &dead) < 0) goto done;
+            if (count_lookup(c, &keys[i], held[i], span, &dead) < 0) goto done;
     }
-    out = PyTuple_Pack(2, mask, values);
+    if (PyList_SetSlice(values, found, n, NULL) < 0 || _PyBytes_Resize(&addresses, 8 * found) < 0) goto done;
+    out = PyTuple_Pack(3, mask, values, addresses);
 done:
-    Py_DECREF(fast);
+    if (!out && values) /* the slots not filled: the list must not release them */
+        for (Py_ssize_t i = found; i < n; i++) PyList_SET_ITEM(values, i, Py_NewRef(Py_None));
+    keys_close(&ks);
     Py_XDECREF(mask);
     Py_XDECREF(values);
-    PyMem_Free(hashes);
+    Py_XDECREF(addresses);
+    PyMem_Free(keys);
     dead_release(&dead);
     return out;
 }
 
 /* peek_many(keys): the value of each key, None where not held; nothing counted or moved */
 static PyObject *index_peek_many(index_t *c, PyObject *arg) {
-    PyObject *fast = PySequence_Fast(arg, "peek_many needs a sequence of keys");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **keys = PySequence_Fast_ITEMS(fast);
-    PyObject *out = PyList_New(n);
+    keys_in ks;
+    if (keys_open(arg, &ks, "peek_many needs a sequence of keys or an int64 key array") < 0) return NULL;
+    PyObject *out = PyList_New(ks.n);
     if (!out) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_hash_t h = PyObject_Hash(keys[i]);
-        if (h == -1 && PyErr_Occurred()) goto fail;
-        int32_t k = table_find(&c->data, keys[i], h);
-        if (k == -2) goto fail;
+    for (Py_ssize_t i = 0; i < ks.n; i++) {
+        ckey_t key;
+        int32_t k = keys_get(&ks, i, &key) < 0 ? -2 : table_find(&c->data, &key);
+        if (k == -2) {
+            for (; i < ks.n; i++) PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+            goto fail;
+        }
         PyObject *v = k == NONE ? Py_None : c->data.nodes[k].value;
-        Py_INCREF(v);
-        PyList_SET_ITEM(out, i, v);
+        PyList_SET_ITEM(out, i, Py_NewRef(v));
     }
-    Py_DECREF(fast);
+    keys_close(&ks);
     return out;
 fail:
-    Py_DECREF(fast);
+    keys_close(&ks);
     Py_XDECREF(out);
     return NULL;
 }
 
 /* whether put would keep a value of `size` under `key` now (the shadow plays it): 1, 0, -1 error */
-static int would_admit_one(index_t *c, PyObject *key, long long size, dead_t *dead) {
+static int would_admit_one(index_t *c, const ckey_t *key, long long size, dead_t *dead) {
     if (c->max_entries == 0 || (c->max_bytes >= 0 && size > c->max_bytes)) return 0;
     if (!c->adaptive) return 1;
-    Py_hash_t h = PyObject_Hash(key);
-    if (h == -1 && PyErr_Occurred()) return -1;
-    int ok = play_shadow(c, key, h, size, dead);
-    if (ok == 0) ok = admits(c, key, h, size, c->by_frequency, &c->data, c->bytes);
+    int ok = play_shadow(c, key, size, dead);
+    if (ok == 0) ok = admits(c, key, size, c->by_frequency, &c->data, c->bytes);
     return ok;
 }
 
-/* keep `value` (of `size`) under `key`: 1 kept, 0 not admitted (or the cache is off), -1 error */
-static int put_one(index_t *c, PyObject *key, PyObject *value, long long size, dead_t *dead) {
+/* keep `value` (of `size`, at `address`) under `key`: 1 kept, 0 not admitted (or the cache is
+ * off), -1 error */
+static int put_one(index_t *c, const ckey_t *key, PyObject *value, long long size, int64_t address, dead_t *dead) {
     if (c->max_entries == 0 || (c->max_bytes >= 0 && size > c->max_bytes)) return 0;
-    Py_hash_t h = PyObject_Hash(key);
-    if (h == -1 && PyErr_Occurred()) return -1;
     int64_t old;
-    int had = table_pop(&c->data, key, h, &old, dead);
+    int had = table_pop(&c->data, key, &old, dead);
     if (had < 0) return -1;
     if (had) {
         c->bytes -= old;
     } else if (c->adaptive) {
-        int ok = play_shadow(c, key, h, size, dead);
-        if (ok == 0) ok = admits(c, key, h, size, c->by_frequency, &c->data, c->bytes);
+        int ok = play_shadow(c, key, size, dead);
+        if (ok == 0) ok = admits(c, key, size, c->by_frequency, &c->data, c->bytes);
         if (ok < 0) return -1;
         if (!ok) {
             c->rejections++;
             return 0;
         }
     }
-    int32_t n = table_insert(&c->data, key, h);
+    int32_t n = table_insert(&c->data, key);
     if (n < 0) return -1;
-    Py_INCREF(value);
-    c->data.nodes[n].value = value;
-    c->data.nodes[n].size = size;
+    node_t *x = &c->data.nodes[n];
+    x->value = Py_NewRef(value);
+    x->size = size;
+    x->address = address;
     c->bytes += size;
     while (full(c, 0, c->data.used, c->bytes)) {
         int64_t gone;
@@ -556,11 +663,12 @@ static int put_one(index_t *c, PyObject *key, PyObject *value, long long size, d
 
 /* would_admit(key, size): whether put would keep a value of `size` now (the shadow plays it) */
 static PyObject *index_would_admit(index_t *c, PyObject *args) {
-    PyObject *key;
+    PyObject *obj;
     long long size;
-    if (!PyArg_ParseTuple(args, "OL", &key, &size)) return NULL;
+    ckey_t key;
+    if (!PyArg_ParseTuple(args, "OL", &obj, &size) || key_of(obj, &key) < 0) return NULL;
     dead_t dead = {0};
-    int ok = would_admit_one(c, key, size, &dead);
+    int ok = would_admit_one(c, &key, size, &dead);
     dead_release(&dead);
     return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
@@ -569,64 +677,76 @@ static PyObject *index_would_admit(index_t *c, PyObject *args) {
 static PyObject *index_would_admit_many(index_t *c, PyObject *args) {
     PyObject *seq;
     long long size;
+    keys_in ks;
     if (!PyArg_ParseTuple(args, "OL", &seq, &size)) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "would_admit_many needs a sequence of keys");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **keys = PySequence_Fast_ITEMS(fast);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (keys_open(seq, &ks, "would_admit_many needs a sequence of keys or an int64 key array") < 0) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ks.n);
     dead_t dead = {0};
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        int ok = would_admit_one(c, keys[i], size, &dead);
+    for (Py_ssize_t i = 0; out && i < ks.n; i++) {
+        ckey_t key;
+        int ok = keys_get(&ks, i, &key) < 0 ? -1 : would_admit_one(c, &key, size, &dead);
         if (ok < 0) Py_CLEAR(out);
         else PyBytes_AS_STRING(out)[i] = (char)ok;
     }
-    Py_DECREF(fast);
+    keys_close(&ks);
     dead_release(&dead);
     return out;
 }
 
-/* put(key, value, size): keep the value; False when it was not admitted (or the cache is off) */
+/* put(key, value, size[, address]): keep the value (at `address`, handed back by get_hits;
+ * 0: none); False when it was not admitted (or the cache is off) */
 static PyObject *index_put(index_t *c, PyObject *args) {
-    PyObject *key, *value;
-    long long size;
-    if (!PyArg_ParseTuple(args, "OOL", &key, &value, &size)) return NULL;
+    PyObject *obj, *value;
+    long long size, address = 0;
+    ckey_t key;
+    if (!PyArg_ParseTuple(args, "OOL|L", &obj, &value, &size, &address) || key_of(obj, &key) < 0) return NULL;
     dead_t dead = {0};
-    int ok = put_one(c, key, value, size, &dead);
+    int ok = put_one(c, &key, value, size, address, &dead);
     dead_release(&dead);
     return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
-/* put_many(keys, values, size): put of each (key, value) in turn, every value of `size`
- * bytes; how many were kept */
+/* put_many(keys, values, size[, addresses]): put of each (key, value) in turn, every value of
+ * `size` bytes (`addresses`: an int64 buffer, one per value; absent or None: none); how many
+ * were kept */
 static PyObject *index_put_many(index_t *c, PyObject *args) {
-    PyObject *kseq, *vseq;
+    PyObject *kseq, *vseq, *aobj = Py_None;
     long long size;
-    if (!PyArg_ParseTuple(args, "OOL", &kseq, &vseq, &size)) return NULL;
-    PyObject *kf = PySequence_Fast(kseq, "put_many needs a sequence of keys");
-    if (!kf) return NULL;
+    if (!PyArg_ParseTuple(args, "OOL|O", &kseq, &vseq, &size, &aobj)) return NULL;
+    keys_in ks;
+    if (keys_open(kseq, &ks, "put_many needs a sequence of keys or an int64 key array") < 0) return NULL;
     PyObject *vf = PySequence_Fast(vseq, "put_many needs a sequence of values");
-    if (!vf) {
-        Py_DECREF(kf);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(kf);
+    Py_buffer ab = {0};
+    int has_addresses = 0;
     PyObject *out = NULL;
-    if (PySequence_Fast_GET_SIZE(vf) != n) {
-        PyErr_SetString(PyExc_ValueError, "put_many: as many values as keys");
-    } else {
-        dead_t dead = {0};
-        long long kept = 0;
-        int ok = 0;
-        for (Py_ssize_t i = 0; i < n && ok >= 0; i++) {
-            ok = put_one(c, PySequence_Fast_ITEMS(kf)[i], PySequence_Fast_ITEMS(vf)[i], size, &dead);
-            kept += ok > 0;
+    if (!vf) goto done;
+    if (aobj != Py_None) {
+        if (PyObject_GetBuffer(aobj, &ab, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        has_addresses = 1;
+        if (ab.len != 8 * PySequence_Fast_GET_SIZE(vf)) {
+            PyErr_SetString(PyExc_ValueError, "put_many: an address (int64) per value");
+            goto done;
         }
-        dead_release(&dead);
-        if (ok >= 0) out = PyLong_FromLongLong(kept);
     }
-    Py_DECREF(kf);
-    Py_DECREF(vf);
+    if (PySequence_Fast_GET_SIZE(vf) != ks.n) {
+        PyErr_SetString(PyExc_ValueError, "put_many: as many values as keys");
+        goto done;
+    }
+    dead_t dead = {0};
+    long long kept = 0;
+    int ok = 0;
+    const int64_t *at = has_addresses ? (const int64_t *)ab.buf : NULL;
+    for (Py_ssize_t i = 0; i < ks.n && ok >= 0; i++) {
+        ckey_t key;
+        ok = keys_get(&ks, i, &key) < 0 ? -1 : put_one(c, &key, PySequence_Fast_ITEMS(vf)[i], size, at ? at[i] : 0, &dead);
+        kept += ok > 0;
+    }
+    dead_release(&dead);
+    if (ok >= 0) out = PyLong_FromLongLong(kept);
+done:
+    if (has_addresses) PyBuffer_Release(&ab);
+    keys_close(&ks);
+    Py_XDECREF(vf);
     return out;
 }
 
@@ -648,18 +768,16 @@ static PyObject *index_clear(index_t *c, PyObject *noargs) {
 
 /* discard(keys): those keys forgotten, from the entries and the shadow; how many entries went */
 static PyObject *index_discard(index_t *c, PyObject *arg) {
-    PyObject *fast = PySequence_Fast(arg, "discard needs a sequence of keys");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **keys = PySequence_Fast_ITEMS(fast);
+    keys_in ks;
+    if (keys_open(arg, &ks, "discard needs a sequence of keys or an int64 key array") < 0) return NULL;
     dead_t dead = {0};
     long long gone = 0;
     int failed = 0;
-    for (Py_ssize_t i = 0; i < n && !failed; i++) {
-        Py_hash_t h = PyObject_Hash(keys[i]);
+    for (Py_ssize_t i = 0; i < ks.n && !failed; i++) {
+        ckey_t key;
         int64_t size;
         int r;
-        if ((h == -1 && PyErr_Occurred()) || (r = table_pop(&c->data, keys[i], h, &size, &dead)) < 0) {
+        if (keys_get(&ks, i, &key) < 0 || (r = table_pop(&c->data, &key, &size, &dead)) < 0) {
             failed = 1;
             break;
         }
@@ -667,10 +785,10 @@ static PyObject *index_discard(index_t *c, PyObject *arg) {
             c->bytes -= size;
             gone++;
         }
-        if ((r = table_pop(&c->shadow, keys[i], h, &size, &dead)) < 0) failed = 1;
+        if ((r = table_pop(&c->shadow, &key, &size, &dead)) < 0) failed = 1;
         else if (r) c->shadow_bytes -= size;
     }
-    Py_DECREF(fast);
+    keys_close(&ks);
     dead_release(&dead);
     return failed ? NULL : PyLong_FromLongLong(gone);
 }
@@ -683,9 +801,12 @@ static PyObject *walk(table_t *t, int form) {
     if (!out) return NULL;
     for (int32_t n = t->head; n != NONE; n = t->nodes[n].next) {
         node_t *x = &t->nodes[n];
-        PyObject *item = form == KEYS        ? (Py_INCREF(x->key), x->key)
-                         : form == KEY_VALUE ? PyTuple_Pack(2, x->key, x->value)
-                                             : Py_BuildValue("(OL)", x->key, (long long)x->size);
+        PyObject *key = key_object(x);
+        PyObject *item = !key               ? NULL
+                         : form == KEYS      ? Py_NewRef(key)
+                         : form == KEY_VALUE ? PyTuple_Pack(2, key, x->value)
+                                             : Py_BuildValue("(OL)", key, (long long)x->size);
+        Py_XDECREF(key);
         if (!item || PyList_Append(out, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(out);
@@ -708,14 +829,16 @@ static PyObject *index_counts(index_t *c, PyObject *noargs) {
     if (!out) return NULL;
     for (int32_t n = 0; n < c->freq.top; n++) {
         node_t *x = &c->freq.nodes[n];
-        if (!x->key) continue;
-        PyObject *v = PyLong_FromLongLong(x->size);
-        if (!v || PyDict_SetItem(out, x->key, v) < 0) {
-            Py_XDECREF(v);
+        if (x->kind == K_FREE) continue;
+        PyObject *k = key_object(x);
+        PyObject *v = k ? PyLong_FromLongLong(x->size) : NULL;
+        int bad = !v || PyDict_SetItem(out, k, v) < 0;
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (bad) {
             Py_DECREF(out);
             return NULL;
         }
-        Py_DECREF(v);
     }
     return out;
 }
@@ -735,12 +858,12 @@ static Py_ssize_t index_len(index_t *c) { return c->data.used; }
 static PyObject *index_nbytes(index_t *c, void *closure) { return PyLong_FromLongLong(c->bytes); }
 
 static PyMethodDef index_methods[] = {
-    {"get_hits", (PyCFunction)index_get_hits, METH_O, "Look keys up, counted: (held mask as bytes, their values in order)."},
+    {"get_hits", (PyCFunction)index_get_hits, METH_O, "Look keys up, counted: (held mask as bytes, their values in order, their addresses as int64 bytes)."},
     {"peek_many", (PyCFunction)index_peek_many, METH_O, "The value of each key (None: not held), nothing counted."},
     {"would_admit", (PyCFunction)index_would_admit, METH_VARARGS, "Whether put(key, value, size) would keep the value now."},
     {"would_admit_many", (PyCFunction)index_would_admit_many, METH_VARARGS, "would_admit of each key in turn (bytes: 1 admitted)."},
-    {"put", (PyCFunction)index_put, METH_VARARGS, "Keep a value of size bytes under key; False when not admitted."},
-    {"put_many", (PyCFunction)index_put_many, METH_VARARGS, "put of each (key, value) in turn, each of size bytes; how many were kept."},
+    {"put", (PyCFunction)index_put, METH_VARARGS, "Keep a value of size bytes (at address) under key; False when not admitted."},
+    {"put_many", (PyCFunction)index_put_many, METH_VARARGS, "put of each (key, value[, address]) in turn, each of size bytes; how many were kept."},
     {"has_room", (PyCFunction)index_has_room, METH_O, "Whether a value of size bytes fits without evicting."},
     {"clear", (PyCFunction)index_clear, METH_NOARGS, "Forget every entry."},
     {"discard", (PyCFunction)index_discard, METH_O, "Forget these keys (entries and shadow); how many entries went."},

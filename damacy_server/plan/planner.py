@@ -33,12 +33,12 @@ from damacy_server.claim import Claim
 from damacy_server.decode import contract
 from damacy_server.plan.items import BadSample, Selected, sample_axes
 from damacy_server.plan.locate import UnitLocations
-from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads, take
+from damacy_server.plan.reads import Caps, ReadGroup, fit_reads, merge_reads
 from damacy_server.plan.resolve import Resolver, ZarrMetadata
 from damacy_server.plan.rows import ArrayRows, chunk_uses, plan_table
 from damacy_server.plan.selection import resolve, selection_shape
 from damacy_server.plan.transforms import transform_of
-from damacy_server.plan.units import CachedUnits, CopyTable, UnitBlock, unit_keys
+from damacy_server.plan.units import CachedUnits, CopyTable, UnitBlock, unit_keys, unit_names
 from damacy_server.zarr.metadata import ArrayMetadata
 
 
@@ -289,7 +289,7 @@ class Planner:
             if not needed.any():
                 continue
             names = unit_keys(acc.meta, units)
-            hits, hit = _cache_hits(names, cache)
+            hits, hit, sources = _cache_hits(names, cache)
             skip = ~needed if hit is None else hit | ~needed
             locs = self._locate(acc.meta, units, skip if skip.any() else None)
             if caps is not None and caps.max_encoded is not None:
@@ -303,7 +303,7 @@ class Planner:
                 for s, r in zip(first[0].tolist(), at[first[1]].tolist()):
                     if s not in errors:
                         errors[s] = locs.errors[int(inverse[r])].copy(keep_sample=False).with_context(sample=samples[s])
-            located.append((acc, rows, units, inverse, locs, hits, hit, names))
+            located.append((acc, rows, units, inverse, locs, hits, hit, sources, names))
 
         dropped = None
         if errors:  # per sample whether it failed
@@ -312,7 +312,7 @@ class Planner:
         groups: list[ReadGroup] = []
         merged = 0
         cached: list[CachedUnits] = []
-        for acc, rows, units, inverse, locs, hits, hit, names in located:
+        for acc, rows, units, inverse, locs, hits, hit, sources, names in located:
             meta = acc.meta
             ndim = meta.ndim
             order, table_rows, spans, bounds, fill_samples, n_hit = plan_table(rows, ndim, inverse, hit, dropped, locs)
@@ -320,15 +320,18 @@ class Planner:
             pool = np.concatenate(acc.pool) if acc.pool else np.zeros(0, dtype=np.int64)
             table = CopyTable(ndim, table_rows, pool, spans)
             if n_hit:
-                # the arrays of the cached units copied (hits holds every cached unit's, in unit order)
-                arrays = hits if n_hit == len(hits) else list(map(hits.__getitem__, (np.cumsum(hit)[order[:n_hit]] - 1).tolist()))
-                cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[order[:n_hit]]))
+                # the arrays of the cached units copied (hits holds every cached unit's, in unit
+                # order), with their addresses where the cache keeps them
+                picks = None if n_hit == len(hits) else np.cumsum(hit)[order[:n_hit]] - 1
+                arrays = hits if picks is None else list(map(hits.__getitem__, picks.tolist()))
+                at = sources if picks is None or sources is None else sources[picks]
+                cached.append(CachedUnits(meta, table, arrays, bounds[: n_hit + 1], units[order[:n_hit]], at))
             if n_hit == len(order):
                 continue
             at = order[n_hit:]
             block = UnitBlock(
                 meta, table, n_hit, units[at], locs.objects, locs.owners[at], locs.offsets[at], locs.nbytes[at],
-                bounds[n_hit:], take(names, at.tolist()),
+                bounds[n_hit:], unit_names(names, at),
             )
             reads, saved = merge_reads(block, self.limits, caps)
             groups.extend(reads)
@@ -370,15 +373,15 @@ def _check_stored(meta: ArrayMetadata, rows: np.ndarray, inverse: np.ndarray, lo
             ).with_context(uri=samples[s].uri, sample=samples[s])
 
 
-def _cache_hits(names: list, cache: AnyCache | None) -> tuple[list | None, np.ndarray | None]:
+def _cache_hits(names: np.ndarray | list, cache: AnyCache | None) -> tuple[list | None, np.ndarray | None, np.ndarray | None]:
     """The decoded arrays of the units named ``names`` (:func:`unit_keys`) that the chunk
-    cache holds, in unit order, and a mask of which units those are; (None, None) when it
-    holds none. Looked up before the units are located: a unit in the cache needs no shard
-    index."""
-    if cache is None or not names:
-        return None, None
-    hit, found = cache.get_hits(names)
-    return (found, hit) if found else (None, None)
+    cache holds, in unit order, a mask of which units those are, and their addresses where
+    the cache keeps them (None: it does not); all None when it holds none. Looked up before
+    the units are located: a unit in the cache needs no shard index."""
+    if cache is None or not len(names):
+        return None, None, None
+    hit, found, sources = cache.get_hits(names)
+    return (found, hit, sources) if found else (None, None, None)
 
 
 def _check_normalized(dtype: np.dtype, norm: tuple[float, float]) -> None:

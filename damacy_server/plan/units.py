@@ -183,41 +183,57 @@ def _grid_strides(grid: tuple[int, ...]) -> tuple[np.ndarray, int]:
     return strides, n
 
 
-def unit_keys(meta: ArrayMetadata, units: np.ndarray) -> list[int]:
+def unit_keys(meta: ArrayMetadata, units: np.ndarray) -> np.ndarray | list[tuple[int, int]]:
     """The names of read units ``units`` (n, ndim grid coordinates) of ``meta`` in the chunk
     cache and among the units in flight: one int each, ``token << UNIT_BITS | unit index``,
     the token naming the array and the version its metadata was read at (a re-created
-    array's units are others). Made by numpy for a whole batch: no Python per unit. An array
-    of more than 2**UNIT_BITS units, or one named in a process past 2**(63 - UNIT_BITS) array
-    versions, gets (token, unit index) tuples instead, made per unit (never equal to an int)."""
+    array's units are others), as an int64 array made by numpy for a whole batch (the chunk
+    cache looks it up as it is: no Python object per unit; :func:`unit_names` lists them where
+    Python holds them). An array of more than 2**UNIT_BITS units, or one named in a process
+    past 2**(63 - UNIT_BITS) array versions, gets a list of (token, unit index) tuples
+    instead, made per unit (never equal to an int)."""
     strides, n = _unit_strides(meta)
     base = _array_token(meta) << UNIT_BITS
     units = np.asarray(units, dtype=np.int64).reshape(len(units), len(strides))
     if n <= 1 << UNIT_BITS and base + (1 << UNIT_BITS) <= _KEY_LIMIT:
-        return (units @ strides + base).tolist() if len(strides) else [base] * len(units)
+        return units @ strides + base if len(strides) else np.full(len(units), base, dtype=np.int64)
     token, st = _array_token(meta), strides.tolist()
     return [(token, sum(c * k for c, k in zip(row, st))) for row in units.tolist()]
 
 
-def unit_key(meta: ArrayMetadata, unit: tuple[int, ...]) -> int:
+def unit_names(keys: np.ndarray | list, picks: np.ndarray | None = None) -> list:
+    """Names from :func:`unit_keys` (those at ``picks``; None: all) as a list of Python
+    objects, as dicts (the units in flight) and the per-unit jobs hold them."""
+    if isinstance(keys, np.ndarray):
+        return (keys if picks is None else keys[picks]).tolist()
+    return keys if picks is None else list(map(keys.__getitem__, picks.tolist()))
+
+
+def unit_key(meta: ArrayMetadata, unit: tuple[int, ...]) -> int | tuple[int, int]:
     """One unit's name (see :func:`unit_keys`)."""
-    return unit_keys(meta, np.asarray([unit], dtype=np.int64).reshape(1, meta.ndim))[0]
+    return unit_names(unit_keys(meta, np.asarray([unit], dtype=np.int64).reshape(1, meta.ndim)))[0]
 
 
 class CachedUnits:
     """The units of one copy table found in the chunk cache, with their decoded arrays: the
     table's first ``len(arrays)`` units (positions 0, 1, ...), so their copies are its first
     ``bounds[-1]`` rows, unit ``p``'s rows ``bounds[p]`` to ``bounds[p + 1]``. They are
-    copied in one go: no job per unit (a thin sample cuts tens of units, a batch hundreds)."""
+    copied in one go: no job per unit (a thin sample cuts tens of units, a batch hundreds).
+    ``sources``: each array's address as the cache keeps it (0: none; None: the cache keeps
+    none), so that native code copies from them with no lookup of each array's buffer."""
 
-    __slots__ = ("meta", "table", "arrays", "bounds", "coords")
+    __slots__ = ("meta", "table", "arrays", "bounds", "coords", "sources")
 
-    def __init__(self, meta: ArrayMetadata, table: CopyTable, arrays: list[np.ndarray], bounds: np.ndarray, coords: np.ndarray) -> None:
+    def __init__(
+        self, meta: ArrayMetadata, table: CopyTable, arrays: list[np.ndarray], bounds: np.ndarray, coords: np.ndarray,
+        sources: np.ndarray | None = None,
+    ) -> None:
         self.meta = meta
         self.table = table
         self.arrays = arrays
         self.bounds = bounds  # int64 (len(arrays) + 1,)
         self.coords = coords  # int64 (len(arrays), ndim): each unit's coordinates
+        self.sources = sources  # int64 (len(arrays),) or None
 
     @property
     def rows(self) -> np.ndarray:
