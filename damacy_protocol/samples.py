@@ -111,6 +111,8 @@ def _transform(flip: Any, transpose: Any, uri: str) -> tuple[tuple[int, ...], tu
     """A sample's transform, checked as far as it can be without the array: ``flip``, the
     axes reversed (of the selection's result, dropped axes left out); ``transpose``, the
     result's axes in a new order (``np.transpose``'s ``axes``), applied after the flips."""
+    if transpose is None and (flip is None or (type(flip) in (tuple, list) and not flip)):
+        return (), None  # (most samples: no transform)
     given = () if flip is None else (flip,) if _is_axis(flip) else flip
     try:
         listed = list(given)
@@ -203,6 +205,8 @@ def _selection_axis(x: Any, axis: int) -> slice | int | EllipsisType:
     if x is Ellipsis:
         return x
     if isinstance(x, slice):
+        if x.step is None and type(x.start) is int and (x.stop is None or type(x.stop) is int):
+            return x  # already in the normal form (a slice is immutable: it is its own copy)
         _check_step(x.step, axis)
         start = 0 if x.start is None else _integer(x.start, axis)
         return slice(start, None if x.stop is None else _integer(x.stop, axis))

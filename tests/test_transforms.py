@@ -112,6 +112,24 @@ def test_transforms_are_checked_and_travel(volume):
     assert "(30, 2, 24) transposed, the batch holds samples of shape (2, 3, 4)" in str(errors[1])
 
 
+def test_a_selection_in_the_normal_form_is_kept_and_any_other_is_normalised():
+    # int bounds without a step are the normal form (kept as given); numpy ints, a step of
+    # 1, an open start and (start, stop) pairs are made into it; bools and other steps refused
+    s = damacy.Sample("/a.zarr", np.s_[2:5, 0:None, 7])
+    assert s.selection == (slice(2, 5), slice(0, None), 7) and s.flip == () and s.transpose is None
+    t = damacy.Sample("/a.zarr", (slice(np.int64(2), np.int32(5), 1), slice(None, None), (7, 8)))
+    assert t.selection == (slice(2, 5), slice(0, None), slice(7, 8))
+    assert all(type(v) is int for e in t.selection[:1] for v in (e.start, e.stop))
+    for bad in (slice(True, 3), slice(0, 3, 2), slice(0.0, 3)):
+        with pytest.raises((TypeError, ValueError)):
+            damacy.Sample("/a.zarr", (bad,))
+    # no transform spelled every way is none; an axis 0 flip is one
+    for flip in ((), [], None):
+        assert damacy.Sample("/a.zarr", np.s_[0:1], flip=flip).flip == ()
+    assert damacy.Sample("/a.zarr", np.s_[0:1], flip=0).flip == (0,)
+    assert damacy.Sample("/a.zarr", np.s_[0:1, 0:2], flip=[], transpose=[1, 0]).transpose == (1, 0)
+
+
 def test_random_boxes_draw_transforms_from_the_seed(volume):
     uri, data = volume
     s = damacy.RandomBoxes({uri: data.shape}, (8, 8, 8), seed=4, samples_per_epoch=40, flips=(0, 1, 2), transposes=[(0, 1, 2), (0, 2, 1), (2, 1, 0)])
