@@ -37,6 +37,12 @@ class UnitLocations:
     missing: np.ndarray  # bool (n,)
     errors: dict[int, DamacyError]  # units whose shard index could not be read
 
+    @classmethod
+    def none(cls, n: int) -> UnitLocations:
+        """``n`` units none of which is located (all in the chunk cache, or needed by no sample
+        still standing): no object, no bytes."""
+        return cls(np.full(n, -1, dtype=np.int64), [], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool), {})
+
     @property
     def keys(self) -> list[str]:
         """Each unit's object ("" for one not located)."""

@@ -163,14 +163,11 @@ class Planner:
         copied from the cache, or not read)."""
         if hit is None:
             return self.metadata.locate(meta, units)
-        n = len(units)
         idx = np.flatnonzero(~hit)
-        owners = np.full(n, -1, dtype=np.int64)
-        offsets = np.zeros(n, dtype=np.int64)
-        nbytes = np.zeros(n, dtype=np.int64)
-        missing = np.zeros(n, dtype=bool)
+        out = UnitLocations.none(len(units))
         if not len(idx):  # all in the cache
-            return UnitLocations(owners, [], offsets, nbytes, missing, {})
+            return out
+        owners, offsets, nbytes, missing = out.owners, out.offsets, out.nbytes, out.missing
         sub = self.metadata.locate(meta, units[idx])
         owners[idx] = sub.owners
         offsets[idx] = sub.offsets
@@ -291,9 +288,12 @@ class Planner:
             names = unit_keys(acc.meta, units)
             hits, hit, sources = _cache_hits(names, cache)
             skip = ~needed if hit is None else hit | ~needed
-            locs = self._locate(acc.meta, units, skip if skip.any() else None)
-            if caps is not None and caps.max_encoded is not None:
-                _check_stored(acc.meta, rows, inverse, locs, caps.max_encoded, samples, errors)
+            if skip.all():  # (a cached batch's usual case) nothing to locate, no stored size to check
+                locs = UnitLocations.none(len(units))
+            else:
+                locs = self._locate(acc.meta, units, skip if skip.any() else None)
+                if caps is not None and caps.max_encoded is not None:
+                    _check_stored(acc.meta, rows, inverse, locs, caps.max_encoded, samples, errors)
             total += len(rows)
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
