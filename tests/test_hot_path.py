@@ -417,3 +417,29 @@ def test_units_decoded_for_the_chunk_cache_are_offered_and_kept_without_python_p
     lots, many_units, many_reads, _ = _calls_of_a_read_batch(tmp_path, "many", (2, 8, 8), cache_bytes=64 << 20)
     assert many_units >= 8 * few_units and many_reads == few_reads
     assert abs(lots - few) < 0.15 * few, (few, lots)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native extension is not built (no native copies)")
+def test_a_cached_batch_is_copied_from_the_addresses_the_cache_kept(tmp_path, monkeypatch):
+    # units decoded into the chunk cache are kept with their addresses; a batch that finds
+    # them all there copies from those, asking no cached array for its buffer again
+    data = random_data((8, 64, 64), "uint16", seed=6)
+    write_array(tmp_path / "a.zarr", data, chunks=(4, 16, 16), shards=(8, 32, 32))
+    uri = str(tmp_path / "a.zarr")
+    cfg = damacy.Config(samples_per_batch=2, sample_shape=(8, 40, 40), dtype="f32", chunk_cache_bytes=64 << 20, pop_timeout_s=30)
+    samples = [damacy.Sample(uri, np.s_[:, 3:43, 5:45]), damacy.Sample(uri, np.s_[:, 20:60, 0:40])]
+    want = np.stack([data[s.selection] for s in samples]).astype(np.float32)
+    asked = []
+    real = native.decoded_sources
+    monkeypatch.setattr(native, "decoded_sources", lambda kernel, arrays: asked.append(len(arrays)) or real(kernel, arrays))
+    with damacy.Pipeline(cfg) as pipe:
+        pipe.push(samples)
+        with pipe.pop() as first:  # decoded, every unit kept
+            assert np.array_equal(first.numpy(), want)
+        cache = pipe.executor.chunk_cache
+        hits = cache.stats()["hits"]
+        pipe.push(samples)
+        with pipe.pop() as second:  # every unit in the cache
+            assert np.array_equal(second.numpy(), want)
+        assert cache.stats()["hits"] - hits == len(cache) > 0
+    assert asked == []

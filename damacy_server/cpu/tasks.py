@@ -34,9 +34,9 @@ from damacy_server.plan.units import CachedUnits, UnitBlock, UnitJob
 class FileJob(NamedTuple):
     """A run's page-cached reads of one array as one native job (:meth:`NativeTasks.file_job`):
     the native handle, the kernel, the reads (``bundles``: groups read together), their units
-    (``idx``: indices in ``block``, in read order) with the job's op table and the buffers of
-    the units kept whole (None: none), and per read its units' bounds, offset, length and
-    sparse flag."""
+    (``idx``: indices in ``block``, in read order) with the job's op table, the buffers of
+    the units kept whole (None: none) and their addresses (``keep``, 0 for the others), and
+    per read its units' bounds, offset, length and sparse flag."""
 
     handle: Any
     kernel: native.NativeKernel
@@ -45,6 +45,7 @@ class FileJob(NamedTuple):
     idx: list[int]
     table: native.OpTable
     kept: list[np.ndarray | None] | None
+    keep: np.ndarray | None
     bounds: list[int]
     offsets: list[int]
     lengths: list[int]
@@ -101,7 +102,7 @@ class NativeTasks:
         if kept is not None:
             bad = {f.unit for f in failures}
             ok = [k for k in range(len(units)) if k not in bad] if bad else range(len(units))
-            self._cache_kept(take(names, ok), take(shareds, ok), take(kept, ok), kernel.decoded_nbytes)
+            self._cache_kept(take(names, ok), take(shareds, ok), take(kept, ok), keep[ok], kernel.decoded_nbytes)
         return self._done(kernel, run, units, table, failures, encoded, elements, offset, len(view))
 
     def file_job(self, kernel, run: Run, bundles: list[list[ReadGroup]], flags: int, roots: bytes | None, paths: tuple[bytes, ...]) -> FileJob:
@@ -125,7 +126,7 @@ class NativeTasks:
             kernel, (flags, roots), paths, np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64),
             np.array(sparse, dtype=np.uint8), np.array(bounds, dtype=np.int64), table, targets, keep,
         )
-        return FileJob(handle, kernel, bundles, block, idx, table, kept, bounds, offsets, lengths, sparse)
+        return FileJob(handle, kernel, bundles, block, idx, table, kept, keep, bounds, offsets, lengths, sparse)
 
     def file_job_done(self, run: Run, job: FileJob, results: native.FileJobResults, refused: dict[int, DamacyError]) -> list[int]:
         """Settle the units of a finished job's reads that were made (``results.codes`` 0):
@@ -158,7 +159,7 @@ class NativeTasks:
         else:
             ks = [k for r in made for k in range(bounds[r], bounds[r + 1]) if k not in failed]
         at = take(idx, ks)
-        self._cache_kept(take(block.names, at), take(block.shared, at), take(job.kept, ks), kernel.decoded_nbytes)
+        self._cache_kept(take(block.names, at), take(block.shared, at), take(job.kept, ks), job.keep[ks], kernel.decoded_nbytes)
         return decoded
 
     def copy_decoded(self, run: Run, items: list[tuple[UnitJob, np.ndarray]]) -> int | None:
@@ -230,20 +231,22 @@ class NativeTasks:
         keep[np.flatnonzero(wanted)] = addresses
         return kept, keep
 
-    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray | None], size: int) -> None:
+    def _cache_kept(self, names: list, shareds: list, arrays: list[np.ndarray | None], addresses: np.ndarray, size: int) -> None:
         """Units made (``names``, ``shareds`` and their buffers, ``arrays``: None for a unit
-        not decoded whole; each buffer ``size`` bytes, a kernel's decoded unit): those decoded
-        whole to the chunk cache, and to the batches waiting for them."""
+        not decoded whole; each buffer ``size`` bytes, a kernel's decoded unit, at
+        ``addresses``, as :meth:`_keep` made them): those decoded whole to the chunk cache,
+        and to the batches waiting for them."""
         held = list(map(is_not, arrays, repeat(None)))
         if not any(held):
             return
         if not all(held):
             names, shareds, arrays = list(compress(names, held)), list(compress(shareds, held)), list(compress(arrays, held))
+            addresses = addresses[np.array(held)]
         for arr in arrays:
             arr.flags.writeable = False
         if self.chunk_cache is not None:
-            # with their addresses: a kernel's decoded units, which native copies read as they are
-            self.chunk_cache.put_many(names, arrays, size, native.buffer_addresses(arrays, size))
+            # with their addresses: native copies read a cached unit where it was decoded
+            self.chunk_cache.put_many(names, arrays, size, addresses)
         if self.inflight is not None and shareds.count(None) != len(shareds):
             with self._settling():
                 self.inflight.settle_many(shareds, arrays)

@@ -324,13 +324,7 @@ def keep_buffers(kernel: NativeKernel, count: int) -> tuple[list[np.ndarray], np
     """``count`` fresh arrays of one decoded unit (the stored dtype, unit shape) and their
     addresses, the ``keep`` argument of :func:`run` and :func:`run_file`."""
     arrays = [np.empty(kernel.unit_dims, dtype=kernel.stored) for _ in range(count)]
-    return arrays, buffer_addresses(arrays, kernel.decoded_nbytes)
-
-
-def buffer_addresses(arrays: list, nbytes: int) -> np.ndarray:
-    """Per object of ``arrays`` the address of its C-contiguous buffer of exactly ``nbytes``
-    (0: it has none), by one C loop; the caller keeps the objects alive while it uses them."""
-    return np.frombuffer(_assemble.addresses(arrays, nbytes), dtype=np.int64)
+    return arrays, np.frombuffer(_assemble.addresses(arrays, kernel.decoded_nbytes), dtype=np.int64)
 
 
 def decoded_sources(kernel: NativeKernel, arrays: list[np.ndarray]) -> np.ndarray | None:
