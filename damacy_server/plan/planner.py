@@ -163,10 +163,10 @@ class Planner:
         copied from the cache, or not read)."""
         if hit is None:
             return self.metadata.locate(meta, units)
-        idx = np.flatnonzero(~hit)
         out = UnitLocations.none(len(units))
-        if not len(idx):  # all in the cache
+        if hit.all():  # (a cached batch's usual case) nothing to locate
             return out
+        idx = np.flatnonzero(~hit)
         owners, offsets, nbytes, missing = out.owners, out.offsets, out.nbytes, out.missing
         sub = self.metadata.locate(meta, units[idx])
         owners[idx] = sub.owners
@@ -288,12 +288,9 @@ class Planner:
             names = unit_keys(acc.meta, units)
             hits, hit, sources = _cache_hits(names, cache)
             skip = ~needed if hit is None else hit | ~needed
-            if skip.all():  # (a cached batch's usual case) nothing to locate, no stored size to check
-                locs = UnitLocations.none(len(units))
-            else:
-                locs = self._locate(acc.meta, units, skip if skip.any() else None)
-                if caps is not None and caps.max_encoded is not None:
-                    _check_stored(acc.meta, rows, inverse, locs, caps.max_encoded, samples, errors)
+            locs = self._locate(acc.meta, units, skip if skip.any() else None)
+            if locs.objects and caps is not None and caps.max_encoded is not None:  # (none located: nothing stored to check)
+                _check_stored(acc.meta, rows, inverse, locs, caps.max_encoded, samples, errors)
             total += len(rows)
             unique += len(units)
             if locs.errors:  # each sample takes the error of the first failed unit it reads
