@@ -166,14 +166,10 @@ def _array_token(meta: ArrayMetadata) -> int:
     return token
 
 
-def _unit_strides(meta: ArrayMetadata) -> tuple[np.ndarray, int]:
-    """The C-order strides of ``meta``'s read-unit grid, and how many units it has."""
-    return _grid_strides(meta.layout.grid)
-
-
 @functools.lru_cache(maxsize=1024)
 def _grid_strides(grid: tuple[int, ...]) -> tuple[np.ndarray, int]:
-    """:func:`_unit_strides` of a grid, worked out once (the array is not to be written)."""
+    """The C-order strides of a read-unit grid, and how many units it has; worked out once
+    per grid (the array is not to be written)."""
     strides = np.ones(len(grid), dtype=np.int64)
     n = 1
     for axis in range(len(grid) - 1, -1, -1):
@@ -192,7 +188,7 @@ def unit_keys(meta: ArrayMetadata, units: np.ndarray) -> np.ndarray | list[tuple
     Python holds them). An array of more than 2**UNIT_BITS units, or one named in a process
     past 2**(63 - UNIT_BITS) array versions, gets a list of (token, unit index) tuples
     instead, made per unit (never equal to an int)."""
-    strides, n = _unit_strides(meta)
+    strides, n = _grid_strides(meta.layout.grid)
     base = _array_token(meta) << UNIT_BITS
     units = np.asarray(units, dtype=np.int64).reshape(len(units), len(strides))
     if n <= 1 << UNIT_BITS and base + (1 << UNIT_BITS) <= _KEY_LIMIT:
