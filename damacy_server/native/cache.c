@@ -894,12 +894,5 @@ static PyTypeObject IndexType = {
     .tp_new = index_new,
 };
 
-int dm_cache_ready(PyObject *module) {
-    if (PyType_Ready(&IndexType) < 0) return -1;
-    Py_INCREF(&IndexType);
-    if (PyModule_AddObject(module, "CacheIndex", (PyObject *)&IndexType) < 0) {
-        Py_DECREF(&IndexType);
-        return -1;
-    }
-    return 0;
-}
+/* the type readied and added to the module as CacheIndex (its tp_name's last part) */
+int dm_cache_ready(PyObject *module) { return PyModule_AddType(module, &IndexType); }

@@ -195,12 +195,5 @@ static PyTypeObject JobType = {
     .tp_methods = job_methods,
 };
 
-int dm_job_ready(PyObject *module) {
-    if (PyType_Ready(&JobType) < 0) return -1;
-    Py_INCREF(&JobType);
-    if (PyModule_AddObject(module, "FileJob", (PyObject *)&JobType) < 0) {
-        Py_DECREF(&JobType);
-        return -1;
-    }
-    return 0;
-}
+/* the type readied and added to the module as FileJob (its tp_name's last part) */
+int dm_job_ready(PyObject *module) { return PyModule_AddType(module, &JobType); }
